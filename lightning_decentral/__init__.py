@@ -1,0 +1,37 @@
+"""lightning-decentral: decentralized (gossip) training for PyTorch Lightning.
+
+``import lightning_decentral`` registers the strategies, after which
+``Trainer(strategy="dpsgd")`` trains any LightningModule decentralized.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_decentral.strategy import DecentralizedStrategy
+from lightning_decentral.topology import (
+    TOPOLOGIES,
+    Complete,
+    Exponential,
+    GraphTopology,
+    MatrixTopology,
+    OnePeerExponential,
+    Ring,
+    Topology,
+    Torus,
+)
+
+__version__ = "0.1.0"
+
+DecentralizedStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "TOPOLOGIES",
+    "Complete",
+    "DecentralizedStrategy",
+    "Exponential",
+    "GraphTopology",
+    "MatrixTopology",
+    "OnePeerExponential",
+    "Ring",
+    "Topology",
+    "Torus",
+]

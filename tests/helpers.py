@@ -1,0 +1,96 @@
+"""Run a function on several gloo processes, the way a launcher would, and collect the results."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, kwargs: dict, out: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+        WORLD_SIZE=str(world_size),
+        PL_DISABLE_FORK="1",
+    )
+    torch.set_num_threads(1)
+    try:
+        result = ("ok", fn(rank, world_size, **kwargs))
+    except BaseException as exc:  # the parent re-raises it with the worker's traceback
+        result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    partial = Path(out) / f"{rank}.partial"
+    with open(partial, "wb") as f:
+        pickle.dump(result, f)
+    os.replace(partial, Path(out) / f"{rank}.pkl")  # the parent never reads half a result
+
+
+def _failed(out: str, rank: int) -> bool:
+    path = Path(out) / f"{rank}.pkl"
+    if not path.exists():
+        return False
+    with open(path, "rb") as f:
+        return pickle.load(f)[0] == "error"
+
+
+def run_distributed(fn: Callable, world_size: int = 4, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
+    """``[fn(rank, world_size, **kwargs) for rank]``, each rank in its own spawned process.
+
+    The environment is the one Lightning's launcher gives its children (``LOCAL_RANK``,
+    ``MASTER_PORT``...), so a ``Trainer(devices=world_size)`` built inside ``fn`` joins the
+    group instead of launching. ``fn`` must be importable (defined at module level).
+    """
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        procs = [
+            context.Process(target=_entry, args=(rank, world_size, port, fn, kwargs, out), daemon=False)
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            # Poll, so that one failed rank ends the others instead of leaving them blocked in a collective.
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                if any(p.exitcode not in (None, 0) or _failed(out, rank) for rank, p in enumerate(procs)):
+                    break
+                time.sleep(0.05)
+        finally:
+            alive = [p for p in procs if p.is_alive()]
+            for p in alive:
+                p.kill()
+                p.join()
+        if alive and time.monotonic() >= deadline:
+            raise TimeoutError(f"{len(alive)} of {world_size} workers still running after {timeout:.0f} s")
+        results = []
+        for rank in range(world_size):
+            path = Path(out) / f"{rank}.pkl"
+            if not path.exists():
+                continue  # killed after another rank failed, or died: reported below
+
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status == "error":
+                raise RuntimeError(value)
+            results.append(value)
+        if len(results) < world_size:
+            codes = [p.exitcode for p in procs]
+            raise RuntimeError(f"workers died without a result (exit codes {codes})")
+        return results

@@ -1,0 +1,116 @@
+"""The dense single-process reference of ALGORITHMS.md §1, §2 and §4.
+
+All ``n`` replicas live in one process; ``W(k)`` is written here from the closed forms
+of §5, independently of ``lightning_decentral.topology``, and applied as a dense matrix.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from tests.models import init_seed, initial_net, make_optimizer, make_scheduler, rank_data
+
+
+def mixing(name: str, n: int, step: int) -> torch.Tensor:
+    """``W(step)`` for ``n`` ranks, float64."""
+    eye = torch.eye(n, dtype=torch.float64)
+    if n == 1:
+        return eye
+    shift = lambda offset: torch.roll(eye, shifts=offset, dims=1)  # noqa: E731  row i has its 1 at i + offset
+    if name == "complete":
+        return torch.full((n, n), 1.0 / n, dtype=torch.float64)
+    if name == "ring":
+        return (eye + shift(1)) / 2 if n == 2 else (eye + shift(1) + shift(-1)) / 3
+    if name == "exponential":
+        offsets = [2**m for m in range(n) if 2**m < n]
+        return (eye + sum(shift(o) for o in offsets)) / (2 + math.floor(math.log2(n - 1)))
+    if name == "one_peer_exponential":
+        tau = math.ceil(math.log2(n))
+        return (eye + shift(2 ** (step % tau))) / 2
+    raise ValueError(name)
+
+
+@dataclass
+class Config:
+    """One training run: what both the strategy and the reference are given."""
+
+    name: str
+    topology: str = "ring"
+    combine: str = "awc"
+    optimizer: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
+    gossip_every: int = 1
+    gossip_steps: int = 1
+    steps: int = 6
+    batch_size: int = 8
+    accumulate: int = 1
+    clip: Optional[float] = None
+    scheduler: Optional[str] = None
+    dtype: torch.dtype = torch.float32
+    batch_norm: bool = False
+
+    @property
+    def samples(self) -> int:
+        return self.steps * self.accumulate * self.batch_size
+
+    def optimizer_spec(self) -> dict[str, Any]:
+        """The keyword arguments of ``tests.models.Regression`` that choose the optimizer."""
+        return {**self.optimizer, "scheduler": self.scheduler}
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        return {
+            "topology": self.topology,
+            "combine": self.combine,
+            "gossip_every": self.gossip_every,
+            "gossip_steps": self.gossip_steps,
+        }
+
+
+def _flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+
+
+def _assign(module: nn.Module, vector: torch.Tensor) -> None:
+    offset = 0
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(vector[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def run(config: Config, n: int) -> torch.Tensor:
+    """Every replica's parameters after ``config.steps`` optimizer steps, as an ``n × d`` matrix."""
+    start = initial_net(init_seed(0), config.batch_norm).to(config.dtype)  # rank 0's initial weights
+    replicas = [copy.deepcopy(start) for _ in range(n)]
+    optimizers = [make_optimizer(r.parameters(), **config.optimizer) for r in replicas]
+    schedulers = [make_scheduler(o, config.scheduler) for o in optimizers]
+    data = [rank_data(i, config.samples, config.dtype) for i in range(n)]
+    for k in range(config.steps):
+        for i, (replica, optimizer) in enumerate(zip(replicas, optimizers)):
+            optimizer.zero_grad()
+            for a in range(config.accumulate):
+                rows = slice((k * config.accumulate + a) * config.batch_size, (k * config.accumulate + a + 1) * config.batch_size)
+                x, y = data[i][0][rows], data[i][1][rows]
+                (nn.functional.mse_loss(replica(x), y) / config.accumulate).backward()
+            if config.clip is not None:
+                nn.utils.clip_grad_norm_(replica.parameters(), config.clip)
+        before = torch.stack([_flat(r) for r in replicas]).double()
+        for optimizer, scheduler in zip(optimizers, schedulers):
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+        stepped = torch.stack([_flat(r) for r in replicas]).double()
+        rounds = config.gossip_steps if (k + 1) % config.gossip_every == 0 else 0
+        mix = torch.linalg.matrix_power(mixing(config.topology, n, k), rounds)
+        if config.combine == "awc":
+            new = mix @ before + stepped - before
+        else:
+            new = mix @ stepped
+        for replica, vector in zip(replicas, new):
+            _assign(replica, vector.to(config.dtype))
+    return torch.stack([_flat(r) for r in replicas])
