@@ -28,6 +28,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from torch.nn import Module
@@ -181,6 +182,8 @@ class DecentralizedStrategy(DDPStrategy):
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _AveragingLauncher(self, start_method=self._start_method)
         # Runs when the Trainer is built, before any process is launched: bad topologies fail here.
         self._topology = resolve_topology(self._topology_spec, self.num_nodes * self.num_processes)
 
@@ -348,6 +351,15 @@ class DecentralizedStrategy(DDPStrategy):
                 override=True,
                 start_method=start_method,
             )
+
+
+class _AveragingLauncher(_MultiProcessingLauncher):
+    """Spawn/fork launcher that hands ``x̄``, not rank 0's replica, back to the main process."""
+
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
+        assert isinstance(self._strategy, DecentralizedStrategy)
+        with self._strategy.averaged_model():
+            return super()._collect_rank_zero_results(trainer, results)
 
 
 def _state_tensors(module: Module) -> Iterator[Tensor]:

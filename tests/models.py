@@ -111,3 +111,14 @@ def flat(module: nn.Module) -> torch.Tensor:
 
 def loader(rank: int, samples: int, batch_size: int, dtype: torch.dtype = torch.float32) -> DataLoader:
     return DataLoader(TensorDataset(*rank_data(rank, samples, dtype)), batch_size=batch_size, shuffle=False)
+
+
+class RecordingRegression(Regression):
+    """Saves each rank's final replica to ``record_dir/<rank>.pt`` (for launcher tests)."""
+
+    def __init__(self, record_dir: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.record_dir = record_dir
+
+    def on_train_end(self) -> None:
+        torch.save(flat(self), f"{self.record_dir}/{self.global_rank}.pt")

@@ -51,3 +51,54 @@ def fit_configs(rank: int, world_size: int, configs: list[Config]) -> dict[str, 
 
 def fit_ddp(rank: int, world_size: int, config: Config) -> torch.Tensor:
     return fit_config(rank, world_size, config, strategy="ddp")
+
+
+def evaluate_and_checkpoint(rank: int, world_size: int, path: str, eval_on: str) -> dict[str, Any]:
+    """Fit with validation, save, validate/test/predict outside fit, then resume from the checkpoint."""
+    config = Config("checkpoint", optimizer={"lr": 0.05, "momentum": 0.9})
+    model = Regression(seed=init_seed(rank), **config.optimizer_spec())
+    train, val = loader(rank, config.samples, config.batch_size), loader(rank + world_size, 16, 8)
+    strategy = DecentralizedStrategy(eval_on=eval_on)
+    trainer = trainer_for(world_size, strategy, max_steps=config.steps, limit_val_batches=1)
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val)
+    out: dict[str, Any] = {"replica": flat(model), "fit_validation": model.validation_params[-1]}
+    trainer.save_checkpoint(path)
+    out["after_save"] = flat(model)
+    trainer.validate(model, val, verbose=False)
+    out["validate"] = model.validation_params[-1]
+    out["after_validate"] = flat(model)
+    out["predictions"] = torch.cat(trainer.predict(model, val))
+    out["after_predict"] = flat(model)
+    out["predict_inputs"] = torch.cat([x for x, _ in val])
+
+    resumed = Regression(seed=init_seed(rank), **config.optimizer_spec())
+    trainer = trainer_for(world_size, DecentralizedStrategy(eval_on=eval_on), max_steps=config.steps + 2)
+    trainer.fit(resumed, train_dataloaders=train, ckpt_path=path)
+    out["resume_start"] = resumed.train_start_params
+    out["resume_global_step"] = trainer.global_step
+    return out
+
+
+def fit_precision(rank: int, world_size: int, precision: str) -> dict[str, Any]:
+    config = Config(precision, optimizer={"lr": 0.05, "momentum": 0.9})
+    model = Regression(seed=init_seed(rank), **config.optimizer_spec())
+    trainer = trainer_for(world_size, DecentralizedStrategy(), max_epochs=2, precision=precision)
+    trainer.fit(model, train_dataloaders=loader(rank, config.samples, config.batch_size))
+    return {"replica": flat(model), "global_step": trainer.global_step}
+
+
+def two_optimizers(rank: int, world_size: int) -> str:
+    class TwoOptimizers(Regression):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def configure_optimizers(self) -> Any:
+            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+
+    trainer = trainer_for(world_size, DecentralizedStrategy(), max_steps=1)
+    try:
+        trainer.fit(TwoOptimizers(), train_dataloaders=loader(rank, 8, 8))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"

@@ -1,0 +1,131 @@
+"""The strategy in Lightning: evaluation and checkpoints on x̄, precisions, launchers, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_decentral  # noqa: F401
+from lightning_decentral import DecentralizedStrategy, Torus
+from tests import workers
+from tests.helpers import run_distributed
+from tests.models import RecordingRegression, Regression, flat, loader
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module", params=["average", "local"])
+def evaluated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list, str]:
+    path = str(tmp_path_factory.mktemp("ckpt") / "model.ckpt")
+    return request.param, run_distributed(workers.evaluate_and_checkpoint, WORLD, path=path, eval_on=request.param), path
+
+
+def test_evaluation_runs_on_the_average_and_restores_replicas(evaluated: tuple[str, list, str]) -> None:
+    eval_on, results, _ = evaluated
+    replicas = torch.stack([r["replica"] for r in results])
+    mean = replicas.mean(0)
+    assert (replicas[0] - replicas[1]).abs().max() > 1e-3  # the replicas are distinct
+    for rank, r in enumerate(results):
+        expected = mean if eval_on == "average" else replicas[rank]
+        for seen in ("fit_validation", "validate"):
+            torch.testing.assert_close(r[seen], expected, atol=1e-6, rtol=0)
+        for after in ("after_save", "after_validate", "after_predict"):  # this rank's replica, bit for bit
+            assert torch.equal(r[after], replicas[rank]), after
+
+
+def test_predictions_come_from_the_evaluated_model(evaluated: tuple[str, list, str]) -> None:
+    eval_on, results, _ = evaluated
+    replicas = torch.stack([r["replica"] for r in results])
+    for rank, r in enumerate(results):
+        module = Regression()
+        torch.nn.utils.vector_to_parameters(replicas.mean(0) if eval_on == "average" else replicas[rank], module.parameters())
+        torch.testing.assert_close(r["predictions"], module(r["predict_inputs"]).detach(), atol=1e-6, rtol=0)
+
+
+def test_checkpoint_holds_the_average_and_loads_without_the_strategy(evaluated: tuple[str, list, str]) -> None:
+    _, results, path = evaluated
+    mean = torch.stack([r["replica"] for r in results]).mean(0)
+    checkpoint = torch.load(path, weights_only=True)
+    plain = torch.nn.Module()
+    plain.net = Regression().net  # a bare nn.Module: no Lightning, no strategy
+    plain.load_state_dict(checkpoint["state_dict"])
+    torch.testing.assert_close(flat(plain), mean, atol=1e-6, rtol=0)
+
+
+def test_resume_restarts_every_replica_from_the_average(evaluated: tuple[str, list, str]) -> None:
+    _, results, path = evaluated
+    average = torch.load(path, weights_only=True)["state_dict"]
+    expected = torch.cat([average[k].reshape(-1) for k in average])
+    for r in results:
+        torch.testing.assert_close(r["resume_start"], expected, atol=0, rtol=0)
+        assert r["resume_global_step"] == 8
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "64-true"])
+def test_trains_in_other_precisions(precision: str) -> None:
+    results = run_distributed(workers.fit_precision, WORLD, precision=precision)
+    replicas = torch.stack([r["replica"] for r in results])
+    assert torch.isfinite(replicas).all()
+    assert replicas.dtype == (torch.float64 if precision == "64-true" else torch.float32)
+    assert all(r["global_step"] == 12 for r in results)  # max_epochs=2 of 6 batches
+
+
+def test_more_than_one_optimizer_is_refused_on_every_rank() -> None:
+    messages = run_distributed(workers.two_optimizers, 2)
+    assert all("exactly one optimizer" in m and "parameter groups" in m for m in messages)
+
+
+def test_spawn_launcher_returns_the_average_to_the_main_process(tmp_path) -> None:
+    model = RecordingRegression(str(tmp_path), momentum=0.9, lr=0.05)
+    trainer = Trainer(
+        strategy="dpsgd_spawn", accelerator="cpu", devices=2, max_steps=3, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    assert isinstance(trainer.strategy, DecentralizedStrategy)
+    trainer.fit(model, train_dataloaders=loader(0, 48, 8))
+    replicas = torch.stack([torch.load(tmp_path / f"{rank}.pt") for rank in range(2)])
+    assert (replicas[0] - replicas[1]).abs().max() > 1e-4
+    torch.testing.assert_close(flat(model), replicas.mean(0), atol=1e-6, rtol=0)
+
+
+def test_names_are_registered() -> None:
+    for name, start_method in (("dpsgd", "popen"), ("dpsgd_spawn", "spawn")):
+        assert name in StrategyRegistry
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, DecentralizedStrategy) and strategy._start_method == start_method
+    trainer = Trainer(strategy="dpsgd", accelerator="cpu", devices=4, logger=False)
+    assert trainer.strategy.topology.world_size == 4 and type(trainer.strategy.topology).__name__ == "Ring"
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"combine": "sum"}, r"`combine` must be one of \['awc', 'atc'\]"),
+        ({"eval_on": "rank0"}, r"`eval_on` must be one of \['average', 'local'\]"),
+        ({"gossip_every": 0}, r"`gossip_every` must be a positive integer"),
+        ({"gossip_steps": 1.5}, r"`gossip_steps` must be a positive integer"),
+        ({"topology": "hypercube"}, r"Unknown topology 'hypercube'. Choose one of .*'ring'"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DecentralizedStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "topology, devices, match",
+    [
+        ("torus", 7, r"7 is prime.*'ring' or 'exponential'"),
+        (Torus(rows=3), 8, r"rows"),
+        (np.full((3, 3), 1 / 3), 4, r"3x3.*4"),
+        (np.array([[0.5, 0.5], [0.25, 0.75]]), 2, r"(column|col).*sum"),
+        (np.array([[1.0, 0.0], [0.0, 1.0]]), 2, r"(connected|reach)"),
+        (np.array([[1.5, -0.5], [-0.5, 1.5]]), 2, r"negative"),
+    ],
+)
+def test_bad_topologies_fail_when_the_trainer_is_built(topology: object, devices: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Trainer(strategy=DecentralizedStrategy(topology=topology), accelerator="cpu", devices=devices, logger=False)
