@@ -30,16 +30,20 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_decentral import algorithms
 from lightning_decentral.gossip import Gossip, PendingGossip, pack_
+from lightning_decentral.overlap import GradientBuckets
 from lightning_decentral.topology import TOPOLOGIES, Topology, resolve_topology
 
 _COMBINE = ("awc", "atc")
 _EVAL_ON = ("average", "local")
+_MOMENTUM = ("local", "decentlam")
 
 
 class DecentralizedStrategy(DDPStrategy):
@@ -55,20 +59,25 @@ class DecentralizedStrategy(DDPStrategy):
         topology: a name from :data:`~lightning_decentral.topology.TOPOLOGIES` (``"ring"``,
             ``"torus"``, ``"exponential"``, ``"one_peer_exponential"``, ``"complete"``), a
             :class:`~lightning_decentral.topology.Topology`, a mixing matrix or a ``networkx`` graph.
-        combine: ``"awc"`` (adapt-with-combine) or ``"atc"`` (adapt-then-combine).
+        combine: ``"awc"`` (adapt-with-combine) or ``"atc"`` (adapt-then-combine); ignored by DecentLaM.
+        momentum: ``"local"`` (the optimizer's own momentum, the rules above) or ``"decentlam"``:
+            ``z_j = x_j − γ g_j``, ``g̃_i = (x_i − sum_j w_ij z_j) / γ``, ``x_i(k+1) = U(x_i(k), g̃_i)``
+            (ALGORITHMS.md §3); each bucket of ``z`` is exchanged as soon as its gradients exist.
         gossip_every: gossip on steps with ``(k + 1) % gossip_every == 0``; local steps otherwise.
         gossip_steps: rounds of exchange per gossip step (``W(k)^gossip_steps``).
         gossip_buffers: also mix floating-point buffers (BatchNorm statistics); else keep them local.
         eval_on: ``"average"`` validates, tests and predicts on ``x̄`` (each replica is restored
             afterwards); ``"local"`` on each rank's own replica.
+        bucket_cap_mb: DecentLaM's bucket size: the unit of communication overlapped with backward.
 
     The remaining arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
 
     Example::
 
-        import lightning_decentral  # registers "dpsgd" and "dpsgd_spawn"
+        import lightning_decentral  # registers "dpsgd", "decentlam" and their "_spawn" variants
         trainer = Trainer(strategy="dpsgd", accelerator="cpu", devices=4)
         trainer = Trainer(strategy=DecentralizedStrategy(topology="one_peer_exponential"), devices=8)
+        trainer = Trainer(strategy="decentlam", devices=8)  # large batch, momentum SGD
     """
 
     strategy_name = "dpsgd"
@@ -77,10 +86,12 @@ class DecentralizedStrategy(DDPStrategy):
         self,
         topology: Union[str, Topology, Any] = "ring",
         combine: Literal["awc", "atc"] = "awc",
+        momentum: Literal["local", "decentlam"] = "local",
         gossip_every: int = 1,
         gossip_steps: int = 1,
         gossip_buffers: bool = True,
         eval_on: Literal["average", "local"] = "average",
+        bucket_cap_mb: float = 4.0,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -92,6 +103,9 @@ class DecentralizedStrategy(DDPStrategy):
     ) -> None:
         _check_choice("combine", combine, _COMBINE)
         _check_choice("eval_on", eval_on, _EVAL_ON)
+        _check_choice("momentum", momentum, _MOMENTUM)
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"`bucket_cap_mb` must be positive, got {bucket_cap_mb!r}.")
         _check_positive_int("gossip_every", gossip_every)
         _check_positive_int("gossip_steps", gossip_steps)
         if isinstance(topology, str) and topology not in TOPOLOGIES:
@@ -110,6 +124,8 @@ class DecentralizedStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.combine = combine
+        self.momentum = momentum
+        self.bucket_cap_mb = bucket_cap_mb
         self.gossip_every = gossip_every
         self.gossip_steps = gossip_steps
         self.gossip_buffers = gossip_buffers
@@ -124,6 +140,10 @@ class DecentralizedStrategy(DDPStrategy):
         self._pending: Optional[PendingGossip] = None
         self._started_step = -1  # AWC: the step whose exchange has been started
         self._exchanging = False  # AWC: that step mixes (W != I)
+        self._buckets: Optional[GradientBuckets] = None  # DecentLaM
+        self._hooks: list[Any] = []
+        self._armed_step = -1  # DecentLaM: the step the buckets are armed for
+        self._modify_at_step = False  # DecentLaM: the optimizer's pre-hook writes g̃
         self._averaged_depth = 0
         self._eval_context = contextlib.ExitStack()
 
@@ -191,6 +211,8 @@ class DecentralizedStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)  # calls configure_ddp, then builds the optimizers
             self._check_optimizers()
+            if self.momentum == "decentlam":
+                self._setup_decentlam()
             return
         # DDPStrategy would broadcast rank 0's weights here: keep every replica as it is.
         assert self.accelerator is not None and self.model is not None
@@ -203,8 +225,7 @@ class DecentralizedStrategy(DDPStrategy):
         """Start every replica from rank 0's weights and pack them into flat buffers (no DDP wrapper)."""
         module = self.lightning_module
         assert module is not None
-        state = list(_state_tensors(module))
-        for group in _group_by_layout(state):
+        for group in _group_by_layout(list(_state_tensors(module))):
             flat = torch._utils._flatten_dense_tensors(group)
             dist.broadcast(flat, src=0)
             _copy_flat_into(flat, group)
@@ -212,11 +233,15 @@ class DecentralizedStrategy(DDPStrategy):
         mixed_buffers = [b for b in module.buffers() if b.is_floating_point()] if self.gossip_buffers else []
         self._buffers = pack_(mixed_buffers)
         self._gossip = Gossip(self.topology, group=dist.new_group(backend=self.process_group_backend))
-        self._send = [torch.empty_like(b) for b in self._parameters + self._buffers] if self.combine == "awc" else []
-        self._buffer_snapshot = [torch.empty_like(b) for b in self._buffers] if self.combine == "awc" else []
+        self._send = [torch.empty_like(b) for b in self._parameters + self._buffers] if self._awc else []
+        self._buffer_snapshot = [torch.empty_like(b) for b in self._buffers] if self._awc else []
         self._pending = None
-        self._started_step = -1
+        self._started_step = self._armed_step = -1
         self._exchanging = False
+
+    @property
+    def _awc(self) -> bool:
+        return self.momentum == "local" and self.combine == "awc"
 
     def _check_optimizers(self) -> None:
         if len(self.optimizers) != 1:
@@ -226,13 +251,41 @@ class DecentralizedStrategy(DDPStrategy):
                 "into one optimizer with several parameter groups."
             )
 
+    def _setup_decentlam(self) -> None:
+        """Gradient buckets, their hooks, and the optimizer pre-hook that swaps in ``g̃``."""
+        (optimizer,) = self.optimizers
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("DecentLaM rewrites the gradient once per step; LBFGS re-evaluates it. Use momentum SGD.")
+        if type(optimizer) is not torch.optim.SGD:
+            rank_zero_warn(
+                f"DecentLaM's bias correction is derived for momentum SGD; {type(optimizer).__name__} will step "
+                "with the modified gradient, without that guarantee."
+            )
+        module = self.lightning_module
+        assert module is not None and self._gossip is not None
+        params = [p for p in module.parameters() if p.requires_grad]
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self._buckets = GradientBuckets(
+            self._parameters,
+            params,
+            optimizer,
+            self._gossip,
+            bucket_bytes=int(self.bucket_cap_mb * 2**20),
+            grad_scale=(lambda: scaler._scale) if scaler is not None else (lambda: 1.0),
+        )
+        buckets = self._buckets
+        self._hooks = [p.register_post_accumulate_grad_hook(buckets.on_gradient) for p in params]
+        self._hooks.append(optimizer.register_step_pre_hook(self._before_update))
+
     # -- one optimizer step -----------------------------------------------------------
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         step = self.lightning_module.trainer.global_step
-        if self.combine == "awc" and self._started_step != step:
+        if self._awc and self._started_step != step:
             self._start_exchange(step)
+        elif self._buckets is not None and self._armed_step != step:
+            self._arm_buckets(step, listen=self._can_overlap_backward())
 
     def optimizer_step(
         self,
@@ -242,11 +295,15 @@ class DecentralizedStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         step = self.lightning_module.trainer.global_step
+        if self._buckets is not None:
+            return self._decentlam_step(step, optimizer, closure, model, **kwargs)
         if self.combine == "atc":
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-            self._gossip_now(step)
+            self._gossip_now(self._parameters + self._buffers, step)
             return output
+        return self._awc_step(step, optimizer, closure, model, **kwargs)
 
+    def _awc_step(self, step: int, optimizer: Optimizer, closure: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
         if self._started_step != step:  # no batch start before this step (manual optimization)
             self._start_exchange(step)
         corrected = False
@@ -259,7 +316,7 @@ class DecentralizedStrategy(DDPStrategy):
                 corrected = True
             return result
 
-        output = super().optimizer_step(optimizer, closure_then_correction, model, **kwargs)
+        output = super().optimizer_step(optimizer, closure_then_correction, *args, **kwargs)
         if not corrected:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step() did not call its closure, so the gossip of step {step} "
@@ -294,19 +351,118 @@ class DecentralizedStrategy(DDPStrategy):
         self._pending = None
         algorithms.gossip_correction_(self._send, self._parameters + self._buffer_snapshot)
 
-    def _gossip_now(self, step: int) -> None:
-        """ATC: ``x <- W(k)^r x`` on the freshly stepped parameters (and buffers)."""
+    def _gossip_now(self, tensors: list[Tensor], step: int) -> None:
+        """``x <- W(k)^r x`` now: ATC's stepped parameters, or DecentLaM's buffers."""
+        rounds = self.gossip_rounds(step)
+        if rounds and tensors:
+            assert self._gossip is not None
+            self._gossip.start(tensors, step, rounds).wait()
+
+    def _can_overlap_backward(self) -> bool:
+        """Post DecentLaM buckets from backward, unless clipping must see every gradient first."""
+        module = self.lightning_module
+        clipping = bool(module.trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", module)
+        return module.automatic_optimization and not clipping
+
+    def _arm_buckets(self, step: int, listen: bool) -> None:
+        assert self._buckets is not None
+        self._armed_step = step
         rounds = self.gossip_rounds(step)
         if rounds:
-            assert self._gossip is not None
-            self._gossip.start(self._parameters + self._buffers, step, rounds).wait()
+            self._buckets.arm(step, rounds, listen=listen)
+        else:
+            self._buckets.listening = False  # W = I: g̃ = g, nothing to send
+
+    def _decentlam_step(
+        self, step: int, optimizer: Optimizer, closure: Callable[[], Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """DecentLaM: ``z`` goes out per bucket during backward; ``g̃`` replaces ``g`` right before ``U``."""
+        buckets = self._buckets
+        assert buckets is not None
+        if self._armed_step != step:
+            self._arm_buckets(step, listen=False)
+        if not self.gossip_rounds(step):
+            self._armed_step = -1
+            return super().optimizer_step(optimizer, closure, *args, **kwargs)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        clipping = not self._can_overlap_backward()
+
+        def closure_then_post() -> Any:
+            result = closure()
+            if not clipping:
+                buckets.post_all(scaler._scale if scaler is not None else 1.0)
+            if scaler is not None:
+                self._skip_together(buckets)
+            return result
+
+        self._modify_at_step = True
+        try:
+            output = super().optimizer_step(optimizer, closure_then_post, *args, **kwargs)
+        finally:
+            self._modify_at_step = False
+            buckets.drain()
+            self._armed_step = -1
+        if buckets.late_gradient:
+            raise RuntimeError(
+                f"A gradient changed after its bucket was sent at step {step} (a second backward?). "
+                "DecentLaM needs one backward per optimizer step, or manual optimization."
+            )
+        self._gossip_now(self._buffers, step)
+        return output
+
+    def _before_update(self, optimizer: Optimizer, args: Any, kwargs: dict[str, Any]) -> Any:
+        """Optimizer step pre-hook: run the closure (backward, unscale, clip), then ``g <- g̃``."""
+        if not self._modify_at_step:
+            return None
+        self._modify_at_step = False
+        closure = kwargs.get("closure")
+        result = closure() if closure is not None else None
+        assert self._buckets is not None
+        self._buckets.modify_gradients()
+        if closure is None:
+            return None
+        return args, {**kwargs, "closure": lambda: result}
+
+    def _skip_together(self, buckets: GradientBuckets) -> None:
+        """GradScaler: if any rank saw inf/NaN, every rank skips this step (and its scale backs off alike)."""
+        finite = buckets.gradients_finite()
+        bad_anywhere = (~finite).to(torch.float32)
+        dist.all_reduce(bad_anywhere, op=dist.ReduceOp.MAX)
+        if bad_anywhere.item() and finite.item():
+            buckets.poison_gradients()
 
     def on_train_end(self) -> None:
         if self._pending is not None:  # posted for a batch that never stepped: drain it
             self._pending.wait()
             self._pending = None
-        self._started_step = -1
+        self._started_step = self._armed_step = -1
+        if self._buckets is not None:
+            self._buckets.drain()
         super().on_train_end()
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self._buckets is not None:
+            self._buckets.attach_gradients()
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Lightning wraps the backward of accumulated micro-batches in this: post no bucket there."""
+        if self._buckets is None:
+            yield
+            return
+        listening, self._buckets.listening = self._buckets.listening, False
+        try:
+            yield
+        finally:
+            self._buckets.listening = listening
+
+    def teardown(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._buckets = None
+        super().teardown()
 
     # -- evaluation and checkpoints on the average -----------------------------------
 
@@ -343,12 +499,18 @@ class DecentralizedStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in (("dpsgd", "popen"), ("dpsgd_spawn", "spawn")):
+        for name, momentum, start_method in (
+            ("dpsgd", "local", "popen"),
+            ("dpsgd_spawn", "local", "spawn"),
+            ("decentlam", "decentlam", "popen"),
+            ("decentlam_spawn", "decentlam", "spawn"),
+        ):
             strategy_registry.register(
                 name,
                 cls,
-                description=f"Decentralized parallel SGD (gossip) with start_method {start_method!r}",
+                description=f"Decentralized training (gossip), momentum={momentum!r}, start_method {start_method!r}",
                 override=True,
+                momentum=momentum,
                 start_method=start_method,
             )
 

@@ -43,6 +43,7 @@ class Config:
     name: str
     topology: str = "ring"
     combine: str = "awc"
+    momentum: str = "local"
     optimizer: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
     gossip_every: int = 1
     gossip_steps: int = 1
@@ -66,6 +67,7 @@ class Config:
         return {
             "topology": self.topology,
             "combine": self.combine,
+            "momentum": self.momentum,
             "gossip_every": self.gossip_every,
             "gossip_steps": self.gossip_steps,
         }
@@ -100,17 +102,34 @@ def run(config: Config, n: int) -> torch.Tensor:
             if config.clip is not None:
                 nn.utils.clip_grad_norm_(replica.parameters(), config.clip)
         before = torch.stack([_flat(r) for r in replicas]).double()
+        rounds = config.gossip_steps if (k + 1) % config.gossip_every == 0 else 0
+        mix = torch.linalg.matrix_power(mixing(config.topology, n, k), rounds)
+        if config.momentum == "decentlam":
+            _decentlam_gradients(replicas, optimizers, mix)
         for optimizer, scheduler in zip(optimizers, schedulers):
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
         stepped = torch.stack([_flat(r) for r in replicas]).double()
-        rounds = config.gossip_steps if (k + 1) % config.gossip_every == 0 else 0
-        mix = torch.linalg.matrix_power(mixing(config.topology, n, k), rounds)
-        if config.combine == "awc":
+        if config.momentum == "decentlam":
+            new = stepped
+        elif config.combine == "awc":
             new = mix @ before + stepped - before
         else:
             new = mix @ stepped
         for replica, vector in zip(replicas, new):
             _assign(replica, vector.to(config.dtype))
     return torch.stack([_flat(r) for r in replicas])
+
+
+def _decentlam_gradients(replicas: list[nn.Module], optimizers: list, mix: torch.Tensor) -> None:
+    """``g̃_i = (x_i − Σ_j w_ij z_j) / γ`` with ``z_j = x_j − γ g_j`` (``W g`` at ``γ = 0``), into ``.grad``."""
+    lr = optimizers[0].param_groups[0]["lr"]
+    x = torch.stack([_flat(r) for r in replicas]).double()
+    g = torch.stack([torch.cat([p.grad.reshape(-1) for p in r.parameters()]) for r in replicas]).double()
+    modified = mix @ g if lr == 0 else (x - mix @ (x - lr * g)) / lr
+    for replica, row in zip(replicas, modified):
+        offset = 0
+        for p in replica.parameters():
+            p.grad.copy_(row[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()

@@ -1,0 +1,220 @@
+"""DecentLaM's exchange in gradient buckets, started during backward.
+
+``z = x − γ g`` exists only once ``g`` does, so the parameters are cut into
+buckets, in reverse order of registration (roughly the order backward produces
+their gradients, as in DDP). When the last gradient of a bucket has been
+accumulated, that bucket's trial point is computed and its exchange posted,
+while backward goes on for the layers below. Buckets are posted in index order
+on every rank (a ready bucket waits for its predecessors), so the message
+sequence is identical everywhere, as NCCL requires.
+
+The gradients themselves live in flat buffers too (``p.grad`` is a view), so
+``z`` and the modified gradient ``g̃`` are computed with a few vector operations
+per bucket.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+from torch.nn import Parameter
+from torch.optim import Optimizer
+
+from lightning_decentral import algorithms
+from lightning_decentral.gossip import Gossip, PendingGossip
+
+
+@dataclass
+class _Segment:
+    """A run of one bucket that belongs to one optimizer param group (``group=None``: not optimized)."""
+
+    x: Tensor
+    grad: Tensor
+    send: Tensor
+    group: Optional[int]
+
+
+@dataclass
+class _Bucket:
+    params: list[Parameter]
+    send: Tensor
+    segments: list[_Segment]
+    ready: int = 0
+    pending: Optional[PendingGossip] = None
+    posted: bool = False
+
+
+@dataclass
+class _Flat:
+    """A flat parameter buffer, its parameters, and gradient and send buffers of the same layout."""
+
+    data: Tensor
+    params: list[Parameter]
+    grad: Tensor = field(init=False)
+    send: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grad = torch.zeros_like(self.data)
+        self.send = torch.empty_like(self.data)
+        self.params.sort(key=self.offset)
+
+    def offset(self, param: Parameter) -> int:
+        return param.data.storage_offset() - self.data.storage_offset()
+
+
+class GradientBuckets:
+    """Per-bucket ``z = x − γ g`` exchange and ``g̃ = (x − W z) / γ`` (ALGORITHMS.md §3).
+
+    Args:
+        flat_parameters: the flat buffers the parameters are views of (see :func:`~lightning_decentral.gossip.pack_`).
+        parameters: the parameters in those buffers.
+        optimizer: the optimizer; each param group's current ``lr`` is its ``γ``.
+        gossip: the exchange to run.
+        bucket_bytes: the target size of one bucket.
+        grad_scale: the factor the gradients carry during backward (a GradScaler's scale), or 1.
+    """
+
+    def __init__(
+        self,
+        flat_parameters: Sequence[Tensor],
+        parameters: Sequence[Parameter],
+        optimizer: Optimizer,
+        gossip: Gossip,
+        bucket_bytes: int,
+        grad_scale: Callable[[], Union[float, Tensor]] = lambda: 1.0,
+    ) -> None:
+        self.optimizer = optimizer
+        self.gossip = gossip
+        self._grad_scale = grad_scale
+        self._flats = [_Flat(data, [p for p in parameters if _shares_storage(p, data)]) for data in flat_parameters]
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        self._buckets = [
+            _bucket(flat, chunk, group_of)
+            for flat in self._flats
+            for chunk in _chunks(flat.params[::-1], bucket_bytes)  # backward order: last layers first
+        ]
+        self._bucket_of = {id(p): bucket for bucket in self._buckets for p in bucket.params}
+        self._step = -1
+        self._rounds = 0
+        self._next = 0  # the first bucket not posted yet
+        self.listening = False  # post buckets from the gradient hooks
+        self.late_gradient = False  # a gradient arrived after its bucket was posted
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    # -- one step -----------------------------------------------------------------
+
+    def attach_gradients(self) -> None:
+        """Make every ``p.grad`` a view into the flat gradient buffers (before a backward)."""
+        for flat in self._flats:
+            if all(p.grad is None for p in flat.params):  # zero_grad(set_to_none=True) ran
+                flat.grad.zero_()
+            for p in flat.params:
+                start = flat.offset(p)
+                view = flat.grad[start : start + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = view
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+
+    def arm(self, step: int, rounds: int, listen: bool) -> None:
+        """Prepare step ``step`` (``rounds`` exchanges per bucket); ``listen``: post from the gradient hooks."""
+        self._step, self._rounds = step, rounds
+        self._next = 0
+        self.late_gradient = False
+        for bucket in self._buckets:
+            bucket.ready, bucket.pending, bucket.posted = 0, None, False
+        self.listening = listen
+
+    def on_gradient(self, param: Parameter) -> None:
+        """Gradient hook: count ``param`` ready and post every bucket that now can be."""
+        if not self.listening:
+            return
+        bucket = self._bucket_of[id(param)]
+        if bucket.posted:
+            self.late_gradient = True
+            return
+        bucket.ready += 1
+        while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
+            self._post(self._buckets[self._next], self._grad_scale())
+
+    def post_all(self, scale: Union[float, Tensor] = 1.0) -> None:
+        """Post every bucket not posted yet (unused parameters, or no overlap this step)."""
+        self.listening = False
+        for bucket in self._buckets[self._next :]:
+            self._post(bucket, scale)
+
+    def _post(self, bucket: _Bucket, scale: Union[float, Tensor]) -> None:
+        for segment in bucket.segments:
+            algorithms.decentlam_trial_point_(segment.send, segment.x, segment.grad, self._lr(segment), scale)
+        bucket.pending = self.gossip.start([bucket.send], self._step, self._rounds)
+        bucket.posted = True
+        self._next += 1
+
+    def gradients_finite(self) -> Tensor:
+        """A 0-dim bool tensor: no gradient is inf or NaN."""
+        return torch.stack([torch.isfinite(flat.grad).all() for flat in self._flats]).all()
+
+    def poison_gradients(self) -> None:
+        """Put an inf into the gradients, so that a GradScaler skips this step here too."""
+        self._flats[0].grad[0] = float("inf")
+
+    def modify_gradients(self) -> None:
+        """Post what is left, wait for every bucket, write ``g̃ = (x − W z) / γ`` into the (unscaled) gradients."""
+        self.post_all()
+        for bucket in self._buckets:
+            assert bucket.pending is not None
+            bucket.pending.wait()
+            bucket.pending = None
+            for segment in bucket.segments:
+                if segment.group is not None:
+                    algorithms.decentlam_gradient_(segment.grad, segment.x, segment.send, self._lr(segment))
+
+    def drain(self) -> None:
+        """Complete anything still in flight (a skipped step); leaves the gradients as they are."""
+        self.listening = False
+        for bucket in self._buckets:
+            if bucket.pending is not None:
+                bucket.pending.wait()
+                bucket.pending = None
+
+    def _lr(self, segment: _Segment) -> Optional[float]:
+        if segment.group is None:
+            return None
+        return float(self.optimizer.param_groups[segment.group]["lr"])
+
+
+def _shares_storage(param: Parameter, flat: Tensor) -> bool:
+    return param.data.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+def _bucket(flat: _Flat, chunk: list[Parameter], group_of: dict[int, int]) -> _Bucket:
+    """The contiguous slice of ``flat`` holding ``chunk``, split in runs of one param group."""
+    runs: list[list] = []  # [start, end, group], ascending offsets
+    for p in sorted(chunk, key=flat.offset):
+        start, group = flat.offset(p), group_of.get(id(p))
+        if runs and runs[-1][2] == group and runs[-1][1] == start:
+            runs[-1][1] = start + p.numel()
+        else:
+            runs.append([start, start + p.numel(), group])
+    segments = [_Segment(flat.data[a:b], flat.grad[a:b], flat.send[a:b], g) for a, b, g in runs]
+    return _Bucket(params=chunk, send=flat.send[runs[0][0] : runs[-1][1]], segments=segments)
+
+
+def _chunks(params: list[Parameter], bucket_bytes: int) -> list[list[Parameter]]:
+    chunks: list[list[Parameter]] = [[]]
+    size = 0
+    for p in params:
+        if chunks[-1] and size + p.numel() * p.element_size() > bucket_bytes:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(p)
+        size += p.numel() * p.element_size()
+    return [c for c in chunks if c]
