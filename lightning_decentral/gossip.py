@@ -52,21 +52,22 @@ def pack_(tensors: Iterable[Tensor]) -> list[Tensor]:
 class PendingGossip:
     """An exchange in flight; ``wait()`` completes it and combines in place."""
 
-    def __init__(self, gossip: "Gossip", buffers: Sequence[Tensor], step: int, rounds: int) -> None:
+    def __init__(self, gossip: "Gossip", buffers: Sequence[Tensor], step: int, rounds: int, tag: int) -> None:
         self._gossip = gossip
         self._buffers = buffers
         self._step = step
         self._rounds_left = rounds
-        self._works = gossip._post(buffers, step) if rounds else None
+        self._tag = tag
+        self._works = gossip._post(buffers, step, tag) if rounds else None
 
     def wait(self) -> None:
         """Block until ``buffers = W(step)^rounds buffers`` on this rank."""
         while self._works is not None:
             for work in self._works:
                 work.wait()
-            self._gossip._combine(self._buffers, self._step)
+            self._gossip._combine(self._buffers, self._step, self._tag)
             self._rounds_left -= 1
-            self._works = self._gossip._post(self._buffers, self._step) if self._rounds_left else None
+            self._works = self._gossip._post(self._buffers, self._step, self._tag) if self._rounds_left else None
 
 
 class Gossip:
@@ -89,10 +90,11 @@ class Gossip:
             )
         self._receive: dict[tuple[int, int], Tensor] = {}
 
-    def start(self, buffers: Sequence[Tensor], step: int, rounds: int = 1) -> PendingGossip:
+    def start(self, buffers: Sequence[Tensor], step: int, rounds: int = 1, tag: int = 0) -> PendingGossip:
         """Post round one of ``rounds`` exchanges of ``buffers`` with ``W(step)``.
 
-        The buffers must not be written until ``wait()`` returns.
+        The buffers must not be written until ``wait()`` returns. Exchanges in flight at the
+        same time need distinct tags: buffer ``b`` travels with tag ``tag + b``.
         """
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -100,7 +102,7 @@ class Gossip:
             rounds = 0
         elif self.topology.is_average(step):
             rounds = 1  # W is a projection: W^r = W
-        return PendingGossip(self, buffers, step, rounds)
+        return PendingGossip(self, buffers, step, rounds, tag)
 
     def bytes_sent(self, buffers: Sequence[Tensor], step: int) -> int:
         """Bytes this rank sends for one round of ``start(buffers, step)``."""
@@ -113,18 +115,19 @@ class Gossip:
 
     # -- transport -----------------------------------------------------------------
 
-    def _post(self, buffers: Sequence[Tensor], step: int) -> list[dist.Work]:
+    def _post(self, buffers: Sequence[Tensor], step: int, tag: int) -> list[dist.Work]:
         if self.topology.is_average(step):
             return [dist.all_reduce(b, group=self.group, async_op=True) for b in buffers]
         ops = []
         for index, buffer in enumerate(buffers):
             for peer, _ in self.topology.out_neighbors(self.rank, step):
-                ops.append(dist.P2POp(dist.isend, buffer, peer, self.group, tag=index))
+                ops.append(dist.P2POp(dist.isend, buffer, peer, self.group, tag=tag + index))
             for slot, (peer, _) in enumerate(self.topology.in_neighbors(self.rank, step)):
-                ops.append(dist.P2POp(dist.irecv, self._receive_buffer(index, slot, buffer), peer, self.group, tag=index))
+                receive = self._receive_buffer(tag + index, slot, buffer)
+                ops.append(dist.P2POp(dist.irecv, receive, peer, self.group, tag=tag + index))
         return dist.batch_isend_irecv(ops)
 
-    def _combine(self, buffers: Sequence[Tensor], step: int) -> None:
+    def _combine(self, buffers: Sequence[Tensor], step: int, tag: int) -> None:
         if self.topology.is_average(step):
             for buffer in buffers:
                 buffer.div_(self.topology.world_size)
@@ -134,10 +137,10 @@ class Gossip:
         for index, buffer in enumerate(buffers):
             buffer.mul_(self_weight)
             for slot, (_, weight) in enumerate(neighbors):
-                buffer.add_(self._receive[(index, slot)], alpha=weight)
+                buffer.add_(self._receive[(tag + index, slot)], alpha=weight)
 
-    def _receive_buffer(self, index: int, slot: int, like: Tensor) -> Tensor:
-        buffer = self._receive.get((index, slot))
+    def _receive_buffer(self, tag: int, slot: int, like: Tensor) -> Tensor:
+        buffer = self._receive.get((tag, slot))
         if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.device != like.device:
-            buffer = self._receive[(index, slot)] = torch.empty_like(like)
+            buffer = self._receive[(tag, slot)] = torch.empty_like(like)
         return buffer

@@ -103,6 +103,7 @@ class GradientBuckets:
         self._next = 0  # the first bucket not posted yet
         self.listening = False  # post buckets from the gradient hooks
         self.late_gradient = False  # a gradient arrived after its bucket was posted
+        self.posted_in_backward = 0  # buckets posted from the hooks at the last step
 
     @property
     def num_buckets(self) -> int:
@@ -129,6 +130,7 @@ class GradientBuckets:
         self._step, self._rounds = step, rounds
         self._next = 0
         self.late_gradient = False
+        self.posted_in_backward = 0
         for bucket in self._buckets:
             bucket.ready, bucket.pending, bucket.posted = 0, None, False
         self.listening = listen
@@ -144,6 +146,7 @@ class GradientBuckets:
         bucket.ready += 1
         while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
             self._post(self._buckets[self._next], self._grad_scale())
+            self.posted_in_backward += 1
 
     def post_all(self, scale: Union[float, Tensor] = 1.0) -> None:
         """Post every bucket not posted yet (unused parameters, or no overlap this step)."""
@@ -154,7 +157,7 @@ class GradientBuckets:
     def _post(self, bucket: _Bucket, scale: Union[float, Tensor]) -> None:
         for segment in bucket.segments:
             algorithms.decentlam_trial_point_(segment.send, segment.x, segment.grad, self._lr(segment), scale)
-        bucket.pending = self.gossip.start([bucket.send], self._step, self._rounds)
+        bucket.pending = self.gossip.start([bucket.send], self._step, self._rounds, tag=self._next)
         bucket.posted = True
         self._next += 1
 

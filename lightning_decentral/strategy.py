@@ -351,12 +351,12 @@ class DecentralizedStrategy(DDPStrategy):
         self._pending = None
         algorithms.gossip_correction_(self._send, self._parameters + self._buffer_snapshot)
 
-    def _gossip_now(self, tensors: list[Tensor], step: int) -> None:
+    def _gossip_now(self, tensors: list[Tensor], step: int, tag: int = 0) -> None:
         """``x <- W(k)^r x`` now: ATC's stepped parameters, or DecentLaM's buffers."""
         rounds = self.gossip_rounds(step)
         if rounds and tensors:
             assert self._gossip is not None
-            self._gossip.start(tensors, step, rounds).wait()
+            self._gossip.start(tensors, step, rounds, tag).wait()
 
     def _can_overlap_backward(self) -> bool:
         """Post DecentLaM buckets from backward, unless clipping must see every gradient first."""
@@ -407,7 +407,7 @@ class DecentralizedStrategy(DDPStrategy):
                 f"A gradient changed after its bucket was sent at step {step} (a second backward?). "
                 "DecentLaM needs one backward per optimizer step, or manual optimization."
             )
-        self._gossip_now(self._buffers, step)
+        self._gossip_now(self._buffers, step, tag=buckets.num_buckets)  # tags below belong to the buckets
         return output
 
     def _before_update(self, optimizer: Optimizer, args: Any, kwargs: dict[str, Any]) -> Any:

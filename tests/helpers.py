@@ -49,7 +49,7 @@ def _failed(out: str, rank: int) -> bool:
         return pickle.load(f)[0] == "error"
 
 
-def run_distributed(fn: Callable, world_size: int = 4, timeout: float = 240.0, **kwargs: Any) -> list[Any]:
+def run_distributed(fn: Callable, world_size: int = 4, timeout: float = 600.0, **kwargs: Any) -> list[Any]:
     """``[fn(rank, world_size, **kwargs) for rank]``, each rank in its own spawned process.
 
     The environment is the one Lightning's launcher gives its children (``LOCAL_RANK``,

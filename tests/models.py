@@ -51,6 +51,8 @@ def make_scheduler(optimizer: torch.optim.Optimizer, kind: Optional[str]) -> Opt
         return None
     if kind == "step":
         return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    if kind == "warmup":  # linear warm-up from lr = 0
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, step / 3))
     raise ValueError(kind)
 
 

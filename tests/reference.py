@@ -54,6 +54,7 @@ class Config:
     scheduler: Optional[str] = None
     dtype: torch.dtype = torch.float32
     batch_norm: bool = False
+    bucket_cap_mb: float = 4.0
 
     @property
     def samples(self) -> int:
@@ -70,6 +71,7 @@ class Config:
             "momentum": self.momentum,
             "gossip_every": self.gossip_every,
             "gossip_steps": self.gossip_steps,
+            "bucket_cap_mb": self.bucket_cap_mb,
         }
 
 

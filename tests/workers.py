@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_decentral import DecentralizedStrategy
 from tests.models import Regression, init_seed, flat, loader
@@ -102,3 +104,53 @@ def two_optimizers(rank: int, world_size: int) -> str:
     except ValueError as exc:
         return str(exc)
     return "no error"
+
+
+class _StepRecorder(Callback):
+    """Records, after every optimizer step, this rank's parameters, GradScaler scale and bucket posts."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+        self.scales: list[float] = []
+        self.posted_in_backward: list[int] = []
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self.params.append(flat(trainer.lightning_module))
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        self.scales.append(float(scaler.get_scale()) if scaler is not None else 1.0)
+        buckets = trainer.strategy._buckets
+        self.posted_in_backward.append(buckets.posted_in_backward if buckets is not None else 0)
+
+
+class _InfOnRank(Regression):
+    """Produces an inf loss on one rank at one step."""
+
+    def __init__(self, bad_rank: int, bad_step: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bad_rank, self.bad_step = bad_rank, bad_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
+            loss = loss * float("inf")
+        return loss
+
+
+def decentlam_steps(rank: int, world_size: int, config: Config, scaler: bool, bad_rank: int = -1) -> dict[str, Any]:
+    """Train DecentLaM recording every step (optionally fp16 with a GradScaler and an inf on one rank)."""
+    model = _InfOnRank(bad_rank, 2, seed=init_seed(rank), **config.optimizer_spec())
+    recorder = _StepRecorder()
+    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))] if scaler else []
+    trainer = trainer_for(
+        world_size, DecentralizedStrategy(**config.strategy_kwargs()), max_steps=config.steps,
+        callbacks=[recorder], plugins=plugins,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, train_dataloaders=loader(rank, config.samples, config.batch_size))
+    return {
+        "params": recorder.params,
+        "scales": recorder.scales,
+        "posted_in_backward": recorder.posted_in_backward,
+        "warnings": [str(w.message) for w in caught if "DecentLaM" in str(w.message)],
+    }
