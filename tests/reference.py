@@ -79,6 +79,17 @@ def _flat(module: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()])
 
 
+def _flat_buffers(module: nn.Module) -> torch.Tensor:
+    return torch.cat([b.reshape(-1) for b in module.buffers() if b.is_floating_point()] or [torch.zeros(0)])
+
+
+def _assign_buffers(module: nn.Module, vector: torch.Tensor) -> None:
+    offset = 0
+    for b in (b for b in module.buffers() if b.is_floating_point()):
+        b.copy_(vector[offset : offset + b.numel()].view_as(b))
+        offset += b.numel()
+
+
 def _assign(module: nn.Module, vector: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
@@ -88,13 +99,18 @@ def _assign(module: nn.Module, vector: torch.Tensor) -> None:
 
 
 def run(config: Config, n: int) -> torch.Tensor:
-    """Every replica's parameters after ``config.steps`` optimizer steps, as an ``n × d`` matrix."""
+    """Every replica's parameters (then its floating buffers) after ``config.steps`` steps, ``n × d``.
+
+    Buffers are mixed with the same ``W``: AWC ``b(k+1) = W b(k) + (b_forward − b(k))``, the other
+    rules ``b(k+1) = W b_forward``.
+    """
     start = initial_net(init_seed(0), config.batch_norm).to(config.dtype)  # rank 0's initial weights
     replicas = [copy.deepcopy(start) for _ in range(n)]
     optimizers = [make_optimizer(r.parameters(), **config.optimizer) for r in replicas]
     schedulers = [make_scheduler(o, config.scheduler) for o in optimizers]
     data = [rank_data(i, config.samples, config.dtype) for i in range(n)]
     for k in range(config.steps):
+        buffers_before = torch.stack([_flat_buffers(r) for r in replicas]).double()
         for i, (replica, optimizer) in enumerate(zip(replicas, optimizers)):
             optimizer.zero_grad()
             for a in range(config.accumulate):
@@ -119,9 +135,15 @@ def run(config: Config, n: int) -> torch.Tensor:
             new = mix @ before + stepped - before
         else:
             new = mix @ stepped
-        for replica, vector in zip(replicas, new):
+        buffers_after = torch.stack([_flat_buffers(r) for r in replicas]).double()
+        if config.momentum == "local" and config.combine == "awc":
+            new_buffers = mix @ buffers_before + buffers_after - buffers_before
+        else:
+            new_buffers = mix @ buffers_after
+        for replica, vector, buffers in zip(replicas, new, new_buffers):
             _assign(replica, vector.to(config.dtype))
-    return torch.stack([_flat(r) for r in replicas])
+            _assign_buffers(replica, buffers.to(config.dtype))
+    return torch.stack([torch.cat([_flat(r), _flat_buffers(r)]) for r in replicas])
 
 
 def _decentlam_gradients(replicas: list[nn.Module], optimizers: list, mix: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ CONFIGS = [
     decentlam("ring-clip-accumulate", optimizer={"lr": 0.05, "momentum": 0.9}, clip=0.05, accumulate=2),
     decentlam("ring-every2-rounds2", optimizer={"lr": 0.05, "momentum": 0.9}, gossip_every=2, gossip_steps=2),
     decentlam("exponential", topology="exponential", optimizer={"lr": 0.05, "momentum": 0.9}),
+    decentlam("ring-batchnorm", optimizer={"lr": 0.05, "momentum": 0.9}, batch_norm=True),
 ]
 BETA0 = decentlam("beta0-sgd", optimizer={"lr": 0.1})
 ATC_SGD = Config("atc-sgd", combine="atc", optimizer={"lr": 0.1})

@@ -33,6 +33,8 @@ CONFIGS = [
     Config("ring-awc-accumulate-clip", optimizer=MOMENTUM, accumulate=2, clip=0.05),
     Config("one_peer-atc-accumulate-clip", topology="one_peer_exponential", combine="atc", accumulate=3, clip=0.05),
     Config("ring-awc-float64", optimizer=MOMENTUM, dtype=torch.float64),
+    Config("ring-awc-batchnorm", optimizer=MOMENTUM, batch_norm=True),
+    Config("one_peer-atc-batchnorm", topology="one_peer_exponential", combine="atc", batch_norm=True),
 ]
 
 

@@ -44,7 +44,8 @@ def fit_config(rank: int, world_size: int, config: Config, strategy: Any = None)
         precision=precision,
     )
     trainer.fit(model, train_dataloaders=loader(rank, config.samples, config.batch_size, config.dtype))
-    return flat(model)
+    buffers = [b.reshape(-1) for b in model.buffers() if b.is_floating_point()]
+    return torch.cat([flat(model)] + buffers)
 
 
 def fit_configs(rank: int, world_size: int, configs: list[Config]) -> dict[str, torch.Tensor]:
