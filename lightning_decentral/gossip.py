@@ -105,12 +105,12 @@ class Gossip:
         return PendingGossip(self, buffers, step, rounds, tag)
 
     def bytes_sent(self, buffers: Sequence[Tensor], step: int) -> int:
-        """Bytes this rank sends for one round of ``start(buffers, step)``."""
+        """Bytes this rank sends for one round of ``start(buffers, step)`` (all-reduce: the ring figure)."""
         size = sum(b.numel() * b.element_size() for b in buffers)
         if self.topology.is_identity(step):
             return 0
-        if self.topology.is_average(step):
-            return size  # a ring all-reduce sends ~2(n-1)/n of the buffer; count it as one copy
+        if self.topology.is_average(step):  # a ring all-reduce sends 2(n-1)/n of the buffer
+            return size * 2 * (self.topology.world_size - 1) // self.topology.world_size
         return size * len(self.topology.out_neighbors(self.rank, step))
 
     # -- transport -----------------------------------------------------------------

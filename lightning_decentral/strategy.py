@@ -9,6 +9,8 @@ One optimizer step ``k`` on rank ``i``, adapt-with-combine (the default)::
     after the step         x_i(k+1) <- x_i + (W(k) x(k) - x_i(k))
 
 adapt-then-combine steps first and then gossips, ``x_i(k+1) = sum_j w_ij U(x_j(k), g_j)``.
+DecentLaM sends ``z = x − γ g`` bucket by bucket during backward and steps the optimizer on
+``g̃ = (x − W z) / γ`` (the buckets live in :mod:`lightning_decentral.overlap`).
 Gradients are never all-reduced and the module is never wrapped in
 ``DistributedDataParallel``; launching, cluster environments, samplers,
 ``barrier``, ``broadcast`` and ``reduce`` are ``DDPStrategy``'s own.
@@ -175,21 +177,14 @@ class DecentralizedStrategy(DDPStrategy):
         (device, dtype); a nested use is free. Every rank must enter it together.
         """
         module = self.lightning_module
-        if self._averaged_depth or module is None or self.world_size == 1:
-            self._averaged_depth += 1
-            try:
-                yield
-            finally:
-                self._averaged_depth -= 1
-            return
-        tensors = [t for t in _state_tensors(module) if t.is_floating_point()]
-        groups = _group_by_layout(tensors)
+        groups: list[list[Tensor]] = []
+        if not self._averaged_depth and module is not None and self.world_size > 1:
+            groups = _group_by_layout([t for t in _state_tensors(module) if t.is_floating_point()])
         originals = [torch._utils._flatten_dense_tensors(group) for group in groups]
         for group, original in zip(groups, originals):
             mean = original.clone()
             dist.all_reduce(mean)
-            mean.div_(self.world_size)
-            _copy_flat_into(mean, group)
+            _copy_flat_into(mean.div_(self.world_size), group)
         self._averaged_depth += 1
         try:
             yield

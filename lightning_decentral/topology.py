@@ -243,7 +243,8 @@ def _circulant(n: int, weights: dict[int, float]) -> np.ndarray:
 class Ring(Topology):
     """``w_ii = w_i,i±1 = 1/3`` (``n = 2``: ``1/2, 1/2``; ``n = 1``: ``[[1]]``).
 
-    ``rho = 1/3 + (2/3) cos(2 pi / n)`` for ``n >= 3``.
+    ``rho = 1/3 + (2/3) cos(2 pi / n)`` for ``n >= 3``. For ``n <= 3`` every rank is a
+    neighbour, ``W = 11ᵀ/n``, and the gossip runs as one all-reduce.
     """
 
     def _matrix(self, step: int) -> np.ndarray:

@@ -71,6 +71,7 @@ def test_trains_in_other_precisions(precision: str) -> None:
     assert torch.isfinite(replicas).all()
     assert replicas.dtype == (torch.float64 if precision == "64-true" else torch.float32)
     assert all(r["global_step"] == 12 for r in results)  # max_epochs=2 of 6 batches
+    assert all(r["in_flight"] == [True] * 12 for r in results)  # AWC posts x(k) before the forward pass
 
 
 def test_more_than_one_optimizer_is_refused_on_every_rank() -> None:

@@ -82,12 +82,24 @@ def evaluate_and_checkpoint(rank: int, world_size: int, path: str, eval_on: str)
     return out
 
 
+class _SeesExchangeInFlight(Regression):
+    """Records, inside every training_step, whether the AWC exchange has already been posted."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.in_flight: list[bool] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.in_flight.append(self.trainer.strategy._pending is not None)
+        return super().training_step(batch, batch_idx)
+
+
 def fit_precision(rank: int, world_size: int, precision: str) -> dict[str, Any]:
     config = Config(precision, optimizer={"lr": 0.05, "momentum": 0.9})
-    model = Regression(seed=init_seed(rank), **config.optimizer_spec())
+    model = _SeesExchangeInFlight(seed=init_seed(rank), **config.optimizer_spec())
     trainer = trainer_for(world_size, DecentralizedStrategy(), max_epochs=2, precision=precision)
     trainer.fit(model, train_dataloaders=loader(rank, config.samples, config.batch_size))
-    return {"replica": flat(model), "global_step": trainer.global_step}
+    return {"replica": flat(model), "global_step": trainer.global_step, "in_flight": model.in_flight}
 
 
 def two_optimizers(rank: int, world_size: int) -> str:
