@@ -125,7 +125,7 @@ class Gossip:
             for slot, (peer, _) in enumerate(self.topology.in_neighbors(self.rank, step)):
                 receive = self._receive_buffer(tag + index, slot, buffer)
                 ops.append(dist.P2POp(dist.irecv, receive, peer, self.group, tag=tag + index))
-        return dist.batch_isend_irecv(ops)
+        return dist.batch_isend_irecv(ops) if ops else []  # a rank alone at this step (custom W)
 
     def _combine(self, buffers: Sequence[Tensor], step: int, tag: int) -> None:
         if self.topology.is_average(step):

@@ -36,6 +36,7 @@ class _Segment:
     grad: Tensor
     send: Tensor
     group: Optional[int]
+    lr: Optional[float] = None  # the group's γ when z was formed; g̃ uses the same one
 
 
 @dataclass
@@ -114,16 +115,13 @@ class GradientBuckets:
     def attach_gradients(self) -> None:
         """Make every ``p.grad`` a view into the flat gradient buffers (before a backward)."""
         for flat in self._flats:
-            if all(p.grad is None for p in flat.params):  # zero_grad(set_to_none=True) ran
-                flat.grad.zero_()
             for p in flat.params:
                 start = flat.offset(p)
                 view = flat.grad[start : start + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = view
+                if p.grad is None:  # zero_grad(set_to_none=True) ran
+                    p.grad = view.zero_()
                 elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                    p.grad = view
+                    p.grad = view.copy_(p.grad)
 
     def arm(self, step: int, rounds: int, listen: bool) -> None:
         """Prepare step ``step`` (``rounds`` exchanges per bucket); ``listen``: post from the gradient hooks."""
@@ -156,7 +154,8 @@ class GradientBuckets:
 
     def _post(self, bucket: _Bucket, scale: Union[float, Tensor]) -> None:
         for segment in bucket.segments:
-            algorithms.decentlam_trial_point_(segment.send, segment.x, segment.grad, self._lr(segment), scale)
+            segment.lr = self._lr(segment)
+            algorithms.decentlam_trial_point_(segment.send, segment.x, segment.grad, segment.lr, scale)
         bucket.pending = self.gossip.start([bucket.send], self._step, self._rounds, tag=self._next)
         bucket.posted = True
         self._next += 1
@@ -165,9 +164,12 @@ class GradientBuckets:
         """A 0-dim bool tensor: no gradient is inf or NaN."""
         return torch.stack([torch.isfinite(flat.grad).all() for flat in self._flats]).all()
 
-    def poison_gradients(self) -> None:
-        """Put an inf into the gradients, so that a GradScaler skips this step here too."""
-        self._flats[0].grad[0] = float("inf")
+    def poison_gradients_if(self, condition: Tensor) -> None:
+        """Where the 0-dim ``condition`` holds, put an inf into an optimized gradient, so that a
+        GradScaler skips this step here too (no host sync)."""
+        segment = next(s for b in self._buckets for s in b.segments if s.group is not None)
+        first = segment.grad[:1]
+        first.copy_(torch.where(condition, torch.full_like(first, float("inf")), first))
 
     def modify_gradients(self) -> None:
         """Post what is left, wait for every bucket, write ``g̃ = (x − W z) / γ`` into the (unscaled) gradients."""
@@ -177,8 +179,8 @@ class GradientBuckets:
             bucket.pending.wait()
             bucket.pending = None
             for segment in bucket.segments:
-                if segment.group is not None:
-                    algorithms.decentlam_gradient_(segment.grad, segment.x, segment.send, self._lr(segment))
+                if segment.lr is not None:
+                    algorithms.decentlam_gradient_(segment.grad, segment.x, segment.send, segment.lr)
 
     def drain(self) -> None:
         """Complete anything still in flight (a skipped step); leaves the gradients as they are."""

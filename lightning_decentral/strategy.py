@@ -19,6 +19,7 @@ Gradients are never all-reduced and the module is never wrapped in
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -177,21 +178,34 @@ class DecentralizedStrategy(DDPStrategy):
         (device, dtype); a nested use is free. Every rank must enter it together.
         """
         module = self.lightning_module
-        groups: list[list[Tensor]] = []
+        tensors: list[Tensor] = []
         if not self._averaged_depth and module is not None and self.world_size > 1:
-            groups = _group_by_layout([t for t in _state_tensors(module) if t.is_floating_point()])
-        originals = [torch._utils._flatten_dense_tensors(group) for group in groups]
-        for group, original in zip(groups, originals):
-            mean = original.clone()
-            dist.all_reduce(mean)
-            _copy_flat_into(mean.div_(self.world_size), group)
+            tensors = [t for t in _state_tensors(module) if t.is_floating_point()]
+        originals = [t.detach().clone() for t in tensors]
+        with torch.no_grad():
+            for t, mean in zip(tensors, self._mean_over_ranks(tensors)):
+                t.copy_(mean)
         self._averaged_depth += 1
         try:
             yield
         finally:
             self._averaged_depth -= 1
-            for group, original in zip(groups, originals):
-                _copy_flat_into(original, group)
+            with torch.no_grad():
+                for t, original in zip(tensors, originals):
+                    t.copy_(original)
+
+    def _mean_over_ranks(self, tensors: list[Tensor]) -> list[Tensor]:
+        """New tensors ``(1/n) sum_i t_i``, one all-reduce per (device, dtype), run on this rank's device."""
+        means: dict[int, Tensor] = {}
+        for group in _group_by_layout(tensors):
+            flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.root_device)  # a copy, on the device
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+            offset = 0
+            for t in group:
+                means[id(t)] = flat[offset : offset + t.numel()].view_as(t).to(t.device)
+                offset += t.numel()
+        return [means[id(t)] for t in tensors]
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -201,6 +215,14 @@ class DecentralizedStrategy(DDPStrategy):
             self._launcher = _AveragingLauncher(self, start_method=self._start_method)
         # Runs when the Trainer is built, before any process is launched: bad topologies fail here.
         self._topology = resolve_topology(self._topology_spec, self.num_nodes * self.num_processes)
+        if self.gossip_every > 1 and self._topology.period > 1:  # only the phases (k + 1) % p == 0 mix
+            cycle = math.lcm(self.gossip_every, self._topology.period)
+            self._topology.check_connected(
+                range(self.gossip_every - 1, cycle, self.gossip_every),
+                f" on the steps that gossip with gossip_every={self.gossip_every}",
+                f"The topology repeats every {self._topology.period} steps: choose a gossip_every that shares "
+                f"no factor with {self._topology.period}, or a static topology.",
+            )
 
     def setup(self, trainer: Trainer) -> None:
         if trainer.state.fn == TrainerFn.FITTING:
@@ -227,7 +249,9 @@ class DecentralizedStrategy(DDPStrategy):
         self._parameters = pack_(p for p in module.parameters() if p.requires_grad)
         mixed_buffers = [b for b in module.buffers() if b.is_floating_point()] if self.gossip_buffers else []
         self._buffers = pack_(mixed_buffers)
-        self._gossip = Gossip(self.topology, group=dist.new_group(backend=self.process_group_backend))
+        group = dist.new_group(backend=self.process_group_backend)
+        dist.all_reduce(torch.zeros(1, device=self.root_device), group=group)  # NCCL: every rank joins first
+        self._gossip = Gossip(self.topology, group=group)
         self._send = [torch.empty_like(b) for b in self._parameters + self._buffers] if self._awc else []
         self._buffer_snapshot = [torch.empty_like(b) for b in self._buffers] if self._awc else []
         self._pending = None
@@ -237,6 +261,17 @@ class DecentralizedStrategy(DDPStrategy):
     @property
     def _awc(self) -> bool:
         return self.momentum == "local" and self.combine == "awc"
+
+    def _check_trainable_unchanged(self) -> None:
+        """The flat buffers hold the parameters trainable at setup; (un)freezing later is not mixed."""
+        packed = sum(b.numel() for b in self._parameters)
+        trainable = sum(p.numel() for p in self.lightning_module.parameters() if p.requires_grad)
+        if trainable != packed:
+            raise RuntimeError(
+                f"The trainable parameters changed during fit ({packed} elements at setup, {trainable} now), e.g. "
+                "by BackboneFinetuning. DecentralizedStrategy mixes the parameters trainable when fit starts: "
+                "freeze or unfreeze before fit, or run one fit per phase."
+            )
 
     def _check_optimizers(self) -> None:
         if len(self.optimizers) != 1:
@@ -259,7 +294,12 @@ class DecentralizedStrategy(DDPStrategy):
         module = self.lightning_module
         assert module is not None and self._gossip is not None
         params = [p for p in module.parameters() if p.requires_grad]
-        scaler = getattr(self.precision_plugin, "scaler", None)
+        scaler = self._grad_scaler()
+        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            raise ValueError(
+                f"{type(optimizer).__name__} unscales its gradients inside step() (fused=True), after DecentLaM has "
+                "replaced them. Use the optimizer without fused=True, or bf16-mixed precision."
+            )
         self._buckets = GradientBuckets(
             self._parameters,
             params,
@@ -276,6 +316,8 @@ class DecentralizedStrategy(DDPStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
+        if batch_idx == 0:
+            self._check_trainable_unchanged()
         step = self.lightning_module.trainer.global_step
         if self._awc and self._started_step != step:
             self._start_exchange(step)
@@ -354,10 +396,14 @@ class DecentralizedStrategy(DDPStrategy):
             self._gossip.start(tensors, step, rounds, tag).wait()
 
     def _can_overlap_backward(self) -> bool:
-        """Post DecentLaM buckets from backward, unless clipping must see every gradient first."""
+        """Post DecentLaM buckets from backward, unless clipping (or a module hook that may edit the
+        gradients after backward) must see every gradient first."""
         module = self.lightning_module
-        clipping = bool(module.trainer.gradient_clip_val) or is_overridden("configure_gradient_clipping", module)
-        return module.automatic_optimization and not clipping
+        edits_gradients = bool(module.trainer.gradient_clip_val) or any(
+            is_overridden(hook, module)
+            for hook in ("configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step")
+        )
+        return module.automatic_optimization and not edits_gradients
 
     def _arm_buckets(self, step: int, listen: bool) -> None:
         assert self._buckets is not None
@@ -379,7 +425,7 @@ class DecentralizedStrategy(DDPStrategy):
         if not self.gossip_rounds(step):
             self._armed_step = -1
             return super().optimizer_step(optimizer, closure, *args, **kwargs)
-        scaler = getattr(self.precision_plugin, "scaler", None)
+        scaler = self._grad_scaler()
         clipping = not self._can_overlap_backward()
 
         def closure_then_post() -> Any:
@@ -405,13 +451,18 @@ class DecentralizedStrategy(DDPStrategy):
         self._gossip_now(self._buffers, step, tag=buckets.num_buckets)  # tags below belong to the buckets
         return output
 
+    def _grad_scaler(self) -> Optional[torch.amp.GradScaler]:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
+
     def _before_update(self, optimizer: Optimizer, args: Any, kwargs: dict[str, Any]) -> Any:
         """Optimizer step pre-hook: run the closure (backward, unscale, clip), then ``g <- g̃``."""
         if not self._modify_at_step:
             return None
         self._modify_at_step = False
         closure = kwargs.get("closure")
-        result = closure() if closure is not None else None
+        with torch.enable_grad():
+            result = closure() if closure is not None else None
         assert self._buckets is not None
         self._buckets.modify_gradients()
         if closure is None:
@@ -420,11 +471,9 @@ class DecentralizedStrategy(DDPStrategy):
 
     def _skip_together(self, buckets: GradientBuckets) -> None:
         """GradScaler: if any rank saw inf/NaN, every rank skips this step (and its scale backs off alike)."""
-        finite = buckets.gradients_finite()
-        bad_anywhere = (~finite).to(torch.float32)
+        bad_anywhere = (~buckets.gradients_finite()).to(torch.float32)
         dist.all_reduce(bad_anywhere, op=dist.ReduceOp.MAX)
-        if bad_anywhere.item() and finite.item():
-            buckets.poison_gradients()
+        buckets.poison_gradients_if(bad_anywhere > 0)
 
     def on_train_end(self) -> None:
         if self._pending is not None:  # posted for a batch that never stepped: drain it
@@ -457,6 +506,8 @@ class DecentralizedStrategy(DDPStrategy):
             hook.remove()
         self._hooks = []
         self._buckets = None
+        self._gossip = None  # and its receive buffers
+        self._send, self._buffer_snapshot = [], []
         super().teardown()
 
     # -- evaluation and checkpoints on the average -----------------------------------
@@ -486,6 +537,25 @@ class DecentralizedStrategy(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         self._eval_context.close()
         super().on_exception(exception)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer state averaged over ranks, so that a resumed run starts from the mean momentum.
+
+        For DecentLaM this also cancels each rank's consensus term: ``1ᵀ (I − W) = 0``.
+        """
+        state = super().optimizer_state(optimizer)
+        if self.world_size == 1 or not state:
+            return state
+        per_param = {key: dict(values) for key, values in state["state"].items()}  # never touch the live state
+        entries = [
+            (values, name)
+            for values in per_param.values()
+            for name, value in values.items()
+            if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0
+        ]
+        for (values, name), mean in zip(entries, self._mean_over_ranks([values[name] for values, name in entries])):
+            values[name] = mean
+        return {**state, "state": per_param}
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """``x̄``'s state dict on every rank, so any rank's checkpoint loads into a plain module."""

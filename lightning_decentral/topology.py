@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -182,8 +182,6 @@ class Topology:
     def validate(self) -> None:
         """Raise ``ValueError`` unless every ``W(k)`` is a doubly stochastic ``n x n`` matrix
         and the union of their graphs over one period is strongly connected."""
-        n = self.world_size
-        reach = np.zeros((n, n), dtype=bool)  # reach[i, j]: i hears from j in some W(k)
         for step in range(self.period):
             w = self.mixing(step)  # raises on a wrong shape
             name = "W" if self.period == 1 else f"W({step})"
@@ -207,7 +205,16 @@ class Topology:
                         f"{name} is not doubly stochastic: {what} {off[0]} sums to {sums[off[0]]:.6g}, "
                         f"but every row and column must sum to 1. {_MH_HINT}"
                     )
-            reach |= w > 0
+        over = "" if self.period == 1 else f" over a period of {self.period} steps"
+        self.check_connected(range(self.period), over)
+
+    def check_connected(self, steps: Iterable[int], context: str = "", fix: str = "") -> None:
+        """Raise ``ValueError`` unless the union of the graphs of ``W(k)``, ``k`` in ``steps``,
+        is strongly connected (``context`` and ``fix`` go into the message)."""
+        n = self.world_size
+        reach = np.zeros((n, n), dtype=bool)  # reach[i, j]: i hears from j in some W(k)
+        for step in steps:
+            reach |= self.mixing(step) > 0
         for forward in (True, False):
             seen = np.zeros(n, dtype=bool)
             seen[0] = True
@@ -221,10 +228,10 @@ class Topology:
                 flow = f"from rank 0 never reaches ranks {lost}"
                 if not forward:
                     flow = f"from ranks {lost} never reaches rank 0"
-                over = "" if self.period == 1 else f" over a period of {self.period} steps"
+                fix = fix or f"Use a connected graph (e.g. 'ring'). {_MH_HINT}"
                 raise ValueError(
-                    f"The mixing matrices are not connected: information {flow}{over}, so the replicas "
-                    f"cannot reach consensus. Use a connected graph (e.g. 'ring'). {_MH_HINT}"
+                    f"The mixing matrices are not connected: information {flow}{context}, so the replicas "
+                    f"cannot reach consensus. {fix}"
                 )
 
     def __repr__(self) -> str:

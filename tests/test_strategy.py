@@ -55,6 +55,15 @@ def test_checkpoint_holds_the_average_and_loads_without_the_strategy(evaluated: 
     torch.testing.assert_close(flat(plain), mean, atol=1e-6, rtol=0)
 
 
+def test_checkpoint_holds_the_averaged_momentum(evaluated: tuple[str, list, str]) -> None:
+    _, results, path = evaluated
+    state = torch.load(path, weights_only=True)["optimizer_states"][0]["state"]
+    saved = torch.cat([state[i]["momentum_buffer"].reshape(-1) for i in sorted(state)])
+    momenta = torch.stack([r["momentum"] for r in results])
+    assert (momenta[0] - momenta[1]).abs().max() > 1e-4
+    torch.testing.assert_close(saved, momenta.mean(0), atol=1e-6, rtol=0)
+
+
 def test_resume_restarts_every_replica_from_the_average(evaluated: tuple[str, list, str]) -> None:
     _, results, path = evaluated
     average = torch.load(path, weights_only=True)["state_dict"]
@@ -130,3 +139,10 @@ def test_bad_arguments_fail_at_construction(kwargs: dict, match: str) -> None:
 def test_bad_topologies_fail_when_the_trainer_is_built(topology: object, devices: int, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         Trainer(strategy=DecentralizedStrategy(topology=topology), accelerator="cpu", devices=devices, logger=False)
+
+
+def test_gossip_every_that_skips_phases_of_a_time_varying_topology_is_refused() -> None:
+    strategy = DecentralizedStrategy(topology="one_peer_exponential", gossip_every=2)  # 4 ranks: period 2
+    with pytest.raises(ValueError, match=r"gossip_every=2.*shares no factor with 2"):
+        Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
+    Trainer(strategy=DecentralizedStrategy(topology="one_peer_exponential", gossip_every=3), accelerator="cpu", devices=4)

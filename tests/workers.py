@@ -64,7 +64,9 @@ def evaluate_and_checkpoint(rank: int, world_size: int, path: str, eval_on: str)
     strategy = DecentralizedStrategy(eval_on=eval_on)
     trainer = trainer_for(world_size, strategy, max_steps=config.steps, limit_val_batches=1)
     trainer.fit(model, train_dataloaders=train, val_dataloaders=val)
-    out: dict[str, Any] = {"replica": flat(model), "fit_validation": model.validation_params[-1]}
+    (optimizer,) = trainer.optimizers
+    momentum = torch.cat([optimizer.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
+    out: dict[str, Any] = {"replica": flat(model), "fit_validation": model.validation_params[-1], "momentum": momentum}
     trainer.save_checkpoint(path)
     out["after_save"] = flat(model)
     trainer.validate(model, val, verbose=False)
