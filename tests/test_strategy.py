@@ -146,3 +146,8 @@ def test_gossip_every_that_skips_phases_of_a_time_varying_topology_is_refused() 
     with pytest.raises(ValueError, match=r"gossip_every=2.*shares no factor with 2"):
         Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
     Trainer(strategy=DecentralizedStrategy(topology="one_peer_exponential", gossip_every=3), accelerator="cpu", devices=4)
+
+
+def test_unfreezing_during_fit_stops_every_rank_with_the_fix() -> None:
+    messages = run_distributed(workers.unfreeze_during_fit, 2)
+    assert all("trainable parameters changed during fit" in m and "before fit" in m for m in messages)

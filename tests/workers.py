@@ -169,3 +169,19 @@ def decentlam_steps(rank: int, world_size: int, config: Config, scaler: bool, ba
         "posted_in_backward": recorder.posted_in_backward,
         "warnings": [str(w.message) for w in caught if "DecentLaM" in str(w.message)],
     }
+
+
+def unfreeze_during_fit(rank: int, world_size: int) -> str:
+    class UnfreezeAtEpoch1(Callback):
+        def on_train_epoch_start(self, trainer: Trainer, module: Any) -> None:
+            if trainer.current_epoch == 1:
+                module.net[0].requires_grad_(True)
+
+    model = Regression(seed=init_seed(rank))
+    model.net[0].requires_grad_(False)
+    trainer = trainer_for(world_size, DecentralizedStrategy(), max_epochs=2, callbacks=[UnfreezeAtEpoch1()])
+    try:
+        trainer.fit(model, train_dataloaders=loader(rank, 16, 8))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
