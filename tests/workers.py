@@ -96,10 +96,10 @@ class _SeesExchangeInFlight(Regression):
         return super().training_step(batch, batch_idx)
 
 
-def fit_precision(rank: int, world_size: int, precision: str) -> dict[str, Any]:
+def fit_precision(rank: int, world_size: int, precision: str, momentum: str) -> dict[str, Any]:
     config = Config(precision, optimizer={"lr": 0.05, "momentum": 0.9})
     model = _SeesExchangeInFlight(seed=init_seed(rank), **config.optimizer_spec())
-    trainer = trainer_for(world_size, DecentralizedStrategy(), max_epochs=2, precision=precision)
+    trainer = trainer_for(world_size, DecentralizedStrategy(momentum=momentum), max_epochs=2, precision=precision)
     trainer.fit(model, train_dataloaders=loader(rank, config.samples, config.batch_size))
     return {"replica": flat(model), "global_step": trainer.global_step, "in_flight": model.in_flight}
 
