@@ -50,7 +50,12 @@ def pack_(tensors: Iterable[Tensor]) -> list[Tensor]:
 
 
 class PendingGossip:
-    """An exchange in flight; ``wait()`` completes it and combines in place."""
+    """An exchange in flight; ``wait()`` completes it and combines in place.
+
+    After ``wait()``, ``residuals`` holds, when the engine measures them, one 0-dim tensor per
+    buffer: ``‖x_i − Σ_j w_ij x_j‖²`` of the first round, on this rank (no host sync); ``None``
+    when nothing was exchanged or nothing was measured.
+    """
 
     def __init__(self, gossip: "Gossip", buffers: Sequence[Tensor], step: int, rounds: int, tag: int) -> None:
         self._gossip = gossip
@@ -58,6 +63,9 @@ class PendingGossip:
         self._step = step
         self._rounds_left = rounds
         self._tag = tag
+        self.residuals: Optional[list[Tensor]] = None
+        if rounds and gossip.measure_residual and gossip.topology.is_average(step):
+            self._before = [b.clone() for b in buffers]  # the all-reduce overwrites x_i
         self._works = gossip._post(buffers, step, tag) if rounds else None
 
     def wait(self) -> None:
@@ -65,7 +73,13 @@ class PendingGossip:
         while self._works is not None:
             for work in self._works:
                 work.wait()
-            self._gossip._combine(self._buffers, self._step, self._tag)
+            measure = self._gossip.measure_residual and self.residuals is None
+            residuals = self._gossip._combine(self._buffers, self._step, self._tag, measure)
+            if measure:
+                if self._gossip.topology.is_average(self._step):
+                    residuals = [(b - x).square().sum() for b, x in zip(self._buffers, self._before)]
+                    del self._before
+                self.residuals = residuals
             self._rounds_left -= 1
             self._works = self._gossip._post(self._buffers, self._step, self._tag) if self._rounds_left else None
 
@@ -89,6 +103,8 @@ class Gossip:
                 f"{dist.get_world_size(group)}; bind it to the group's size."
             )
         self._receive: dict[tuple[int, int], Tensor] = {}
+        self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self.measure_residual = False  # also compute ‖x_i − Σ_j w_ij x_j‖² per buffer (see PendingGossip)
 
     def start(self, buffers: Sequence[Tensor], step: int, rounds: int = 1, tag: int = 0) -> PendingGossip:
         """Post round one of ``rounds`` exchanges of ``buffers`` with ``W(step)``.
@@ -127,17 +143,33 @@ class Gossip:
                 ops.append(dist.P2POp(dist.irecv, receive, peer, self.group, tag=tag + index))
         return dist.batch_isend_irecv(ops) if ops else []  # a rank alone at this step (custom W)
 
-    def _combine(self, buffers: Sequence[Tensor], step: int, tag: int) -> None:
+    def _combine(self, buffers: Sequence[Tensor], step: int, tag: int, measure: bool = False) -> list[Tensor]:
+        """``x <- W x`` in place. ``measure``: form ``delta = W x − x`` in a scratch buffer and add it
+        instead, returning ``‖delta‖²`` per buffer (the all-reduce path leaves that to the caller)."""
         if self.topology.is_average(step):
             for buffer in buffers:
                 buffer.div_(self.topology.world_size)
-            return
+            return []
         self_weight = self.topology.self_weight(self.rank, step)
         neighbors = self.topology.in_neighbors(self.rank, step)
+        residuals = []
         for index, buffer in enumerate(buffers):
-            buffer.mul_(self_weight)
+            target = self._scratch_like(buffer) if measure else buffer
+            torch.mul(buffer, self_weight - 1 if measure else self_weight, out=target)
             for slot, (_, weight) in enumerate(neighbors):
-                buffer.add_(self._receive[(tag + index, slot)], alpha=weight)
+                target.add_(self._receive[(tag + index, slot)], alpha=weight)
+            if measure:
+                residuals.append(torch.dot(target, target))
+                buffer.add_(target)
+        return residuals
+
+    def _scratch_like(self, like: Tensor) -> Tensor:
+        """A temporary of ``like``'s size: a view into one growing buffer per (device, dtype)."""
+        key = (like.device, like.dtype)
+        scratch = self._scratch.get(key)
+        if scratch is None or scratch.numel() < like.numel():
+            scratch = self._scratch[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return scratch[: like.numel()]
 
     def _receive_buffer(self, tag: int, slot: int, like: Tensor) -> Tensor:
         buffer = self._receive.get((tag, slot))
