@@ -22,7 +22,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -44,9 +44,14 @@ from lightning_decentral.gossip import Gossip, PendingGossip, pack_
 from lightning_decentral.overlap import GradientBuckets
 from lightning_decentral.topology import TOPOLOGIES, Topology, resolve_topology
 
+if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against them
+    import networkx
+    import numpy as np
+
 _COMBINE = ("awc", "atc")
 _EVAL_ON = ("average", "local")
 _MOMENTUM = ("local", "decentlam")
+TopologyName = Literal[tuple(TOPOLOGIES)]  # type: ignore[valid-type]  # a config names one of these, checked when parsed
 
 
 class DecentralizedStrategy(DDPStrategy):
@@ -87,7 +92,9 @@ class DecentralizedStrategy(DDPStrategy):
 
     def __init__(
         self,
-        topology: Union[str, Topology, Any] = "ring",
+        topology: Union[
+            TopologyName, Topology, list[list[float]], list[list[list[float]]], np.ndarray, Tensor, networkx.Graph
+        ] = "ring",
         combine: Literal["awc", "atc"] = "awc",
         momentum: Literal["local", "decentlam"] = "local",
         gossip_every: int = 1,

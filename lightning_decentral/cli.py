@@ -1,0 +1,142 @@
+"""``lightning-decentral``: Lightning's ``LightningCLI`` with the decentralized strategies registered.
+
+    lightning-decentral fit --config examples/configs/digits_dpsgd.yaml
+    lightning-decentral fit --config examples/configs/digits_dpsgd.yaml --trainer.max_epochs 5
+    lightning-decentral fit --config examples/configs/digits_dpsgd.yaml --print_config
+    lightning-decentral validate --config examples/configs/digits_dpsgd.yaml --ckpt_path last.ckpt
+
+Subcommands ``fit``, ``validate``, ``test``, ``predict``. ``model`` and ``data`` take any
+LightningModule and LightningDataModule by ``class_path`` (subclass mode), ``trainer.strategy``
+a registered name (``dpsgd``, ``decentlam``, ``ddp``...) or
+``class_path: lightning_decentral.DecentralizedStrategy`` with ``init_args``.
+
+Like ``python -m``, the command puts the current directory first on ``sys.path``, so that
+``class_path: examples.digits.DigitsCNN`` imports when run from the repository root; modules on
+``PYTHONPATH`` import as well. After ``fit``, rank 0 prints the validation metrics of the final
+model (the averaged model ``x̄`` under ``DecentralizedStrategy``'s default ``eval_on="average"``),
+where the logs and checkpoints are, and the plots :func:`lightning_decentral.plot.plot_runs` drew.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from lightning_decentral.strategy import DecentralizedStrategy
+
+
+class DecentralizedCLI(LightningCLI):
+    """``LightningCLI`` in subclass mode for model and data, reporting on the averaged model after ``fit``.
+
+    Args:
+        args: the command line (default ``sys.argv[1:]``), as for ``LightningCLI``.
+        **kwargs: any other :class:`~lightning.pytorch.cli.LightningCLI` argument.
+    """
+
+    def __init__(self, args: ArgsType = None, **kwargs: Any) -> None:
+        self._last_validation = _LastValidation()
+        kwargs.setdefault("model_class", LightningModule)
+        kwargs.setdefault("datamodule_class", LightningDataModule)
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        super().__init__(args=args, **kwargs)
+
+    def instantiate_classes(self) -> None:
+        """Create model, data and Trainer; an error in a constructor (a bad value in the config, a
+        topology that does not fit the world size) exits like a parse error: the message, no traceback
+        (``JSONARGPARSE_DEBUG=1`` raises it instead)."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError, MisconfigurationException) as error:
+            self._parser(self.subcommand).error(f"The configuration could not be instantiated: {error}", error)
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        trainer = super().instantiate_trainer(**kwargs)
+        trainer.callbacks.append(self._last_validation)
+        return trainer
+
+    def after_fit(self) -> None:
+        """Validate the final model unless the last validation already saw it, then report on rank 0."""
+        trainer = self.trainer
+        metrics: dict[str, float] = {}
+        if self._has_validation():
+            if self._last_validation.step != trainer.global_step:
+                trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+        if trainer.is_global_zero:
+            print(report(trainer, metrics, _plot(trainer)), flush=True)
+
+    def _has_validation(self) -> bool:
+        sources = [self.model] + ([self.datamodule] if self.datamodule is not None else [])
+        return (
+            bool(self.trainer.limit_val_batches)
+            and is_overridden("validation_step", self.model)
+            and any(is_overridden("val_dataloader", source) for source in sources)
+        )
+
+
+class _LastValidation(Callback):
+    """The optimizer step at which validation last ran during ``fit`` (-1: never)."""
+
+    def __init__(self) -> None:
+        self.step = -1
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.step = trainer.global_step
+
+
+def _plot(trainer: Trainer) -> list[Path]:
+    """The monitors' plots, drawn from the CSV log into ``<csv log dir>/plots`` (rank 0; none without a CSVLogger)."""
+    if not trainer.is_global_zero:
+        return []
+    csv_dirs = [logger.log_dir for logger in trainer.loggers if isinstance(logger, CSVLogger)]
+    if not csv_dirs:
+        return []
+    from lightning_decentral.plot import plot_runs
+
+    return plot_runs(csv_dirs[:1], str(Path(csv_dirs[0]) / "plots"))
+
+
+def report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> str:
+    """The text printed after ``fit``: what was evaluated, the metrics, where logs, checkpoints and plots are."""
+    strategy = trainer.strategy
+    if isinstance(strategy, DecentralizedStrategy):
+        what = "the averaged model x̄" if strategy.eval_on == "average" else "rank 0's own replica"
+        rule = "decentlam" if strategy.momentum == "decentlam" else f"dpsgd {strategy.combine}"
+        how = f"{rule}, {strategy.topology!r}"
+    else:
+        what, how = "the model", type(strategy).__name__
+    lines = [f"Finished fit after {trainer.global_step} steps on {trainer.world_size} workers ({how})."]
+    if metrics:
+        values = ", ".join(f"{k} = {v:.4f}" for k, v in sorted(metrics.items()))
+        lines.append(f"Validation of {what}: {values}")
+    for logger in trainer.loggers:
+        if logger.log_dir is not None:
+            lines.append(f"Logs ({type(logger).__name__}): {logger.log_dir}")
+    for checkpoint in trainer.checkpoint_callbacks:
+        if checkpoint.best_model_path or checkpoint.last_model_path:
+            lines.append(f"Checkpoint: {checkpoint.best_model_path or checkpoint.last_model_path}")
+    if plots:
+        lines.append(f"Plots ({len(plots)}) in {Path(plots[0]).parent}: " + ", ".join(Path(p).name for p in plots))
+    return "\n".join(lines)
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """The ``lightning-decentral`` console command (``args`` defaults to ``sys.argv[1:]``)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)  # as `python -m` does: configs may name classes in modules under the cwd
+    DecentralizedCLI(args=args)
+
+
+if __name__ == "__main__":
+    main()

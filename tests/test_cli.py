@@ -1,0 +1,132 @@
+"""The ``lightning-decentral`` command: YAML types, clear errors before training, user modules."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from lightning_decentral.cli import main
+from lightning_decentral.topology import TOPOLOGIES
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = str(ROOT / "examples" / "configs" / "digits_dpsgd.yaml")
+
+
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], tuple[int, str, str]]:
+    """``lightning-decentral ARGS`` in this process, for what ends before training: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
+
+    def run(args: list[str]) -> tuple[int, str, str]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(args)
+        out, err = capsys.readouterr()
+        return exit_info.value.code, out, err
+
+    return run
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--trainer.strategy.init_args.topology", "rign"], ["rign", *TOPOLOGIES]),
+        (["--trainer.strategy.init_args.gossip_every", "two"], ["gossip_every", "two"]),
+        (["--trainer.strategy.init_args.combine", "both"], ["combine", "awc", "atc"]),
+        (["--trainer.strategy.init_args.gossip_every", "0"], ["`gossip_every` must be a positive integer"]),
+        (["--trainer.strategy.init_args.topology", "torus", "--trainer.devices", "3"], ["A torus needs", "ring"]),
+        (["--trainer.max_epochs", "many"], ["max_epochs"]),
+    ],
+    ids=["unknown-topology", "wrong-type", "bad-choice", "bad-value", "topology-misfit", "trainer-type"],
+)
+def test_bad_configuration_exits_with_a_message_before_training(args: list[str], expected: list[str], run_cli) -> None:
+    code, out, err = run_cli(["fit", "--config", QUICKSTART, *args])
+    assert code == 2
+    assert "error:" in err and "Traceback" not in err + out
+    for text in expected:
+        assert text in err, text
+
+
+def test_topology_by_class_path_and_strategy_by_name(run_cli) -> None:
+    code, out, _ = run_cli(
+        ["fit", "--config", QUICKSTART, "--trainer.strategy.init_args.topology", "lightning_decentral.Torus",
+         "--trainer.strategy.init_args.topology.rows", "2", "--print_config"]
+    )
+    assert code == 0
+    assert "class_path: lightning_decentral.Torus" in out and "rows: 2" in out
+    code, out, _ = run_cli(["fit", "--config", QUICKSTART, "--trainer.strategy", "decentlam", "--print_config"])
+    assert code == 0 and "strategy: decentlam" in out
+
+
+USER_MODULE = '''
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TinyRegression(LightningModule):
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = torch.nn.Linear(3, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.layer(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_mse", torch.nn.functional.mse_loss(self.layer(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class TinyData(LightningDataModule):
+    def __init__(self, samples: int = 32) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(samples, 3, generator=generator)
+        self.data = TensorDataset(x, x.sum(1, keepdim=True))
+
+    def train_dataloader(self):
+        return DataLoader(self.data, batch_size=4)
+
+    def val_dataloader(self):
+        return DataLoader(self.data, batch_size=8)
+'''
+
+
+def test_user_module_on_pythonpath_trains(tmp_path: Path) -> None:
+    """The console command, a model and data from the user's own module on PYTHONPATH, run elsewhere."""
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "my_project.py").write_text(textwrap.dedent(USER_MODULE))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "tiny.yaml").write_text(textwrap.dedent("""
+        trainer:
+          accelerator: cpu
+          devices: 1
+          strategy: dpsgd
+          max_steps: 3
+          logger: false
+          enable_checkpointing: false
+          enable_progress_bar: false
+        model:
+          class_path: my_project.TinyRegression
+          init_args: {lr: 0.05}
+        data: my_project.TinyData
+    """))
+    command = Path(sys.executable).with_name("lightning-decentral")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "user")}
+    done = subprocess.run(
+        [str(command), "fit", "--config", "tiny.yaml"],
+        cwd=tmp_path / "run", env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Finished fit after 3 steps on 1 workers (dpsgd awc, Ring(world_size=1))." in done.stdout
+    assert "Validation of the averaged model x̄: val_mse = " in done.stdout
