@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,3 +22,55 @@ def test_step_time_smoke(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results
+
+
+def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def _netns_permitted() -> tuple[bool, str]:
+    spec = importlib.util.spec_from_file_location("netns_benchmark", ROOT / "benchmarks" / "netns.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.netns_permitted()
+
+
+def test_netns_smoke(tmp_path: Path) -> None:
+    permitted, why = _netns_permitted()
+    if not permitted:
+        pytest.skip(f"the emulated network needs network namespaces: {why}")
+    out = tmp_path / "netns.json"
+    _run_smoke("netns.py", "--out", str(out))
+    (profile,) = json.loads(out.read_text())["profiles"]
+    assert [row["name"] for row in profile["rows"]] == ["ddp", "ring"]
+    assert all(row["step_median_s"] > 0 and len(row["loss_s"]) == 1 for row in profile["rows"])
+    assert all(len(job["mean_loss"]) == 3 for job in profile["jobs"] if job["kind"] == "loss")
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not set(profile["namespaces"]) & set(left), left  # torn down
+
+
+def test_timeline_smoke(tmp_path: Path) -> None:
+    out, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
+    _run_smoke("timeline.py", "--network", "loopback", "--png", str(png), "--out", str(out))
+    result = json.loads(out.read_text())
+    assert set(result["medians_s"]) == {"compute_awc", "awc", "compute_decentlam", "decentlam", "atc", "comm_awc", "comm_decentlam"}
+    events = result["records"][0]["awc"]["events"]
+    assert {what for what, *_ in events} == {"post", "wait"}  # the exchange was seen posted and waited for
+    assert png.stat().st_size > 0
+
+
+def test_cost_model_smoke(tmp_path: Path) -> None:
+    out, png = tmp_path / "cost.json", tmp_path / "cost.png"
+    _run_smoke("cost_model.py", "--png", str(png), "--out", str(out))
+    result = json.loads(out.read_text())
+    (measured,) = result["measured"]
+    alpha, beta = measured["link"]["alpha_s"], measured["link"]["beta_s_per_byte"]
+    assert alpha >= 0 and beta >= 0 and alpha + beta > 0
+    assert set(measured["exchange_s"]) == {"ddp", "ring", "one_peer_exponential"}
+    assert png.stat().st_size > 0

@@ -1,0 +1,343 @@
+"""Overlap, shown: per-rank timelines of AWC's and DecentLaM's steps, and step ≈ max(compute, comm).
+
+One command regenerates the table and ``docs/img/benchmarks/timeline.png`` (as root: on the
+emulated 1 Gbit/s network of ``benchmarks/netns.py``; ~3 minutes)::
+
+    python benchmarks/timeline.py
+    python benchmarks/timeline.py --network loopback      # no namespaces needed (CPU-bound transport)
+    python benchmarks/timeline.py --smoke                 # 2 steps, tiny model, no figure unless --png
+
+On ``--workers`` hosts (one worker each), the same MLP and data as ``benchmarks/step_time.py``
+train with ``DecentralizedStrategy(topology=--topology)`` in these runs, one after another in
+the same process group:
+
+* **compute only**: ``gossip_every`` larger than the run, so no step communicates;
+* **comm only**: no training; the bytes of one step go through ``Gossip`` (``start`` then
+  ``wait``) as the run would send them: the whole model for AWC and ATC, ``bucket_cap_mb``
+  buckets posted back to back for DecentLaM, after a barrier each time;
+* **AWC** (``combine="awc"``): the exchange of ``x(k)`` is posted at batch start and waited
+  for after backward;
+* **DecentLaM** (``momentum="decentlam"``): each bucket of ``z`` is posted from backward;
+* **ATC** (``combine="atc"``): one blocking exchange after the optimizer step, no overlap: the
+  reference for compute + comm.
+
+Each step's time is the gap between the ends of steps ``k - 1`` and ``k``, the slowest rank's,
+median over the measured steps. The timeline records on every rank, with ``time.perf_counter``
+(one clock for all processes of the machine): forward (``training_step``), backward
+(``on_before_backward`` → ``on_after_backward``), each ``Gossip.start`` (post) and
+``PendingGossip.wait`` (the time a rank is blocked on the network), and the optimizer step.
+The bar "in flight" runs from a post to the end of its wait: the bytes travel at some point
+inside it. A step that overlaps well has its waits short and its time near
+``max(compute, comm)``; ATC's near ``compute + comm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import signal
+import statistics
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from netns import (  # noqa: E402  (benchmarks/ is not a package)
+    PROFILES, exit_on_sigterm, netns_permitted, network_or_loopback, quiet, run_workers, step_times,
+)
+
+RUNS = ("compute_awc", "awc", "compute_decentlam", "decentlam", "atc", "comm_awc", "comm_decentlam")
+EVENTS: list[tuple[str, float, float, int]] = []  # (what, begin, end, tag), on this rank
+
+
+def _instrument() -> None:
+    """Record every ``Gossip.start`` and ``PendingGossip.wait`` of this process into ``EVENTS``."""
+    from lightning_decentral import gossip
+
+    def timed(function: Any, what: str) -> Any:
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            begin = time.perf_counter()
+            result = function(self, *args, **kwargs)
+            tag = kwargs.get("tag", args[3] if len(args) > 3 else 0) if what == "post" else getattr(self, "_tag", 0)
+            EVENTS.append((what, begin, time.perf_counter(), int(tag)))
+            return result
+
+        return wrapper
+
+    gossip.Gossip.start = timed(gossip.Gossip.start, "post")
+    gossip.PendingGossip.wait = timed(gossip.PendingGossip.wait, "wait")
+
+
+def _strategy(run: str, topology: str, total: int) -> Any:
+    from lightning_decentral import DecentralizedStrategy
+
+    if run.startswith("compute_"):
+        momentum = "decentlam" if run.endswith("decentlam") else "local"  # no step gossips: any static topology
+        return DecentralizedStrategy(topology="ring", momentum=momentum, gossip_every=total + 1)
+    if run == "decentlam":
+        return DecentralizedStrategy(topology=topology, momentum="decentlam")
+    return DecentralizedStrategy(topology=topology, combine=run)
+
+
+def _train(run: str, config: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from step_time import MLP, _make_loader
+
+    class Stamps(pl.Callback):
+        def __init__(self) -> None:
+            self.marks: list[tuple[str, float]] = []
+
+        def _mark(self, what: str) -> None:
+            self.marks.append((what, time.perf_counter()))
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self._mark("batch_start")
+
+        def on_before_backward(self, *args: Any) -> None:
+            self._mark("backward_start")
+
+        def on_after_backward(self, *args: Any) -> None:
+            self._mark("backward_end")
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self._mark("batch_end")
+
+    class TimedMLP(MLP):
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            stamps._mark("forward_start")
+            return super().training_step(batch, batch_idx)
+
+    widths = tuple(config["widths"])
+    total = config["warmup"] + config["steps"]
+    stamps = Stamps()
+    trainer = pl.Trainer(
+        accelerator="cpu", num_nodes=world_size, devices=1, strategy=_strategy(run, config["topology"], total),
+        max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, callbacks=[stamps],
+    )
+    EVENTS.clear()
+    trainer.fit(TimedMLP(widths, lr=0.01, momentum=0.9), train_dataloaders=_make_loader(rank, widths, config["batch_size"], total))
+    ends = [t for what, t in stamps.marks if what == "batch_end"]
+    return {"ends": ends, "marks": stamps.marks, "events": list(EVENTS)}
+
+
+def _communicate(run: str, config: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The bytes of one step through ``Gossip`` alone, ``--steps`` times: seconds from post to last wait."""
+    import torch
+    import torch.distributed as dist
+    from lightning_decentral.gossip import Gossip
+    from lightning_decentral.topology import resolve_topology
+
+    from step_time import count_parameters
+
+    gossip = Gossip(resolve_topology(config["topology"], world_size))
+    flat = torch.zeros(count_parameters(tuple(config["widths"])))
+    cap = int(config["bucket_cap_mb"] * 2**20) // flat.element_size()
+    buffers = list(flat.split(cap)) if run == "comm_decentlam" else [flat]
+    seconds = []
+    for k in range(config["warmup"] + config["steps"]):
+        dist.barrier()
+        begin = time.perf_counter()
+        pending = [gossip.start([b], step=k, tag=i) for i, b in enumerate(buffers)]
+        for p in pending:
+            p.wait()
+        seconds.append(time.perf_counter() - begin)
+    return {"seconds": seconds[config["warmup"] :], "buckets": len(buffers)}
+
+
+def _work(spec: dict[str, Any], rank: int) -> dict[str, Any]:
+    """One worker: every run of ``spec`` in order, in one process group."""
+    import torch
+
+    torch.set_num_threads(spec["config"]["threads"])
+    quiet()
+    _instrument()
+    world_size = int(os.environ["WORLD_SIZE"])
+    return {
+        run: (_communicate if run.startswith("comm_") else _train)(run, spec["config"], rank, world_size)
+        for run in spec["runs"]
+    }
+
+
+# -- the driver ----------------------------------------------------------------------------------
+
+
+def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
+    """Median seconds per step of every run (slowest rank), and the comm-only medians."""
+    medians = {}
+    for run in RUNS:
+        if run.startswith("comm_"):
+            medians[run] = statistics.median(max(column) for column in zip(*(r[run]["seconds"] for r in records)))
+        else:
+            medians[run] = statistics.median(step_times([r[run] for r in records], warmup))
+    return medians
+
+
+def render_table(medians: dict[str, float], command: str, setting: str) -> str:
+    lines = [
+        f"Command: `{command}`; {setting}",
+        "",
+        "| run | compute only (s) | comm only (s) | compute + comm (s) | max(compute, comm) (s) | measured step (s) "
+        "| measured / max | measured / sum |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, run, compute, comm in (
+        ("dpsgd awc (overlaps forward + backward)", "awc", "compute_awc", "comm_awc"),
+        ("decentlam (overlaps backward, per bucket)", "decentlam", "compute_decentlam", "comm_decentlam"),
+        ("dpsgd atc (no overlap)", "atc", "compute_awc", "comm_awc"),
+    ):
+        c, m, s = medians[compute], medians[comm], medians[run]
+        lines.append(
+            f"| {label} | {c:.3f} | {m:.3f} | {c + m:.3f} | {max(c, m):.3f} | {s:.3f} | {s / max(c, m):.2f} | {s / (c + m):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(records: list[dict[str, Any]], warmup: int, shown: int, path: Path, title: str) -> None:
+    """Per-rank lanes (compute above, network below) for ``shown`` steps after warm-up, AWC then DecentLaM."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    colors = {"forward": "#4C72B0", "backward": "#55A868", "optimizer + combine": "#C44E52",
+              "in flight": "#CCCCCC", "blocked in wait": "#DD8452", "post": "#8172B2"}
+    runs = [("awc", "dpsgd awc: the exchange of x(k) posted at batch start, waited for after backward"),
+            ("decentlam", "decentlam: each bucket of z posted from backward (ticks), waited for before the step"),
+            ("atc", "dpsgd atc: blocking exchange after the step (no overlap)")]
+    fig, axes = plt.subplots(len(runs), 1, figsize=(13, 2.0 + 1.2 * len(records) * len(runs)), squeeze=False)
+    span = 0.0  # one time scale for every panel
+    for ax, (run, caption) in zip(axes[:, 0], runs):
+        starts = [[t for what, t in r[run]["marks"] if what == "batch_start"] for r in records]
+        ends = [r[run]["ends"] for r in records]
+        t0 = min(s[warmup] for s in starts)
+        t1 = max(e[min(warmup + shown, len(e)) - 1] for e in ends)
+        for rank, r in enumerate(records):
+            y = (len(records) - 1 - rank) * 2.2
+            marks = [(w, t - t0) for w, t in r[run]["marks"]]
+            segments: dict[str, list[tuple[float, float]]] = {k: [] for k in colors}
+            last: dict[str, float] = {}
+            for what, t in marks:
+                if what == "forward_start":
+                    last["forward"] = t
+                elif what == "backward_start" and "forward" in last:
+                    segments["forward"].append((last.pop("forward"), t))
+                    last["backward"] = t
+                elif what == "backward_end" and "backward" in last:
+                    segments["backward"].append((last.pop("backward"), t))
+                    last["after"] = t
+                elif what == "batch_end" and "after" in last:
+                    last["optimizer"] = last.pop("after")
+                    segments["optimizer + combine"].append((last.pop("optimizer"), t))
+            posts: dict[int, list[float]] = {}
+            for what, begin, end, tag in r[run]["events"]:
+                begin, end = begin - t0, end - t0
+                if what == "post":
+                    segments["post"].append((begin, end))
+                    posts.setdefault(tag, []).append(end)
+                else:
+                    segments["blocked in wait"].append((begin, end))
+                    if posts.get(tag):
+                        segments["in flight"].append((posts[tag].pop(0), end))
+            for name, spans in segments.items():
+                lane = y + (1.0 if name in ("forward", "backward", "optimizer + combine", "post") else 0.0)
+                height = 0.8 if name != "in flight" else 0.35
+                spans = [(a, b - a) for a, b in spans if b > -0.05 and a < t1 - t0 + 0.05]
+                if spans:
+                    ax.broken_barh(spans, (lane + (0.45 if name == "in flight" else 0.0), height), color=colors[name])
+            ax.text(-0.01 * (t1 - t0), y + 0.9, f"rank {rank}", ha="right", va="center", fontsize=8)
+        span = max(span, t1 - t0)
+        ax.set_yticks([])
+        ax.set_title(caption, fontsize=9, loc="left")
+        ax.set_xlabel("seconds", fontsize=8)
+    for ax in axes[:, 0]:
+        ax.set_xlim(-0.02 * span, span * 1.02)
+    fig.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()], loc="upper center", ncol=6, fontsize=8)
+    fig.suptitle(textwrap.fill(title, 160), fontsize=9, y=0.975)
+    fig.tight_layout(rect=(0.03, 0, 1, 0.95))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--network", default="1gbit", help=f"loopback, or a netns.py profile: {', '.join(PROFILES)} (default 1gbit)")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--topology", default="one_peer_exponential", help="the gossip topology (default one_peer_exponential)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per run (default 12)")
+    parser.add_argument("--warmup", type=int, default=None, help="steps dropped first (default 3)")
+    parser.add_argument("--shown", type=int, default=3, help="steps drawn in the timeline (default 3)")
+    parser.add_argument("--widths", default=None, help="MLP widths (default: step_time.py's, 5.3M parameters)")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per worker per step (default 64)")
+    parser.add_argument("--bucket-cap-mb", type=float, default=4.0, help="DecentLaM's bucket size (the strategy's default)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=420.0)
+    parser.add_argument("--png", default=None, help="the figure (default docs/img/benchmarks/timeline.png; --smoke: none)")
+    parser.add_argument("--out", action="append", default=[], help="write results: .md (table) or .json; repeatable")
+    parser.add_argument("--smoke", action="store_true", help="2 measured steps on a tiny model")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup, args.widths = args.steps or 2, args.warmup or 1, args.widths or "64,64,10"
+        args.shown = min(args.shown, 2)
+    elif args.png is None:
+        args.png = str(HERE.parent / "docs" / "img" / "benchmarks" / "timeline.png")
+    args.steps, args.warmup = args.steps or 12, args.warmup or 3
+    if args.widths is None:
+        from step_time import FULL_WIDTHS
+
+        args.widths = ",".join(map(str, FULL_WIDTHS))
+    args.widths = [int(w) for w in args.widths.split(",")]
+    if args.network != "loopback" and args.network not in PROFILES:
+        parser.error(f"--network must be loopback or one of {list(PROFILES)}")
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be >= 1")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parse(argv)
+    link = None if args.network == "loopback" else PROFILES[args.network]
+    if link is not None:
+        ok, why = netns_permitted()
+        if not ok:
+            print(f"--network {args.network} needs network namespaces: {why}. Use --network loopback.", file=sys.stderr)
+            return 2
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    command = " ".join(["python", "benchmarks/timeline.py", *(sys.argv[1:] if argv is None else argv)])
+    config = dict(widths=args.widths, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
+                  threads=args.threads, topology=args.topology, bucket_cap_mb=args.bucket_cap_mb)
+    import lightning_decentral  # noqa: F401  imported once here, inherited by the forked workers
+    import step_time  # noqa: F401
+
+    started = time.monotonic()
+    with network_or_loopback(link, args.workers) as network:
+        setting = network.shaping if network is not None else "loopback TCP (gloo), no shaping"
+        print(f"{args.workers} workers, {setting}; MLP {'-'.join(map(str, args.widths))}, batch {args.batch_size}, "
+              f"topology {args.topology}; {args.warmup}+{args.steps} steps per run", flush=True)
+        records = run_workers(functools.partial(_work, {"config": config, "runs": RUNS}), args.workers, network, args.timeout)
+    medians = summarize(records, args.warmup)
+    setting += f"; {args.workers} workers, topology {args.topology}, MLP {'-'.join(map(str, args.widths))}, batch {args.batch_size}"
+    table = render_table(medians, command, setting)
+    print("\n" + table + f"\n\nwhole run: {time.monotonic() - started:.0f} s")
+    if args.png:
+        plot(records, args.warmup, args.shown, Path(args.png), f"{args.workers} workers, {setting}")
+        print(f"wrote {args.png}")
+    for out in args.out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        body = {"command": command, "setting": setting, "config": config, "medians_s": medians, "records": records}
+        path.write_text(json.dumps(body) + "\n" if path.suffix == ".json" else table + "\n")
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
