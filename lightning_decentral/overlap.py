@@ -105,6 +105,7 @@ class GradientBuckets:
         self.listening = False  # post buckets from the gradient hooks
         self.late_gradient = False  # a gradient arrived after its bucket was posted
         self.posted_in_backward = 0  # buckets posted from the hooks at the last step
+        self.residuals: list[Tensor] = []  # gossip.measure_residual: each bucket's ‖z_i − Σ_j w_ij z_j‖², last step
 
     @property
     def num_buckets(self) -> int:
@@ -174,9 +175,11 @@ class GradientBuckets:
     def modify_gradients(self) -> None:
         """Post what is left, wait for every bucket, write ``g̃ = (x − W z) / γ`` into the (unscaled) gradients."""
         self.post_all()
+        self.residuals = []
         for bucket in self._buckets:
             assert bucket.pending is not None
             bucket.pending.wait()
+            self.residuals += bucket.pending.residuals or []
             bucket.pending = None
             for segment in bucket.segments:
                 if segment.lr is not None:

@@ -155,6 +155,9 @@ class DecentralizedStrategy(DDPStrategy):
         self._armed_step = -1  # DecentLaM: the step the buckets are armed for
         self._modify_at_step = False  # DecentLaM: the optimizer's pre-hook writes g̃
         self._averaged_depth = 0
+        self._measure_residuals = False  # monitors asked for the gossip residual
+        self._residual: Optional[Tensor] = None  # its value at step self._residual_step
+        self._residual_step = -1
         self._eval_context = contextlib.ExitStack()
 
     # -- public surface -----------------------------------------------------------
@@ -200,6 +203,49 @@ class DecentralizedStrategy(DDPStrategy):
             with torch.no_grad():
                 for t, original in zip(tensors, originals):
                     t.copy_(original)
+
+    # -- monitoring surface: what lightning_decentral.callbacks reads and drives -------------
+
+    def measure_residuals(self) -> None:
+        """From now on, every exchange of the parameters also measures its gossip residual
+        (:meth:`gossip_residual`). Off by default, so that training without monitors does no extra work."""
+        self._measure_residuals = True
+        if self._gossip is not None:
+            self._gossip.measure_residual = True
+
+    def gossip_residual(self, step: int) -> Optional[Tensor]:
+        """``‖y_i − sum_j w_ij(k) y_j‖²`` summed over this rank's trainable parameters, for the first round of
+        the exchange of step ``k = step``: ``y = x(k)`` (AWC), ``U(x(k), g)`` (ATC), ``z = x(k) − γ g`` (DecentLaM).
+
+        A 0-dim float64 tensor on this rank's device, not synchronized; ``None`` if step ``step`` exchanged
+        nothing or :meth:`measure_residuals` was not called.
+        """
+        return self._residual if self._residual_step == step else None
+
+    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
+        """For each trainable parameter ``p``: its name, ``‖p_i − p̄‖²`` on this rank and ``‖p̄‖²``.
+
+        0-dim float64 tensors, ``p̄ = (1/n) sum_i p_i`` averaged in at least float32. Costs one all-reduce
+        of the parameters; every rank must call it together (``Ξ² = (1/n) sum_i sum_p ‖p_i − p̄‖²``).
+        """
+        named = [(name, p) for name, p in self.lightning_module.named_parameters() if p.requires_grad]
+        wide = [p.detach().to(torch.promote_types(p.dtype, torch.float32)) for _, p in named]
+        means = self._mean_over_ranks(wide)
+        return [
+            (name, _squared_norm(w - m), _squared_norm(m)) for (name, _), w, m in zip(named, wide, means)
+        ]
+
+    def extra_gossip(self, step: int, rounds: int) -> None:
+        """``x <- W(step)^rounds x`` for the parameters and the mixed buffers, now, on top of the step's own
+        gossip. Call it between optimizer steps (no exchange in flight), on every rank with the same arguments."""
+        if rounds > 0 and self._gossip is not None:
+            self._gossip.start(self._parameters + self._buffers, step, rounds).wait()
+
+    def _record_residual(self, step: int, residuals: Optional[list[Tensor]], count: Optional[int] = None) -> None:
+        """Keep the sum of the first ``count`` residuals of an exchange (those of the parameters) as ``step``'s."""
+        if residuals:
+            self._residual = torch.stack([r.to(self.root_device, torch.float64) for r in residuals[:count]]).sum()
+            self._residual_step = step
 
     def _mean_over_ranks(self, tensors: list[Tensor]) -> list[Tensor]:
         """New tensors ``(1/n) sum_i t_i``, one all-reduce per (device, dtype), run on this rank's device."""
@@ -259,6 +305,7 @@ class DecentralizedStrategy(DDPStrategy):
         group = dist.new_group(backend=self.process_group_backend)
         dist.all_reduce(torch.zeros(1, device=self.root_device), group=group)  # NCCL: every rank joins first
         self._gossip = Gossip(self.topology, group=group)
+        self._gossip.measure_residual = self._measure_residuals
         self._send = [torch.empty_like(b) for b in self._parameters + self._buffers] if self._awc else []
         self._buffer_snapshot = [torch.empty_like(b) for b in self._buffers] if self._awc else []
         self._pending = None
@@ -343,7 +390,8 @@ class DecentralizedStrategy(DDPStrategy):
             return self._decentlam_step(step, optimizer, closure, model, **kwargs)
         if self.combine == "atc":
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
-            self._gossip_now(self._parameters + self._buffers, step)
+            pending = self._gossip_now(self._parameters + self._buffers, step)
+            self._record_residual(step, pending and pending.residuals, len(self._parameters))
             return output
         return self._awc_step(step, optimizer, closure, model, **kwargs)
 
@@ -392,15 +440,19 @@ class DecentralizedStrategy(DDPStrategy):
         if self._pending is None:
             return
         self._pending.wait()
+        self._record_residual(self._started_step, self._pending.residuals, len(self._parameters))
         self._pending = None
         algorithms.gossip_correction_(self._send, self._parameters + self._buffer_snapshot)
 
-    def _gossip_now(self, tensors: list[Tensor], step: int, tag: int = 0) -> None:
-        """``x <- W(k)^r x`` now: ATC's stepped parameters, or DecentLaM's buffers."""
+    def _gossip_now(self, tensors: list[Tensor], step: int, tag: int = 0) -> Optional[PendingGossip]:
+        """``x <- W(k)^r x`` now: ATC's stepped parameters, or DecentLaM's buffers; returns the finished exchange."""
         rounds = self.gossip_rounds(step)
-        if rounds and tensors:
-            assert self._gossip is not None
-            self._gossip.start(tensors, step, rounds, tag).wait()
+        if not (rounds and tensors):
+            return None
+        assert self._gossip is not None
+        pending = self._gossip.start(tensors, step, rounds, tag)
+        pending.wait()
+        return pending
 
     def _can_overlap_backward(self) -> bool:
         """Post DecentLaM buckets from backward, unless clipping (or a module hook that may edit the
@@ -472,6 +524,7 @@ class DecentralizedStrategy(DDPStrategy):
             result = closure() if closure is not None else None
         assert self._buckets is not None
         self._buckets.modify_gradients()
+        self._record_residual(self._armed_step, self._buckets.residuals)  # of z, bucket by bucket
         if closure is None:
             return None
         return args, {**kwargs, "closure": lambda: result}
@@ -606,6 +659,10 @@ def _group_by_layout(tensors: list[Tensor]) -> list[list[Tensor]]:
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     return list(groups.values())
+
+
+def _squared_norm(t: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
 
 
 def _copy_flat_into(flat: Tensor, tensors: list[Tensor]) -> None:

@@ -1,0 +1,57 @@
+"""What the monitors share: which steps they act on, and sums over ranks."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.distributed as dist
+from lightning.pytorch import Trainer
+from torch import Tensor
+
+from lightning_decentral.strategy import DecentralizedStrategy
+
+
+def check_every(every_n_steps: Any) -> int:
+    if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+        raise ValueError(f"`every_n_steps` must be a positive integer (1 = every step), got {every_n_steps!r}.")
+    return every_n_steps
+
+
+def due(step: int, every_n_steps: int) -> bool:
+    """Whether optimizer step ``step`` (0-based) is measured: ``(step + 1) % every_n_steps == 0``, the
+    steps Lightning writes to the loggers when ``every_n_steps`` is a multiple of ``log_every_n_steps``."""
+    return (step + 1) % every_n_steps == 0
+
+
+def decentralized(trainer: Trainer) -> Optional[DecentralizedStrategy]:
+    """The trainer's :class:`DecentralizedStrategy` with more than one rank, else ``None`` (replicas are equal)."""
+    strategy = trainer.strategy
+    if isinstance(strategy, DecentralizedStrategy) and strategy.world_size > 1:
+        return strategy
+    return None
+
+
+def sum_over_ranks(tensor: Tensor) -> Tensor:
+    """``sum_i tensor_i``, in place: one all-reduce on the default group, no barrier and no host sync."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def max_over_ranks(tensor: Tensor) -> Tensor:
+    """``max_i tensor_i``, in place: a decision every rank then shares, whatever each computed."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def warn_unless_written(every_n_steps: int, trainer: Trainer, name: str) -> Optional[str]:
+    """The message to warn with when some measured steps would never reach the loggers."""
+    log_every = trainer.log_every_n_steps
+    if trainer.loggers and log_every and every_n_steps % log_every:
+        return (
+            f"{name}(every_n_steps={every_n_steps}) measures at steps that Lightning does not write to the loggers "
+            f"(log_every_n_steps={log_every}): make every_n_steps a multiple of Trainer(log_every_n_steps=...)."
+        )
+    return None
+

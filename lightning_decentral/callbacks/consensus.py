@@ -1,0 +1,309 @@
+"""Consensus distance (Kong et al., ICML 2021): watch it, and keep it under a target.
+
+    Ξ(k) = sqrt( (1/n) Σ_i ‖x_i(k) − x̄(k)‖² )        over the trainable parameters (ALGORITHMS.md §6)
+
+Both callbacks act at the end of optimizer step ``k``, on the replicas ``x(k+1)`` the strategy has just
+produced, when no exchange is in flight. The free proxy is the *gossip residual* of step ``k``,
+
+    R(k) = sqrt( (1/n) Σ_i ‖y_i − Σ_j w_ij(k) y_j‖² )
+
+over the state ``y`` that step's first gossip round mixed (AWC: ``x(k)``; ATC: ``U(x(k), g)``; DecentLaM:
+``z = x(k) − γ g``, not ``x``). Because ``(I − W)`` vanishes on consensus, ``R`` is ``Ξ(y)`` scaled by a
+factor between ``1 − λ₂(W)`` and ``1 − λ_min(W)`` (symmetric ``W``); the *calibration*
+``c = Ξ(k) / R(k)``, the exact distance at the end of a step over that step's residual, turns it into an
+estimate ``Ξ̂(k) = c · R(k)`` of the distance at the end of later steps.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+
+from lightning_decentral.callbacks._common import (
+    check_every,
+    decentralized,
+    due,
+    max_over_ranks,
+    sum_over_ranks,
+    warn_unless_written,
+)
+from lightning_decentral.strategy import DecentralizedStrategy
+from lightning_decentral.topology import Topology
+
+_REFERENCES = ("absolute", "parameters")
+
+
+class _StepEnd(Callback):
+    """Calls :meth:`_step_end` once per optimizer step, from ``on_train_batch_end`` of the batch that stepped."""
+
+    _seen_step = 0
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._seen_step = trainer.global_step  # a resumed fit starts counting here
+
+    def _ended_step(self, trainer: Trainer) -> Optional[int]:
+        """The optimizer step ``k`` that ended since the last call, else ``None`` (accumulating)."""
+        if trainer.global_step == self._seen_step:
+            return None
+        self._seen_step = trainer.global_step
+        return trainer.global_step - 1
+
+
+def gossip_residual(strategy: DecentralizedStrategy, step: int) -> Optional[Tensor]:
+    """``R(step)``, equal on every rank (one scalar all-reduce); ``None`` where step ``step`` did not gossip."""
+    if not strategy.gossip_rounds(step):  # the same on every rank, so the collectives always match
+        return None
+    local = strategy.gossip_residual(step)
+    if local is None:  # cannot happen once measure_residuals() ran; NaN shows it without a hang
+        local = torch.tensor(math.nan, dtype=torch.float64, device=strategy.root_device)
+    return sum_over_ranks(local.clone()).div_(strategy.world_size).sqrt_()
+
+
+def consensus_distance(strategy: DecentralizedStrategy, per_layer: bool = False) -> dict[str, Tensor]:
+    """Exact ``Ξ`` (``"distance"``), ``‖x̄‖`` (``"mean_norm"``) and, with ``per_layer``, ``Ξ`` of each
+    top-level submodule (``"distance/<name>"``): one all-reduce of the parameters and one of a few scalars."""
+    deviations = strategy.parameter_deviations()
+    device = strategy.root_device
+    layers: dict[str, list[Tensor]] = {}
+    if per_layer:
+        for name, deviation, _ in deviations:
+            layers.setdefault(name.split(".", 1)[0], []).append(deviation)
+    local = torch.stack(
+        [torch.stack([d for _, d, _ in deviations]).sum()] + [torch.stack(d).sum() for d in layers.values()]
+    ).to(device)
+    distances = sum_over_ranks(local).div_(strategy.world_size).sqrt_()
+    out = {"distance": distances[0], "mean_norm": torch.stack([m for _, _, m in deviations]).sum().sqrt().to(device)}
+    out.update({f"distance/{name}": d for name, d in zip(layers, distances[1:])})
+    return out
+
+
+class ConsensusDistance(_StepEnd):
+    """Log the consensus distance ``Ξ`` between the replicas, and its free proxy, to every logger.
+
+    * every ``every_n_steps`` optimizer steps: ``consensus/distance`` (``Ξ``, exact) and ``consensus/relative``
+      (``Ξ / ‖x̄‖``); with ``per_layer=True`` also ``consensus/distance/<name>`` per top-level submodule.
+      Cost: one all-reduce of the parameters (about one gossip round of bytes).
+    * every step that gossips: ``consensus/residual`` (``R(k)``, see the module docstring). Cost: a scalar
+      all-reduce; the residual itself is computed while the exchange is combined.
+
+    The values are all-reduced, hence equal on every rank, and logged with ``LightningModule.log``: the
+    loggers (rank zero only) write them once, at the steps Lightning writes (``log_every_n_steps``); they
+    also reach ``trainer.callback_metrics`` (e.g. for ``ModelCheckpoint(monitor="consensus/distance")``).
+    Measured states are the replicas after the step (and after :class:`ConsensusControl`'s extra rounds).
+    Under any other strategy the replicas are one model: ``Ξ = 0`` is logged and nothing is communicated.
+
+    Example::
+
+        trainer = Trainer(strategy="dpsgd", devices=8, callbacks=[ConsensusDistance(every_n_steps=50)])
+    """
+
+    def __init__(self, every_n_steps: int = 50, per_layer: bool = False) -> None:
+        self.every_n_steps = check_every(every_n_steps)
+        self.per_layer = per_layer
+        self._control: Optional[ConsensusControl] = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._control = next((c for c in trainer.callbacks if isinstance(c, ConsensusControl)), None)
+        strategy = decentralized(trainer)
+        if strategy is not None:
+            strategy.measure_residuals()
+        message = warn_unless_written(self.every_n_steps, trainer, type(self).__name__)
+        if message:
+            rank_zero_warn(message)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step = self._ended_step(trainer)
+        if step is None:
+            return
+        if self._control is not None:
+            self._control._step_end(trainer, step)  # the control acts first: Ξ is measured after it
+        strategy = decentralized(trainer)
+        metrics: dict[str, Any] = {}
+        if strategy is None:
+            metrics["consensus/residual"] = 0.0
+            if due(step, self.every_n_steps):
+                metrics["consensus/distance"] = metrics["consensus/relative"] = 0.0
+                names = {name.split(".", 1)[0] for name, p in pl_module.named_parameters() if p.requires_grad}
+                metrics.update({f"consensus/distance/{name}": 0.0 for name in sorted(names) if self.per_layer})
+        else:
+            residual = gossip_residual(strategy, step)
+            if residual is not None:
+                metrics["consensus/residual"] = residual
+            if due(step, self.every_n_steps):
+                measured = consensus_distance(strategy, self.per_layer)
+                mean_norm = measured.pop("mean_norm")
+                metrics.update({f"consensus/{key}": value for key, value in measured.items()})
+                metrics["consensus/relative"] = measured["distance"] / mean_norm
+                if self._control is not None:
+                    self._control._calibrate(step, measured["distance"], residual, mean_norm)
+        if metrics:
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+
+class ConsensusControl(_StepEnd):
+    """Keep the consensus distance under ``target`` with extra gossip rounds (Kong et al.'s practical scheme).
+
+    At the end of every optimizer step ``k`` that gossips, while the estimated ``Ξ`` exceeds the target, the
+    replicas (and mixed buffers) take one more round ``x <- W(k) x``, up to ``max_gossip_steps`` rounds at that
+    step in all (the strategy's own ``gossip_steps`` included). The estimate ``Ξ̂`` before the extra rounds is
+    the exact ``Ξ`` on steps with ``(k + 1) % every_n_steps == 0`` (one all-reduce of the parameters; also
+    whenever no calibration exists yet), else the calibrated proxy ``c · R(k)`` (a scalar all-reduce), ``c``
+    refreshed by every exact measurement of the step's state, this callback's or :class:`ConsensusDistance`'s.
+    ``r`` rounds shrink the distance at least by ``‖W(k)^r − 11ᵀ/n‖₂``: ``Ξ̂_r = ‖W(k)^r − 11ᵀ/n‖₂ · Ξ̂``
+    (a guaranteed bound, no measurement per round), and the control stops at the first ``r`` with
+    ``Ξ̂_r ≤ target``, or when one more round cannot lower the bound (a ``W(k)`` that reaches only some
+    ranks, as in one-peer topologies).
+
+    Every rank takes the same decision by construction: ``Ξ̂`` comes from all-reduced values and the rounds
+    are then agreed with an all-reduce (max) before any round is sent.
+
+    Args:
+        target: the largest tolerated ``Ξ`` (``reference="absolute"``), or ``Ξ / ‖x̄‖``
+            (``reference="parameters"``, with the ``‖x̄‖`` of the latest exact measurement).
+        reference: ``"absolute"`` or ``"parameters"``.
+        max_gossip_steps: the most rounds at one step, the strategy's own included.
+        until_epoch: control during epochs ``< until_epoch`` only (the initial phase, where Kong et al.
+            find the consensus distance matters most); ``None``: always.
+        every_n_steps: measure ``Ξ`` exactly (and recalibrate) every this many steps.
+
+    Logs ``consensus/gossip_steps``, the rounds each step took in all (0 on local steps). Under a strategy
+    other than :class:`~lightning_decentral.DecentralizedStrategy` it warns and does nothing (``Ξ = 0``).
+
+    Example::
+
+        callbacks = [ConsensusControl(target=0.05, reference="parameters", until_epoch=30), ConsensusDistance()]
+    """
+
+    def __init__(
+        self,
+        target: float,
+        reference: Literal["absolute", "parameters"] = "absolute",
+        max_gossip_steps: int = 8,
+        until_epoch: Optional[int] = None,
+        every_n_steps: int = 1,
+    ) -> None:
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < math.inf:
+            raise ValueError(f"`target` must be a positive number, got {target!r}.")
+        if reference not in _REFERENCES:
+            raise ValueError(f"`reference` must be one of {list(_REFERENCES)}, got {reference!r}.")
+        if isinstance(max_gossip_steps, bool) or not isinstance(max_gossip_steps, int) or max_gossip_steps < 1:
+            raise ValueError(f"`max_gossip_steps` must be a positive integer, got {max_gossip_steps!r}.")
+        if until_epoch is not None and (isinstance(until_epoch, bool) or not isinstance(until_epoch, int)):
+            raise ValueError(f"`until_epoch` must be an integer epoch or None, got {until_epoch!r}.")
+        self.target = float(target)
+        self.reference = reference
+        self.max_gossip_steps = max_gossip_steps
+        self.until_epoch = until_epoch
+        self.every_n_steps = check_every(every_n_steps)
+        self.calibration: Optional[float] = None  # c = Ξ / R on the same step's end
+        self.mean_norm: Optional[float] = None  # ‖x̄‖ at the latest exact measurement
+        self._done_step = -1
+        self._extra = 0  # the extra rounds of step _done_step
+        self._mixed_step = -2  # the latest step that ran extra rounds
+        self._rounds = 0  # all rounds of step _done_step
+        self._bounds: dict[tuple[int, int], list[float]] = {}
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        super().on_fit_start(trainer, pl_module)
+        self._done_step = -1
+        strategy = decentralized(trainer)
+        if strategy is None:
+            rank_zero_warn(
+                f"ConsensusControl has nothing to control under {type(trainer.strategy).__name__} with "
+                f"{trainer.world_size} rank(s): the replicas are one model (Ξ = 0). Use strategy='dpsgd'."
+            )
+            return
+        if strategy.gossip_steps > self.max_gossip_steps:
+            raise ValueError(
+                f"ConsensusControl(max_gossip_steps={self.max_gossip_steps}) is below the strategy's own "
+                f"gossip_steps={strategy.gossip_steps}: raise max_gossip_steps, or lower gossip_steps."
+            )
+        strategy.measure_residuals()
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step = self._ended_step(trainer)
+        if step is None:
+            return
+        self._step_end(trainer, step)
+        pl_module.log("consensus/gossip_steps", float(self._rounds), on_step=True, on_epoch=False)
+
+    def _active(self, trainer: Trainer) -> bool:
+        return self.until_epoch is None or trainer.current_epoch < self.until_epoch
+
+    def _step_end(self, trainer: Trainer, step: int) -> None:
+        """Decide and run the extra rounds of step ``step`` (once, whichever monitor asks first)."""
+        if self._done_step == step:
+            return
+        if self._extra:
+            self._mixed_step = self._done_step
+        self._done_step, self._extra, self._rounds = step, 0, 0
+        strategy = decentralized(trainer)
+        if strategy is None:
+            return
+        self._rounds = own = strategy.gossip_rounds(step)
+        if not own or not self._active(trainer):
+            return
+        residual = gossip_residual(strategy, step)
+        assert residual is not None
+        exact = (
+            due(step, self.every_n_steps)
+            or self.calibration is None
+            or (self.reference == "parameters" and self.mean_norm is None)
+        )
+        if exact:
+            measured = consensus_distance(strategy)
+            self._calibrate(step, measured["distance"], residual, measured["mean_norm"])
+            estimate = float(measured["distance"])
+        else:
+            estimate = self.calibration * float(residual)
+        target = self.target * (self.mean_norm or 0.0) if self.reference == "parameters" else self.target
+        extra = self._rounds_needed(strategy.topology, step, estimate, target, self.max_gossip_steps - own)
+        extra = int(max_over_ranks(torch.tensor(extra, device=strategy.root_device)))
+        strategy.extra_gossip(step, extra)
+        self._extra, self._rounds = extra, own + extra
+
+    def _calibrate(self, step: int, distance: Tensor, residual: Optional[Tensor], mean_norm: Tensor) -> None:
+        """Take an exact ``Ξ`` of the state at the end of ``step``, before any extra round.
+
+        It sets ``c = Ξ / R(step)`` unless step ``step - 1`` ran extra rounds (then ``R(step)`` measured a state
+        the control had just contracted, not the training dynamics the proxy is meant to follow) or ``R`` is
+        at the level of rounding (replicas still equal).
+        """
+        if step != self._done_step or self._extra:
+            return  # not this step's state before the control, or the replicas were mixed since
+        self.mean_norm = float(mean_norm)
+        if residual is None or self._mixed_step == step - 1:
+            return
+        r, xi = float(residual), float(distance)
+        if r > 1e-6 * self.mean_norm and math.isfinite(xi):
+            self.calibration = xi / r
+
+    def _rounds_needed(self, topology: Topology, step: int, estimate: float, target: float, limit: int) -> int:
+        """The fewest rounds ``r <= limit`` with ``‖W(step)^r − J‖₂ · estimate <= target``; fewer if rounds
+        stop helping."""
+        bounds = self._contraction(topology, step, limit)
+        rounds = 0
+        while rounds < limit and bounds[rounds] * estimate > target and bounds[rounds + 1] < bounds[rounds] - 1e-12:
+            rounds += 1
+        return rounds
+
+    def _contraction(self, topology: Topology, step: int, limit: int) -> list[float]:
+        """``[‖W^r − J‖₂ for r = 0..limit]`` for ``W = W(step)``, ``J = 11ᵀ/n`` (pure math, cached per phase)."""
+        key = (step % topology.period, limit)
+        if key not in self._bounds:
+            n = topology.world_size
+            deviation = topology.mixing(step) - np.full((n, n), 1.0 / n)  # (W − J)^r = W^r − J
+            power, bounds = np.eye(n) - np.full((n, n), 1.0 / n), []
+            for _ in range(limit + 1):
+                bounds.append(float(np.linalg.norm(power, 2)))
+                power = deviation @ power
+            self._bounds[key] = bounds
+        return self._bounds[key]
+

@@ -1,0 +1,175 @@
+"""The effective learning rate of D-PSGD (Zhang et al., 2021), ALGORITHMS.md §6.
+
+    ḡ_loc = (1/n) Σ_i ∇L(x_i; ξ_i)        what D-PSGD applies (gradients at the local replicas)
+    g(x̄)  = (1/n) Σ_i ∇L(x̄; ξ_i)        what SSGD would apply (gradients at the average, same batches)
+    α_e   = γ · ⟨ḡ_loc, g(x̄)⟩ / ‖g(x̄)‖²,    η_d = ḡ_loc − g(x̄)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_decentral.callbacks._common import check_every, decentralized, due, sum_over_ranks, warn_unless_written
+
+
+class EffectiveLearningRate(Callback):
+    """Log D-PSGD's effective learning rate ``α_e`` and its landscape-dependent noise (ALGORITHMS.md §6).
+
+    Every ``every_n_steps`` optimizer steps it logs ``lr/effective`` (``α_e``), ``lr/effective_ratio``
+    (``α_e / γ``) and ``noise/decentralized`` (``‖η_d‖``), equal on every rank. ``γ`` is the learning rate of
+    the optimizer's first param group; the ratio is over all trainable parameters. ``α_e < γ`` where the
+    landscape is sharp: D-PSGD's self-adjusting learning rate.
+
+    How, at a measured step ``k``, in ``on_before_optimizer_step`` (the gradients of the step exist, the
+    optimizer has not stepped; DecentLaM has not yet replaced them by ``g̃``):
+
+    * ``g_i``: this rank's ``p.grad`` (unscaled, before clipping), the step's raw gradient at ``x_i(k)``;
+    * ``∇L(x̄; ξ_i)``: ``training_step`` again on each of the step's own (micro-)batches, with the parameters
+      and floating buffers replaced by their average (``strategy.averaged_model()``), under the precision
+      plugin's forward context and the random state the batch's training forward started from (the same
+      dropout masks), differentiated with ``torch.autograd.grad``: no ``p.grad`` is touched and no
+      gradient hook (DecentLaM's buckets) fires;
+    * afterwards, parameters, every buffer (BatchNorm statistics, ``num_batches_tracked``), the random
+      state and the states of the module's torchmetrics are put back exactly, and ``self.log`` calls made
+      by that second ``training_step`` are dropped: training continues bit for bit as without the callback.
+
+    Cost at a measured step: one more forward and backward per micro-batch, and three model-sized
+    all-reduces (``x̄``, then both gradients at once). Needs automatic optimization. Under any other
+    strategy the replicas are one model, so ``α_e = γ``, the ratio 1 and the noise 0 are logged with no
+    extra work.
+
+    Example::
+
+        trainer = Trainer(strategy="dpsgd", devices=8, callbacks=[EffectiveLearningRate(every_n_steps=50)])
+    """
+
+    def __init__(self, every_n_steps: int = 50) -> None:
+        self.every_n_steps = check_every(every_n_steps)
+        self._step = -1
+        self._batches: list[tuple[Any, int, dict[str, Any]]] = []  # the measured step's micro-batches
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit" and not pl_module.automatic_optimization:
+            raise ValueError(
+                "EffectiveLearningRate re-runs `training_step` at the averaged weights, which needs automatic "
+                "optimization; with `automatic_optimization = False`, remove the callback."
+            )
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        message = warn_unless_written(self.every_n_steps, trainer, type(self).__name__)
+        if message:
+            rank_zero_warn(message)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        step = trainer.global_step
+        if step != self._step:
+            self._step, self._batches = step, []
+        if due(step, self.every_n_steps) and decentralized(trainer) is not None:
+            self._batches.append((batch, batch_idx, _random_state(trainer.strategy.root_device)))
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        step = trainer.global_step
+        if not due(step, self.every_n_steps):
+            return
+        lr = float(optimizer.param_groups[0]["lr"])
+        ratio: Any = 1.0  # one model: ḡ_loc = g(x̄)
+        noise: Any = 0.0
+        if decentralized(trainer) is not None:
+            batches, self._batches = self._batches, []
+            ratio, noise = self._measure(trainer, pl_module, batches)
+        pl_module.log_dict(
+            {"lr/effective": ratio * lr, "lr/effective_ratio": ratio, "noise/decentralized": noise},
+            on_step=True,
+            on_epoch=False,
+        )
+
+    def _measure(
+        self, trainer: Trainer, pl_module: LightningModule, batches: list[tuple[Any, int, dict[str, Any]]]
+    ) -> tuple[Tensor, Tensor]:
+        """``(⟨ḡ_loc, g(x̄)⟩ / ‖g(x̄)‖², ‖ḡ_loc − g(x̄)‖)``, equal on every rank."""
+        strategy = trainer.strategy
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        with _untouched(pl_module, strategy.root_device), strategy.averaged_model():
+            at_mean = _gradients(trainer, pl_module, params, batches)
+        dtype = torch.promote_types(params[0].dtype, torch.float32)
+        both = torch.cat([g.detach().reshape(-1).to(strategy.root_device, dtype) for g in local + at_mean])
+        sum_over_ranks(both).div_(strategy.world_size)
+        local_mean, mean_grad = both.double().split(both.numel() // 2)
+        ratio = torch.dot(local_mean, mean_grad) / torch.dot(mean_grad, mean_grad)
+        return ratio, torch.linalg.vector_norm(local_mean - mean_grad)
+
+
+def _gradients(
+    trainer: Trainer, pl_module: LightningModule, params: list[Tensor], batches: list[tuple[Any, int, dict]]
+) -> list[Tensor]:
+    """``Σ_m ∇(L(x; ξ_m) / accumulate_grad_batches)`` at the current parameters, over the step's micro-batches."""
+    grads = [torch.zeros_like(p) for p in params]
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+    pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
+    for batch, batch_idx, state in batches:
+        _set_random_state(state)
+        with torch.enable_grad(), trainer.precision_plugin.train_step_context():
+            output = pl_module.training_step(batch, batch_idx) if pass_index else pl_module.training_step(batch)
+        loss = output["loss"] if isinstance(output, dict) else output
+        if loss is None:  # the user skipped this batch: it did not contribute to g_i either
+            continue
+        parts = torch.autograd.grad(loss * (scale / trainer.accumulate_grad_batches), params, allow_unused=True)
+        for total, part in zip(grads, parts):
+            if part is not None:
+                total.add_(part, alpha=1.0 / scale)
+    return grads
+
+
+@contextlib.contextmanager
+def _untouched(pl_module: LightningModule, device: torch.device) -> Iterator[None]:
+    """Inside: ``self.log`` is silenced. After: every buffer, the random state and the torchmetrics states
+    are what they were before (parameters are restored by ``averaged_model``)."""
+    from torchmetrics import Metric
+
+    buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
+    metrics = [(m, copy.deepcopy(m.metric_state), m._update_count) for m in pl_module.modules() if isinstance(m, Metric)]
+    state = _random_state(device)
+    pl_module.log = pl_module.log_dict = _drop  # type: ignore[method-assign]  # instance attributes shadow them
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict
+        _set_random_state(state)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for metric, saved_state, count in metrics:
+            for name, value in saved_state.items():
+                setattr(metric, name, value)
+            metric._update_count = count
+
+
+def _drop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _random_state(device: torch.device) -> dict[str, Any]:
+    """The generators a training forward draws from: the CPU's and, on a GPU, this rank's device's."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = (device, torch.cuda.get_rng_state(device))
+    return state
+
+
+def _set_random_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        device, cuda_state = state["cuda"]
+        torch.cuda.set_rng_state(cuda_state, device)
