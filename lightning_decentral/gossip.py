@@ -10,10 +10,31 @@ bytes travel::
     ...                                       # forward / backward
     pending.wait()                            # buffers now hold W(k) x
 
+With ``out=`` the buffers are only read, never written: they travel as they
+are (no copy) and ``out`` receives ``W(k)^r x − x`` (adapt-with-combine's
+correction, which the strategy adds after the optimizer step).
+
 Each rank derives its sends and receives from the same ``W(k)``, a pure
 function of ``k``: every send has its matching receive on the peer, so the
-schedule cannot deadlock. One message per neighbour per flat buffer; when
-``W(k) = 11ᵀ/n`` a single all-reduce replaces the point-to-point exchange.
+schedule cannot deadlock. Transport, per exchange:
+
+* ``W(k) = 11ᵀ/n``: one all-reduce per buffer, always in the buffers' precision.
+* otherwise one message per neighbour per flat buffer. On gloo it goes as a broadcast
+  on a 2-rank subgroup per edge (one subgroup per pair of neighbours over the period,
+  created with the engine, in the same order on every rank), which beat
+  ``batch_isend_irecv`` in 8 of 10 measurements from 4 KB to 64 MB, with no size where
+  point-to-point won reproducibly (``benchmarks/transport.py``, ``docs/benchmarks.md``).
+  On other backends (NCCL) messages go point-to-point (``batch_isend_irecv``, which NCCL
+  coalesces into one group call); that choice is not measured here.
+* :class:`~lightning_decentral.topology.Hierarchical`: two exchanges per round,
+  ``I ⊗ W_in`` on one subgroup per node (an all-reduce when the inner topology is
+  ``complete``), then ``W_out ⊗ I`` on one subgroup per local rank. The subgroups
+  are created when the engine is built, in the same order on every rank.
+
+Low precision (``dtype=torch.bfloat16`` or ``float16``): point-to-point messages carry
+``q_i = x_i`` rounded to ``dtype`` and the combine is ``x_i <- x_i + Σ_j w_ij q_j − q_i``.
+The column sums of ``W`` make ``Σ_i`` of the update zero, so ``x̄`` is kept exactly, and the
+rounding error ``x_i − q_i`` stays in ``x_i`` and goes out in later rounds (error feedback).
 """
 
 from __future__ import annotations
@@ -25,7 +46,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_decentral.topology import Topology
+from lightning_decentral.topology import Hierarchical, Topology
+
+_TRANSPORTS = (None, "p2p", "broadcast")
 
 
 def pack_(tensors: Iterable[Tensor]) -> list[Tensor]:
@@ -49,103 +72,294 @@ def pack_(tensors: Iterable[Tensor]) -> list[Tensor]:
     return buffers
 
 
+def check_finite_(buffers: Sequence[Tensor], rank: int, step: int) -> None:
+    """Raise :class:`FloatingPointError` if a buffer holds a NaN or an Inf, before it reaches a neighbour.
+
+    One reduction per flat buffer (a sum, accumulated in at least float32 so that finite values
+    do not overflow; a NaN or Inf anywhere makes it non-finite) and one host sync for them all.
+    """
+    sums = torch.stack([b.sum(dtype=torch.promote_types(b.dtype, torch.float32)).double() for b in buffers])
+    if not bool(torch.isfinite(sums).all()):
+        raise FloatingPointError(
+            f"Rank {rank} holds a NaN or an Inf in what it was about to send to its neighbours at step {step}; "
+            "training stops here, before the values spread (the other ranks stop within the process-group "
+            "timeout, and the checkpoints written before this step are intact). Lower the learning rate, clip "
+            "the gradients (Trainer(gradient_clip_val=...)) or look for the source with torch.autograd.detect_anomaly."
+        )
+
+
 class PendingGossip:
-    """An exchange in flight; ``wait()`` completes it and combines in place.
+    """An exchange in flight; ``wait()`` completes it and combines.
 
     After ``wait()``, ``residuals`` holds, when the engine measures them, one 0-dim tensor per
     buffer: ``‖x_i − Σ_j w_ij x_j‖²`` of the first round, on this rank (no host sync); ``None``
-    when nothing was exchanged or nothing was measured.
+    when nothing was exchanged or nothing was measured. In low precision it is ``‖q_i − Σ_j w_ij q_j‖²``,
+    the update the exchange applied.
     """
 
-    def __init__(self, gossip: "Gossip", buffers: Sequence[Tensor], step: int, rounds: int, tag: int) -> None:
-        self._gossip = gossip
-        self._buffers = buffers
-        self._step = step
-        self._rounds_left = rounds
-        self._tag = tag
+    def __init__(
+        self,
+        gossip: "Gossip",
+        buffers: Sequence[Tensor],
+        step: int,
+        rounds: int,
+        tag: int,
+        out: Optional[Sequence[Tensor]] = None,
+    ) -> None:
+        self._step, self._tag = step, tag
+        self._buffers = list(buffers)
+        self._out = None if out is None else list(out)
+        per_round = gossip._legs(step) if rounds else []
+        self._legs = per_round * rounds
+        self._first_round = len(per_round)
+        self._done = 0
         self.residuals: Optional[list[Tensor]] = None
-        if rounds and gossip.measure_residual and gossip.topology.is_average(step):
-            self._before = [b.clone() for b in buffers]  # the all-reduce overwrites x_i
-        self._works = gossip._post(buffers, step, tag) if rounds else None
+        self._measure = gossip.measure_residual and bool(self._legs)
+        # out=: a point-to-point first exchange reads the buffers directly; anything else runs on a copy in out
+        self._direct = self._out is not None and bool(self._legs) and not self._legs[0].topology.is_average(step)
+        if self._out is not None and not self._direct:
+            for o, b in zip(self._out, self._buffers):
+                o.copy_(b)
+        self._current = self._buffers if self._out is None or self._direct else self._out
+        single_p2p = self._first_round == 1 and not per_round[0].topology.is_average(step) if per_round else False
+        self._before = [c.clone() for c in self._current] if self._measure and not single_p2p else None
+        self._works = self._legs[0]._post(self._current, step, tag) if self._legs else None
 
     def wait(self) -> None:
-        """Block until ``buffers = W(step)^rounds buffers`` on this rank."""
+        """Block until the buffers hold ``W(step)^rounds x`` (with ``out=``: ``out`` holds that minus ``x``)."""
         while self._works is not None:
-            for work in self._works:
-                work.wait()
-            measure = self._gossip.measure_residual and self.residuals is None
-            residuals = self._gossip._combine(self._buffers, self._step, self._tag, measure)
-            if measure:
-                if self._gossip.topology.is_average(self._step):
-                    residuals = [(b - x).square().sum() for b, x in zip(self._buffers, self._before)]
-                    del self._before
-                self.residuals = residuals
-            self._rounds_left -= 1
-            self._works = self._gossip._post(self._buffers, self._step, self._tag) if self._rounds_left else None
+            try:
+                for work in self._works:
+                    work.wait()
+            except RuntimeError as exc:  # gloo and NCCL raise this when a peer is gone or the timeout passed
+                raise RuntimeError(
+                    f"The gossip exchange of step {self._step} failed on this rank: a neighbour died, stopped with "
+                    "an error, or did not answer within the process-group timeout (DecentralizedStrategy(timeout=...)). "
+                    f"The first error in the other ranks' logs is the cause. ({exc})"
+                ) from exc
+            leg = self._legs[self._done]
+            if self._direct and self._done == 0:
+                residuals = leg._combine(self._buffers, self._step, self._tag, self._measure, into=self._out)
+                self._current = self._out
+                if len(self._legs) > 1:  # later exchanges mix W x itself
+                    for o, b in zip(self._out, self._buffers):
+                        o.add_(b)
+            else:
+                residuals = leg._combine(self._current, self._step, self._tag, self._measure)
+            self._done += 1
+            if self._measure and self._done == self._first_round and self.residuals is None:
+                if self._before is None:
+                    self.residuals = residuals
+                else:
+                    self.residuals = [(c - x).square().sum() for c, x in zip(self._current, self._before)]
+                    self._before = None
+            if self._done < len(self._legs):
+                self._works = self._legs[self._done]._post(self._current, self._step, self._tag)
+                continue
+            self._works = None
+            if self._out is not None and not (self._direct and len(self._legs) == 1):
+                for o, b in zip(self._out, self._buffers):
+                    o.sub_(b)
 
 
 class Gossip:
-    """In-place ``x <- W(k)^r x`` over a process group, for a bound topology.
+    """``x <- W(k)^r x`` over a process group, for a bound topology.
 
     Args:
-        topology: a topology bound to the group's size.
-        group: the process group to talk on (default: the world). Peers are
-            global ranks, so the group must span every rank of the topology.
+        topology: a topology bound to the group's size; rank ``i`` of the topology is rank ``i``
+            of the group.
+        group: the process group to talk on (default: the world).
+        dtype: the floating-point type point-to-point messages travel in (``torch.bfloat16``,
+            ``torch.float16``); ``None`` sends the buffers' own. See the module docstring.
+        transport: neighbour messages as ``"p2p"`` or ``"broadcast"`` (per-edge subgroups, gloo
+            only); ``None`` chooses by backend (see the module docstring).
+
+    Example::
+
+        gossip = Gossip(resolve_topology("ring", dist.get_world_size()), dtype=torch.bfloat16)
+        gossip.start([flat], step=k).wait()          # flat <- flat + W q - q, q = bf16(flat)
     """
 
-    def __init__(self, topology: Topology, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        group: Optional[dist.ProcessGroup] = None,
+        dtype: Optional[torch.dtype] = None,
+        transport: Optional[str] = None,
+    ) -> None:
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"transport must be one of {list(_TRANSPORTS)}, got {transport!r}.")
         self.topology = topology
         self.group = group
-        self.rank = dist.get_rank()
-        if dist.get_world_size(group) != topology.world_size:
+        self.dtype = dtype
+        size = dist.get_world_size(group)
+        if size != topology.world_size:
             raise ValueError(
                 f"The topology is bound to {topology.world_size} ranks but the process group has "
-                f"{dist.get_world_size(group)}; bind it to the group's size."
+                f"{size}; bind it to the group's size."
             )
+        world = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(world)
+        self._global = [dist.get_global_rank(world, r) for r in range(size)]  # P2P ops take global ranks
         self._receive: dict[tuple[int, int], Tensor] = {}
+        self._wire: dict[int, Tensor] = {}  # low precision: q per buffer index (tag + b)
         self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self.measure_residual = False  # also compute ‖x_i − Σ_j w_ij x_j‖² per buffer (see PendingGossip)
+        self._stages = self._hierarchical_stages(world) if isinstance(topology, Hierarchical) else []
+        self.transport = transport
+        self._edge_groups: dict[int, dist.ProcessGroup] = {}  # peer -> the 2-rank subgroup of that edge
+        if transport == "broadcast" or (transport is None and not self._stages and dist.get_backend(world) == "gloo"):
+            self._edge_groups = self._create_edge_groups(transport == "broadcast")
 
-    def start(self, buffers: Sequence[Tensor], step: int, rounds: int = 1, tag: int = 0) -> PendingGossip:
+    def _create_edge_groups(self, required: bool) -> dict[int, dist.ProcessGroup]:
+        """A 2-rank subgroup per pair of neighbours over one period; every rank creates every one, in order."""
+        topology, n = self.topology, self.topology.world_size
+        pairs = sorted(
+            {(min(i, j), max(i, j)) for k in range(topology.period) if not topology.is_average(k)
+             for i in range(n) for j, _ in topology.in_neighbors(i, k)}
+        )
+        if len(pairs) > 4 * n or dist.get_backend(self.group or dist.group.WORLD) != "gloo":
+            if required:
+                raise ValueError(
+                    f"transport='broadcast' needs the gloo backend and at most 4 edges per rank ({len(pairs)} "
+                    f"edges for {n} ranks here); use transport=None or 'p2p'."
+                )
+            return {}
+        groups = {}
+        for pair in pairs:
+            subgroup = dist.new_group([self._global[r] for r in pair])
+            if self.rank in pair:
+                groups[pair[1] if pair[0] == self.rank else pair[0]] = subgroup
+        return groups
+
+    def _hierarchical_stages(self, world: dist.ProcessGroup) -> list["Gossip"]:
+        """One engine per level: the inner topology on this rank's node, the outer one on its local-rank peers.
+
+        Every rank creates every subgroup, in the same order (``new_group`` is collective).
+        """
+        topology = self.topology
+        assert isinstance(topology, Hierarchical)
+        m, nodes = topology.node_size, topology.num_nodes
+        backend = dist.get_backend(world)
+        node, local = divmod(self.rank, m)
+        stages = []
+        for part, count, members in (
+            (topology.inner_topology, nodes, lambda a: [a * m + l for l in range(m)]),
+            (topology.outer_topology, m, lambda l: [a * m + l for a in range(nodes)]),
+        ):
+            mine = None
+            for index in range(count):
+                ranks = [self._global[r] for r in members(index)]
+                subgroup = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
+                if index == (node if part is topology.inner_topology else local):
+                    mine = subgroup
+            if mine is not None:  # point-to-point: edge subgroups would need every rank of the world
+                stages.append(Gossip(part, group=mine, dtype=self.dtype, transport="p2p"))
+        return stages
+
+    def start(
+        self,
+        buffers: Sequence[Tensor],
+        step: int,
+        rounds: int = 1,
+        tag: int = 0,
+        out: Optional[Sequence[Tensor]] = None,
+        check_finite: bool = True,
+    ) -> PendingGossip:
         """Post round one of ``rounds`` exchanges of ``buffers`` with ``W(step)``.
 
-        The buffers must not be written until ``wait()`` returns. Exchanges in flight at the
-        same time need distinct tags: buffer ``b`` travels with tag ``tag + b``.
+        The buffers must not be written until ``wait()`` returns. Without ``out`` they end as
+        ``W^r x``; with ``out`` (tensors like the buffers) they are only read and ``out`` ends as
+        ``W^r x − x``. Exchanges in flight at the same time need distinct tags: buffer ``b``
+        travels with tag ``tag + b``. ``check_finite``: raise :class:`FloatingPointError` before
+        anything is sent if a buffer holds a NaN or an Inf (see :func:`check_finite_`).
         """
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
         if self.topology.is_identity(step):
             rounds = 0
+            for o in out or []:
+                o.zero_()
         elif self.topology.is_average(step):
             rounds = 1  # W is a projection: W^r = W
-        return PendingGossip(self, buffers, step, rounds, tag)
+        if rounds and check_finite:
+            check_finite_(buffers, self.rank, step)
+        return PendingGossip(self, buffers, step, rounds, tag, out)
 
     def bytes_sent(self, buffers: Sequence[Tensor], step: int) -> int:
         """Bytes this rank sends for one round of ``start(buffers, step)`` (all-reduce: the ring figure)."""
-        size = sum(b.numel() * b.element_size() for b in buffers)
-        if self.topology.is_identity(step):
-            return 0
-        if self.topology.is_average(step):  # a ring all-reduce sends 2(n-1)/n of the buffer
-            return size * 2 * (self.topology.world_size - 1) // self.topology.world_size
-        return size * len(self.topology.out_neighbors(self.rank, step))
+        return sum(leg._leg_bytes(buffers, step) for leg in self._legs(step))
 
     # -- transport -----------------------------------------------------------------
+
+    def _legs(self, step: int) -> list["Gossip"]:
+        """The engines one round runs in order: this one, or a hierarchical topology's levels."""
+        if self.topology.is_identity(step):
+            return []
+        if self._stages and not self.topology.is_average(step):
+            return [stage for stage in self._stages if not stage.topology.is_identity(step)]
+        return [self]
+
+    def _leg_bytes(self, buffers: Sequence[Tensor], step: int) -> int:
+        if self.topology.is_average(step):  # a ring all-reduce sends 2(n-1)/n of the buffer, full precision
+            n = self.topology.world_size
+            return sum(b.numel() * b.element_size() for b in buffers) * 2 * (n - 1) // n
+        size = sum(b.numel() * self._wire_dtype(b).itemsize for b in buffers)
+        return size * len(self.topology.out_neighbors(self.rank, step))
+
+    def _wire_dtype(self, buffer: Tensor) -> torch.dtype:
+        return buffer.dtype if self.dtype is None else self.dtype
 
     def _post(self, buffers: Sequence[Tensor], step: int, tag: int) -> list[dist.Work]:
         if self.topology.is_average(step):
             return [dist.all_reduce(b, group=self.group, async_op=True) for b in buffers]
-        ops = []
+        ops, works = [], []
         for index, buffer in enumerate(buffers):
+            sent = self._sent(buffer, tag + index)
+            if self._edge_groups:
+                works += self._post_broadcasts(sent, step, tag + index)
+                continue
             for peer, _ in self.topology.out_neighbors(self.rank, step):
-                ops.append(dist.P2POp(dist.isend, buffer, peer, self.group, tag=tag + index))
+                ops.append(dist.P2POp(dist.isend, sent, self._global[peer], self.group, tag=tag + index))
             for slot, (peer, _) in enumerate(self.topology.in_neighbors(self.rank, step)):
-                receive = self._receive_buffer(tag + index, slot, buffer)
-                ops.append(dist.P2POp(dist.irecv, receive, peer, self.group, tag=tag + index))
-        return dist.batch_isend_irecv(ops) if ops else []  # a rank alone at this step (custom W)
+                receive = self._receive_buffer(tag + index, slot, sent)
+                ops.append(dist.P2POp(dist.irecv, receive, self._global[peer], self.group, tag=tag + index))
+        return works + (dist.batch_isend_irecv(ops) if ops else [])  # none: a rank alone at this step (custom W)
 
-    def _combine(self, buffers: Sequence[Tensor], step: int, tag: int, measure: bool = False) -> list[Tensor]:
-        """``x <- W x`` in place. ``measure``: form ``delta = W x − x`` in a scratch buffer and add it
-        instead, returning ``‖delta‖²`` per buffer (the all-reduce path leaves that to the caller)."""
+    def _post_broadcasts(self, sent: Tensor, step: int, key: int) -> list[dist.Work]:
+        """Each edge's subgroup carries its messages as broadcasts, the lower rank's first, on both ends."""
+        sends_to = {peer for peer, _ in self.topology.out_neighbors(self.rank, step)}
+        slots = {peer: slot for slot, (peer, _) in enumerate(self.topology.in_neighbors(self.rank, step))}
+        works = []
+        for peer in sorted(sends_to | slots.keys()):
+            for source in sorted(r for r, sends in ((self.rank, peer in sends_to), (peer, peer in slots)) if sends):
+                tensor = sent if source == self.rank else self._receive_buffer(key, slots[peer], sent)
+                works.append(
+                    dist.broadcast(tensor, src=self._global[source], group=self._edge_groups[peer], async_op=True)
+                )
+        return works
+
+    def _sent(self, buffer: Tensor, key: int) -> Tensor:
+        """What goes on the wire for ``buffer``: itself, or ``q`` = it rounded to ``dtype``."""
+        if self._wire_dtype(buffer) == buffer.dtype:
+            return buffer
+        wire = self._wire.get(key)
+        if wire is None or wire.shape != buffer.shape or wire.device != buffer.device or wire.dtype != self.dtype:
+            wire = self._wire[key] = torch.empty_like(buffer, dtype=self.dtype)
+        return wire.copy_(buffer)
+
+    def _combine(
+        self,
+        buffers: Sequence[Tensor],
+        step: int,
+        tag: int,
+        measure: bool = False,
+        into: Optional[Sequence[Tensor]] = None,
+    ) -> list[Tensor]:
+        """Finish one exchange: ``x <- x + delta``, ``delta = Σ_j w_ij s_j − s_i`` (``s`` = what was
+        sent: ``x``, or ``q`` in low precision). With ``into`` the buffers stay as they are and
+        ``into`` gets ``delta``. ``measure``: return ``‖delta‖²`` per buffer (the all-reduce path
+        leaves that to the caller)."""
         if self.topology.is_average(step):
             for buffer in buffers:
                 buffer.div_(self.topology.world_size)
@@ -154,14 +368,27 @@ class Gossip:
         neighbors = self.topology.in_neighbors(self.rank, step)
         residuals = []
         for index, buffer in enumerate(buffers):
-            target = self._scratch_like(buffer) if measure else buffer
-            torch.mul(buffer, self_weight - 1 if measure else self_weight, out=target)
+            sent = self._sent_buffer(buffer, tag + index)
+            if into is None and not measure and sent is buffer:  # the plain x <- W x, one pass fewer
+                buffer.mul_(self_weight)
+                for slot, (_, weight) in enumerate(neighbors):
+                    buffer.add_(self._receive[(tag + index, slot)], alpha=weight)
+                continue
+            delta = into[index] if into is not None else self._scratch_like(buffer)
+            if sent.dtype == delta.dtype:
+                torch.mul(sent, self_weight - 1, out=delta)
+            else:  # widen q exactly first, then scale in the buffer's precision
+                delta.copy_(sent).mul_(self_weight - 1)
             for slot, (_, weight) in enumerate(neighbors):
-                target.add_(self._receive[(tag + index, slot)], alpha=weight)
+                delta.add_(self._receive[(tag + index, slot)], alpha=weight)
             if measure:
-                residuals.append(torch.dot(target, target))
-                buffer.add_(target)
+                residuals.append(torch.dot(delta.reshape(-1), delta.reshape(-1)))
+            if into is None:
+                buffer.add_(delta)
         return residuals
+
+    def _sent_buffer(self, buffer: Tensor, key: int) -> Tensor:
+        return buffer if self._wire_dtype(buffer) == buffer.dtype else self._wire[key]
 
     def _scratch_like(self, like: Tensor) -> Tensor:
         """A temporary of ``like``'s size: a view into one growing buffer per (device, dtype)."""
@@ -169,7 +396,7 @@ class Gossip:
         scratch = self._scratch.get(key)
         if scratch is None or scratch.numel() < like.numel():
             scratch = self._scratch[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-        return scratch[: like.numel()]
+        return scratch[: like.numel()].view_as(like)
 
     def _receive_buffer(self, tag: int, slot: int, like: Tensor) -> Tensor:
         buffer = self._receive.get((tag, slot))

@@ -77,6 +77,8 @@ class GradientBuckets:
         gossip: the exchange to run.
         bucket_bytes: the target size of one bucket.
         grad_scale: the factor the gradients carry during backward (a GradScaler's scale), or 1.
+        check_finite: refuse to send a ``z`` holding a NaN or an Inf (off under a GradScaler, whose
+            overflowing steps every rank skips together).
     """
 
     def __init__(
@@ -87,9 +89,11 @@ class GradientBuckets:
         gossip: Gossip,
         bucket_bytes: int,
         grad_scale: Callable[[], Union[float, Tensor]] = lambda: 1.0,
+        check_finite: bool = True,
     ) -> None:
         self.optimizer = optimizer
         self.gossip = gossip
+        self.check_finite = check_finite
         self._grad_scale = grad_scale
         self._flats = [_Flat(data, [p for p in parameters if _shares_storage(p, data)]) for data in flat_parameters]
         group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -157,7 +161,9 @@ class GradientBuckets:
         for segment in bucket.segments:
             segment.lr = self._lr(segment)
             algorithms.decentlam_trial_point_(segment.send, segment.x, segment.grad, segment.lr, scale)
-        bucket.pending = self.gossip.start([bucket.send], self._step, self._rounds, tag=self._next)
+        bucket.pending = self.gossip.start(
+            [bucket.send], self._step, self._rounds, tag=self._next, check_finite=self.check_finite
+        )
         bucket.posted = True
         self._next += 1
 

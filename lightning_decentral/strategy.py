@@ -2,9 +2,9 @@
 
 One optimizer step ``k`` on rank ``i``, adapt-with-combine (the default)::
 
-    on_train_batch_start   copy x_i(k) into the send buffers, post the exchange
+    on_train_batch_start   post the exchange of x_i(k) (the parameter buffers are sent as they are)
     closure                forward + backward on the local shard (bytes in flight)
-    end of the closure     wait: send buffers <- W(k) x(k) - x_i(k)
+    end of the closure     wait: correction buffers <- W(k) x(k) - x_i(k)
     optimizer.step()       x_i <- U(x_i(k), g_i)
     after the step         x_i(k+1) <- x_i + (W(k) x(k) - x_i(k))
 
@@ -19,7 +19,9 @@ Gradients are never all-reduced and the module is never wrapped in
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import secrets
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
@@ -40,6 +43,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_decentral import algorithms
+from lightning_decentral import checkpoint as shards
 from lightning_decentral.gossip import Gossip, PendingGossip, pack_
 from lightning_decentral.overlap import GradientBuckets
 from lightning_decentral.topology import TOPOLOGIES, Topology, resolve_topology
@@ -77,6 +81,11 @@ class DecentralizedStrategy(DDPStrategy):
         eval_on: ``"average"`` validates, tests and predicts on ``x̄`` (each replica is restored
             afterwards); ``"local"`` on each rank's own replica.
         bucket_cap_mb: DecentLaM's bucket size: the unit of communication overlapped with backward.
+        gossip_dtype: send point-to-point messages in this precision (``torch.bfloat16`` or
+            ``torch.float16``; ``None``: the parameters' own). Replicas and optimizer state stay in
+            full precision; the exchange keeps ``x̄`` exactly and feeds the rounding error back
+            (``x_i <- x_i + sum_j w_ij q_j - q_i``, see :mod:`lightning_decentral.gossip`).
+            All-reduces (``complete``) stay in full precision.
 
     The remaining arguments are :class:`~lightning.pytorch.strategies.DDPStrategy`'s.
 
@@ -102,6 +111,7 @@ class DecentralizedStrategy(DDPStrategy):
         gossip_buffers: bool = True,
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
+        gossip_dtype: Optional[torch.dtype] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -136,6 +146,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.combine = combine
         self.momentum = momentum
         self.bucket_cap_mb = bucket_cap_mb
+        self.gossip_dtype = _check_gossip_dtype(gossip_dtype)
         self.gossip_every = gossip_every
         self.gossip_steps = gossip_steps
         self.gossip_buffers = gossip_buffers
@@ -145,7 +156,7 @@ class DecentralizedStrategy(DDPStrategy):
         self._gossip: Optional[Gossip] = None
         self._parameters: list[Tensor] = []  # flat buffers the trainable parameters are views of
         self._buffers: list[Tensor] = []  # flat buffers of the mixed module buffers
-        self._send: list[Tensor] = []  # AWC: x(k) on the wire, then W x(k) - x(k)
+        self._send: list[Tensor] = []  # AWC: W x(k) - x(k), the correction
         self._buffer_snapshot: list[Tensor] = []  # AWC: module buffers before the forward pass
         self._pending: Optional[PendingGossip] = None
         self._started_step = -1  # AWC: the step whose exchange has been started
@@ -155,6 +166,8 @@ class DecentralizedStrategy(DDPStrategy):
         self._armed_step = -1  # DecentLaM: the step the buckets are armed for
         self._modify_at_step = False  # DecentLaM: the optimizer's pre-hook writes g̃
         self._averaged_depth = 0
+        self._replica: dict[int, Tensor] = {}  # inside averaged_model: id(tensor) -> this rank's own value
+        self._resume_shard: Optional[dict[str, Any]] = None  # fit(ckpt_path=...): this rank's shard, until restored
         self._measure_residuals = False  # monitors asked for the gossip residual
         self._residual: Optional[Tensor] = None  # its value at step self._residual_step
         self._residual_step = -1
@@ -195,6 +208,8 @@ class DecentralizedStrategy(DDPStrategy):
         with torch.no_grad():
             for t, mean in zip(tensors, self._mean_over_ranks(tensors)):
                 t.copy_(mean)
+        if tensors:
+            self._replica = {id(t): original for t, original in zip(tensors, originals)}
         self._averaged_depth += 1
         try:
             yield
@@ -203,6 +218,8 @@ class DecentralizedStrategy(DDPStrategy):
             with torch.no_grad():
                 for t, original in zip(tensors, originals):
                     t.copy_(original)
+            if tensors:
+                self._replica = {}
 
     # -- monitoring surface: what lightning_decentral.callbacks reads and drives -------------
 
@@ -267,7 +284,7 @@ class DecentralizedStrategy(DDPStrategy):
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _AveragingLauncher(self, start_method=self._start_method)
         # Runs when the Trainer is built, before any process is launched: bad topologies fail here.
-        self._topology = resolve_topology(self._topology_spec, self.num_nodes * self.num_processes)
+        self._topology = resolve_topology(self._topology_spec, self.num_nodes * self.num_processes, self.num_nodes)
         if self.gossip_every > 1 and self._topology.period > 1:  # only the phases (k + 1) % p == 0 mix
             cycle = math.lcm(self.gossip_every, self._topology.period)
             self._topology.check_connected(
@@ -289,22 +306,25 @@ class DecentralizedStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._check_same_configuration()
         self.setup_precision_plugin()
 
     def configure_ddp(self) -> None:
-        """Start every replica from rank 0's weights and pack them into flat buffers (no DDP wrapper)."""
+        """Start every replica from rank 0's weights (or from its own shard when resuming) and pack
+        them into flat buffers (no DDP wrapper)."""
         module = self.lightning_module
         assert module is not None
-        for group in _group_by_layout(list(_state_tensors(module))):
+        self._check_same_configuration()
+        for group in _group_by_layout(list(_state_tensors(module))) if self._resume_shard is None else []:
             flat = torch._utils._flatten_dense_tensors(group)
             dist.broadcast(flat, src=0)
             _copy_flat_into(flat, group)
         self._parameters = pack_(p for p in module.parameters() if p.requires_grad)
         mixed_buffers = [b for b in module.buffers() if b.is_floating_point()] if self.gossip_buffers else []
         self._buffers = pack_(mixed_buffers)
-        group = dist.new_group(backend=self.process_group_backend)
+        group = dist.new_group(backend=self.process_group_backend, timeout=self._timeout)  # else torch's 30 min
         dist.all_reduce(torch.zeros(1, device=self.root_device), group=group)  # NCCL: every rank joins first
-        self._gossip = Gossip(self.topology, group=group)
+        self._gossip = Gossip(self.topology, group=group, dtype=self.gossip_dtype)
         self._gossip.measure_residual = self._measure_residuals
         self._send = [torch.empty_like(b) for b in self._parameters + self._buffers] if self._awc else []
         self._buffer_snapshot = [torch.empty_like(b) for b in self._buffers] if self._awc else []
@@ -361,6 +381,7 @@ class DecentralizedStrategy(DDPStrategy):
             self._gossip,
             bucket_bytes=int(self.bucket_cap_mb * 2**20),
             grad_scale=(lambda: scaler._scale) if scaler is not None else (lambda: 1.0),
+            check_finite=scaler is None,
         )
         buckets = self._buckets
         self._hooks = [p.register_post_accumulate_grad_hook(buckets.on_gradient) for p in params]
@@ -428,21 +449,19 @@ class DecentralizedStrategy(DDPStrategy):
         self._exchanging = rounds > 0
         if not self._exchanging:
             return
-        for send, source in zip(self._send, self._parameters + self._buffers):
-            send.copy_(source)
         for snapshot, source in zip(self._buffer_snapshot, self._buffers):
-            snapshot.copy_(source)
+            snapshot.copy_(source)  # the forward pass updates BatchNorm statistics in place
         assert self._gossip is not None
-        self._pending = self._gossip.start(self._send, step, rounds)
+        # the parameters are only read until the wait (forward and backward do not write them): sent without a copy
+        self._pending = self._gossip.start(self._parameters + self._buffer_snapshot, step, rounds, out=self._send)
 
     def _finish_exchange(self) -> None:
-        """AWC: wait for the exchange, then ``send <- W x(k) - x(k)`` (parameters still hold ``x(k)``)."""
+        """AWC: wait for the exchange; then ``send = W x(k) - x(k)``, the correction added after the step."""
         if self._pending is None:
             return
         self._pending.wait()
         self._record_residual(self._started_step, self._pending.residuals, len(self._parameters))
         self._pending = None
-        algorithms.gossip_correction_(self._send, self._parameters + self._buffer_snapshot)
 
     def _gossip_now(self, tensors: list[Tensor], step: int, tag: int = 0) -> Optional[PendingGossip]:
         """``x <- W(k)^r x`` now: ATC's stepped parameters, or DecentLaM's buffers; returns the finished exchange."""
@@ -568,6 +587,7 @@ class DecentralizedStrategy(DDPStrategy):
         self._buckets = None
         self._gossip = None  # and its receive buffers
         self._send, self._buffer_snapshot = [], []
+        self._resume_shard = None
         super().teardown()
 
     # -- evaluation and checkpoints on the average -----------------------------------
@@ -621,6 +641,193 @@ class DecentralizedStrategy(DDPStrategy):
         """``x̄``'s state dict on every rank, so any rank's checkpoint loads into a plain module."""
         with self.averaged_model():
             return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
+
+    # -- checkpoints: x̄ for everyone, and a shard per replica for exact resume --------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """Every rank writes its shard (:mod:`lightning_decentral.checkpoint`), then rank 0 the checkpoint file.
+
+        Runs on every rank (``Trainer.save_checkpoint``, ``ModelCheckpoint``). In order: agree on a
+        random save id; each rank writes its shard under a temporary name and renames it; all ranks
+        report success (one all-gather); rank 0 writes ``checkpoint`` (``x̄``, atomically through
+        Lightning's ``CheckpointIO``); all ranks learn it is in place; each rank deletes its shards of
+        earlier saves to this path. Interrupted anywhere, it leaves the previous checkpoint whole, or
+        shards no checkpoint file names.
+        """
+        save_id = int(self._gather([secrets.randbits(62)])[0, 0])  # rank 0's draw
+        checkpoint[shards.META_KEY] = {"save_id": save_id, "world_size": self.world_size}
+        shard = shards.shard_path(filepath, self.global_rank, self.world_size, save_id)
+        write_file = super().save_checkpoint  # writes on global rank 0 only
+        try:
+            self._on_every_rank(lambda: shards.write_shard(self._shard(checkpoint, save_id), shard), "write its shard")
+            self._on_every_rank(lambda: write_file(checkpoint, filepath, storage_options), "write the checkpoint file")
+        except BaseException:
+            shards.discard(shard)  # the earlier saves' shards stay: their checkpoint file still names them
+            raise
+        shards.remove_shards(filepath, self.global_rank, keep=shard)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Rank 0 removes the checkpoint file, every rank its own shards of it (``ModelCheckpoint`` calls this on
+        every rank when a checkpoint leaves the top k)."""
+        super().remove_checkpoint(filepath)
+        shards.remove_shards(filepath, self.global_rank)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read the checkpoint file (``weights_only=True`` unless the caller asks otherwise); when fitting, also
+        this rank's shard.
+
+        If every rank finds its shard of the same save at the same world size, the checkpoint returned carries
+        this rank's replica, optimizer and precision-plugin state, and ``configure_ddp`` keeps the replicas as
+        they are (exact resume). Otherwise every replica restarts from ``x̄`` with the averaged optimizer state,
+        and rank 0 warns once, saying why.
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint
+        meta = checkpoint.get(shards.META_KEY)
+        shard, problem = self._read_own_shard(checkpoint_path, meta)
+        problems = self._gather([problem])[:, 0].tolist()
+        if any(problems):
+            rank_zero_warn(_resume_warning(checkpoint_path, problems, meta, self.world_size))
+            return checkpoint
+        self._resume_shard = shard
+        restored = {**checkpoint, "state_dict": shard["state_dict"]}
+        if "optimizer_states" in shard:
+            restored["optimizer_states"] = shard["optimizer_states"]
+        if shard.get("precision"):
+            restored[type(self.precision_plugin).__qualname__] = shard["precision"]
+        return restored
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Lightning restores the optimizers last: then this rank's strategy state and RNG state, if resuming
+        from shards (after this, nothing draws a random number before the training loop makes its iterator)."""
+        super().load_optimizer_state_dict(checkpoint)
+        shard, self._resume_shard = self._resume_shard, None
+        if shard is not None:
+            self._load_shard_state(shard["strategy"])
+            shards.set_rng_state(shard["rng"])
+
+    def _shard(self, checkpoint: dict[str, Any], save_id: int) -> dict[str, Any]:
+        """This rank's part of the checkpoint: replica, optimizer, precision, strategy and RNG state."""
+        shard = {
+            "save_id": save_id,
+            "rank": self.global_rank,
+            "world_size": self.world_size,
+            "state_dict": self._replica_state_dict(),
+            "strategy": self._shard_state(),
+            "rng": shards.rng_state(),
+        }
+        if "optimizer_states" in checkpoint:  # not a weights-only checkpoint
+            shard["optimizer_states"] = [optimizer.state_dict() for optimizer in self.optimizers]
+            shard["precision"] = self.precision_plugin.state_dict()
+        return shard
+
+    def _replica_state_dict(self) -> dict[str, Tensor]:
+        """This rank's own state dict, also while :meth:`averaged_model` holds ``x̄`` (a ``ModelCheckpoint``
+        saving at the end of validation)."""
+        state = self.lightning_module.state_dict(keep_vars=True)
+        return {name: self._replica.get(id(value), value).detach() for name, value in state.items()}
+
+    def _shard_state(self) -> dict[str, Any]:
+        """The strategy's own state in this rank's shard (tensors and primitives only).
+
+        The exchange keeps nothing between steps but ``W(k)``'s step ``k``; stateful additions (e.g.
+        error feedback of a compressed exchange) add their tensors here and read them in
+        :meth:`_load_shard_state`.
+        """
+        return {"step": self.lightning_module.trainer.global_step}
+
+    def _load_shard_state(self, state: dict[str, Any]) -> None:
+        step = self.lightning_module.trainer.global_step
+        if state["step"] != step:
+            raise RuntimeError(f"The shard was saved at step {state['step']} but the checkpoint's loops are at {step}.")
+
+    def _read_own_shard(self, checkpoint_path: _PATH, meta: Optional[dict[str, int]]) -> tuple[Any, int]:
+        """``(shard, 0)``, or ``(None, reason)`` with ``reason`` an index into ``_SHARD_PROBLEMS``."""
+        if meta is None:
+            return None, 1
+        if meta["world_size"] != self.world_size:
+            return None, 2
+        source = shards.resolve(checkpoint_path)
+        path = shards.shard_path(source, self.global_rank, self.world_size, meta["save_id"])
+        try:
+            shard = shards.read_shard(path)
+        except FileNotFoundError:
+            return None, 4 if shards.shards_of_rank(source, self.global_rank) else 3
+        except Exception:  # truncated or foreign content
+            return None, 5
+        if (shard.get("save_id"), shard.get("rank")) != (meta["save_id"], self.global_rank):
+            return None, 4
+        return shard, 0
+
+    def _on_every_rank(self, action: Callable[[], Any], what: str) -> None:
+        """Run ``action`` here; then, one all-gather later, every rank knows whether every rank succeeded."""
+        error: Optional[BaseException] = None
+        try:
+            action()
+        except Exception as exc:
+            error = exc
+        failed = self._gather([error is not None])[:, 0].nonzero().flatten().tolist()
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"Rank(s) {failed} could not {what} (their logs say why); no checkpoint was written.")
+
+    def _gather(self, values: list[int]) -> Tensor:
+        """Every rank's ``values``: a ``[world_size, len(values)]`` int64 CPU tensor (one all-gather, no pickle)."""
+        local = torch.tensor(values, dtype=torch.int64, device=self.root_device)
+        if not dist.is_initialized():
+            return local[None].cpu()
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        return torch.stack(gathered).cpu()
+
+    # -- every rank runs the same configuration ----------------------------------------
+
+    def _configuration(self) -> dict[str, Union[int, str]]:
+        """What every rank must agree on; strings up to 64 characters, digests of what does not fit."""
+        module = self.lightning_module
+        params = [p for p in module.parameters() if p.requires_grad]
+        buffers = [b for b in module.buffers() if b.is_floating_point()] if self.gossip_buffers else []
+        topology = self.topology
+        return {
+            "world size": self.world_size,
+            "topology": repr(topology),
+            "mixing matrices W(0..period-1)": _digest(*(topology.mixing(k).round(12).tobytes() for k in range(topology.period))),
+            "momentum": self.momentum,
+            "combine": self.combine,
+            "gossip_every": self.gossip_every,
+            "gossip_steps": self.gossip_steps,
+            "gossip_buffers": int(self.gossip_buffers),
+            "eval_on": self.eval_on,
+            "bucket bytes": int(self.bucket_cap_mb * 2**20),
+            "gossip_dtype": str(self.gossip_dtype),
+            "precision": str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__)),
+            "trainable parameters (elements)": sum(p.numel() for p in params),
+            "trainable parameter shapes and dtypes": _digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),
+            "mixed buffers (elements)": sum(b.numel() for b in buffers),
+        }
+
+    def _check_same_configuration(self) -> None:
+        """Stop every rank before any exchange if a rank's configuration differs from rank 0's.
+
+        Each field travels as int64 values (a string as its code points) in one all-gather; the
+        error, raised on every rank, names each differing rank and field with both values.
+        """
+        fields = self._configuration()
+        table = self._gather([v for value in fields.values() for v in _encode(value)])
+        rows = [_decode(row.tolist(), fields) for row in table]
+        differences = [
+            f"rank {rank} has {name}={row[name]!r} where rank 0 has {rows[0][name]!r}"
+            for rank, row in enumerate(rows)
+            for name in fields
+            if row[name] != rows[0][name]
+        ]
+        if differences:
+            raise ValueError(
+                "The ranks do not run the same configuration: " + "; ".join(differences) + ". Build the same "
+                "DecentralizedStrategy and the same model on every rank (no argument may depend on the rank)."
+            )
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -676,6 +883,76 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
 
 
+_GOSSIP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_gossip_dtype(dtype: Any) -> Optional[torch.dtype]:
+    """``None``, or one of ``_GOSSIP_DTYPES`` (also given by name: ``"bfloat16"``, ``"float16"``)."""
+    if dtype is None:
+        return None
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if resolved not in _GOSSIP_DTYPES:
+        names = ", ".join(f"torch.{str(d).split('.')[-1]}" for d in _GOSSIP_DTYPES)
+        raise ValueError(
+            f"`gossip_dtype` must be None or a floating-point type messages can travel in ({names}), got {dtype!r}. "
+            "Use gossip_dtype=torch.bfloat16 to halve the bytes of a float32 model."
+        )
+    return resolved
+
+
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer (1 = every step), got {value!r}.")
+
+
+_STRING_SLOTS = 64
+_SHARD_PROBLEMS = (
+    "",
+    "the checkpoint records no shards (it was not saved by DecentralizedStrategy)",
+    "it was saved by {saved} ranks and this run has {now}",
+    "the shard is missing",
+    "the shard belongs to another save (overwritten, or written by another run)",
+    "the shard cannot be read",
+)
+
+
+def _resume_warning(path: _PATH, problems: list[int], meta: Optional[dict[str, int]], world_size: int) -> str:
+    if problems[0] in (1, 2):  # the same file on every rank: one reason
+        reason = _SHARD_PROBLEMS[problems[0]].format(saved=meta and meta["world_size"], now=world_size)
+    else:
+        reason = "; ".join(
+            f"rank(s) {[r for r, p in enumerate(problems) if p == code]}: {_SHARD_PROBLEMS[code]}"
+            for code in sorted(set(problems) - {0})
+        )
+        reason += f" (in {shards.shard_directory(shards.resolve(path))})"
+    return (
+        f"Resuming from {path} with every replica restarted from the averaged model and the averaged optimizer "
+        f"state, not from its own: {reason}. An exact resume needs every rank's shard of that save and the same "
+        "world size."
+    )
+
+
+def _digest(*parts: bytes) -> int:
+    hasher = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        hasher.update(part)
+    return int.from_bytes(hasher.digest(), "little", signed=True)
+
+
+def _encode(value: Union[int, str]) -> list[int]:
+    if isinstance(value, str):
+        codes = [ord(c) for c in value[:_STRING_SLOTS]]
+        return codes + [0] * (_STRING_SLOTS - len(codes))
+    return [int(value)]
+
+
+def _decode(row: list[int], like: dict[str, Union[int, str]]) -> dict[str, Union[int, str]]:
+    decoded, offset = {}, 0
+    for name, value in like.items():
+        if isinstance(value, str):
+            decoded[name] = "".join(chr(c) for c in row[offset : offset + _STRING_SLOTS] if c)
+            offset += _STRING_SLOTS
+        else:
+            decoded[name] = row[offset]
+            offset += 1
+    return decoded

@@ -64,12 +64,11 @@ def test_checkpoint_holds_the_averaged_momentum(evaluated: tuple[str, list, str]
     torch.testing.assert_close(saved, momenta.mean(0), atol=1e-6, rtol=0)
 
 
-def test_resume_restarts_every_replica_from_the_average(evaluated: tuple[str, list, str]) -> None:
-    _, results, path = evaluated
-    average = torch.load(path, weights_only=True)["state_dict"]
-    expected = torch.cat([average[k].reshape(-1) for k in average])
+def test_resume_continues_every_replica_from_its_shard(evaluated: tuple[str, list, str]) -> None:
+    """Each rank saved its own shard next to the average; the fallback to x̄ is in test_reliability.py."""
+    _, results, _ = evaluated
     for r in results:
-        torch.testing.assert_close(r["resume_start"], expected, atol=0, rtol=0)
+        assert torch.equal(r["resume_start"], r["replica"])
         assert r["resume_global_step"] == 8
 
 

@@ -1,0 +1,171 @@
+"""Spawned workers of tests/test_reliability.py: exact resume, fallbacks, bad configurations, failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_decentral import DecentralizedStrategy
+from lightning_decentral.checkpoint import shards_of_rank
+from tests.models import Regression, flat, init_seed, loader, rank_data
+from tests.workers import trainer_for
+
+K = 3  # steps per epoch; a run of 2K steps is resumed from the checkpoint of step K (an epoch boundary)
+BATCH = 8
+MOMENTUM_SGD = {"lr": 0.05, "momentum": 0.9}
+
+
+class ResumeConfig(NamedTuple):
+    strategy: dict
+    optimizer: dict
+    on_validation: bool = False  # checkpoint at the end of validation (the module holds x̄) instead of every K steps
+    shuffle: bool = False  # the next epoch's order comes from the global RNG: the shard's RNG state must be restored
+
+
+RESUME_CONFIGS = {
+    "awc": ResumeConfig({}, MOMENTUM_SGD, shuffle=True),
+    "atc": ResumeConfig({"combine": "atc"}, MOMENTUM_SGD, on_validation=True),
+    "decentlam": ResumeConfig({"momentum": "decentlam"}, MOMENTUM_SGD),
+    "one_peer_exponential": ResumeConfig({"topology": "one_peer_exponential"}, {"name": "adam", "lr": 0.01}),
+}
+
+
+def _fit(rank: int, world_size: int, name: str, root: str, ckpt_path: Any = None, seed: int = 0) -> Regression:
+    """``2K`` steps of config ``name`` with its checkpoints in ``root/name`` (and, for "awc", a top-2 set)."""
+    strategy_kwargs, optimizer, on_validation, shuffle = RESUME_CONFIGS[name]
+    callbacks = [ModelCheckpoint(f"{root}/{name}", every_n_train_steps=None if on_validation else K, save_top_k=-1)]
+    if name == "awc" and ckpt_path is None:  # the uninterrupted run only: a resumed one would add versions
+        callbacks.append(
+            ModelCheckpoint(f"{root}/top_k", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True)
+        )
+    model = Regression(seed=init_seed(rank) + seed, **optimizer)
+    trainer = trainer_for(
+        world_size, DecentralizedStrategy(**strategy_kwargs), max_steps=2 * K, callbacks=callbacks,
+        enable_checkpointing=True, limit_val_batches=1 if on_validation else 0,
+    )
+    val = loader(rank + world_size, BATCH, BATCH) if on_validation else None
+    train = DataLoader(TensorDataset(*rank_data(rank, K * BATCH)), batch_size=BATCH, shuffle=shuffle)
+    trainer.fit(model, train, val, ckpt_path=ckpt_path)
+    return model
+
+
+def exact_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Per config: the replica after 2K uninterrupted steps and after K steps + resume + K steps; then a resume
+    whose shard on rank 2 is gone (every replica must restart from the average, with a warning)."""
+    out: dict[str, Any] = {}
+    for name in RESUME_CONFIGS:
+        full = flat(_fit(rank, world_size, name, root))
+        resumed = _fit(rank, world_size, name, root, ckpt_path=f"{root}/{name}/epoch=0-step={K}.ckpt", seed=50)
+        out[name] = {"full": full, "resumed": flat(resumed), "resume_start": resumed.train_start_params}
+
+    checkpoint = f"{root}/awc/epoch=0-step={K}.ckpt"
+    if rank == 2:
+        for shard in shards_of_rank(checkpoint, rank):
+            os.remove(shard)
+    dist.barrier()
+    model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
+    trainer = trainer_for(world_size, DecentralizedStrategy(), max_steps=K + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(rank, K * BATCH, BATCH), ckpt_path=checkpoint)
+    out["missing_shard"] = {"resume_start": model.train_start_params, "warnings": _resume_warnings(caught)}
+    return out
+
+
+def _resume_warnings(caught: list) -> list[str]:
+    return [str(w.message) for w in caught if "restarted from the averaged model" in str(w.message)]
+
+
+class _NaNOnRank(Regression):
+    """Writes a NaN into its first weight on ``bad_rank`` when step ``bad_step`` starts."""
+
+    def __init__(self, bad_rank: int, bad_step: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bad_rank, self.bad_step = bad_rank, bad_step
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
+            with torch.no_grad():
+                self.net[0].weight[0, 0] = float("nan")
+
+
+def other_world_size_mismatch_and_nan(rank: int, world_size: int, checkpoint: str, root: str) -> dict[str, Any]:
+    """Three scenarios on one process group, the one that breaks it last:
+
+    1. resume a checkpoint of 4 ranks on ``world_size`` ranks: every replica starts from the average;
+    2. rank 1 builds another strategy and another model: every rank stops at setup, naming both;
+    3. rank 1's replica turns NaN at step 3, after a checkpoint at step 2: rank 1 raises before sending and
+       lingers (alive, its connections open) until rank 0 has given up waiting, through the timeout.
+    """
+    out: dict[str, Any] = {}
+    model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
+    trainer = trainer_for(world_size, DecentralizedStrategy(), max_steps=K + 1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(rank, K * BATCH, BATCH), ckpt_path=checkpoint)
+    out["resume_start"] = model.train_start_params
+    out["warnings"] = _resume_warnings(caught)
+
+    strategy = DecentralizedStrategy(gossip_steps=2 if rank == 1 else 1)
+    trainer = trainer_for(world_size, strategy, max_steps=1)
+    try:
+        trainer.fit(Regression(batch_norm=rank == 1), loader(rank, BATCH, BATCH))
+        out["mismatch"] = "no error"
+    except ValueError as exc:
+        out["mismatch"] = str(exc)
+
+    timeout = 8.0
+    done = Path(root) / "rank0_stopped"
+    model = _NaNOnRank(1, 3, seed=init_seed(rank), **MOMENTUM_SGD)
+    strategy = DecentralizedStrategy(timeout=timedelta(seconds=timeout))
+    callbacks = [ModelCheckpoint(f"{root}/nan", every_n_train_steps=2, save_top_k=-1)]
+    trainer = trainer_for(world_size, strategy, max_steps=2 * K, callbacks=callbacks, enable_checkpointing=True)
+    try:
+        trainer.fit(model, loader(rank, K * BATCH, BATCH))
+        out["failure"] = "no error"
+    except (FloatingPointError, RuntimeError) as exc:
+        out["failure"] = f"{type(exc).__name__}: {exc}"
+    out["stopped_at"] = time.monotonic()
+    out["replica"] = flat(model)
+    if rank == 0:
+        done.touch()
+    else:  # a rank that failed but has not exited: the others can only notice through the timeout
+        deadline = time.monotonic() + 10 * timeout
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    out["timeout"] = timeout
+    return out
+
+
+class _KilledOnRank(Regression):
+    """``kill -9`` of its own process on ``bad_rank`` when step ``bad_step`` starts."""
+
+    def __init__(self, bad_rank: int, bad_step: int, stamp: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bad_rank, self.bad_step, self.stamp = bad_rank, bad_step, stamp
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
+            Path(self.stamp).write_text(repr(time.monotonic()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[str, Any]:
+    model = _KilledOnRank(1, 2, stamp, seed=init_seed(rank), **MOMENTUM_SGD)
+    trainer = trainer_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=timeout)), max_steps=2 * K)
+    try:
+        trainer.fit(model, loader(rank, K * BATCH, BATCH))
+        failure = "no error"
+    except RuntimeError as exc:
+        failure = str(exc)
+    return {"failure": failure, "stopped_at": time.monotonic()}

@@ -1,0 +1,161 @@
+"""Checkpoints of every replica, exact resume, fallbacks, configuration checks and failures that end."""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from lightning_decentral.checkpoint import META_KEY, read_shard, shard_directory
+from tests import reliability_workers as workers
+from tests.helpers import _entry, free_port, run_distributed
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    root = tmp_path_factory.mktemp("resume")
+    return run_distributed(workers.exact_resume, WORLD, root=str(root)), root
+
+
+@pytest.mark.parametrize("name", list(workers.RESUME_CONFIGS))
+def test_resume_continues_every_replica_bit_for_bit(resumed: tuple[list[dict], Path], name: str) -> None:
+    results, _ = resumed
+    replicas = [r[name] for r in results]
+    assert (replicas[0]["full"] - replicas[1]["full"]).abs().max() > 1e-4  # n models, not one
+    assert (replicas[0]["resume_start"] - replicas[1]["resume_start"]).abs().max() > 1e-4
+    for rank, replica in enumerate(replicas):
+        assert torch.equal(replica["resumed"], replica["full"]), f"rank {rank}"
+
+
+def _checkpoint_files(directory: Path) -> dict[str, list[str]]:
+    """Each checkpoint file in ``directory`` with its shard files; asserts the shards belong to its save."""
+    files = {}
+    for path in sorted(directory.glob("*.ckpt")):
+        meta = torch.load(path, weights_only=True)[META_KEY]
+        shards = sorted(Path(shard_directory(path)).iterdir())
+        for rank, shard in enumerate(shards):
+            content = read_shard(str(shard))
+            assert (content["save_id"], content["rank"], content["world_size"]) == (meta["save_id"], rank, WORLD)
+        files[path.name] = [s.name for s in shards]
+    return files
+
+
+def test_shards_follow_top_k_and_last(resumed: tuple[list[dict], Path]) -> None:
+    _, root = resumed
+    files = _checkpoint_files(root / "top_k")
+    assert sorted(files) == [f"epoch=1-step={2 * workers.K - 1}.ckpt", f"epoch=1-step={2 * workers.K}.ckpt", "last.ckpt"]
+    for shards in files.values():  # one shard per rank, of this save only
+        assert [re.sub(r"\.\d+\.pt$", "", s) for s in shards] == [f"rank-{r:05d}-of-{WORLD:05d}" for r in range(WORLD)]
+    leftovers = {p.name for p in (root / "top_k").iterdir()} - set(files) - {f"{f}.shards" for f in files}
+    assert not leftovers  # removed checkpoints took their shards along; no temporary file is left
+
+
+def test_shards_hold_the_replica_while_the_file_holds_the_average(resumed: tuple[list[dict], Path]) -> None:
+    """The ATC checkpoint is written at the end of validation, while the module holds x̄."""
+    _, root = resumed
+    path = root / "atc" / f"epoch=0-step={workers.K}.ckpt"
+    average = torch.load(path, weights_only=True)["state_dict"]
+    shards = sorted(Path(shard_directory(path)).iterdir())
+    replicas = [read_shard(str(s))["state_dict"] for s in shards]
+    for key in average:
+        torch.testing.assert_close(torch.stack([r[key] for r in replicas]).mean(0), average[key], atol=1e-6, rtol=0)
+    assert not torch.equal(replicas[0]["net.0.weight"], replicas[1]["net.0.weight"])
+
+
+def _average_of(path: Path) -> torch.Tensor:
+    state = torch.load(path, weights_only=True)["state_dict"]
+    return torch.cat([v.reshape(-1) for v in state.values()])
+
+
+def test_missing_shard_restarts_every_replica_from_the_average(resumed: tuple[list[dict], Path]) -> None:
+    results, root = resumed
+    average = _average_of(root / "awc" / f"epoch=0-step={workers.K}.ckpt")
+    for r in results:
+        assert torch.equal(r["missing_shard"]["resume_start"], average)
+    (warning,) = results[0]["missing_shard"]["warnings"]
+    assert "rank(s) [2]: the shard is missing" in warning
+    assert all(not r["missing_shard"]["warnings"] for r in results[1:])  # one warning, from rank 0
+
+
+@pytest.fixture(scope="module")
+def two_ranks(resumed: tuple[list[dict], Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    _, resume_root = resumed
+    checkpoint = resume_root / "atc" / f"epoch=0-step={workers.K}.ckpt"
+    root = tmp_path_factory.mktemp("two_ranks")
+    results = run_distributed(workers.other_world_size_mismatch_and_nan, 2, checkpoint=str(checkpoint), root=str(root))
+    return results, checkpoint, root
+
+
+def test_other_world_size_restarts_every_replica_from_the_average(two_ranks: tuple) -> None:
+    results, checkpoint, _ = two_ranks
+    for r in results:
+        assert torch.equal(r["resume_start"], _average_of(checkpoint))
+    (warning,) = results[0]["warnings"]
+    assert "saved by 4 ranks and this run has 2" in warning
+
+
+def test_a_rank_with_another_configuration_stops_every_rank_at_setup(two_ranks: tuple) -> None:
+    results, _, _ = two_ranks
+    for r in results:
+        assert "rank 1 has gossip_steps=2 where rank 0 has 1" in r["mismatch"]
+        assert "rank 1 has trainable parameters (elements)=" in r["mismatch"]
+
+
+def test_nan_stops_its_rank_before_sending_and_the_others_through_the_timeout(two_ranks: tuple) -> None:
+    results, _, root = two_ranks
+    healthy, bad = results
+    assert bad["failure"].startswith("FloatingPointError: Rank 1 holds a NaN or an Inf")
+    assert "at step 3" in bad["failure"]
+    assert healthy["failure"].startswith("RuntimeError: The gossip exchange of step 3 failed")
+    assert "Timed out" in healthy["failure"]  # rank 1 was still alive: only the timeout could end the wait
+    assert healthy["stopped_at"] - bad["stopped_at"] < healthy["timeout"] + 60  # not the default 30 minutes
+    assert torch.isfinite(healthy["replica"]).all()  # nothing reached rank 0
+    (last_good,) = (root / "nan").glob("*.ckpt")  # written at step 2, before the NaN: whole and finite
+    assert last_good.name == "epoch=0-step=2.ckpt"
+    assert torch.isfinite(_average_of(last_good)).all()
+    for shard in Path(shard_directory(last_good)).iterdir():
+        assert all(torch.isfinite(v).all() for v in read_shard(str(shard))["state_dict"].values())
+
+
+def _run_until_every_rank_exits(fn: Callable, world_size: int, bound: float, **kwargs: Any) -> list[Any]:
+    """Like ``run_distributed``, but a rank that dies does not end the others: each ends on its own, within
+    ``bound`` seconds, or the test fails. ``None`` for a rank that left no result."""
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        procs = [context.Process(target=_entry, args=(r, world_size, port, fn, kwargs, out)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + bound
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for rank in hung:
+            procs[rank].kill()
+            procs[rank].join()
+        assert not hung, f"ranks {hung} still running after {bound:.0f} s"
+        results = []
+        for rank in range(world_size):
+            path = Path(out) / f"{rank}.pkl"
+            results.append(pickle.loads(path.read_bytes()) if path.exists() else None)
+        return results
+
+
+def test_a_killed_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> None:
+    stamp = tmp_path / "killed_at"
+    timeout = 20.0
+    survivor, killed = _run_until_every_rank_exits(workers.killed_peer, 2, bound=240, stamp=str(stamp), timeout=timeout)
+    assert killed is None  # kill -9 leaves nothing behind
+    status, result = survivor
+    assert status == "ok", result
+    assert result["failure"].startswith("The gossip exchange of step 2 failed on this rank")
+    assert result["stopped_at"] - float(stamp.read_text()) < timeout

@@ -1,0 +1,23 @@
+"""benchmarks/soak.py runs end to end for a few steps (the figures themselves are in docs/reliability.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_soak_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--processes", "2", "--steps", "8", "--window", "4",
+         "--checkpoint-every", "4", "--methods", "awc,decentlam", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    methods = json.loads(out.read_text())["methods"]
+    assert [m["method"] for m in methods] == ["awc", "decentlam"]
+    assert all([w["step"] for w in m["windows"]] == [4, 8] for m in methods)
