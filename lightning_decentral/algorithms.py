@@ -14,17 +14,12 @@ import torch
 from torch import Tensor
 
 
-def gossip_correction_(mixed: Sequence[Tensor], before: Sequence[Tensor]) -> None:
-    """``mixed <- W x(k) - x(k)``: turn the neighbour average into the correction AWC adds.
-
-    Adapt-with-combine: ``x(k+1) = W x(k) + (U(x(k), g) - x(k)) = U(x(k), g) + correction``.
-    """
-    for m, x in zip(mixed, before):
-        m.sub_(x)
-
-
 def add_(target: Sequence[Tensor], correction: Sequence[Tensor]) -> None:
-    """``target <- target + correction`` on matching flat buffers."""
+    """``target <- target + correction`` on matching flat buffers.
+
+    Adapt-with-combine: ``x(k+1) = U(x(k), g) + (W x(k) - x(k))``; the gossip engine forms the
+    correction (``Gossip.start(..., out=)``).
+    """
     for t, c in zip(target, correction):
         t.add_(c)
 
