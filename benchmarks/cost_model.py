@@ -11,8 +11,8 @@ One command regenerates the tables in ``docs/benchmarks.md`` and ``docs/img/benc
 ``benchmarks/netns.py`` such as ``1gbit``: hosts in namespaces behind a shaped switch),
 ``--workers`` gloo processes start; ranks 0 and 1 ping-pong messages of 4 B to 16 MB
 (``dist.send`` / ``dist.recv``), and the one-way time ``t(m) = RTT / 2`` is fitted by
-``t(m) = alpha + beta m`` (least squares on the relative error, so that small messages fix
-``alpha`` and large ones ``beta``). The same processes then time, for the model of
+``t(m) = alpha + beta m``: ``beta`` the slope over messages of 1 MiB and more, ``alpha`` what is
+left of the time of those of 1 KiB and less. The same processes then time, for the model of
 ``--params`` float32 parameters, what one step of each method sends on ``--workers`` ranks
 (DDP's all-reduce, gossip on a ring and on the one-peer exponential graph, through
 ``lightning_decentral.gossip.Gossip``), and the table sets each against the model's
@@ -72,7 +72,7 @@ STATED = (
     LinkCost("100 Gbit/s InfiniBand", 2e-6, 1 / 12e9, "stated"),
 )
 NVLINK = LinkCost("NVLink (node-local)", 3e-6, 1 / 150e9, "stated")
-SIZES = [4 * 4**k for k in range(12)] + [16 * 2**20]  # 4 B ... 16 MiB
+SIZES = [4 * 4**k for k in range(12)]  # 4 B ... 16 MiB
 N_RANGE = [2**k for k in range(3, 11)]  # 8 ... 1024
 
 
@@ -80,17 +80,20 @@ N_RANGE = [2**k for k in range(3, 11)]  # 8 ... 1024
 
 
 def fit_alpha_beta(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
-    """``t = alpha + beta m`` minimising the relative error ``sum ((alpha + beta m - t) / t)^2``."""
+    """``t = alpha + beta m``: ``beta`` the least-squares slope over the messages of 1 MiB and more
+    (the bandwidth regime), ``alpha`` the median of ``t - beta m`` over those of 1 KiB and less (the
+    latency regime); a noisy negative value is clamped to 0."""
     import numpy as np
 
     m, t = np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float)
-    design = np.stack([np.ones_like(m), m], axis=1) / t[:, None]
-    (alpha, beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
-    if alpha < 0 or beta < 0:  # noise: keep the other term alone, fitted the same way
-        keep = 1 if alpha < 0 else 0
-        (value,), *_ = np.linalg.lstsq(design[:, keep : keep + 1], np.ones_like(t), rcond=None)
-        alpha, beta = (0.0, float(value)) if keep else (float(value), 0.0)
-    return float(alpha), float(beta)
+    large, small = m >= 2**20, m <= 2**10
+    if large.sum() >= 2:
+        beta = float(np.polyfit(m[large], t[large], 1)[0])
+    else:  # smoke sizes: all small, one slope through everything
+        beta = float(np.polyfit(m, t, 1)[0])
+    beta = max(beta, 0.0)
+    alpha = max(float(np.median((t - beta * m)[small if small.any() else slice(None)])), 0.0)
+    return alpha, beta
 
 
 def _gbyte_per_s(beta: float) -> str:

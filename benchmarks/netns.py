@@ -357,20 +357,13 @@ def network_or_loopback(link: Optional[Link], hosts: int) -> Any:
 
 # -- the benchmark's jobs (run inside each worker) ---------------------------------------------------
 
-# the methods of the issue: name -> (strategy, topology, momentum)
+# the methods of the issue: name -> (table label, topology (None: DDP's all-reduce), momentum)
 METHODS = {
     "ddp": ("ddp", None, None),
-    "ring": ("dpsgd", "ring", "local"),
-    "one_peer_exponential": ("dpsgd", "one_peer_exponential", "local"),
-    "decentlam": ("dpsgd", "ring", "decentlam"),
-    "decentlam_one_peer": ("dpsgd", "one_peer_exponential", "decentlam"),
-}
-LABELS = {
-    "ddp": ("ddp", "all-reduce (gradients)"),
-    "ring": ("dpsgd awc", "ring"),
-    "one_peer_exponential": ("dpsgd awc", "one_peer_exponential"),
-    "decentlam": ("decentlam", "ring"),
-    "decentlam_one_peer": ("decentlam", "one_peer_exponential"),
+    "ring": ("dpsgd awc", "ring", "local"),
+    "one_peer_exponential": ("dpsgd awc", "one_peer_exponential", "local"),
+    "decentlam": ("decentlam", "ring", "decentlam"),
+    "decentlam_one_peer": ("decentlam", "one_peer_exponential", "decentlam"),
 }
 DEFAULT_METHODS = "ddp,ring,one_peer_exponential,decentlam"
 
@@ -378,8 +371,8 @@ DEFAULT_METHODS = "ddp,ring,one_peer_exponential,decentlam"
 def make_strategy(method: str) -> Any:
     from lightning_decentral import DecentralizedStrategy
 
-    kind, topology, momentum = METHODS[method]
-    return "ddp" if kind == "ddp" else DecentralizedStrategy(topology=topology, momentum=momentum)
+    _, topology, momentum = METHODS[method]
+    return "ddp" if topology is None else DecentralizedStrategy(topology=topology, momentum=momentum)
 
 
 def make_trainer(method: str, world_size: int, max_steps: int, callbacks: list, **kwargs: Any) -> Any:
@@ -457,11 +450,9 @@ def _work(spec: dict[str, Any], rank: int) -> list[dict[str, Any]]:
 
 
 def quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    from step_time import _quantile
+
+    return _quantile(list(values), q)
 
 
 def step_times(records: list[dict[str, Any]], warmup: int) -> list[float]:
@@ -490,17 +481,13 @@ def _jobs(methods: list[str], repeats: int, kinds: list[str]) -> list[dict[str, 
     return jobs
 
 
-def _fmt_range(values: list[float], digits: int = 3) -> str:
-    return f"{quantile(values, 0.25):.{digits}f}–{quantile(values, 0.75):.{digits}f}" if values else "n/a"
-
-
 def summarize(profile: dict[str, Any], methods: list[str], config: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per method: step time and time to loss, pooled over repeats, and ratios to ddp."""
     by = {(job["kind"], job["method"], job["repeat"]): job for job in profile["jobs"]}
     repeats = sorted({job["repeat"] for job in profile["jobs"]})
     rows = []
     for m in methods:
-        row: dict[str, Any] = {"name": m, "method": LABELS[m][0], "topology": LABELS[m][1]}
+        row: dict[str, Any] = {"name": m, "method": METHODS[m][0], "topology": METHODS[m][1] or "all-reduce (gradients)"}
         if ("steps", m, 0) in by:
             pooled = [t for r in repeats for t in by[("steps", m, r)]["step_s"]]
             row["step_median_s"], row["step_q25_s"], row["step_q75_s"] = (
@@ -509,6 +496,7 @@ def summarize(profile: dict[str, Any], methods: list[str], config: dict[str, Any
         if ("loss", m, 0) in by:
             row["loss_s"] = [by[("loss", m, r)]["time_to_loss_s"] for r in repeats]
             row["loss_steps"] = [by[("loss", m, r)]["steps_to_loss"] for r in repeats]
+            row["final_loss"] = [statistics.fmean(by[("loss", m, r)]["mean_loss"][-config["smooth"] :]) for r in repeats]
         rows.append(row)
     ddp = next((r for r in rows if r["name"] == "ddp"), None)
     for row in rows:
@@ -527,8 +515,9 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
         f"{profile['goodput_gbit']:.2f} Gbit/s. Command: `{command}`",
         "",
         "| method | topology | median step (s) | IQR of steps (s) | step / ddp (median, range over repeats) "
-        f"| time to loss < {config['threshold']:g} (s, median) | steps to it (median) | time / ddp (median, range) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| time to loss < {config['threshold']:g} (s, median) | steps to it (median) | time / ddp (median, range) "
+        f"| loss at the end (mean of the last {config['smooth']} steps) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
 
     def ratio(values: Optional[list[float]]) -> str:
@@ -547,7 +536,8 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
             f"| {r['method']} | {r['topology']} | "
             + (f"{r['step_median_s']:.3f} | {r['step_q25_s']:.3f}–{r['step_q75_s']:.3f} | " if "step_median_s" in r else "n/a | n/a | ")
             + f"{ratio(r.get('step_ratio'))} | {loss if 'loss_s' in r else 'n/a'} | "
-            + f"{statistics.median(steps) if steps else 'n/a'} | {ratio(r.get('loss_ratio'))} |"
+            + f"{statistics.median(steps) if steps else 'n/a'} | {ratio(r.get('loss_ratio'))} | "
+            + (f"{statistics.median(r['final_loss']):.3f} |" if "final_loss" in r else "n/a |")
         )
     return "\n".join(lines)
 

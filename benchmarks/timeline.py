@@ -21,8 +21,10 @@ the same process group:
 * **ATC** (``combine="atc"``): one blocking exchange after the optimizer step, no overlap: the
   reference for compute + comm.
 
-Each step's time is the gap between the ends of steps ``k - 1`` and ``k``, the slowest rank's,
-median over the measured steps. The timeline records on every rank, with ``time.perf_counter``
+The runs are repeated ``--repeats`` times, each time in a rotated order, so that a drift of the
+machine's load does not land on one run. Each step's time is the gap between the ends of steps
+``k - 1`` and ``k``, the slowest rank's; the table gives the median over the measured steps of
+all repeats, the figure shows the first repeat. The timeline records on every rank, with ``time.perf_counter``
 (one clock for all processes of the machine): forward (``training_step``), backward
 (``on_before_backward`` → ``on_after_backward``), each ``Gossip.start`` (post) and
 ``PendingGossip.wait`` (the time a rank is blocked on the network), and the optimizer step.
@@ -159,23 +161,27 @@ def _work(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     quiet()
     _instrument()
     world_size = int(os.environ["WORLD_SIZE"])
-    return {
-        run: (_communicate if run.startswith("comm_") else _train)(run, spec["config"], rank, world_size)
-        for run in spec["runs"]
-    }
+    results: dict[str, list[dict[str, Any]]] = {run: [] for run in RUNS}
+    for repeat in range(spec["config"]["repeats"]):  # rotated: no run always first (the machine drifts)
+        for run in RUNS[repeat % len(RUNS) :] + RUNS[: repeat % len(RUNS)]:
+            results[run].append((_communicate if run.startswith("comm_") else _train)(run, spec["config"], rank, world_size))
+    return results
 
 
 # -- the driver ----------------------------------------------------------------------------------
 
 
 def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
-    """Median seconds per step of every run (slowest rank), and the comm-only medians."""
+    """Median seconds per step of every run (slowest rank), pooled over the repeats."""
     medians = {}
     for run in RUNS:
-        if run.startswith("comm_"):
-            medians[run] = statistics.median(max(column) for column in zip(*(r[run]["seconds"] for r in records)))
-        else:
-            medians[run] = statistics.median(step_times([r[run] for r in records], warmup))
+        pooled: list[float] = []
+        for repeat in range(len(records[0][run])):
+            if run.startswith("comm_"):
+                pooled += [max(column) for column in zip(*(r[run][repeat]["seconds"] for r in records))]
+            else:
+                pooled += step_times([r[run][repeat] for r in records], warmup)
+        medians[run] = statistics.median(pooled)
     return medians
 
 
@@ -200,7 +206,8 @@ def render_table(medians: dict[str, float], command: str, setting: str) -> str:
 
 
 def plot(records: list[dict[str, Any]], warmup: int, shown: int, path: Path, title: str) -> None:
-    """Per-rank lanes (compute above, network below) for ``shown`` steps after warm-up, AWC then DecentLaM."""
+    """Per-rank lanes (compute above, network below) for ``shown`` steps after warm-up, AWC then DecentLaM
+    then ATC (the first repeat)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,13 +222,13 @@ def plot(records: list[dict[str, Any]], warmup: int, shown: int, path: Path, tit
     fig, axes = plt.subplots(len(runs), 1, figsize=(13, 2.0 + 1.2 * len(records) * len(runs)), squeeze=False)
     span = 0.0  # one time scale for every panel
     for ax, (run, caption) in zip(axes[:, 0], runs):
-        starts = [[t for what, t in r[run]["marks"] if what == "batch_start"] for r in records]
-        ends = [r[run]["ends"] for r in records]
+        starts = [[t for what, t in r[run][0]["marks"] if what == "batch_start"] for r in records]
+        ends = [r[run][0]["ends"] for r in records]
         t0 = min(s[warmup] for s in starts)
         t1 = max(e[min(warmup + shown, len(e)) - 1] for e in ends)
         for rank, r in enumerate(records):
             y = (len(records) - 1 - rank) * 2.2
-            marks = [(w, t - t0) for w, t in r[run]["marks"]]
+            marks = [(w, t - t0) for w, t in r[run][0]["marks"]]
             segments: dict[str, list[tuple[float, float]]] = {k: [] for k in colors}
             last: dict[str, float] = {}
             for what, t in marks:
@@ -237,7 +244,7 @@ def plot(records: list[dict[str, Any]], warmup: int, shown: int, path: Path, tit
                     last["optimizer"] = last.pop("after")
                     segments["optimizer + combine"].append((last.pop("optimizer"), t))
             posts: dict[int, list[float]] = {}
-            for what, begin, end, tag in r[run]["events"]:
+            for what, begin, end, tag in r[run][0]["events"]:
                 begin, end = begin - t0, end - t0
                 if what == "post":
                     segments["post"].append((begin, end))
@@ -274,6 +281,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--topology", default="one_peer_exponential", help="the gossip topology (default one_peer_exponential)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per run (default 12)")
     parser.add_argument("--warmup", type=int, default=None, help="steps dropped first (default 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="rotated repeats of all runs, pooled (default 2; --smoke 1)")
     parser.add_argument("--shown", type=int, default=3, help="steps drawn in the timeline (default 3)")
     parser.add_argument("--widths", default=None, help="MLP widths (default: step_time.py's, 5.3M parameters)")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per worker per step (default 64)")
@@ -287,9 +295,10 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     if args.smoke:
         args.steps, args.warmup, args.widths = args.steps or 2, args.warmup or 1, args.widths or "64,64,10"
         args.shown = min(args.shown, 2)
+        args.repeats = args.repeats or 1
     elif args.png is None:
         args.png = str(HERE.parent / "docs" / "img" / "benchmarks" / "timeline.png")
-    args.steps, args.warmup = args.steps or 12, args.warmup or 3
+    args.steps, args.warmup, args.repeats = args.steps or 12, args.warmup or 3, args.repeats or 2
     if args.widths is None:
         from step_time import FULL_WIDTHS
 
@@ -297,8 +306,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     args.widths = [int(w) for w in args.widths.split(",")]
     if args.network != "loopback" and args.network not in PROFILES:
         parser.error(f"--network must be loopback or one of {list(PROFILES)}")
-    if args.steps < 1 or args.warmup < 1:
-        parser.error("--steps and --warmup must be >= 1")
+    if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
+        parser.error("--steps, --warmup and --repeats must be >= 1")
     return args
 
 
@@ -313,7 +322,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     command = " ".join(["python", "benchmarks/timeline.py", *(sys.argv[1:] if argv is None else argv)])
     config = dict(widths=args.widths, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
-                  threads=args.threads, topology=args.topology, bucket_cap_mb=args.bucket_cap_mb)
+                  threads=args.threads, topology=args.topology, bucket_cap_mb=args.bucket_cap_mb, repeats=args.repeats)
     import lightning_decentral  # noqa: F401  imported once here, inherited by the forked workers
     import step_time  # noqa: F401
 
@@ -322,7 +331,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         setting = network.shaping if network is not None else "loopback TCP (gloo), no shaping"
         print(f"{args.workers} workers, {setting}; MLP {'-'.join(map(str, args.widths))}, batch {args.batch_size}, "
               f"topology {args.topology}; {args.warmup}+{args.steps} steps per run", flush=True)
-        records = run_workers(functools.partial(_work, {"config": config, "runs": RUNS}), args.workers, network, args.timeout)
+        records = run_workers(functools.partial(_work, {"config": config}), args.workers, network, args.timeout)
     medians = summarize(records, args.warmup)
     setting += f"; {args.workers} workers, topology {args.topology}, MLP {'-'.join(map(str, args.widths))}, batch {args.batch_size}"
     table = render_table(medians, command, setting)
