@@ -31,7 +31,7 @@ schedule cannot deadlock. Transport, per exchange:
   ``complete``), then ``W_out ⊗ I`` on one subgroup per local rank. The subgroups
   are created when the engine is built, in the same order on every rank.
 
-Low precision (``dtype=torch.bfloat16`` or ``float16``): point-to-point messages carry
+Low precision (``dtype=torch.bfloat16`` or ``float16``): neighbour messages carry
 ``q_i = x_i`` rounded to ``dtype`` and the combine is ``x_i <- x_i + Σ_j w_ij q_j − q_i``.
 The column sums of ``W`` make ``Σ_i`` of the update zero, so ``x̄`` is kept exactly, and the
 rounding error ``x_i − q_i`` stays in ``x_i`` and goes out in later rounds (error feedback).
