@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
