@@ -1,8 +1,12 @@
 """Quickstart: a small CNN on scikit-learn's bundled digits, trained decentralized on 4 CPU workers.
 
-    python examples/digits.py                       # ring D-PSGD, 4 worker processes
-    python examples/digits.py --topology complete   # any topology name
-    python examples/digits.py --strategy ddp        # the all-reduce baseline
+Run from the repository root (the configs name these classes as ``examples.digits.*``)::
+
+    lightning-decentral fit --config examples/configs/digits_dpsgd.yaml      # ring D-PSGD, 4 workers
+    lightning-decentral fit --config examples/configs/digits_decentlam.yaml  # DecentLaM
+    lightning-decentral fit --config examples/configs/digits_ddp.yaml        # the all-reduce baseline
+    lightning-decentral fit --config examples/configs/digits_dpsgd.yaml \
+        --trainer.strategy.init_args.topology exponential                     # any topology name
 
 Offline: the digits (1,797 8×8 images) ship with scikit-learn. Each worker trains its own
 replica on its shard and averages it with its ring neighbours only; the accuracy printed at
@@ -11,17 +15,13 @@ the end is that of the averaged model ``x̄``.
 
 from __future__ import annotations
 
-import argparse
 from typing import Any
 
 import torch
 import torchmetrics
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, random_split
-
-import lightning_decentral  # noqa: F401  registers strategy="dpsgd"
-from lightning_decentral import DecentralizedStrategy
 
 
 class DigitsDataModule(LightningDataModule):
@@ -50,7 +50,7 @@ class DigitsDataModule(LightningDataModule):
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256)
 
-    test_dataloader = val_dataloader
+    test_dataloader = predict_dataloader = val_dataloader
 
 
 class DigitsCNN(LightningModule):
@@ -90,6 +90,9 @@ class DigitsCNN(LightningModule):
 
     test_step = validation_step
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).argmax(dim=1)
+
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(
             self.parameters(),
@@ -99,38 +102,3 @@ class DigitsCNN(LightningModule):
         )
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.trainer.estimated_stepping_batches)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--strategy", default="dpsgd", help="dpsgd (default) or any Lightning strategy, e.g. ddp")
-    parser.add_argument("--topology", default="ring", help="ring, torus, exponential, one_peer_exponential, complete")
-    parser.add_argument("--combine", default="awc", choices=["awc", "atc"])
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--lr", type=float, default=0.05)
-    args = parser.parse_args()
-
-    torch.set_num_threads(1)  # several workers share the cores: one thread each
-    strategy = (
-        DecentralizedStrategy(topology=args.topology, combine=args.combine) if args.strategy == "dpsgd" else args.strategy
-    )
-    trainer = Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=args.workers,
-        max_epochs=args.epochs,
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-    )
-    model = DigitsCNN(lr=args.lr)
-    data = DigitsDataModule()
-    trainer.fit(model, datamodule=data)
-    (metrics,) = trainer.validate(model, datamodule=data, verbose=False)
-    if trainer.is_global_zero:
-        print(f"validation accuracy of the averaged model: {metrics['val_acc']:.4f}")
-
-
-if __name__ == "__main__":
-    main()

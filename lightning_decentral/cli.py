@@ -66,13 +66,15 @@ class DecentralizedCLI(LightningCLI):
     def after_fit(self) -> None:
         """Validate the final model unless the last validation already saw it, then report on rank 0."""
         trainer = self.trainer
+        if trainer.interrupted:  # Ctrl-C: Lightning stopped the fit and the user wants out
+            return
         metrics: dict[str, float] = {}
         if self._has_validation():
             if self._last_validation.step != trainer.global_step:
                 trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
         if trainer.is_global_zero:
-            print(report(trainer, metrics, _plot(trainer)), flush=True)
+            print(_report(trainer, metrics, _plot(trainer)), flush=True)
 
     def _has_validation(self) -> bool:
         sources = [self.model] + ([self.datamodule] if self.datamodule is not None else [])
@@ -106,7 +108,7 @@ def _plot(trainer: Trainer) -> list[Path]:
     return plot_runs(csv_dirs[:1], str(Path(csv_dirs[0]) / "plots"))
 
 
-def report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> str:
+def _report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> str:
     """The text printed after ``fit``: what was evaluated, the metrics, where logs, checkpoints and plots are."""
     strategy = trainer.strategy
     if isinstance(strategy, DecentralizedStrategy):

@@ -102,6 +102,7 @@ class TinyData(LightningDataModule):
 '''
 
 
+@pytest.mark.timeout(600)
 def test_user_module_on_pythonpath_trains(tmp_path: Path) -> None:
     """The console command, a model and data from the user's own module on PYTHONPATH, run elsewhere."""
     (tmp_path / "user").mkdir()
@@ -125,7 +126,7 @@ def test_user_module_on_pythonpath_trains(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "user")}
     done = subprocess.run(
         [str(command), "fit", "--config", "tiny.yaml"],
-        cwd=tmp_path / "run", env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path / "run", env=env, capture_output=True, text=True, timeout=580,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Finished fit after 3 steps on 1 workers (dpsgd awc, Ring(world_size=1))." in done.stdout
