@@ -553,7 +553,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="MLP steps dropped first (default 3)")
     parser.add_argument("--widths", default=None, help="MLP widths (default: step_time.py's, 5.3M parameters)")
     parser.add_argument("--batch-size", type=int, default=32, help="MLP samples per worker per step (default 32)")
-    parser.add_argument("--digits-steps", type=int, default=None, help="optimizer steps per digits run (default 150)")
+    parser.add_argument("--digits-steps", type=int, default=None, help="optimizer steps per digits run (default 100)")
     parser.add_argument("--digits-batch", type=int, default=32, help="digits samples per worker per step")
     parser.add_argument("--digits-lr", type=float, default=0.05)
     parser.add_argument("--threshold", type=float, default=0.5, help="the training loss to reach (default 0.5)")
@@ -577,7 +577,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     args.jobs = args.jobs.split(",")
     args.repeats = args.repeats or 3
     args.steps, args.warmup = args.steps or 10, args.warmup or 3
-    args.digits_steps = args.digits_steps or 150
+    args.digits_steps = args.digits_steps or 100
     if args.widths is None:
         from step_time import FULL_WIDTHS
 
