@@ -85,7 +85,7 @@ class _Probe(pl.Callback):
         self.records.append({
             "step": trainer.global_step,
             "rss_mb": _rss_bytes() / 2**20,
-            "objects": len(gc.get_objects()),
+            "objects": len(gc.get_objects()) - len(self.records),  # less this probe's own records
             "step_ms": (now - self._start) / self.window * 1e3,
         })
         self._start = time.perf_counter()  # the probe's own cost stays out of the next window

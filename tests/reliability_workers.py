@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_decentral import DecentralizedStrategy
+from lightning_decentral import checkpoint as checkpoint_io
 from lightning_decentral.checkpoint import shards_of_rank
 from tests.models import Regression, flat, init_seed, loader, rank_data
 from tests.workers import trainer_for
@@ -86,6 +87,10 @@ def _resume_warnings(caught: list) -> list[str]:
     return [str(w.message) for w in caught if "restarted from the averaged model" in str(w.message)]
 
 
+def _disk_full(*args: Any) -> None:
+    raise OSError("No space left on device (simulated)")
+
+
 class _NaNOnRank(Regression):
     """Writes a NaN into its first weight on ``bad_rank`` when step ``bad_step`` starts."""
 
@@ -100,9 +105,10 @@ class _NaNOnRank(Regression):
 
 
 def other_world_size_mismatch_and_nan(rank: int, world_size: int, checkpoint: str, root: str) -> dict[str, Any]:
-    """Three scenarios on one process group, the one that breaks it last:
+    """Four scenarios on one process group, the one that breaks it last:
 
     1. resume a checkpoint of 4 ranks on ``world_size`` ranks: every replica starts from the average;
+       then save a checkpoint, and overwrite it with a save whose shard write fails on rank 1;
     2. rank 1 builds another strategy and another model: every rank stops at setup, naming both;
     3. rank 1's replica turns NaN at step 3, after a checkpoint at step 2: rank 1 raises before sending and
        lingers (alive, its connections open) until rank 0 has given up waiting, through the timeout.
@@ -115,6 +121,21 @@ def other_world_size_mismatch_and_nan(rank: int, world_size: int, checkpoint: st
         trainer.fit(model, loader(rank, K * BATCH, BATCH), ckpt_path=checkpoint)
     out["resume_start"] = model.train_start_params
     out["warnings"] = _resume_warnings(caught)
+
+    path = f"{root}/overwritten.ckpt"
+    trainer.save_checkpoint(path)
+    out["shards_before"] = shards_of_rank(path, rank)
+    write_shard = checkpoint_io.write_shard
+    if rank == 1:
+        checkpoint_io.write_shard = _disk_full
+    try:
+        trainer.save_checkpoint(path)
+        out["interrupted"] = "no error"
+    except (OSError, RuntimeError) as exc:
+        out["interrupted"] = f"{type(exc).__name__}: {exc}"
+    finally:
+        checkpoint_io.write_shard = write_shard
+    out["shards_after"] = shards_of_rank(path, rank)
 
     strategy = DecentralizedStrategy(gossip_steps=2 if rank == 1 else 1)
     trainer = trainer_for(world_size, strategy, max_steps=1)

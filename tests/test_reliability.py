@@ -36,7 +36,7 @@ def test_resume_continues_every_replica_bit_for_bit(resumed: tuple[list[dict], P
         assert torch.equal(replica["resumed"], replica["full"]), f"rank {rank}"
 
 
-def _checkpoint_files(directory: Path) -> dict[str, list[str]]:
+def _checkpoint_files(directory: Path, world_size: int = WORLD) -> dict[str, list[str]]:
     """Each checkpoint file in ``directory`` with its shard files; asserts the shards belong to its save."""
     files = {}
     for path in sorted(directory.glob("*.ckpt")):
@@ -44,7 +44,7 @@ def _checkpoint_files(directory: Path) -> dict[str, list[str]]:
         shards = sorted(Path(shard_directory(path)).iterdir())
         for rank, shard in enumerate(shards):
             content = read_shard(str(shard))
-            assert (content["save_id"], content["rank"], content["world_size"]) == (meta["save_id"], rank, WORLD)
+            assert (content["save_id"], content["rank"], content["world_size"]) == (meta["save_id"], rank, world_size)
         files[path.name] = [s.name for s in shards]
     return files
 
@@ -101,6 +101,16 @@ def test_other_world_size_restarts_every_replica_from_the_average(two_ranks: tup
         assert torch.equal(r["resume_start"], _average_of(checkpoint))
     (warning,) = results[0]["warnings"]
     assert "saved by 4 ranks and this run has 2" in warning
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_whole(two_ranks: tuple) -> None:
+    results, _, root = two_ranks
+    healthy, failed = results
+    assert failed["interrupted"] == "OSError: No space left on device (simulated)"
+    assert healthy["interrupted"] == "RuntimeError: Rank(s) [1] could not write its shard (their logs say why); no checkpoint was written."
+    for r in results:  # the new shard of rank 0 was discarded; the first save's shards are still there
+        assert r["shards_after"] == r["shards_before"] and len(r["shards_before"]) == 1
+    assert list(_checkpoint_files(root, world_size=2)) == ["overwritten.ckpt"]  # its shards match its save_id
 
 
 def test_a_rank_with_another_configuration_stops_every_rank_at_setup(two_ranks: tuple) -> None:
