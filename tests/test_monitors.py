@@ -154,3 +154,19 @@ def test_plot_command_writes_pngs_from_the_runs(runs: list[dict[str, Any]], logs
 def test_bad_arguments_fail_when_built(make: Any, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_warns_when_measurements_would_never_be_written(tmp_path: Path) -> None:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    from tests.models import loader
+
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=1, log_every_n_steps=5, logger=CSVLogger(tmp_path),
+        callbacks=[ConsensusDistance(every_n_steps=7), EffectiveLearningRate(every_n_steps=10)],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    with pytest.warns(UserWarning, match=r"ConsensusDistance\(every_n_steps=7\).*multiple of") as caught:
+        trainer.fit(monitor_workers.TwoPart(), train_dataloaders=loader(0, 8, 8))
+    assert not any("EffectiveLearningRate" in str(w.message) for w in caught)

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_decentral.strategy import DecentralizedStrategy
@@ -45,13 +46,11 @@ def max_over_ranks(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def warn_unless_written(every_n_steps: int, trainer: Trainer, name: str) -> Optional[str]:
-    """The message to warn with when some measured steps would never reach the loggers."""
+def warn_unless_written(every_n_steps: int, trainer: Trainer, name: str) -> None:
+    """Warn when some measured steps would never reach the loggers."""
     log_every = trainer.log_every_n_steps
     if trainer.loggers and log_every and every_n_steps % log_every:
-        return (
+        rank_zero_warn(
             f"{name}(every_n_steps={every_n_steps}) measures at steps that Lightning does not write to the loggers "
             f"(log_every_n_steps={log_every}): make every_n_steps a multiple of Trainer(log_every_n_steps=...)."
         )
-    return None
-

@@ -114,9 +114,7 @@ class ConsensusDistance(_StepEnd):
         strategy = decentralized(trainer)
         if strategy is not None:
             strategy.measure_residuals()
-        message = warn_unless_written(self.every_n_steps, trainer, type(self).__name__)
-        if message:
-            rank_zero_warn(message)
+        warn_unless_written(self.every_n_steps, trainer, type(self).__name__)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = self._ended_step(trainer)

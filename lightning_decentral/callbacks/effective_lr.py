@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch import Tensor
 from torch.optim import Optimizer
@@ -66,9 +65,7 @@ class EffectiveLearningRate(Callback):
             )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        message = warn_unless_written(self.every_n_steps, trainer, type(self).__name__)
-        if message:
-            rank_zero_warn(message)
+        warn_unless_written(self.every_n_steps, trainer, type(self).__name__)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
