@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -36,6 +36,47 @@ def mixing(name: str, n: int, step: int) -> torch.Tensor:
     raise ValueError(name)
 
 
+def _part(spec: Any, n: int, step: int) -> torch.Tensor:
+    return mixing(spec, n, step) if isinstance(spec, str) else torch.tensor(spec, dtype=torch.float64)
+
+
+def _is_average(w: torch.Tensor) -> bool:
+    return bool(torch.allclose(w, torch.full_like(w, 1.0 / w.shape[0]), atol=1e-12, rtol=0))
+
+
+def stages(config: "Config", n: int, step: int) -> list[tuple[torch.Tensor, bool]]:
+    """The exchanges of one gossip round at ``step``, applied in order, each with whether it is an
+    exact average over its group: ``[W(step)]``, or for ``hierarchical`` (``m`` ranks per node,
+    rank ``a m + l``) ``[I_N ⊗ W_in, W_out ⊗ I_m]``, whose product is ``W_out ⊗ W_in``."""
+    if config.topology != "hierarchical":
+        w = mixing(config.topology, n, step)
+        return [(w, _is_average(w))]
+    inner, outer, m = config.hierarchy
+    m = m or n // config.num_nodes
+    w_in, w_out = _part(inner, m, step), _part(outer, n // m, step)
+    if _is_average(torch.kron(w_out, w_in)):
+        return [(torch.full((n, n), 1.0 / n, dtype=torch.float64), True)]
+    eye = lambda size: torch.eye(size, dtype=torch.float64)  # noqa: E731
+    return [(torch.kron(eye(n // m), w_in), _is_average(w_in)), (torch.kron(w_out, eye(m)), _is_average(w_out))]
+
+
+def gossip(x: torch.Tensor, config: "Config", step: int, rounds: int) -> torch.Tensor:
+    """``rounds`` gossip rounds on the rows of ``x`` (one row per rank).
+
+    Full precision: ``x <- W x``. With ``config.gossip_dtype``, the low-precision rule
+    ``x <- x + W q − q``, ``q = x`` rounded to that dtype (from float32), for every exchange
+    except exact averages over a group (all-reduces), which stay in full precision.
+    """
+    for _ in range(rounds):
+        for w, average in stages(config, x.shape[0], step):
+            if config.gossip_dtype is None or average:
+                x = w @ x
+            else:
+                q = x.to(torch.float32).to(config.gossip_dtype).double()
+                x = x + w @ q - q
+    return x
+
+
 @dataclass
 class Config:
     """One training run: what both the strategy and the reference are given."""
@@ -55,6 +96,9 @@ class Config:
     dtype: torch.dtype = torch.float32
     batch_norm: bool = False
     bucket_cap_mb: float = 4.0
+    gossip_dtype: Optional[torch.dtype] = None
+    hierarchy: Optional[tuple] = None  # topology="hierarchical": (inner, outer, ranks_per_node); a part may be a matrix
+    num_nodes: int = 1  # nodes emulated through Lightning's layout (NODE_RANK, LOCAL_RANK)
 
     @property
     def samples(self) -> int:
@@ -65,8 +109,12 @@ class Config:
         return {**self.optimizer, "scheduler": self.scheduler}
 
     def strategy_kwargs(self) -> dict[str, Any]:
+        from lightning_decentral import Hierarchical
+
+        extra = {} if self.gossip_dtype is None else {"gossip_dtype": self.gossip_dtype}
         return {
-            "topology": self.topology,
+            **extra,
+            "topology": Hierarchical(*self.hierarchy) if self.topology == "hierarchical" else self.topology,
             "combine": self.combine,
             "momentum": self.momentum,
             "gossip_every": self.gossip_every,
@@ -121,7 +169,7 @@ def run(config: Config, n: int) -> torch.Tensor:
                 nn.utils.clip_grad_norm_(replica.parameters(), config.clip)
         before = torch.stack([_flat(r) for r in replicas]).double()
         rounds = config.gossip_steps if (k + 1) % config.gossip_every == 0 else 0
-        mix = torch.linalg.matrix_power(mixing(config.topology, n, k), rounds)
+        mix = lambda x: gossip(x, config, k, rounds)  # noqa: E731
         if config.momentum == "decentlam":
             _decentlam_gradients(replicas, optimizers, mix)
         for optimizer, scheduler in zip(optimizers, schedulers):
@@ -132,26 +180,26 @@ def run(config: Config, n: int) -> torch.Tensor:
         if config.momentum == "decentlam":
             new = stepped
         elif config.combine == "awc":
-            new = mix @ before + stepped - before
+            new = mix(before) + stepped - before
         else:
-            new = mix @ stepped
+            new = mix(stepped)
         buffers_after = torch.stack([_flat_buffers(r) for r in replicas]).double()
         if config.momentum == "local" and config.combine == "awc":
-            new_buffers = mix @ buffers_before + buffers_after - buffers_before
+            new_buffers = mix(buffers_before) + buffers_after - buffers_before
         else:
-            new_buffers = mix @ buffers_after
+            new_buffers = mix(buffers_after)
         for replica, vector, buffers in zip(replicas, new, new_buffers):
             _assign(replica, vector.to(config.dtype))
             _assign_buffers(replica, buffers.to(config.dtype))
     return torch.stack([torch.cat([_flat(r), _flat_buffers(r)]) for r in replicas])
 
 
-def _decentlam_gradients(replicas: list[nn.Module], optimizers: list, mix: torch.Tensor) -> None:
+def _decentlam_gradients(replicas: list[nn.Module], optimizers: list, mix: Callable) -> None:
     """``g̃_i = (x_i − Σ_j w_ij z_j) / γ`` with ``z_j = x_j − γ g_j`` (``W g`` at ``γ = 0``), into ``.grad``."""
     lr = optimizers[0].param_groups[0]["lr"]
     x = torch.stack([_flat(r) for r in replicas]).double()
     g = torch.stack([torch.cat([p.grad.reshape(-1) for p in r.parameters()]) for r in replicas]).double()
-    modified = mix @ g if lr == 0 else (x - mix @ (x - lr * g)) / lr
+    modified = mix(g) if lr == 0 else (x - mix(x - lr * g)) / lr
     for replica, row in zip(replicas, modified):
         offset = 0
         for p in replica.parameters():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import Any
 
@@ -35,9 +36,13 @@ def fit_config(rank: int, world_size: int, config: Config, strategy: Any = None)
     model = model.to(config.dtype)
     strategy = strategy if strategy is not None else DecentralizedStrategy(**config.strategy_kwargs())
     precision = "64-true" if config.dtype == torch.float64 else "32-true"
+    per_node = world_size // config.num_nodes
+    # nodes emulated on one machine: Lightning reads the layout from these variables
+    os.environ.update(NODE_RANK=str(rank // per_node), LOCAL_RANK=str(rank % per_node))
     trainer = trainer_for(
-        world_size,
+        per_node,
         strategy,
+        num_nodes=config.num_nodes,
         max_steps=config.steps,
         accumulate_grad_batches=config.accumulate,
         gradient_clip_val=config.clip,
