@@ -1,7 +1,7 @@
 """Alpha-beta cost model: measured on this machine, extrapolated to 8-1024 GPUs.
 
 One command regenerates the tables in ``docs/benchmarks.md`` and ``docs/img/benchmarks/cost_model.png``
-(as root for the emulated link; ~2 minutes)::
+(as root for the emulated link)::
 
     python benchmarks/cost_model.py
     python benchmarks/cost_model.py --networks loopback            # no namespaces needed

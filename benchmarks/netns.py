@@ -1,9 +1,9 @@
 """Slow-network benchmark: DDP against gossip with every worker on its own emulated host.
 
-One command regenerates the tables in ``docs/benchmarks.md`` (as root, Linux; ~5 minutes)::
+One command regenerates the tables in ``docs/benchmarks.md`` (as root, Linux)::
 
     python benchmarks/netns.py                      # profiles 1gbit and 10gbit, 3 repeats
-    python benchmarks/netns.py --smoke              # 2 steps of each job on a tiny model (~20 s)
+    python benchmarks/netns.py --smoke              # 2 steps of each job on a tiny model
     python benchmarks/netns.py --profiles 100mbit --repeats 5 --out table.md --out results.json
 
 The emulated network: ``--workers`` network namespaces ``ldn<pid>-h<i>`` (the hosts), each with

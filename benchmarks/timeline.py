@@ -1,7 +1,7 @@
 """Overlap, shown: per-rank timelines of AWC's and DecentLaM's steps, and step ≈ max(compute, comm).
 
 One command regenerates the table and ``docs/img/benchmarks/timeline.png`` (as root: on the
-emulated 1 Gbit/s network of ``benchmarks/netns.py``; ~3 minutes)::
+emulated 1 Gbit/s network of ``benchmarks/netns.py``)::
 
     python benchmarks/timeline.py
     python benchmarks/timeline.py --network loopback      # no namespaces needed (CPU-bound transport)
