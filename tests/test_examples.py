@@ -55,8 +55,9 @@ def test_quickstart_reaches_90_percent_and_says_where_logs_and_plots_are(tmp_pat
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config", ["digits_decentlam.yaml", "digits_ddp.yaml"])
 def test_digits_config_trains_a_few_steps(tmp_path: Path, config: str) -> None:
-    out = fit(tmp_path, config, "--trainer.max_steps", "3", "--trainer.limit_val_batches", "1")
-    assert "Finished fit after 3 steps on 4 workers" in out, out[-3000:]
+    # 2 workers, no loggers (hence no plots): the quickstart test covers those; this one the configs
+    out = fit(tmp_path, config, "--trainer.max_steps", "3", "--trainer.devices", "2", "--trainer.logger", "false")
+    assert "Finished fit after 3 steps on 2 workers" in out, out[-3000:]
     assert re.search(r"Validation of the (averaged )?model.*: .*val_acc = [0-9.]+", out), out[-3000:]
 
 
