@@ -15,11 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_step_time_smoke(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_time.py"), "--smoke", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    _run_smoke("step_time.py", "--out", str(out))
     results = json.loads(out.read_text())
     assert results
 
@@ -74,3 +70,13 @@ def test_cost_model_smoke(tmp_path: Path) -> None:
     assert alpha >= 0 and beta >= 0 and alpha + beta > 0
     assert set(measured["exchange_s"]) == {"ddp", "ring", "one_peer_exponential"}
     assert png.stat().st_size > 0
+
+
+def test_transport_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "transport.json"
+    _run_smoke("transport.py", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["bytes"] for row in rows] == [4096, 65536]
+    for row in rows:  # every transport was timed (after its result was checked against p2p's)
+        assert set(row["median_s"]) == {"p2p", "edge_allreduce", "edge_broadcast", "allgather", "allreduce"}
+        assert all(t > 0 for t in row["median_s"].values())
