@@ -19,13 +19,11 @@ function of ``k``: every send has its matching receive on the peer, so the
 schedule cannot deadlock. Transport, per exchange:
 
 * ``W(k) = 11ᵀ/n``: one all-reduce per buffer, always in the buffers' precision.
-* otherwise one message per neighbour per flat buffer. On gloo it goes as a broadcast
-  on a 2-rank subgroup per edge (one subgroup per pair of neighbours over the period,
-  created with the engine, in the same order on every rank), which beat
-  ``batch_isend_irecv`` in 8 of 10 measurements from 4 KB to 64 MB, with no size where
-  point-to-point won reproducibly (``benchmarks/transport.py``, ``docs/benchmarks.md``).
-  On other backends (NCCL) messages go point-to-point (``batch_isend_irecv``, which NCCL
-  coalesces into one group call); that choice is not measured here.
+* otherwise one message per neighbour per flat buffer, point-to-point (``batch_isend_irecv``,
+  which NCCL coalesces into one group call). On gloo it was the fastest neighbour exchange
+  measured from 4 KB to 1 MB (20–40 % ahead of a broadcast on a 2-rank subgroup per edge) and
+  tied with it (±5 %) at 16 and 64 MB (``benchmarks/transport.py``, ``docs/benchmarks.md``);
+  ``transport="broadcast"`` selects the per-edge broadcast. NCCL is not measured here.
 * :class:`~lightning_decentral.topology.Hierarchical`: two exchanges per round,
   ``I ⊗ W_in`` on one subgroup per node (an all-reduce when the inner topology is
   ``complete``), then ``W_out ⊗ I`` on one subgroup per local rank. The subgroups
@@ -40,6 +38,7 @@ rounding error ``x_i − q_i`` stays in ``x_i`` and goes out in later rounds (er
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -171,8 +170,10 @@ class Gossip:
         group: the process group to talk on (default: the world).
         dtype: the floating-point type point-to-point messages travel in (``torch.bfloat16``,
             ``torch.float16``); ``None`` sends the buffers' own. See the module docstring.
-        transport: neighbour messages as ``"p2p"`` or ``"broadcast"`` (per-edge subgroups, gloo
-            only); ``None`` chooses by backend (see the module docstring).
+        transport: neighbour messages as ``"p2p"`` (``None``, the default) or ``"broadcast"``
+            (a 2-rank subgroup per edge, gloo only; see the module docstring).
+        timeout: the timeout of the subgroups the engine creates (hierarchical levels, edges);
+            ``None``: torch's default. The strategy passes its own ``timeout``.
 
     Example::
 
@@ -186,6 +187,7 @@ class Gossip:
         group: Optional[dist.ProcessGroup] = None,
         dtype: Optional[torch.dtype] = None,
         transport: Optional[str] = None,
+        timeout: Optional[timedelta] = None,
     ) -> None:
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {list(_TRANSPORTS)}, got {transport!r}.")
@@ -204,14 +206,15 @@ class Gossip:
         self._receive: dict[tuple[int, int], Tensor] = {}
         self._wire: dict[int, Tensor] = {}  # low precision: q per buffer index (tag + b)
         self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        self._timeout = timeout
         self.measure_residual = False  # also compute ‖x_i − Σ_j w_ij x_j‖² per buffer (see PendingGossip)
         self._stages = self._hierarchical_stages(world) if isinstance(topology, Hierarchical) else []
         self.transport = transport
         self._edge_groups: dict[int, dist.ProcessGroup] = {}  # peer -> the 2-rank subgroup of that edge
-        if transport == "broadcast" or (transport is None and not self._stages and dist.get_backend(world) == "gloo"):
-            self._edge_groups = self._create_edge_groups(transport == "broadcast")
+        if transport == "broadcast":
+            self._edge_groups = self._create_edge_groups()
 
-    def _create_edge_groups(self, required: bool) -> dict[int, dist.ProcessGroup]:
+    def _create_edge_groups(self) -> dict[int, dist.ProcessGroup]:
         """A 2-rank subgroup per pair of neighbours over one period; every rank creates every one, in order."""
         topology, n = self.topology, self.topology.world_size
         pairs = sorted(
@@ -219,15 +222,13 @@ class Gossip:
              for i in range(n) for j, _ in topology.in_neighbors(i, k)}
         )
         if len(pairs) > 4 * n or dist.get_backend(self.group or dist.group.WORLD) != "gloo":
-            if required:
-                raise ValueError(
-                    f"transport='broadcast' needs the gloo backend and at most 4 edges per rank ({len(pairs)} "
-                    f"edges for {n} ranks here); use transport=None or 'p2p'."
-                )
-            return {}
+            raise ValueError(
+                f"transport='broadcast' needs the gloo backend and at most 4 edges per rank ({len(pairs)} "
+                f"edges for {n} ranks here); use transport=None or 'p2p'."
+            )
         groups = {}
         for pair in pairs:
-            subgroup = dist.new_group([self._global[r] for r in pair])
+            subgroup = dist.new_group([self._global[r] for r in pair], timeout=self._timeout)
             if self.rank in pair:
                 groups[pair[1] if pair[0] == self.rank else pair[0]] = subgroup
         return groups
@@ -250,11 +251,11 @@ class Gossip:
             mine = None
             for index in range(count):
                 ranks = [self._global[r] for r in members(index)]
-                subgroup = dist.new_group(ranks, backend=backend) if len(ranks) > 1 else None
+                subgroup = dist.new_group(ranks, backend=backend, timeout=self._timeout) if len(ranks) > 1 else None
                 if index == (node if part is topology.inner_topology else local):
                     mine = subgroup
             if mine is not None:  # point-to-point: edge subgroups would need every rank of the world
-                stages.append(Gossip(part, group=mine, dtype=self.dtype, transport="p2p"))
+                stages.append(Gossip(part, group=mine, dtype=self.dtype, transport="p2p", timeout=self._timeout))
         return stages
 
     def start(

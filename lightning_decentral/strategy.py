@@ -324,7 +324,7 @@ class DecentralizedStrategy(DDPStrategy):
         self._buffers = pack_(mixed_buffers)
         group = dist.new_group(backend=self.process_group_backend, timeout=self._timeout)  # else torch's 30 min
         dist.all_reduce(torch.zeros(1, device=self.root_device), group=group)  # NCCL: every rank joins first
-        self._gossip = Gossip(self.topology, group=group, dtype=self.gossip_dtype)
+        self._gossip = Gossip(self.topology, group=group, dtype=self.gossip_dtype, timeout=self._timeout)
         self._gossip.measure_residual = self._measure_residuals
         self._send = [torch.empty_like(b) for b in self._parameters + self._buffers] if self._awc else []
         self._buffer_snapshot = [torch.empty_like(b) for b in self._buffers] if self._awc else []
