@@ -12,9 +12,18 @@ from tests.reference import mixing
 WORLD = 4
 
 
-@pytest.mark.parametrize("topology, step", [("ring", 0), ("one_peer_exponential", 1), ("complete", 0)])
-def test_exchange_and_its_residual_match_the_dense_matrix(topology: str, step: int) -> None:
-    out = run_distributed(gossip_workers.exchange, WORLD, topology=topology, step=step, rounds=2)
+CASES = [("ring", 0), ("one_peer_exponential", 1), ("complete", 0)]
+
+
+@pytest.fixture(scope="module")
+def exchanged() -> list[dict]:
+    """Every case gossiped twice (``W^2``), in one group of 4 processes."""
+    return run_distributed(gossip_workers.exchanges, WORLD, cases=CASES, rounds=2)
+
+
+@pytest.mark.parametrize("topology, step", CASES)
+def test_exchange_and_its_residual_match_the_dense_matrix(exchanged: list[dict], topology: str, step: int) -> None:
+    out = [per_rank[(topology, step)] for per_rank in exchanged]
     mix = mixing(topology, WORLD, step)
     for b in range(2):
         x = torch.stack([o["before"][b] for o in out])
