@@ -205,3 +205,13 @@ def _decentlam_gradients(replicas: list[nn.Module], optimizers: list, mix: Calla
         for p in replica.parameters():
             p.grad.copy_(row[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+
+
+def assert_every_rank_matches(trained: list[dict[str, torch.Tensor]], config: Config, world_size: int, atol: float = 1e-5) -> torch.Tensor:
+    """Each rank's trained parameters (and buffers) equal the reference's row to ``atol``; returns the reference."""
+    expected = run(config, world_size)
+    for rank in range(world_size):
+        torch.testing.assert_close(
+            trained[rank][config.name].double(), expected[rank].double(), atol=atol, rtol=0, msg=f"rank {rank}"
+        )
+    return expected

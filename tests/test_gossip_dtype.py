@@ -149,9 +149,7 @@ def test_engine_long_run_keeps_the_mean_and_a_bounded_disagreement(engine: list[
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_trajectory_matches_the_quantized_reference(trained: list[dict[str, torch.Tensor]], config: Config) -> None:
-    expected = reference.run(config, WORLD)
-    for rank in range(WORLD):
-        torch.testing.assert_close(trained[rank][config.name].double(), expected[rank].double(), atol=ATOL, rtol=0)
+    expected = reference.assert_every_rank_matches(trained, config, WORLD, atol=ATOL)
     full = reference.run(Config(**{**config.__dict__, "gossip_dtype": None}), WORLD)
     drift = (expected - full).abs().max()
     assert drift < DRIFT_TOL
