@@ -320,11 +320,14 @@ class Gossip:
             if self._edge_groups:
                 works += self._post_broadcasts(sent, step, tag + index)
                 continue
-            for peer, _ in self.topology.out_neighbors(self.rank, step):
-                ops.append(dist.P2POp(dist.isend, sent, self._global[peer], self.group, tag=tag + index))
+            # Receives are posted before sends: with sends first, two ranks exchanging over one gloo
+            # connection moved one direction after the other (twice the time on the emulated 1 Gbit/s
+            # link, docs/benchmarks.md "Transport per backend").
             for slot, (peer, _) in enumerate(self.topology.in_neighbors(self.rank, step)):
                 receive = self._receive_buffer(tag + index, slot, sent)
                 ops.append(dist.P2POp(dist.irecv, receive, self._global[peer], self.group, tag=tag + index))
+            for peer, _ in self.topology.out_neighbors(self.rank, step):
+                ops.append(dist.P2POp(dist.isend, sent, self._global[peer], self.group, tag=tag + index))
         return works + (dist.batch_isend_irecv(ops) if ops else [])  # none: a rank alone at this step (custom W)
 
     def _post_broadcasts(self, sent: Tensor, step: int, key: int) -> list[dist.Work]:
