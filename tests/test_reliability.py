@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 import re
 import tempfile
@@ -15,7 +14,7 @@ import torch
 
 from lightning_decentral.checkpoint import META_KEY, read_shard, shard_directory
 from tests import reliability_workers as workers
-from tests.helpers import _entry, free_port, run_distributed
+from tests.helpers import run_distributed, start_processes
 
 WORLD = 4
 
@@ -139,12 +138,8 @@ def test_nan_stops_its_rank_before_sending_and_the_others_through_the_timeout(tw
 def _run_until_every_rank_exits(fn: Callable, world_size: int, bound: float, **kwargs: Any) -> list[Any]:
     """Like ``run_distributed``, but a rank that dies does not end the others: each ends on its own, within
     ``bound`` seconds, or the test fails. ``None`` for a rank that left no result."""
-    context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
-        port = free_port()
-        procs = [context.Process(target=_entry, args=(r, world_size, port, fn, kwargs, out)) for r in range(world_size)]
-        for p in procs:
-            p.start()
+        procs = start_processes(fn, world_size, out, **kwargs)
         deadline = time.monotonic() + bound
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
