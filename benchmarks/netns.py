@@ -438,9 +438,9 @@ JOBS = {"steps": _step_time_job, "loss": _time_to_loss_job}
 
 def _work(spec: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     """One worker: every job of ``spec`` in order, in one process group."""
-    import torch
+    from step_time import use_threads
 
-    torch.set_num_threads(spec["config"]["threads"])
+    use_threads(spec["config"]["threads"])
     quiet()
     world_size = int(os.environ["WORLD_SIZE"])
     return [{**job, **JOBS[job["kind"]](job["method"], spec["config"], rank, world_size)} for job in spec["jobs"]]

@@ -182,6 +182,14 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def use_threads(count: int) -> None:
+    """``count`` torch threads in this process, kept by Lightning: its launcher otherwise sets
+    ``cpu_count // devices`` threads when ``OMP_NUM_THREADS`` is unset (2 per process with
+    ``devices=1`` on this machine, twice the cores with 4 such processes)."""
+    os.environ["OMP_NUM_THREADS"] = str(count)
+    torch.set_num_threads(count)
+
+
 def _worker(rank: int, world_size: int, port: int, method: Method, config: dict[str, Any], out: str) -> None:
     """One rank of one method: train, and write this rank's step end times (and bytes) to ``out``."""
     if method.strategy != "single":
@@ -193,7 +201,7 @@ def _worker(rank: int, world_size: int, port: int, method: Method, config: dict[
             WORLD_SIZE=str(world_size),
             PL_DISABLE_FORK="1",
         )
-    torch.set_num_threads(config["threads"])
+    use_threads(config["threads"])
     _quiet()
     try:
         result = _train(rank, world_size, method, config)

@@ -155,9 +155,9 @@ def _communicate(run: str, config: dict[str, Any], rank: int, world_size: int) -
 
 def _work(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     """One worker: every run of ``spec`` in order, in one process group."""
-    import torch
+    from step_time import use_threads
 
-    torch.set_num_threads(spec["config"]["threads"])
+    use_threads(spec["config"]["threads"])
     quiet()
     _instrument()
     world_size = int(os.environ["WORLD_SIZE"])
