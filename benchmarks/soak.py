@@ -102,18 +102,21 @@ def _worker(rank: int, world_size: int, port: int, method: str, args: argparse.N
         x = torch.randn(1024, 32, generator=generator)
         data = DataLoader(TensorDataset(x, torch.sin(x[:, :8])), batch_size=16)
         probe = _Probe(args.window)
-        with tempfile.TemporaryDirectory() as checkpoints:
-            trainer = pl.Trainer(
-                strategy=DecentralizedStrategy(**METHODS[method]), accelerator="cpu", devices=world_size,
-                max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                use_distributed_sampler=False,
-                callbacks=[probe, pl.callbacks.ModelCheckpoint(checkpoints, every_n_train_steps=args.checkpoint_every)],
-            )
-            trainer.fit(_MLP(), data)
+        # one directory for all ranks, removed by the parent once every rank has exited (a rank's own
+        # temporary directory would vanish under the others when it finished first)
+        checkpoints = Path(out, "checkpoints")
+        trainer = pl.Trainer(
+            strategy=DecentralizedStrategy(**METHODS[method]), accelerator="cpu", devices=world_size,
+            max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False,
+            callbacks=[probe, pl.callbacks.ModelCheckpoint(checkpoints, every_n_train_steps=args.checkpoint_every)],
+        )
+        trainer.fit(_MLP(), data)
         result = ("ok", probe.records)
     except BaseException:
         result = ("error", f"rank {rank}: {traceback.format_exc()}")
-    Path(out, f"{rank}.json").write_text(json.dumps(result))
+    Path(out, f"{rank}.partial").write_text(json.dumps(result))
+    os.replace(Path(out, f"{rank}.partial"), Path(out, f"{rank}.json"))  # the parent never reads half of it
 
 
 def _run(method: str, args: argparse.Namespace) -> list[list[dict[str, float]]]:
