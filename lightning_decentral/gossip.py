@@ -287,6 +287,16 @@ class Gossip:
             check_finite_(buffers, self.rank, step)
         return PendingGossip(self, buffers, step, rounds, tag, out)
 
+    def close(self) -> None:
+        """Destroy the subgroups this engine created (edges, hierarchical levels); not ``group`` itself."""
+        for stage in self._stages:
+            stage.close()
+            if stage.group is not None:
+                dist.destroy_process_group(stage.group)
+        for subgroup in self._edge_groups.values():
+            dist.destroy_process_group(subgroup)
+        self._stages, self._edge_groups = [], {}
+
     def bytes_sent(self, buffers: Sequence[Tensor], step: int) -> int:
         """Bytes this rank sends for one round of ``start(buffers, step)`` (all-reduce: the ring figure)."""
         return sum(leg._leg_bytes(buffers, step) for leg in self._legs(step))

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import math
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
@@ -163,6 +164,7 @@ class DecentralizedStrategy(DDPStrategy):
         self._exchanging = False  # AWC: that step mixes (W != I)
         self._buckets: Optional[GradientBuckets] = None  # DecentLaM
         self._hooks: list[Any] = []
+        self._failed = False  # an exception ended the run: no collective at teardown
         self._armed_step = -1  # DecentLaM: the step the buckets are armed for
         self._modify_at_step = False  # DecentLaM: the optimizer's pre-hook writes g̃
         self._averaged_depth = 0
@@ -270,6 +272,7 @@ class DecentralizedStrategy(DDPStrategy):
         for group in _group_by_layout(tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.root_device)  # a copy, on the device
             dist.all_reduce(flat)
+            _released_by_gloo(flat)
             flat.div_(self.world_size)
             offset = 0
             for t in group:
@@ -325,6 +328,7 @@ class DecentralizedStrategy(DDPStrategy):
         group = dist.new_group(backend=self.process_group_backend, timeout=self._timeout)  # else torch's 30 min
         dist.all_reduce(torch.zeros(1, device=self.root_device), group=group)  # NCCL: every rank joins first
         self._gossip = Gossip(self.topology, group=group, dtype=self.gossip_dtype, timeout=self._timeout)
+        self._failed = False
         self._gossip.measure_residual = self._measure_residuals
         self._send = [torch.empty_like(b) for b in self._parameters + self._buffers] if self._awc else []
         self._buffer_snapshot = [torch.empty_like(b) for b in self._buffers] if self._awc else []
@@ -585,6 +589,8 @@ class DecentralizedStrategy(DDPStrategy):
             hook.remove()
         self._hooks = []
         self._buckets = None
+        if self._gossip is not None and not self._failed:
+            self._close_gossip()
         self._gossip = None  # and its receive buffers
         self._send, self._buffer_snapshot = [], []
         self._resume_shard = None
@@ -615,8 +621,20 @@ class DecentralizedStrategy(DDPStrategy):
             self._eval_context.enter_context(self.averaged_model())
 
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
         self._eval_context.close()
         super().on_exception(exception)
+
+    def _close_gossip(self) -> None:
+        """After a run that ended without an exception: every rank leaves the gossip groups together, then
+        destroys them, so that repeated fits in one process do not accumulate groups (threads, sockets).
+        The barrier comes first: a rank destroying the group closes its connections, which must not
+        happen while a slower peer is still receiving its last message. After an exception nothing is destroyed:
+        the other ranks may be gone, and those still waiting end through the timeout."""
+        assert self._gossip is not None
+        dist.barrier(group=self._gossip.group)
+        self._gossip.close()
+        dist.destroy_process_group(self._gossip.group)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer state averaged over ranks, so that a resumed run starts from the mean momentum.
@@ -854,6 +872,20 @@ class _AveragingLauncher(_MultiProcessingLauncher):
         assert isinstance(self._strategy, DecentralizedStrategy)
         with self._strategy.averaged_model():
             return super()._collect_rank_zero_results(trainer, results)
+
+
+def _released_by_gloo(tensor: Tensor, limit: float = 1.0) -> None:
+    """Wait (at most ``limit`` seconds) until gloo's worker thread has dropped its reference to ``tensor``.
+
+    A blocking gloo collective returns before the worker thread frees the work that holds the tensor.
+    If the worker frees it after Python has dropped the tensor, it needs the GIL to free the Python
+    object, and if the interpreter is exiting by then the process aborts (``terminate called without
+    an active exception``). The average handed back by the spawn launcher is a spawned rank's last
+    collective, so it waits here, at most a few milliseconds. CUDA tensors (NCCL) are left alone.
+    """
+    deadline = time.monotonic() + limit
+    while tensor.device.type == "cpu" and tensor._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(1e-4)
 
 
 def _state_tensors(module: Module) -> Iterator[Tensor]:
