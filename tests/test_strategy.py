@@ -64,6 +64,12 @@ def test_checkpoint_holds_the_averaged_momentum(evaluated: tuple[str, list, str]
     torch.testing.assert_close(saved, momenta.mean(0), atol=1e-6, rtol=0)
 
 
+def test_each_fit_leaves_no_process_group_behind(evaluated: tuple[str, list, str]) -> None:
+    _, results, _ = evaluated
+    for r in results:  # the gossip group of the first fit was destroyed when it ended
+        assert r["process_groups"][0] == r["process_groups"][1] == 1, r["process_groups"]
+
+
 def test_resume_continues_every_replica_from_its_shard(evaluated: tuple[str, list, str]) -> None:
     """Each rank saved its own shard next to the average; the fallback to x̄ is in test_reliability.py."""
     _, results, _ = evaluated

@@ -72,6 +72,7 @@ def evaluate_and_checkpoint(rank: int, world_size: int, path: str, eval_on: str)
     (optimizer,) = trainer.optimizers
     momentum = torch.cat([optimizer.state[p]["momentum_buffer"].reshape(-1) for p in model.parameters()])
     out: dict[str, Any] = {"replica": flat(model), "fit_validation": model.validation_params[-1], "momentum": momentum}
+    out["process_groups"] = [_process_groups()]
     trainer.save_checkpoint(path)
     out["after_save"] = flat(model)
     trainer.validate(model, val, verbose=False)
@@ -86,7 +87,13 @@ def evaluate_and_checkpoint(rank: int, world_size: int, path: str, eval_on: str)
     trainer.fit(resumed, train_dataloaders=train, ckpt_path=path)
     out["resume_start"] = resumed.train_start_params
     out["resume_global_step"] = trainer.global_step
+    out["process_groups"].append(_process_groups())
     return out
+
+
+def _process_groups() -> int:
+    """How many process groups this process holds (the world and every subgroup not destroyed)."""
+    return len(torch.distributed.distributed_c10d._world.pg_map)
 
 
 class _SeesExchangeInFlight(Regression):
