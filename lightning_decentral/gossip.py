@@ -289,10 +289,9 @@ class Gossip:
 
     def close(self) -> None:
         """Destroy the subgroups this engine created (edges, hierarchical levels); not ``group`` itself."""
-        for stage in self._stages:
+        for stage in self._stages:  # each stage runs on a subgroup of this rank's (see _hierarchical_stages)
             stage.close()
-            if stage.group is not None:
-                dist.destroy_process_group(stage.group)
+            dist.destroy_process_group(stage.group)
         for subgroup in self._edge_groups.values():
             dist.destroy_process_group(subgroup)
         self._stages, self._edge_groups = [], {}

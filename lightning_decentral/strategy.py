@@ -629,8 +629,8 @@ class DecentralizedStrategy(DDPStrategy):
         """After a run that ended without an exception: every rank leaves the gossip groups together, then
         destroys them, so that repeated fits in one process do not accumulate groups (threads, sockets).
         The barrier comes first: a rank destroying the group closes its connections, which must not
-        happen while a slower peer is still receiving its last message. After an exception nothing is destroyed:
-        the other ranks may be gone, and those still waiting end through the timeout."""
+        happen while a slower peer is still receiving its last message. After an exception nothing is
+        destroyed: the other ranks may be gone, and those still waiting end through the timeout."""
         assert self._gossip is not None
         dist.barrier(group=self._gossip.group)
         self._gossip.close()
@@ -883,8 +883,10 @@ def _released_by_gloo(tensor: Tensor, limit: float = 1.0) -> None:
     an active exception``). The average handed back by the spawn launcher is a spawned rank's last
     collective, so it waits here, at most a few milliseconds. CUDA tensors (NCCL) are left alone.
     """
+    if tensor.device.type != "cpu":
+        return
     deadline = time.monotonic() + limit
-    while tensor.device.type == "cpu" and tensor._use_count() > 1 and time.monotonic() < deadline:
+    while tensor._use_count() > 1 and time.monotonic() < deadline:
         time.sleep(1e-4)
 
 
