@@ -19,9 +19,12 @@ primitives only and are read with ``torch.load(weights_only=True)``.
 
 from __future__ import annotations
 
+import enum
 import os
 import random
-from typing import Any, Optional
+import secrets
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
@@ -30,6 +33,160 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 
 META_KEY = "decentralized_shards"  # in the checkpoint file: {"save_id", "world_size"}
+
+
+class RankGroup(Protocol):
+    """The collectives the shard protocol needs ([`Ranks`][lightning_decentral.agreement.Ranks])."""
+
+    rank: int
+    world_size: int
+
+    def gather(self, values: list[int]) -> Any: ...
+
+    def on_every_rank(self, action: Callable[[], Any], what: str) -> None: ...
+
+
+class ShardProblem(enum.IntEnum):
+    """Why a rank cannot resume exactly from its shard (`NONE`: it can)."""
+
+    NONE = 0
+    NOT_SHARDED = 1
+    OTHER_WORLD_SIZE = 2
+    MISSING = 3
+    OTHER_SAVE = 4
+    UNREADABLE = 5
+
+    def describe(self, saved: Optional[int] = None, now: Optional[int] = None) -> str:
+        """The problem in words (`saved`, `now`: the world sizes, for `OTHER_WORLD_SIZE`)."""
+        return {
+            ShardProblem.NONE: "",
+            ShardProblem.NOT_SHARDED: "the checkpoint records no shards (it was not saved by DecentralizedStrategy)",
+            ShardProblem.OTHER_WORLD_SIZE: f"it was saved by {saved} ranks and this run has {now}",
+            ShardProblem.MISSING: "the shard is missing",
+            ShardProblem.OTHER_SAVE: "the shard belongs to another save (overwritten, or written by another run)",
+            ShardProblem.UNREADABLE: "the shard cannot be read",
+        }[self]
+
+
+def save_with_shards(
+    ranks: RankGroup,
+    checkpoint: dict[str, Any],
+    filepath: _PATH,
+    make_shard: Callable[[int], dict[str, Any]],
+    write_file: Callable[[], None],
+) -> None:
+    """Every rank writes its shard, then `write_file` writes the checkpoint file (on rank 0).
+
+    In order: agree on a random save id (rank 0's draw, recorded in `checkpoint`); each rank writes
+    `make_shard(save_id)` under a temporary name and renames it; all ranks report success (one
+    all-gather); `write_file` runs; all ranks learn it is in place; each rank deletes its shards of
+    earlier saves to this path. Interrupted anywhere, it leaves the previous checkpoint whole, or
+    shards no checkpoint file names.
+    """
+    save_id = int(ranks.gather([secrets.randbits(62)])[0, 0])
+    checkpoint[META_KEY] = {"save_id": save_id, "world_size": ranks.world_size}
+    shard = shard_path(filepath, ranks.rank, ranks.world_size, save_id)
+    try:
+        ranks.on_every_rank(lambda: write_shard(make_shard(save_id), shard), "write its shard")
+        ranks.on_every_rank(write_file, "write the checkpoint file")
+    except BaseException:
+        discard(shard)  # the earlier saves' shards stay: their checkpoint file still names them
+        raise
+    remove_shards(filepath, ranks.rank, keep=shard)
+
+
+def make_shard(
+    save_id: int,
+    rank: int,
+    world_size: int,
+    state_dict: dict[str, Any],
+    step: int,
+    optimizers: Optional[list[Any]] = None,
+    precision: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """A rank's shard: its own `state_dict`, the optimizer step, its RNG state, and (unless the
+    checkpoint is weights-only: `optimizers=None`) its optimizers' and precision plugin's state."""
+    shard = {
+        "save_id": save_id,
+        "rank": rank,
+        "world_size": world_size,
+        "state_dict": state_dict,
+        "strategy": {"step": step},
+        "rng": rng_state(),
+    }
+    if optimizers is not None:
+        shard["optimizer_states"] = [optimizer.state_dict() for optimizer in optimizers]
+        shard["precision"] = precision
+    return shard
+
+
+def with_shard(checkpoint: dict[str, Any], shard: dict[str, Any], precision_key: str) -> dict[str, Any]:
+    """`checkpoint` with this rank's replica, optimizer and precision-plugin state (under `precision_key`)
+    from its shard, in place of the averaged ones."""
+    restored = {**checkpoint, "state_dict": shard["state_dict"]}
+    if "optimizer_states" in shard:
+        restored["optimizer_states"] = shard["optimizer_states"]
+    if shard.get("precision"):
+        restored[precision_key] = shard["precision"]
+    return restored
+
+
+def resume_rank_state(shard: dict[str, Any], step: int) -> None:
+    """Check that `shard` was saved at optimizer step `step` and restore its RNG state."""
+    saved = shard["strategy"]["step"]
+    if saved != step:
+        raise RuntimeError(f"The shard was saved at step {saved} but the checkpoint's loops are at {step}.")
+    set_rng_state(shard["rng"])
+
+
+def load_own_shard(
+    ranks: RankGroup, checkpoint_path: _PATH, meta: Optional[dict[str, int]], warn: Callable[[str], None]
+) -> Optional[dict[str, Any]]:
+    """This rank's shard of the save `meta` names, if every rank has its own; else `None` on every
+    rank, and `warn` (rank 0's) says why each rank could not."""
+    shard, problem = read_own_shard(checkpoint_path, meta, ranks.rank, ranks.world_size)
+    problems = [ShardProblem(p) for p in ranks.gather([problem])[:, 0].tolist()]
+    if any(problems):
+        warn(resume_warning(checkpoint_path, problems, meta, ranks.world_size))
+        return None
+    return shard
+
+
+def read_own_shard(
+    checkpoint_path: _PATH, meta: Optional[dict[str, int]], rank: int, world_size: int
+) -> tuple[Optional[dict[str, Any]], ShardProblem]:
+    """`(shard, ShardProblem.NONE)`, or `(None, problem)`."""
+    if meta is None:
+        return None, ShardProblem.NOT_SHARDED
+    if meta["world_size"] != world_size:
+        return None, ShardProblem.OTHER_WORLD_SIZE
+    source = resolve(checkpoint_path)
+    try:
+        shard = read_shard(shard_path(source, rank, world_size, meta["save_id"]))
+    except FileNotFoundError:
+        return None, ShardProblem.OTHER_SAVE if shards_of_rank(source, rank) else ShardProblem.MISSING
+    except Exception:  # truncated or foreign content
+        return None, ShardProblem.UNREADABLE
+    if (shard.get("save_id"), shard.get("rank")) != (meta["save_id"], rank):
+        return None, ShardProblem.OTHER_SAVE
+    return shard, ShardProblem.NONE
+
+
+def resume_warning(path: _PATH, problems: list[ShardProblem], meta: Optional[dict[str, int]], world_size: int) -> str:
+    """The one warning of a resume from `x̄`: why each rank could not resume from its shard."""
+    if problems[0] in (ShardProblem.NOT_SHARDED, ShardProblem.OTHER_WORLD_SIZE):  # the same file everywhere
+        reason = problems[0].describe(saved=meta and meta["world_size"], now=world_size)
+    else:
+        reason = "; ".join(
+            f"rank(s) {[r for r, p in enumerate(problems) if p == problem]}: {problem.describe()}"
+            for problem in sorted(set(problems) - {ShardProblem.NONE})
+        )
+        reason += f" (in {shard_directory(resolve(path))})"
+    return (
+        f"Resuming from {path} with every replica restarted from the averaged model and the averaged optimizer "
+        f"state, not from its own: {reason}. An exact resume needs every rank's shard of that save and the same "
+        "world size."
+    )
 
 
 def resolve(checkpoint_path: _PATH) -> str:

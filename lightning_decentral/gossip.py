@@ -37,7 +37,8 @@ rounding error ``x_i − q_i`` stays in ``x_i`` and goes out in later rounds (er
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Optional
 
@@ -45,54 +46,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver, notify_post, notify_wait, raise_if_not_finite
 from lightning_decentral.topology import Hierarchical, Topology
 
 _TRANSPORTS = (None, "p2p", "broadcast")
 
 
-def pack_(tensors: Iterable[Tensor]) -> list[Tensor]:
-    """Move ``tensors`` into contiguous flat buffers, one per (device, dtype).
-
-    Each tensor's ``.data`` becomes a view into its buffer, so the buffers can
-    be sent as they are and writing into a buffer updates the tensors. The
-    tensors' identity (and so any optimizer state keyed by them) is kept.
-    """
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    buffers = []
-    for members in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
-        offset = 0
-        for t in members:
-            t.data = flat[offset : offset + t.numel()].view_as(t)
-            offset += t.numel()
-        buffers.append(flat)
-    return buffers
-
-
-def check_finite_(buffers: Sequence[Tensor], rank: int, step: int) -> None:
-    """Raise :class:`FloatingPointError` if a buffer holds a NaN or an Inf, before it reaches a neighbour.
-
-    One reduction per flat buffer (a sum, accumulated in at least float32 so that finite values
-    do not overflow; a NaN or Inf anywhere makes it non-finite) and one host sync for them all.
-    """
-    sums = torch.stack([b.sum(dtype=torch.promote_types(b.dtype, torch.float32)).double() for b in buffers])
-    if not bool(torch.isfinite(sums).all()):
-        raise FloatingPointError(
-            f"Rank {rank} holds a NaN or an Inf in what it was about to send to its neighbours at step {step}; "
-            "training stops here, before the values spread (the other ranks stop within the process-group "
-            "timeout, and the checkpoints written before this step are intact). Lower the learning rate, clip "
-            "the gradients (Trainer(gradient_clip_val=...)) or look for the source with torch.autograd.detect_anomaly."
-        )
-
-
 class PendingGossip:
-    """An exchange in flight; ``wait()`` completes it and combines.
+    """An exchange in flight; `wait()` completes it and combines.
 
-    After ``wait()``, ``residuals`` holds, when the engine measures them, one 0-dim tensor per
-    buffer: ``‖x_i − Σ_j w_ij x_j‖²`` of the first round, on this rank (no host sync); ``None``
-    when nothing was exchanged or nothing was measured. In low precision it is ``‖q_i − Σ_j w_ij q_j‖²``,
+    After `wait()`, `residuals` holds, when the engine measures them, one 0-dim tensor per
+    buffer: `‖x_i − Σ_j w_ij x_j‖²` of the first round, on this rank (no host sync); `None`
+    when nothing was exchanged or nothing was measured. In low precision it is `‖q_i − Σ_j w_ij q_j‖²`,
     the update the exchange applied.
     """
 
@@ -104,8 +69,10 @@ class PendingGossip:
         rounds: int,
         tag: int,
         out: Optional[Sequence[Tensor]] = None,
+        event: Optional[ExchangeEvent] = None,
     ) -> None:
         self._step, self._tag = step, tag
+        self._observers, self._event = list(gossip.observers), event
         self._buffers = list(buffers)
         self._out = None if out is None else list(out)
         per_round = gossip._legs(step) if rounds else []
@@ -123,9 +90,16 @@ class PendingGossip:
         single_p2p = self._first_round == 1 and not per_round[0].topology.is_average(step) if per_round else False
         self._before = [c.clone() for c in self._current] if self._measure and not single_p2p else None
         self._works = self._legs[0]._post(self._current, step, tag) if self._legs else None
+        notify_post(self._observers, event)
 
     def wait(self) -> None:
-        """Block until the buffers hold ``W(step)^rounds x`` (with ``out=``: ``out`` holds that minus ``x``)."""
+        """Block until the buffers hold `W(step)^rounds x` (with `out=`: `out` holds that minus `x`)."""
+        started = time.perf_counter()
+        self._complete()
+        notify_wait(self._observers, self._event, started)
+        self._event = None  # reported once
+
+    def _complete(self) -> None:
         while self._works is not None:
             try:
                 for work in self._works:
@@ -208,6 +182,7 @@ class Gossip:
         self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._timeout = timeout
         self.measure_residual = False  # also compute ‖x_i − Σ_j w_ij x_j‖² per buffer (see PendingGossip)
+        self.observers: list[ExchangeObserver] = []  # told of every exchange (lightning_decentral.mixing)
         self._stages = self._hierarchical_stages(world) if isinstance(topology, Hierarchical) else []
         self.transport = transport
         self._edge_groups: dict[int, dist.ProcessGroup] = {}  # peer -> the 2-rank subgroup of that edge
@@ -267,16 +242,21 @@ class Gossip:
         out: Optional[Sequence[Tensor]] = None,
         check_finite: bool = True,
     ) -> PendingGossip:
-        """Post round one of ``rounds`` exchanges of ``buffers`` with ``W(step)``.
+        """Post round one of `rounds` exchanges of `buffers` with `W(step)`.
 
-        The buffers must not be written until ``wait()`` returns. Without ``out`` they end as
-        ``W^r x``; with ``out`` (tensors like the buffers) they are only read and ``out`` ends as
-        ``W^r x − x``. Exchanges in flight at the same time need distinct tags: buffer ``b``
-        travels with tag ``tag + b``. ``check_finite``: raise :class:`FloatingPointError` before
-        anything is sent if a buffer holds a NaN or an Inf (see :func:`check_finite_`).
+        The buffers must not be written until `wait()` returns. Without `out` they end as
+        `W^r x`; with `out` (tensors like the buffers) they are only read and `out` ends as
+        `W^r x − x`. Exchanges in flight at the same time need distinct tags: buffer `b`
+        travels with tag `tag + b`. `check_finite`: raise `FloatingPointError` before
+        anything is sent if a buffer holds a NaN or an Inf
+        ([`raise_if_not_finite`][lightning_decentral.mixing.raise_if_not_finite]). A step whose
+        `W` is the identity sends nothing; one whose `W` is the exact average runs once (`W^r = W`).
         """
         if rounds < 1:
             raise ValueError(f"rounds must be >= 1, got {rounds}")
+        event = None
+        if self.observers:
+            event = ExchangeEvent(step, tag, rounds, rounds * self.bytes_sent(buffers, step), time.perf_counter())
         if self.topology.is_identity(step):
             rounds = 0
             for o in out or []:
@@ -284,8 +264,8 @@ class Gossip:
         elif self.topology.is_average(step):
             rounds = 1  # W is a projection: W^r = W
         if rounds and check_finite:
-            check_finite_(buffers, self.rank, step)
-        return PendingGossip(self, buffers, step, rounds, tag, out)
+            raise_if_not_finite(buffers, self.rank, step)
+        return PendingGossip(self, buffers, step, rounds, tag, out, event)
 
     def close(self) -> None:
         """Destroy the subgroups this engine created (edges, hierarchical levels); not ``group`` itself."""

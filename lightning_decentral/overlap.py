@@ -25,7 +25,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from lightning_decentral import algorithms
-from lightning_decentral.gossip import Gossip, PendingGossip
+from lightning_decentral.mixing import Mixer, Pending
 
 
 @dataclass
@@ -45,7 +45,7 @@ class _Bucket:
     send: Tensor
     segments: list[_Segment]
     ready: int = 0
-    pending: Optional[PendingGossip] = None
+    pending: Optional[Pending] = None
     posted: bool = False
 
 
@@ -68,13 +68,14 @@ class _Flat:
 
 
 class GradientBuckets:
-    """Per-bucket ``z = x − γ g`` exchange and ``g̃ = (x − W z) / γ`` (ALGORITHMS.md §3).
+    """Per-bucket `z = x − γ g` exchange and `g̃ = (x − W z) / γ` (docs/algorithms.md §3).
 
     Args:
-        flat_parameters: the flat buffers the parameters are views of (see :func:`~lightning_decentral.gossip.pack_`).
+        flat_parameters: the flat buffers the parameters are views of
+            ([`pack_`][lightning_decentral.replicas.pack_]).
         parameters: the parameters in those buffers.
-        optimizer: the optimizer; each param group's current ``lr`` is its ``γ``.
-        gossip: the exchange to run.
+        optimizer: the optimizer; each param group's current `lr` is its `γ`.
+        mixer: the exchange to run.
         bucket_bytes: the target size of one bucket.
         grad_scale: the factor the gradients carry during backward (a GradScaler's scale), or 1.
         check_finite: refuse to send a ``z`` holding a NaN or an Inf (off under a GradScaler, whose
@@ -86,13 +87,13 @@ class GradientBuckets:
         flat_parameters: Sequence[Tensor],
         parameters: Sequence[Parameter],
         optimizer: Optimizer,
-        gossip: Gossip,
+        mixer: Mixer,
         bucket_bytes: int,
         grad_scale: Callable[[], Union[float, Tensor]] = lambda: 1.0,
         check_finite: bool = True,
     ) -> None:
         self.optimizer = optimizer
-        self.gossip = gossip
+        self.mixer = mixer
         self.check_finite = check_finite
         self._grad_scale = grad_scale
         self._flats = [_Flat(data, [p for p in parameters if _shares_storage(p, data)]) for data in flat_parameters]
@@ -108,8 +109,7 @@ class GradientBuckets:
         self._next = 0  # the first bucket not posted yet
         self.listening = False  # post buckets from the gradient hooks
         self.late_gradient = False  # a gradient arrived after its bucket was posted
-        self.posted_in_backward = 0  # buckets posted from the hooks at the last step
-        self.residuals: list[Tensor] = []  # gossip.measure_residual: each bucket's ‖z_i − Σ_j w_ij z_j‖², last step
+        self.residuals: list[Tensor] = []  # mixer.measure_residual: each bucket's ‖z_i − Σ_j w_ij z_j‖², last step
 
     @property
     def num_buckets(self) -> int:
@@ -133,7 +133,6 @@ class GradientBuckets:
         self._step, self._rounds = step, rounds
         self._next = 0
         self.late_gradient = False
-        self.posted_in_backward = 0
         for bucket in self._buckets:
             bucket.ready, bucket.pending, bucket.posted = 0, None, False
         self.listening = listen
@@ -149,7 +148,6 @@ class GradientBuckets:
         bucket.ready += 1
         while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
             self._post(self._buckets[self._next], self._grad_scale())
-            self.posted_in_backward += 1
 
     def post_all(self, scale: Union[float, Tensor] = 1.0) -> None:
         """Post every bucket not posted yet (unused parameters, or no overlap this step)."""
@@ -161,7 +159,7 @@ class GradientBuckets:
         for segment in bucket.segments:
             segment.lr = self._lr(segment)
             algorithms.decentlam_trial_point_(segment.send, segment.x, segment.grad, segment.lr, scale)
-        bucket.pending = self.gossip.start(
+        bucket.pending = self.mixer.start(
             [bucket.send], self._step, self._rounds, tag=self._next, check_finite=self.check_finite
         )
         bucket.posted = True

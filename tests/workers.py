@@ -11,6 +11,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_decentral import DecentralizedStrategy
+from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver
 from tests.models import Regression, init_seed, flat, loader
 from tests.reference import Config
 
@@ -96,15 +97,32 @@ def _process_groups() -> int:
     return len(torch.distributed.distributed_c10d._world.pg_map)
 
 
+class _InFlight(ExchangeObserver):
+    """The exchanges posted and not yet waited for."""
+
+    def __init__(self) -> None:
+        self.open: set[int] = set()
+
+    def on_post(self, event: ExchangeEvent) -> None:
+        self.open.add(id(event))
+
+    def on_wait(self, event: ExchangeEvent) -> None:
+        self.open.discard(id(event))
+
+
 class _SeesExchangeInFlight(Regression):
     """Records, inside every training_step, whether the AWC exchange has already been posted."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.in_flight: list[bool] = []
+        self.exchanges = _InFlight()
+
+    def on_fit_start(self) -> None:
+        self.trainer.strategy.observe(self.exchanges)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        self.in_flight.append(self.trainer.strategy._pending is not None)
+        self.in_flight.append(bool(self.exchanges.open))
         return super().training_step(batch, batch_idx)
 
 
@@ -133,20 +151,35 @@ def two_optimizers(rank: int, world_size: int) -> str:
     return "no error"
 
 
-class _StepRecorder(Callback):
-    """Records, after every optimizer step, this rank's parameters, GradScaler scale and bucket posts."""
+class _StepRecorder(Callback, ExchangeObserver):
+    """Records, after every optimizer step, this rank's parameters, GradScaler scale and the exchanges
+    posted while backward ran (DecentLaM's buckets)."""
 
     def __init__(self) -> None:
         self.params: list[torch.Tensor] = []
         self.scales: list[float] = []
         self.posted_in_backward: list[int] = []
+        self.in_backward = False
+        self.posted = 0
+
+    def on_fit_start(self, trainer: Trainer, *args: Any) -> None:
+        trainer.strategy.observe(self)
+
+    def on_before_backward(self, *args: Any) -> None:
+        self.in_backward = True
+
+    def on_after_backward(self, *args: Any) -> None:
+        self.in_backward = False
+
+    def on_post(self, event: ExchangeEvent) -> None:
+        self.posted += self.in_backward
 
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         self.params.append(flat(trainer.lightning_module))
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         self.scales.append(float(scaler.get_scale()) if scaler is not None else 1.0)
-        buckets = trainer.strategy._buckets
-        self.posted_in_backward.append(buckets.posted_in_backward if buckets is not None else 0)
+        self.posted_in_backward.append(self.posted)
+        self.posted = 0
 
 
 class _InfOnRank(Regression):

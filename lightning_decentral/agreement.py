@@ -1,0 +1,184 @@
+"""What every rank must learn together: means, "every rank succeeded", "every rank runs the same configuration".
+
+All of it goes through small collectives on the default process group, so every rank takes
+the same decision from the same numbers (no pickled objects travel between ranks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_decentral.replicas import group_by_layout
+
+_STRING_SLOTS = 64  # a configuration string travels as this many code points
+
+
+class Ranks:
+    """Collectives over the ranks of one job, run on this rank's device.
+
+    Args:
+        rank: this rank's global rank.
+        world_size: the number of ranks.
+        device: the device collectives run on (a CUDA device under NCCL).
+    """
+
+    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+
+    def gather(self, values: list[int]) -> Tensor:
+        """Every rank's `values`: a `[world_size, len(values)]` int64 CPU tensor (one all-gather)."""
+        local = torch.tensor(values, dtype=torch.int64, device=self.device)
+        if not dist.is_initialized():
+            return local[None].cpu()
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        return torch.stack(gathered).cpu()
+
+    def mean(self, tensors: list[Tensor]) -> list[Tensor]:
+        """New tensors `(1/n) Σ_i t_i`, one all-reduce per (device, dtype), each on its tensor's device."""
+        means: dict[int, Tensor] = {}
+        for group in group_by_layout(tensors):
+            flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)  # a copy, on the device
+            dist.all_reduce(flat)
+            released_by_gloo(flat)
+            flat.div_(self.world_size)
+            offset = 0
+            for t in group:
+                means[id(t)] = flat[offset : offset + t.numel()].view_as(t).to(t.device)
+                offset += t.numel()
+        return [means[id(t)] for t in tensors]
+
+    def broadcast_from_rank_zero(self, tensors: list[Tensor]) -> None:
+        """Every rank's `tensors` take rank 0's values: one broadcast per (device, dtype)."""
+        for group in group_by_layout(tensors):
+            flat = torch.cat([t.detach().reshape(-1) for t in group])
+            dist.broadcast(flat, src=0)
+            offset = 0
+            with torch.no_grad():
+                for t in group:
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def any(self, flag: Tensor) -> Tensor:
+        """`flag` (0-dim) set where it is set on any rank: one all-reduce (max), no host sync."""
+        flag = flag.to(torch.float32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag > 0
+
+    def on_every_rank(self, action: Callable[[], Any], what: str) -> None:
+        """Run `action` here; then, one all-gather later, every rank knows whether every rank succeeded.
+
+        Raises this rank's own error, else a `RuntimeError` naming the ranks that failed to do `what`.
+        """
+        error: Optional[BaseException] = None
+        try:
+            action()
+        except Exception as exc:
+            error = exc
+        failed = self.gather([error is not None])[:, 0].nonzero().flatten().tolist()
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"Rank(s) {failed} could not {what} (their logs say why); no checkpoint was written.")
+
+    def check_same_configuration(self, fields: dict[str, Union[int, str]]) -> None:
+        """Stop every rank if a rank's `fields` differ from rank 0's.
+
+        Each field travels as int64 values (a string as its first 64 code points; use
+        [`digest`][lightning_decentral.agreement.digest] for longer data) in one all-gather; the
+        error, raised on every rank, names each differing rank and field with both values.
+        """
+        table = self.gather([v for value in fields.values() for v in _encode(value)])
+        rows = [_decode(row.tolist(), fields) for row in table]
+        differences = [
+            f"rank {rank} has {name}={row[name]!r} where rank 0 has {rows[0][name]!r}"
+            for rank, row in enumerate(rows)
+            for name in fields
+            if row[name] != rows[0][name]
+        ]
+        if differences:
+            raise ValueError(
+                "The ranks do not run the same configuration: " + "; ".join(differences) + ". Build the same "
+                "DecentralizedStrategy and the same model on every rank (no argument may depend on the rank)."
+            )
+
+
+def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) -> dict[str, Union[int, str]]:
+    """What every rank must agree on before the first exchange: the strategy's update-rule arguments (read
+    from its attributes), its bound topology, the precision and the model's trainable layout. Strings up
+    to 64 characters, digests of what does not fit."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    buffers = [b for b in module.buffers() if b.is_floating_point()] if strategy.gossip_buffers else []
+    topology = strategy.topology
+    return {
+        "world size": strategy.world_size,
+        "topology": repr(topology),
+        "mixing matrices W(0..period-1)": digest(*(topology.mixing(k).round(12).tobytes() for k in range(topology.period))),
+        "momentum": strategy.momentum,
+        "combine": strategy.combine,
+        "gossip_every": strategy.gossip_every,
+        "gossip_steps": strategy.gossip_steps,
+        "gossip_buffers": int(strategy.gossip_buffers),
+        "eval_on": strategy.eval_on,
+        "bucket bytes": int(strategy.bucket_cap_mb * 2**20),
+        "gossip_dtype": str(strategy.gossip_dtype),
+        "precision": precision,
+        "trainable parameters (elements)": sum(p.numel() for p in params),
+        "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),
+        "mixed buffers (elements)": sum(b.numel() for b in buffers),
+    }
+
+
+def digest(*parts: bytes) -> int:
+    """A 64-bit signed digest of `parts`, to compare data too long to gather.
+
+    Example:
+        >>> digest(b"ring") == digest(b"ring") != digest(b"torus")
+        True
+    """
+    hasher = hashlib.blake2b(digest_size=8)
+    for part in parts:
+        hasher.update(part)
+    return int.from_bytes(hasher.digest(), "little", signed=True)
+
+
+def released_by_gloo(tensor: Tensor, limit: float = 1.0) -> None:
+    """Wait (at most `limit` seconds) until gloo's worker thread has dropped its reference to `tensor`.
+
+    A blocking gloo collective returns before the worker thread frees the work that holds the tensor.
+    If the worker frees it after Python has dropped the tensor, it needs the GIL to free the Python
+    object, and if the interpreter is exiting by then the process aborts (`terminate called without
+    an active exception`). The average handed back by the spawn launcher is a spawned rank's last
+    collective, so it waits here, at most a few milliseconds. CUDA tensors (NCCL) are left alone.
+    """
+    if tensor.device.type != "cpu":
+        return
+    deadline = time.monotonic() + limit
+    while tensor._use_count() > 1 and time.monotonic() < deadline:
+        time.sleep(1e-4)
+
+
+def _encode(value: Union[int, str]) -> list[int]:
+    if isinstance(value, str):
+        codes = [ord(c) for c in value[:_STRING_SLOTS]]
+        return codes + [0] * (_STRING_SLOTS - len(codes))
+    return [int(value)]
+
+
+def _decode(row: list[int], like: dict[str, Union[int, str]]) -> dict[str, Union[int, str]]:
+    decoded, offset = {}, 0
+    for name, value in like.items():
+        if isinstance(value, str):
+            decoded[name] = "".join(chr(c) for c in row[offset : offset + _STRING_SLOTS] if c)
+            offset += _STRING_SLOTS
+        else:
+            decoded[name] = row[offset]
+            offset += 1
+    return decoded

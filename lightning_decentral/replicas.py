@@ -1,0 +1,131 @@
+"""A worker's replica as flat buffers, and the averaged model ``x̄`` swapped in and out of it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.nn import Module, Parameter
+
+MeanFn = Callable[[list[Tensor]], list[Tensor]]  # tensors -> their means over the workers, new tensors
+
+
+def pack_(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """Move `tensors` into contiguous flat buffers, one per (device, dtype); return the buffers.
+
+    Each tensor's `.data` becomes a view into its buffer, so the buffers can be sent as they
+    are and writing into a buffer updates the tensors. The tensors' identity (and so any
+    optimizer state keyed by them) is kept.
+
+    Example:
+        >>> a, b = torch.ones(2), torch.zeros(3)
+        >>> (flat,) = pack_([a, b])
+        >>> flat.mul_(2)
+        tensor([2., 2., 0., 0., 0.])
+        >>> a
+        tensor([2., 2.])
+    """
+    buffers = []
+    for members in group_by_layout(list(tensors)):
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        offset = 0
+        for t in members:
+            t.data = flat[offset : offset + t.numel()].view_as(t)
+            offset += t.numel()
+        buffers.append(flat)
+    return buffers
+
+
+def group_by_layout(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """`tensors` grouped by (device, dtype), in order of first appearance."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def state_tensors(module: Module) -> Iterator[Tensor]:
+    """The module's parameters, then its buffers."""
+    yield from module.parameters()
+    yield from module.buffers()
+
+
+class Replica:
+    """One worker's model: its trainable parameters and (optionally) its floating-point buffers,
+    packed into flat buffers that the parameters are views of.
+
+    Args:
+        module: the worker's module; packing it rewrites where its tensors' data lives.
+        mix_buffers: also pack the floating-point module buffers (BatchNorm statistics), which the
+            update rules then mix like the parameters.
+
+    Example:
+        >>> replica = Replica(torch.nn.Linear(3, 2), mix_buffers=True)
+        >>> [b.numel() for b in replica.flat_parameters], replica.flat_buffers
+        ([8], [])
+    """
+
+    def __init__(self, module: Module, mix_buffers: bool) -> None:
+        self.parameters: list[Parameter] = [p for p in module.parameters() if p.requires_grad]
+        self.flat_parameters = pack_(self.parameters)
+        self.flat_buffers = pack_([b for b in module.buffers() if b.is_floating_point()] if mix_buffers else [])
+
+    @property
+    def mixed(self) -> list[Tensor]:
+        """What gossip mixes: the flat parameters, then the flat buffers."""
+        return self.flat_parameters + self.flat_buffers
+
+    def check_trainable_unchanged(self, module: Module) -> None:
+        """Raise if the module's trainable parameters are no longer the packed ones ((un)freezing during fit)."""
+        packed = sum(b.numel() for b in self.flat_parameters)
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        if trainable != packed:
+            raise RuntimeError(
+                f"The trainable parameters changed during fit ({packed} elements at setup, {trainable} now), e.g. "
+                "by BackboneFinetuning. DecentralizedStrategy mixes the parameters trainable when fit starts: "
+                "freeze or unfreeze before fit, or run one fit per phase."
+            )
+
+
+class AveragedModel:
+    """Swaps `x̄` into a module and back, keeping track of the module's own values meanwhile."""
+
+    def __init__(self) -> None:
+        self._depth = 0
+        self._own: dict[int, Tensor] = {}  # while averaged: id(tensor) -> this worker's own value
+
+    @contextlib.contextmanager
+    def swapped_in(self, module: Module, mean: Optional[MeanFn]) -> Iterator[None]:
+        """Replace every floating-point parameter and buffer of `module` by its mean over the workers
+        inside the block, then restore each exactly. A nested use is free.
+
+        `mean` returns the means over the workers of the tensors it is given (new tensors; a
+        collective every worker enters together); `None`: one worker, nothing to do.
+        """
+        tensors: list[Tensor] = []
+        if not self._depth and mean is not None:
+            tensors = [t for t in state_tensors(module) if t.is_floating_point()]
+        originals = [t.detach().clone() for t in tensors]
+        with torch.no_grad():
+            for t, average in zip(tensors, mean(tensors) if tensors else []):
+                t.copy_(average)
+        if tensors:
+            self._own = {id(t): original for t, original in zip(tensors, originals)}
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            with torch.no_grad():
+                for t, original in zip(tensors, originals):
+                    t.copy_(original)
+            if tensors:
+                self._own = {}
+
+    def own_state_dict(self, module: Module) -> dict[str, Tensor]:
+        """The module's state dict with this worker's own values, also while `x̄` is swapped in."""
+        state = module.state_dict(keep_vars=True)
+        return {name: self._own.get(id(value), value).detach() for name, value in state.items()}

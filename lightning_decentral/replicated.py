@@ -1,0 +1,245 @@
+"""`ReplicaStrategy`: Lightning's DDP machinery for runs in which every rank keeps its own replica.
+
+What a decentralized run needs of Lightning besides its update rule, and nothing of gossip:
+replicas that start from rank 0's weights (or from their own shard on resume) and are never
+wrapped in `DistributedDataParallel`; validation, test and predict on the average `x̄`
+(`eval_on="average"`); checkpoints that hold `x̄` and the averaged optimizer state, with one shard
+per replica beside them for an exact resume ([`checkpoint`][lightning_decentral.checkpoint]); and a
+check, before anything runs, that every rank runs the same configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Optional, Union
+
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_decentral import checkpoint as shards
+from lightning_decentral.agreement import Ranks
+from lightning_decentral.replicas import AveragedModel, state_tensors
+
+
+class ReplicaStrategy(DDPStrategy):
+    """`DDPStrategy` without the wrapper and the gradient all-reduce: each rank trains its own replica.
+
+    Subclasses define the update (`optimizer_step`) and `_configuration()`, the fields every rank must
+    agree on; they call `_start_replicas()` from `configure_ddp`.
+
+    Args:
+        eval_on: `"average"` validates, tests and predicts on `x̄` (each replica is restored
+            afterwards); `"local"` on each rank's own replica.
+        **kwargs: `lightning.pytorch.strategies.DDPStrategy`'s arguments.
+    """
+
+    def __init__(self, eval_on: str = "average", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.eval_on = eval_on
+        self._averaged = AveragedModel()
+        self._eval_context = contextlib.ExitStack()
+        self._resume_shard: Optional[dict[str, Any]] = None  # fit(ckpt_path=...): this rank's shard, until restored
+        self._failed = False  # an exception ended the run: no collective at teardown
+
+    @contextlib.contextmanager
+    def averaged_model(self) -> Iterator[None]:
+        """Replace this rank's replica by `x̄ = (1/n) Σ_i x_i` inside the block, then restore it.
+
+        Parameters and floating-point buffers are averaged with one all-reduce per
+        (device, dtype); a nested use is free. Every rank must enter it together.
+        """
+        mean = self._ranks.mean if self.world_size > 1 and self.lightning_module is not None else None
+        with self._averaged.swapped_in(self.lightning_module, mean):
+            yield
+
+    @override
+    def _configure_launcher(self) -> None:
+        """When the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica."""
+        super()._configure_launcher()
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _AveragingLauncher(self, start_method=self._start_method)
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        """Before fit, validate, test or predict; outside fit every replica stays as it is."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().setup(trainer)  # calls configure_ddp, then builds the optimizers
+            return
+        # DDPStrategy would broadcast rank 0's weights here: keep every replica as it is.
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._ranks.check_same_configuration(self._configuration())
+        self.setup_precision_plugin()
+
+    def _start_replicas(self) -> None:
+        """Check the configuration on every rank; start every replica from rank 0's weights unless resuming."""
+        self._ranks.check_same_configuration(self._configuration())
+        if self._resume_shard is None:
+            self._ranks.broadcast_from_rank_zero(list(state_tensors(self.lightning_module)))
+        self._failed = False
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A run stopped with an error: no collective may run at teardown."""
+        self._failed = True
+        self._eval_context.close()
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        """After the stage: forget a shard not restored."""
+        self._resume_shard = None
+        super().teardown()
+
+    @override
+    def on_validation_start(self) -> None:
+        """Validation runs on `x̄` (`eval_on="average"`)."""
+        self._enter_eval()
+
+    @override
+    def on_validation_end(self) -> None:
+        """Each replica is restored after validation."""
+        self._eval_context.close()
+
+    @override
+    def on_test_start(self) -> None:
+        """Testing runs on `x̄` (`eval_on="average"`)."""
+        self._enter_eval()
+
+    @override
+    def on_test_end(self) -> None:
+        """Each replica is restored after testing."""
+        self._eval_context.close()
+
+    @override
+    def on_predict_start(self) -> None:
+        """Prediction runs on `x̄` (`eval_on="average"`)."""
+        self._enter_eval()
+
+    @override
+    def on_predict_end(self) -> None:
+        """Each replica is restored after prediction."""
+        self._eval_context.close()
+
+    def _enter_eval(self) -> None:
+        if self.eval_on == "average":
+            self._eval_context.enter_context(self.averaged_model())
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer state averaged over ranks, so that a resumed run starts from the mean momentum.
+
+        For DecentLaM this also cancels each rank's consensus term: `1ᵀ (I − W) = 0`.
+        """
+        state = super().optimizer_state(optimizer)
+        if self.world_size == 1 or not state:
+            return state
+        per_param = {key: dict(values) for key, values in state["state"].items()}  # never touch the live state
+        entries = [
+            (values, name)
+            for values in per_param.values()
+            for name, value in values.items()
+            if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0
+        ]
+        for (values, name), mean in zip(entries, self._ranks.mean([values[name] for values, name in entries])):
+            values[name] = mean
+        return {**state, "state": per_param}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """`x̄`'s state dict on every rank, so any rank's checkpoint loads into a plain module."""
+        with self.averaged_model():
+            return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """On every rank: each writes its shard, then rank 0 the checkpoint file
+        ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards])."""
+        write_file = super().save_checkpoint  # writes on global rank 0 only
+        shards.save_with_shards(
+            self._ranks,
+            checkpoint,
+            filepath,
+            make_shard=lambda save_id: self._shard(checkpoint, save_id),
+            write_file=lambda: write_file(checkpoint, filepath, storage_options),
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Rank 0 removes the checkpoint file, every rank its own shards of it."""
+        super().remove_checkpoint(filepath)
+        shards.remove_shards(filepath, self.global_rank)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read the checkpoint file (`weights_only=True` unless the caller asks otherwise); when fitting, also
+        this rank's shard.
+
+        If every rank finds its shard of the same save at the same world size, the checkpoint returned carries
+        this rank's replica, optimizer and precision-plugin state, and `configure_ddp` keeps the replicas as
+        they are (exact resume). Otherwise every replica restarts from `x̄` with the averaged optimizer state,
+        and rank 0 warns once, saying why.
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint
+        shard = shards.load_own_shard(self._ranks, checkpoint_path, checkpoint.get(shards.META_KEY), rank_zero_warn)
+        if shard is None:
+            return checkpoint
+        self._resume_shard = shard
+        return shards.with_shard(checkpoint, shard, precision_key=type(self.precision_plugin).__qualname__)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Lightning restores the optimizers last: then this rank's step and RNG state, if resuming from
+        shards (after this, nothing draws a random number before the training loop makes its iterator)."""
+        super().load_optimizer_state_dict(checkpoint)
+        shard, self._resume_shard = self._resume_shard, None
+        if shard is not None:
+            shards.resume_rank_state(shard, self.lightning_module.trainer.global_step)
+
+    def _shard(self, checkpoint: dict[str, Any], save_id: int) -> dict[str, Any]:
+        """This rank's part of the checkpoint: replica, optimizer, precision, step and RNG state."""
+        weights_only = "optimizer_states" not in checkpoint
+        return shards.make_shard(
+            save_id,
+            self.global_rank,
+            self.world_size,
+            state_dict=self._averaged.own_state_dict(self.lightning_module),
+            step=self.lightning_module.trainer.global_step,
+            optimizers=None if weights_only else self.optimizers,
+            precision=None if weights_only else self.precision_plugin.state_dict(),
+        )
+
+    # -- every rank runs the same configuration ----------------------------------------------
+
+    @property
+    def _ranks(self) -> Ranks:
+        return Ranks(self.global_rank, self.world_size, self.root_device)
+
+    @property
+    def _ranks(self) -> Ranks:
+        return Ranks(self.global_rank, self.world_size, self.root_device)
+
+    def _configuration(self) -> dict[str, Union[int, str]]:
+        """What every rank must agree on (`Ranks.check_same_configuration`)."""
+        raise NotImplementedError
+
+
+class _AveragingLauncher(_MultiProcessingLauncher):
+    """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process."""
+
+    def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
+        assert isinstance(self._strategy, ReplicaStrategy)
+        with self._strategy.averaged_model():
+            return super()._collect_rank_zero_results(trainer, results)
