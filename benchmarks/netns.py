@@ -53,7 +53,6 @@ from datetime import datetime, timezone
 from typing import Any, Optional
 
 import harness
-from harness import PROFILES
 
 # -- the benchmark's jobs (run inside each worker) ---------------------------------------------------
 
@@ -218,7 +217,7 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profiles", default=None, help=f"comma-separated, from {','.join(PROFILES)} (default 1gbit,10gbit)")
+    parser.add_argument("--profiles", default=None, help=f"comma-separated, from {','.join(harness.PROFILES)} (default 1gbit,10gbit)")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {','.join(METHODS)}")
     parser.add_argument("--workers", type=int, default=4, help="hosts, one worker each (default 4)")
     parser.add_argument("--repeats", type=int, default=None, help="rotated repeats of the method list (default 3)")
@@ -252,7 +251,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     args.steps, args.warmup = args.steps or 10, args.warmup or 3
     args.digits_steps = args.digits_steps or 100
     args.widths = harness.parse_widths(args.widths, args.smoke)
-    for name, values, known in (("profiles", args.profiles, PROFILES), ("methods", args.methods, METHODS),
+    for name, values, known in (("profiles", args.profiles, harness.PROFILES), ("methods", args.methods, METHODS),
                                 ("jobs", args.jobs, JOBS)):
         unknown = [v for v in values if v not in known]
         if unknown:
@@ -296,7 +295,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     tables = []
     started = time.monotonic()
     for name in args.profiles:
-        link = PROFILES[name]
+        link = harness.PROFILES[name]
         with harness.EmulatedNetwork(args.workers, link) as network:
             goodput = network.throughput_gbit(0.5 if args.smoke else 1.0)
             print(f"[{name}] {network.shaping}; TCP goodput {goodput:.2f} Gbit/s", flush=True)
