@@ -40,10 +40,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import os
-import signal
 import statistics
 import sys
 import time
@@ -51,12 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from netns import (  # noqa: E402  (benchmarks/ is not a package)
-    PROFILES, exit_on_sigterm, netns_permitted, network_or_loopback, quiet, run_workers,
-)
+import harness
 
 
 @dataclass(frozen=True)
@@ -134,13 +127,15 @@ METHODS = ("ddp", "ring", "exponential", "one_peer_exponential", "decentlam", "h
 # -- measuring (inside each worker) -------------------------------------------------------------------
 
 
-def _measure(config: dict[str, Any]) -> dict[str, Any]:
+def _measure(config: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
     from lightning_decentral.gossip import Gossip
     from lightning_decentral.topology import resolve_topology
 
-    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    harness.quiet()
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     rank, n = dist.get_rank(), dist.get_world_size()
     pingpong = []
     for size in config["sizes"]:
@@ -178,23 +173,14 @@ def _measure(config: dict[str, Any]) -> dict[str, Any]:
     return {"pingpong_s": pingpong, "exchange_s": measured}
 
 
-def _work(spec: dict[str, Any], rank: int) -> dict[str, Any]:
-    import torch
-
-    torch.set_num_threads(1)
-    quiet()
-    os.environ["RANK"] = os.environ["NODE_RANK"]
-    return _measure(spec)
-
-
 # -- the driver ----------------------------------------------------------------------------------
 
 
 def measure_network(name: str, args: argparse.Namespace) -> dict[str, Any]:
-    link = None if name == "loopback" else PROFILES[name]
+    link = None if name == "loopback" else harness.PROFILES[name]
     spec = dict(sizes=args.sizes, reps=args.reps, params=args.params, exchange_reps=args.exchange_reps)
-    with network_or_loopback(link, args.workers) as network:
-        records = run_workers(functools.partial(_work, spec), args.workers, network, args.timeout)
+    with harness.network_or_loopback(link, args.workers) as network:
+        records = harness.run_ranks(functools.partial(_measure, spec), args.workers, timeout=args.timeout, network=network)
         shaping = network.shaping if network is not None else "127.0.0.1 TCP, no shaping"
     alpha, beta = fit_alpha_beta(args.sizes, records[0]["pingpong_s"])
     exchange = {
@@ -266,7 +252,7 @@ def plot(links: list[LinkCost], args: argparse.Namespace, path: Path) -> None:
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--networks", default=None, help=f"comma-separated: loopback, {', '.join(PROFILES)} (default loopback,1gbit)")
+    parser.add_argument("--networks", default=None, help=f"comma-separated: loopback, {', '.join(harness.PROFILES)} (default loopback,1gbit)")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--params", type=int, default=None, help="model parameters (default: step_time.py's MLP, 5,257,226)")
     parser.add_argument("--reps", type=int, default=20, help="ping-pongs per size (a fifth of that above 1 MiB)")
@@ -284,15 +270,13 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
         args.reps, args.exchange_reps = 2, 1
         args.params = args.params or 1000
     elif args.png is None:
-        args.png = str(HERE.parent / "docs" / "img" / "benchmarks" / "cost_model.png")
+        args.png = str(harness.ROOT / "docs" / "img" / "benchmarks" / "cost_model.png")
     args.networks = (args.networks or "loopback,1gbit").split(",")
     if args.params is None:
-        from step_time import FULL_WIDTHS, count_parameters
-
-        args.params = count_parameters(FULL_WIDTHS)
-    unknown = [n for n in args.networks if n != "loopback" and n not in PROFILES]
+        args.params = harness.count_parameters(harness.FULL_WIDTHS)
+    unknown = [n for n in args.networks if n != "loopback" and n not in harness.PROFILES]
     if unknown:
-        parser.error(f"unknown networks {unknown}; choose from loopback, {', '.join(PROFILES)}")
+        parser.error(f"unknown networks {unknown}; choose from loopback, {', '.join(harness.PROFILES)}")
     if args.workers < 2 or args.reps < 1 or args.exchange_reps < 1 or args.params < 1 or args.ranks_per_node < 1:
         parser.error("--workers must be >= 2; --reps, --exchange-reps, --params, --ranks-per-node >= 1")
     return args
@@ -301,13 +285,13 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
     if any(n != "loopback" for n in args.networks):
-        ok, why = netns_permitted()
+        ok, why = harness.netns_permitted()
         if not ok:
             print(f"--networks {','.join(args.networks)} needs network namespaces: {why}. Use --networks loopback.",
                   file=sys.stderr)
             return 2
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
-    command = " ".join(["python", "benchmarks/cost_model.py", *(sys.argv[1:] if argv is None else argv)])
+    harness.exit_on_sigterm()
+    command = harness.command_line(__file__, argv)
     import lightning_decentral.gossip  # noqa: F401  imported once here, inherited by the forked workers
 
     started = time.monotonic()
@@ -322,18 +306,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.png:
         plot(links, args, Path(args.png))
         print(f"wrote {args.png}")
-    for out in args.out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        extrapolated = {
-            link.name: {m: [step_seconds(m, n, args.params * 4, link, ranks_per_node=args.ranks_per_node) for n in N_RANGE]
-                        for m in METHODS}
-            for link in links
-        }
-        body = {"command": command, "measured": measured, "links": [asdict(l) for l in links], "nvlink": asdict(NVLINK),
-                "n": N_RANGE, "extrapolated_s": extrapolated, "params": args.params}
-        path.write_text(json.dumps(body, indent=1) + "\n" if path.suffix == ".json" else table + "\n")
-        print(f"wrote {path}")
+    extrapolated = {
+        link.name: {m: [step_seconds(m, n, args.params * 4, link, ranks_per_node=args.ranks_per_node) for n in N_RANGE]
+                    for m in METHODS}
+        for link in links
+    }
+    body = {"command": command, "measured": measured, "links": [asdict(l) for l in links], "nvlink": asdict(NVLINK),
+            "n": N_RANGE, "extrapolated_s": extrapolated, "params": args.params}
+    harness.write_outputs(args.out, body, table, indent=1)
     return 0
 
 

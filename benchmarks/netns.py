@@ -17,10 +17,12 @@ So a host sends and receives at most ``R`` each way, and two senders to one host
 ``R``, as on a switch. Everything is torn down in ``finally`` (also on Ctrl-C and SIGTERM);
 ``--cleanup`` removes namespaces left by a run that was killed with SIGKILL.
 
-Each profile gets one fresh group of worker processes, one per host: forked from this script
-(so torch and lightning are imported once), each moves into its host's namespace (``setns``, what
-``ip netns exec`` does) and takes the environment Lightning's launcher gives its children (``MASTER_ADDR`` = host 0's address, ``MASTER_PORT``,
-``WORLD_SIZE``, ``NODE_RANK`` = host index, ``LOCAL_RANK=0``) and ``GLOO_SOCKET_IFNAME=eth0``,
+The network (``harness.EmulatedNetwork``) is shared with ``timeline.py`` and ``cost_model.py``.
+Each profile gets one fresh group of worker processes, one per host (``harness.run_ranks``): forked
+from this script (so torch and lightning are imported once), each moves into its host's namespace
+(``setns``, what ``ip netns exec`` does) and takes the environment Lightning's launcher gives its
+children (``MASTER_ADDR`` = host 0's address, ``MASTER_PORT``, ``WORLD_SIZE``, ``NODE_RANK`` =
+host index, ``LOCAL_RANK=0``) and ``GLOO_SOCKET_IFNAME=eth0``,
 so ``Trainer(num_nodes=n, devices=1)`` joins as on a real cluster. The workers then run every
 job of the profile one ``Trainer.fit`` after another in the same process group, the method
 order rotated from repeat to repeat:
@@ -42,318 +44,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any, Optional
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT / "examples")]  # step_time.py and digits.py
-IP, TC = shutil.which("ip") or "/usr/sbin/ip", shutil.which("tc") or "/usr/sbin/tc"
-PREFIX = "ldn"  # every namespace this script creates is named ldn<pid>-...
-SUBNET = "10.77.0"
-
-
-# -- the emulated network ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Link:
-    """One host's link to the switch: ``rate_mbit`` each way, ``delay_ms`` host-to-host one way."""
-
-    name: str
-    rate_mbit: float
-    delay_ms: float
-
-
-PROFILES = {
-    p.name: p
-    for p in (
-        Link("1gbit", 1000.0, 1.0),
-        Link("10gbit", 10000.0, 0.1),
-        Link("100mbit", 100.0, 1.0),
-    )
-}
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    done = subprocess.run([IP, *args], capture_output=True, text=True, timeout=30)
-    if check and done.returncode:
-        raise RuntimeError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
-    return done
-
-
-def netns_permitted() -> tuple[bool, str]:
-    """Whether this process may create network namespaces (root on Linux, with ``ip``); else why not."""
-    if not sys.platform.startswith("linux"):
-        return False, f"network namespaces need Linux (this is {sys.platform})"
-    if shutil.which("ip") is None and not Path(IP).exists():
-        return False, "the `ip` command (iproute2) is not installed"
-    if shutil.which("tc") is None and not Path(TC).exists():
-        return False, "the `tc` command (iproute2) is not installed"
-    name = f"{PREFIX}{os.getpid()}-probe"
-    done = _ip("netns", "add", name, check=False)
-    if done.returncode:
-        return False, f"`ip netns add` is not permitted here ({done.stderr.strip()}); run as root"
-    _ip("netns", "del", name, check=False)
-    return True, ""
-
-
-def remove_stale_namespaces() -> list[str]:
-    """Delete ``ldn<pid>-*`` namespaces whose creating process is gone (a run killed with SIGKILL)."""
-    removed = []
-    for line in _ip("netns", "list").stdout.splitlines():
-        name = line.split()[0] if line.strip() else ""
-        pid = name[len(PREFIX) :].split("-")[0]
-        if name.startswith(PREFIX) and pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            _ip("netns", "del", name, check=False)
-            removed.append(name)
-    return removed
-
-
-class EmulatedNetwork:
-    """``hosts`` namespaces on one emulated switch, links shaped by ``link``; a context manager.
-
-    ``namespaces[i]`` is host ``i``, ``addresses[i]`` its address on interface ``eth0``.
-    ``delay_applied`` says whether ``sch_netem`` was there to add the delay.
-    """
-
-    interface = "eth0"
-
-    def __init__(self, hosts: int, link: Link) -> None:
-        self.link = link
-        self.hub = f"{PREFIX}{os.getpid()}-hub"
-        self.namespaces = [f"{PREFIX}{os.getpid()}-h{i}" for i in range(hosts)]
-        self.addresses = [f"{SUBNET}.{i + 1}" for i in range(hosts)]
-        self.delay_applied = False
-        self.shaping = ""
-
-    def __enter__(self) -> "EmulatedNetwork":
-        try:
-            self._create()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def _create(self) -> None:
-        _ip("netns", "add", self.hub)
-        _ip("-n", self.hub, "link", "add", "br0", "type", "bridge")
-        _ip("-n", self.hub, "link", "set", "br0", "up")
-        for i, (ns, address) in enumerate(zip(self.namespaces, self.addresses)):
-            _ip("netns", "add", ns)
-            _ip("-n", ns, "link", "add", self.interface, "type", "veth", "peer", "name", f"p{i}", "netns", self.hub)
-            _ip("-n", self.hub, "link", "set", f"p{i}", "master", "br0")
-            _ip("-n", self.hub, "link", "set", f"p{i}", "up")
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", self.interface)
-            _ip("-n", ns, "link", "set", self.interface, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        sides = [(ns, self.interface) for ns in self.namespaces] + [(self.hub, f"p{i}") for i in range(len(self.namespaces))]
-        for ns, device in sides:
-            self.delay_applied = self._shape(ns, device)
-        rate, delay = self.link.rate_mbit, self.link.delay_ms
-        self.shaping = (
-            f"netem delay {delay / 2:g}ms rate {rate:g}mbit on both egress sides of each link"
-            if self.delay_applied
-            else f"tbf rate {rate:g}mbit on both egress sides of each link; NO delay (the kernel has no sch_netem, "
-            f"so the requested {delay:g} ms is not applied)"
-        )
-
-    def _shape(self, ns: str, device: str) -> bool:
-        """netem (delay/2 and rate) on ``device``'s egress; tbf (rate only) without sch_netem. True: netem."""
-        rate, half_delay = f"{self.link.rate_mbit:g}mbit", f"{self.link.delay_ms / 2:g}ms"
-        tc = [IP, "netns", "exec", ns, TC, "qdisc", "replace", "dev", device, "root"]
-        netem = subprocess.run([*tc, "netem", "delay", half_delay, "rate", rate, "limit", "100000"], capture_output=True, text=True)
-        if netem.returncode == 0:
-            return True
-        # the bucket holds 1 ms at the rate (at least two 64 kB GSO packets): the average rate stays R
-        burst = max(131072, int(self.link.rate_mbit * 1e6 / 8 * 1e-3))
-        tbf = subprocess.run([*tc, "tbf", "rate", rate, "burst", str(burst), "latency", "200ms"], capture_output=True, text=True)
-        if tbf.returncode:
-            raise RuntimeError(
-                f"cannot shape {device} in {ns}: netem: {netem.stderr.strip()}; tbf: {tbf.stderr.strip()}. "
-                "This kernel needs sch_netem or sch_tbf (CONFIG_NET_SCH_NETEM / CONFIG_NET_SCH_TBF)."
-            )
-        return False
-
-    def close(self) -> None:
-        """Kill what still runs in the namespaces, then delete them (their links and bridge go with them)."""
-        for ns in [*self.namespaces, self.hub]:
-            pids = _ip("netns", "pids", ns, check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            _ip("netns", "del", ns, check=False)
-
-    def exec_prefix(self, host: int) -> list[str]:
-        return [IP, "netns", "exec", self.namespaces[host]]
-
-    def throughput_gbit(self, seconds: float = 1.0) -> float:
-        """TCP goodput from host 0 to host 1 over ``seconds`` (what the link really delivers here)."""
-        code = (
-            "import socket,sys,time\n"
-            "s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind((sys.argv[1],5999));s.listen(1)\n"
-            "c,_=s.accept()\n"
-            "while c.recv(1<<20): pass\n"
-            "c.sendall(b'k')\n"
-        )
-        server = subprocess.Popen([*self.exec_prefix(1), sys.executable, "-c", code, self.addresses[1]])
-        client = (
-            "import socket,sys,time\n"
-            "for _ in range(100):\n"
-            "  try: s=socket.create_connection((sys.argv[1],5999));break\n"
-            "  except OSError: time.sleep(0.05)\n"
-            "b=bytes(1<<20);n=0;t=time.perf_counter()\n"
-            f"while time.perf_counter()-t<{seconds}: s.sendall(b);n+=len(b)\n"
-            "s.shutdown(socket.SHUT_WR);s.recv(1);print(n*8/(time.perf_counter()-t)/1e9)\n"
-        )
-        try:
-            done = subprocess.run(
-                [*self.exec_prefix(0), sys.executable, "-c", client, self.addresses[1]],
-                capture_output=True, text=True, timeout=30 + seconds,
-            )
-            return float(done.stdout.strip())
-        finally:
-            server.kill()
-            server.wait()
-
-
-# -- workers -------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def enter_namespace(name: str) -> None:
-    """Move this (single-threaded, just forked) process into network namespace ``name``, as
-    ``ip netns exec`` does; every socket and thread it creates afterwards lives there."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
-            error = ctypes.get_errno()
-            raise OSError(error, f"setns into {name}: {os.strerror(error)}")
-    finally:
-        os.close(fd)
-
-
-def _child(work: Callable[[int], Any], rank: int, env: dict[str, str], namespace: Optional[str], out: str) -> None:
-    if namespace is not None:
-        enter_namespace(namespace)
-    os.environ.update(env)
-    if namespace is None:
-        os.environ.pop("GLOO_SOCKET_IFNAME", None)
-    write_result(out, rank, lambda: work(rank))
-
-
-def run_workers(
-    work: Callable[[int], Any], world_size: int, network: Optional[EmulatedNetwork], timeout: float
-) -> list[Any]:
-    """Run ``work(rank)`` in ``world_size`` forked processes and return each rank's result.
-
-    The processes are forked, so they inherit the driver's imports (torch, lightning) instead of
-    each importing them again. With ``network``, rank ``i`` enters host ``i``'s namespace first and
-    meets the others at host 0's address on ``eth0``; without, on 127.0.0.1. Each has the
-    environment Lightning's launcher gives its children. When any rank fails, or ``timeout``
-    seconds pass, every rank is killed (a rank left alone would wait forever in a collective).
-    """
-    import multiprocessing
-
-    context = multiprocessing.get_context("fork")
-    out = tempfile.mkdtemp(prefix="ldn_")
-    port = free_port() if network is None else 29500
-    procs = []
-    try:
-        for rank in range(world_size):
-            env = dict(MASTER_PORT=str(port), WORLD_SIZE=str(world_size), NODE_RANK=str(rank), LOCAL_RANK="0",
-                       MASTER_ADDR="127.0.0.1" if network is None else network.addresses[0])
-            if network is not None:
-                env["GLOO_SOCKET_IFNAME"] = network.interface
-            namespace = None if network is None else network.namespaces[rank]
-            procs.append(context.Process(target=_child, args=(work, rank, env, namespace, out), daemon=True))
-            procs[-1].start()
-        deadline = time.monotonic() + timeout
-        while any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        results, errors = [], []
-        for rank in range(world_size):
-            path = Path(out) / f"{rank}.json"
-            if path.exists():
-                status, value = json.loads(path.read_text())
-                (results if status == "ok" else errors).append(value)
-        if errors:
-            raise RuntimeError(errors[0])
-        if len(results) < world_size:
-            codes = [p.exitcode for p in procs]
-            why = f"timed out after {timeout:.0f} s" if None in codes else "died without a result"
-            raise RuntimeError(f"{world_size - len(results)} of {world_size} workers {why} (exit codes {codes})")
-        return results
-    finally:  # also on Ctrl-C / SIGTERM
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        for p in procs:
-            p.join()
-        shutil.rmtree(out, ignore_errors=True)
-
-
-def write_result(out: str, rank: int, work: Callable[[], Any]) -> None:
-    """Worker side of :func:`run_workers`: run ``work`` and write its result (or its error) atomically."""
-    try:
-        status: tuple[str, Any] = ("ok", work())
-    except BaseException as exc:
-        status = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    partial = Path(out) / f"{rank}.partial"
-    partial.write_text(json.dumps(status))
-    os.replace(partial, Path(out) / f"{rank}.json")
-    if status[0] != "ok":
-        sys.exit(1)
-
-
-def quiet() -> None:
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # so that every `finally` runs: workers killed, namespaces deleted
-
-
-def network_or_loopback(link: Optional[Link], hosts: int) -> Any:
-    """``EmulatedNetwork(hosts, link)``, or a do-nothing context giving ``None`` (loopback) when ``link`` is None."""
-    import contextlib
-
-    return EmulatedNetwork(hosts, link) if link is not None else contextlib.nullcontext(None)
-
+import harness
 
 # -- the benchmark's jobs (run inside each worker) ---------------------------------------------------
 
@@ -376,41 +75,29 @@ def make_strategy(method: str) -> Any:
 
 
 def make_trainer(method: str, world_size: int, max_steps: int, callbacks: list, **kwargs: Any) -> Any:
-    import lightning.pytorch as pl
+    from mlp import quiet_trainer
 
-    return pl.Trainer(
-        accelerator="cpu",
-        num_nodes=world_size,
-        devices=1,
-        strategy=make_strategy(method),
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=callbacks,
-        **kwargs,
-    )
+    return quiet_trainer(make_strategy(method), max_steps, callbacks, num_nodes=world_size, devices=1,
+                         num_sanity_val_steps=0, limit_val_batches=0, **kwargs)
 
 
 def _step_time_job(method: str, config: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
-    from step_time import MLP, StepClock, _make_loader
+    from mlp import MLP, StepClock, make_loader
 
     widths = tuple(config["widths"])
     total = config["warmup"] + config["steps"]
     clock = StepClock()
     trainer = make_trainer(method, world_size, total, [clock], use_distributed_sampler=False)
     module = MLP(widths, lr=0.01, momentum=0.9)
-    trainer.fit(module, train_dataloaders=_make_loader(rank, widths, config["batch_size"], total))
+    trainer.fit(module, train_dataloaders=make_loader(rank, widths, config["batch_size"], total))
     return {"ends": clock.ends}
 
 
 def _time_to_loss_job(method: str, config: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
-    from digits import DigitsCNN, DigitsDataModule
+
+    digits = harness.import_example("digits")  # examples/digits.py
 
     class Record(pl.Callback):
         def __init__(self) -> None:
@@ -429,7 +116,7 @@ def _time_to_loss_job(method: str, config: dict[str, Any], rank: int, world_size
     record = Record()
     torch.manual_seed(0)
     trainer = make_trainer(method, world_size, config["digits_steps"], [record])
-    trainer.fit(DigitsCNN(lr=config["digits_lr"]), datamodule=DigitsDataModule(batch_size=config["digits_batch"]))
+    trainer.fit(digits.DigitsCNN(lr=config["digits_lr"]), datamodule=digits.DigitsDataModule(batch_size=config["digits_batch"]))
     return {"start": record.start, "ends": record.ends, "losses": record.losses}
 
 
@@ -438,27 +125,13 @@ JOBS = {"steps": _step_time_job, "loss": _time_to_loss_job}
 
 def _work(spec: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     """One worker: every job of ``spec`` in order, in one process group."""
-    from step_time import use_threads
-
-    use_threads(spec["config"]["threads"])
-    quiet()
+    harness.use_threads(spec["config"]["threads"])
+    harness.quiet()
     world_size = int(os.environ["WORLD_SIZE"])
     return [{**job, **JOBS[job["kind"]](job["method"], spec["config"], rank, world_size)} for job in spec["jobs"]]
 
 
 # -- the driver ----------------------------------------------------------------------------------
-
-
-def quantile(values: Sequence[float], q: float) -> float:
-    from step_time import _quantile
-
-    return _quantile(list(values), q)
-
-
-def step_times(records: list[dict[str, Any]], warmup: int) -> list[float]:
-    """Per measured step, the slowest rank's gap between the ends of steps k-1 and k."""
-    per_rank = [[r["ends"][k] - r["ends"][k - 1] for k in range(warmup, len(r["ends"]))] for r in records]
-    return [max(column) for column in zip(*per_rank)]
 
 
 def time_to_loss(records: list[dict[str, Any]], threshold: float, smooth: int) -> tuple[Optional[float], Optional[int]]:
@@ -491,7 +164,7 @@ def summarize(profile: dict[str, Any], methods: list[str], config: dict[str, Any
         if ("steps", m, 0) in by:
             pooled = [t for r in repeats for t in by[("steps", m, r)]["step_s"]]
             row["step_median_s"], row["step_q25_s"], row["step_q75_s"] = (
-                statistics.median(pooled), quantile(pooled, 0.25), quantile(pooled, 0.75))
+                statistics.median(pooled), harness.quantile(pooled, 0.25), harness.quantile(pooled, 0.75))
             row["step_repeat_medians_s"] = [statistics.median(by[("steps", m, r)]["step_s"]) for r in repeats]
         if ("loss", m, 0) in by:
             row["loss_s"] = [by[("loss", m, r)]["time_to_loss_s"] for r in repeats]
@@ -544,7 +217,7 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profiles", default=None, help=f"comma-separated, from {','.join(PROFILES)} (default 1gbit,10gbit)")
+    parser.add_argument("--profiles", default=None, help=f"comma-separated, from {','.join(harness.PROFILES)} (default 1gbit,10gbit)")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {','.join(METHODS)}")
     parser.add_argument("--workers", type=int, default=4, help="hosts, one worker each (default 4)")
     parser.add_argument("--repeats", type=int, default=None, help="rotated repeats of the method list (default 3)")
@@ -569,7 +242,6 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
         args.methods = "ddp,ring" if args.methods == DEFAULT_METHODS else args.methods
         args.repeats = args.repeats or 1
         args.steps, args.warmup = args.steps or 2, args.warmup or 1
-        args.widths = args.widths or "64,64,10"
         args.digits_steps = args.digits_steps or 3
         args.smooth = min(args.smooth, 2)
     args.profiles = (args.profiles or "1gbit,10gbit").split(",")
@@ -578,12 +250,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     args.repeats = args.repeats or 3
     args.steps, args.warmup = args.steps or 10, args.warmup or 3
     args.digits_steps = args.digits_steps or 100
-    if args.widths is None:
-        from step_time import FULL_WIDTHS
-
-        args.widths = ",".join(map(str, FULL_WIDTHS))
-    args.widths = [int(w) for w in args.widths.split(",")]
-    for name, values, known in (("profiles", args.profiles, PROFILES), ("methods", args.methods, METHODS),
+    args.widths = harness.parse_widths(args.widths, args.smoke)
+    for name, values, known in (("profiles", args.profiles, harness.PROFILES), ("methods", args.methods, METHODS),
                                 ("jobs", args.jobs, JOBS)):
         unknown = [v for v in values if v not in known]
         if unknown:
@@ -598,20 +266,20 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
     if args.cleanup:
-        print("removed:", remove_stale_namespaces() or "nothing")
+        print("removed:", harness.remove_stale_namespaces() or "nothing")
         return 0
-    ok, why = netns_permitted()
+    ok, why = harness.netns_permitted()
     if not ok:
         print(f"netns.py needs network namespaces: {why}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
+    harness.exit_on_sigterm()
     config = dict(
         widths=args.widths, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, threads=args.threads,
         digits_steps=args.digits_steps, digits_batch=args.digits_batch, digits_lr=args.digits_lr,
         threshold=args.threshold, smooth=args.smooth,
     )
-    command = " ".join(["python", "benchmarks/netns.py", *(sys.argv[1:] if argv is None else argv)])
-    parameters = sum(a * b + b for a, b in zip(args.widths[:-1], args.widths[1:]))
+    command = harness.command_line(__file__, argv)
+    parameters = harness.count_parameters(args.widths)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"{args.workers} hosts; MLP {'-'.join(map(str, args.widths))} ({parameters:,} parameters, {parameters * 4 / 1e6:.1f} MB); "
@@ -620,25 +288,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"{args.repeats} repeat(s); {os.cpu_count()} CPU cores, load average {load:.1f}",
         flush=True,
     )
-    import digits  # noqa: F401  imported once here, inherited by the forked workers
-    import step_time  # noqa: F401
+    harness.import_example("digits")  # imported once here, inherited by the forked workers
+    import mlp  # noqa: F401
 
     results: dict[str, Any] = {"meta": {}, "profiles": []}
     tables = []
     started = time.monotonic()
     for name in args.profiles:
-        link = PROFILES[name]
-        with EmulatedNetwork(args.workers, link) as network:
+        link = harness.PROFILES[name]
+        with harness.EmulatedNetwork(args.workers, link) as network:
             goodput = network.throughput_gbit(0.5 if args.smoke else 1.0)
             print(f"[{name}] {network.shaping}; TCP goodput {goodput:.2f} Gbit/s", flush=True)
             spec = {"config": config, "jobs": _jobs(args.methods, args.repeats, args.jobs)}
             t0 = time.monotonic()
-            records = run_workers(functools.partial(_work, spec), args.workers, network, args.timeout)
+            records = harness.run_ranks(functools.partial(_work, spec), args.workers, timeout=args.timeout, network=network)
             jobs = []
             for i, job in enumerate(spec["jobs"]):
                 per_rank = [r[i] for r in records]
                 if job["kind"] == "steps":
-                    job = {**job, "step_s": step_times(per_rank, args.warmup)}
+                    job = {**job, "step_s": harness.step_times(per_rank, args.warmup)}
                 else:
                     seconds, steps = time_to_loss(per_rank, args.threshold, args.smooth)
                     mean_loss = [statistics.fmean(r["losses"][k] for r in per_rank) for k in range(len(per_rank[0]["losses"]))]
@@ -660,11 +328,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "cpu_cores": os.cpu_count(), "load_average_at_start": load, "elapsed_s": time.monotonic() - started,
     }
     print(f"whole run: {results['meta']['elapsed_s']:.0f} s")
-    for out in args.out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=1) + "\n" if path.suffix == ".json" else "\n\n".join(tables) + "\n")
-        print(f"wrote {path}")
+    harness.write_outputs(args.out, results, "\n\n".join(tables), indent=1)
     return 0
 
 

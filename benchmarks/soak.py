@@ -6,11 +6,12 @@
     python benchmarks/soak.py --steps 12 --window 4 --processes 2 --methods awc --out soak.json   # a smoke run
 
 Each method runs ``--steps`` optimizer steps of a tiny MLP on ``--processes`` CPU processes over gloo
-(forked, with the environment Lightning's launcher gives its children), with a ``ModelCheckpoint``
-writing (and, top-1, removing) a checkpoint and its shards every ``--checkpoint-every`` steps, so the
-save and remove paths run hundreds of times too. At the end of every window of ``--window`` steps
-each rank records its resident set size (``/proc/self/statm``), the number of objects the garbage
-collector tracks, and the wall time of the window. The report gives, per window, the largest RSS
+(forked by ``harness.run_ranks``, with the environment Lightning's launcher gives its children),
+with a ``ModelCheckpoint`` writing (and, top-1, removing) a checkpoint and its shards every
+``--checkpoint-every`` steps, so the save and remove paths run hundreds of times too. At the end
+of every window of ``--window`` steps each rank records its resident set size
+(``/proc/self/statm``), the number of objects the garbage collector tracks, and the wall time of
+the window. The report gives, per window, the largest RSS
 over ranks, rank 0's object count and the slowest rank's mean step; then the growth from the
 second window (the first one warms up allocators and caches) to the last, and the ratio of the last
 window's step time to the second's.
@@ -25,22 +26,21 @@ runs each).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
-import socket
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import harness
 from lightning_decentral import DecentralizedStrategy
 from lightning_decentral.gossip import check_finite_
 
@@ -91,60 +91,28 @@ class _Probe(pl.Callback):
         self._start = time.perf_counter()  # the probe's own cost stays out of the next window
 
 
-def _worker(rank: int, world_size: int, port: int, method: str, args: argparse.Namespace, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0",
-        WORLD_SIZE=str(world_size), PL_DISABLE_FORK="1",
-    )
+def _train(method: str, args: argparse.Namespace, checkpoints: str, rank: int) -> list[dict[str, float]]:
     torch.set_num_threads(1)
-    try:
-        generator = torch.Generator().manual_seed(rank)
-        x = torch.randn(1024, 32, generator=generator)
-        data = DataLoader(TensorDataset(x, torch.sin(x[:, :8])), batch_size=16)
-        probe = _Probe(args.window)
-        # one directory for all ranks, removed by the parent once every rank has exited (a rank's own
-        # temporary directory would vanish under the others when it finished first)
-        checkpoints = Path(out, "checkpoints")
-        trainer = pl.Trainer(
-            strategy=DecentralizedStrategy(**METHODS[method]), accelerator="cpu", devices=world_size,
-            max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-            use_distributed_sampler=False,
-            callbacks=[probe, pl.callbacks.ModelCheckpoint(checkpoints, every_n_train_steps=args.checkpoint_every)],
-        )
-        trainer.fit(_MLP(), data)
-        result = ("ok", probe.records)
-    except BaseException:
-        result = ("error", f"rank {rank}: {traceback.format_exc()}")
-    Path(out, f"{rank}.partial").write_text(json.dumps(result))
-    os.replace(Path(out, f"{rank}.partial"), Path(out, f"{rank}.json"))  # the parent never reads half of it
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(1024, 32, generator=generator)
+    data = DataLoader(TensorDataset(x, torch.sin(x[:, :8])), batch_size=16)
+    probe = _Probe(args.window)
+    trainer = pl.Trainer(
+        strategy=DecentralizedStrategy(**METHODS[method]), accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
+        max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=[probe, pl.callbacks.ModelCheckpoint(checkpoints, every_n_train_steps=args.checkpoint_every)],
+    )
+    trainer.fit(_MLP(), data)
+    return probe.records
 
 
 def _run(method: str, args: argparse.Namespace) -> list[list[dict[str, float]]]:
-    context = mp.get_context("fork")
-    with tempfile.TemporaryDirectory() as out, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-        s.close()
-        procs = [context.Process(target=_worker, args=(r, args.processes, port, method, args, out)) for r in range(args.processes)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + args.timeout
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(p.exitcode not in (None, 0) for p in procs) or any(
-                json.loads(f.read_text())[0] == "error" for f in Path(out).glob("*.json")
-            ):
-                break
-            time.sleep(0.2)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        results = [json.loads(Path(out, f"{r}.json").read_text()) if Path(out, f"{r}.json").exists() else None
-                   for r in range(args.processes)]
-    errors = [value for status, value in filter(None, results) if status == "error"]
-    if errors or None in results:
-        raise RuntimeError(errors[0] if errors else f"{method}: ranks died or timed out ({[p.exitcode for p in procs]})")
-    return [value for _, value in results]
+    # one directory for all ranks, removed once every rank has exited (a rank's own temporary
+    # directory would vanish under the others when it finished first)
+    with tempfile.TemporaryDirectory() as checkpoints:
+        work = functools.partial(_train, method, args, checkpoints)
+        return harness.run_ranks(work, args.processes, timeout=args.timeout, one_node=True)
 
 
 def _finite_check_cost(elements: int) -> dict[str, float]:
@@ -196,6 +164,7 @@ def main() -> None:
     parser.add_argument("--check-elements", type=int, default=5_257_226, help="buffer size for the NaN/Inf check timing")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = parser.parse_args()
+    harness.exit_on_sigterm()
     cost = _finite_check_cost(args.check_elements)
     print(
         f"NaN/Inf check of {cost['elements']:,} float32: {cost['check_s'] * 1e3:.2f} ms; AWC's x += correction on "

@@ -44,19 +44,12 @@ Bytes each rank sends per step:
 from __future__ import annotations
 
 import argparse
-import json
-import logging
+import functools
 import os
 import platform
-import shutil
-import signal
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-import warnings
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -64,16 +57,12 @@ from typing import Any, Optional
 
 import lightning.pytorch as pl
 import torch
-import torch.multiprocessing as mp
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
+import harness
 from lightning_decentral import DecentralizedStrategy
+from mlp import MLP, StepClock, make_loader, quiet_trainer
 
 # -- what is measured ---------------------------------------------------------------------------
-
-FULL_WIDTHS = (1024, 2048, 1024, 1024, 10)  # 5,257,226 parameters
-SMOKE_WIDTHS = (64, 64, 10)
 
 
 @dataclass(frozen=True)
@@ -107,49 +96,21 @@ DEFAULT_METHODS = ",".join(METHODS)
 SMOKE_METHODS = "ddp,ring"
 
 
-def build_mlp(widths: tuple[int, ...]) -> nn.Sequential:
-    layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
-        layers.append(nn.Linear(a, b))
-        if i < len(widths) - 2:
-            layers.append(nn.ReLU())
-    return nn.Sequential(*layers)
+class ByteClock(StepClock):
+    """:class:`~mlp.StepClock`, and the bytes the gossip will send each step.
 
-
-def count_parameters(widths: tuple[int, ...]) -> int:
-    return sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
-
-
-class MLP(pl.LightningModule):
-    """The benchmarked model: ``build_mlp(widths)``, cross-entropy, SGD with momentum."""
-
-    def __init__(self, widths: tuple[int, ...], lr: float, momentum: float) -> None:
-        super().__init__()
-        torch.manual_seed(0)  # same start everywhere (the strategies broadcast rank 0's anyway)
-        self.net = build_mlp(widths)
-        self.lr, self.momentum = lr, momentum
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
-
-
-class StepClock(pl.Callback):
-    """``perf_counter()`` at every batch start and end; the bytes the gossip will send that step."""
+    Reads the strategy's private ``_gossip`` (until the strategy reports its bytes publicly).
+    """
 
     def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.ends: list[float] = []
+        super().__init__()
         self.bytes: list[int] = []  # Gossip.bytes_sent x rounds
         self.all_reduce: list[bool] = []  # W(step) = 11ᵀ/n: the gossip is one all-reduce
         self.bytes_error: Optional[str] = None
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         # Callbacks run before the strategy's own hook, so AWC posts its exchange after this stamp.
-        self.starts.append(time.perf_counter())
+        super().on_train_batch_start(trainer, module, batch, batch_idx)
         strategy = trainer.strategy
         if isinstance(strategy, DecentralizedStrategy) and self.bytes_error is None:
             try:
@@ -162,58 +123,15 @@ class StepClock(pl.Callback):
             except Exception as exc:  # keep timing even if this private API changes
                 self.bytes_error = f"{type(exc).__name__}: {exc}"
 
-    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.ends.append(time.perf_counter())
+
+# -- one rank ------------------------------------------------------------------------------------
 
 
-def _make_loader(rank: int, widths: tuple[int, ...], batch_size: int, batches: int) -> DataLoader:
-    generator = torch.Generator().manual_seed(1000 + rank)  # each rank its own shard, in memory
-    x = torch.randn(batch_size * batches, widths[0], generator=generator)
-    y = torch.randint(0, widths[-1], (batch_size * batches,), generator=generator)
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False, num_workers=0)
-
-
-# -- one worker process ----------------------------------------------------------------------------
-
-
-def _quiet() -> None:
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_fabric", "pytorch_lightning"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-def use_threads(count: int) -> None:
-    """``count`` torch threads in this process, kept by Lightning: its launcher otherwise sets
-    ``cpu_count // devices`` threads when ``OMP_NUM_THREADS`` is unset (2 per process with
-    ``devices=1`` on this machine, twice the cores with 4 such processes)."""
-    os.environ["OMP_NUM_THREADS"] = str(count)
-    torch.set_num_threads(count)
-
-
-def _worker(rank: int, world_size: int, port: int, method: Method, config: dict[str, Any], out: str) -> None:
-    """One rank of one method: train, and write this rank's step end times (and bytes) to ``out``."""
-    if method.strategy != "single":
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
-            WORLD_SIZE=str(world_size),
-            PL_DISABLE_FORK="1",
-        )
-    use_threads(config["threads"])
-    _quiet()
-    try:
-        result = _train(rank, world_size, method, config)
-        status: tuple[str, Any] = ("ok", result)
-    except BaseException as exc:  # the parent prints it with the worker's traceback
-        status = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    partial = Path(out) / f"{rank}.partial"
-    partial.write_text(json.dumps(status))
-    os.replace(partial, Path(out) / f"{rank}.json")
-
-
-def _train(rank: int, world_size: int, method: Method, config: dict[str, Any]) -> dict[str, Any]:
+def _train(method: Method, config: dict[str, Any], rank: int) -> dict[str, Any]:
+    """One rank of one method: train, and return this rank's step times (and bytes)."""
+    harness.use_threads(config["threads"])
+    harness.quiet()
+    world_size = int(os.environ["WORLD_SIZE"])
     widths = tuple(config["widths"])
     total = config["warmup"] + config["steps"]
     if method.strategy == "ddp":
@@ -224,22 +142,10 @@ def _train(rank: int, world_size: int, method: Method, config: dict[str, Any]) -
         strategy = DecentralizedStrategy(topology="ring", gossip_every=total + 1)
     else:
         strategy = "auto"
-    clock = StepClock()
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1 if method.strategy == "single" else world_size,
-        strategy=strategy,
-        max_steps=total,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-        callbacks=[clock],
-    )
+    clock = ByteClock()
+    trainer = quiet_trainer(strategy, total, [clock], devices=world_size, use_distributed_sampler=False, num_sanity_val_steps=0)
     module = MLP(widths, config["lr"], config["momentum"])
-    trainer.fit(module, train_dataloaders=_make_loader(rank, widths, config["batch_size"], total))
+    trainer.fit(module, train_dataloaders=make_loader(rank, widths, config["batch_size"], total))
     if len(clock.ends) != total:
         raise RuntimeError(f"expected {total} optimizer steps, the callback saw {len(clock.ends)}")
     return {
@@ -254,61 +160,6 @@ def _train(rank: int, world_size: int, method: Method, config: dict[str, Any]) -
 
 
 # -- the driver ------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_method(
-    method: Method, world_size: int, config: dict[str, Any], timeout: float, start_method: str
-) -> list[dict[str, Any]]:
-    """Start the ranks of one method, wait for them, return each rank's record."""
-    ranks = 1 if method.strategy == "single" else world_size
-    context = mp.get_context(start_method)
-    out = tempfile.mkdtemp(prefix="step_time_")
-    try:
-        port = _free_port()
-        procs = [
-            context.Process(target=_worker, args=(rank, world_size, port, method, config, out)) for rank in range(ranks)
-        ]
-        deadline = time.monotonic() + timeout
-        failed = False
-        try:
-            for p in procs:
-                p.start()
-            while any(p.is_alive() for p in procs) and time.monotonic() < deadline and not failed:
-                failed = any(p.exitcode not in (None, 0) for p in procs) or any(
-                    json.loads((Path(out) / f"{r}.json").read_text())[0] == "error"
-                    for r in range(ranks)
-                    if (Path(out) / f"{r}.json").exists()
-                )
-                time.sleep(0.05)
-        finally:  # also on Ctrl-C / SIGTERM: leave no worker behind
-            alive = [p for p in procs if p.is_alive()]
-            for p in alive:  # one failed rank would leave the others blocked in a collective
-                p.kill()
-            for p in procs:
-                if p.pid is not None:
-                    p.join()
-        records, errors = [], []
-        for r in range(ranks):
-            path = Path(out) / f"{r}.json"
-            if not path.exists():
-                continue
-            status, value = json.loads(path.read_text())
-            (records if status == "ok" else errors).append(value)
-        if errors:
-            raise RuntimeError(errors[0])
-        if len(records) < ranks:
-            why = f"still running after {timeout:.0f} s" if alive and not failed else "died without a result"
-            raise RuntimeError(f"{method.name}: {ranks - len(records)} of {ranks} ranks {why} "
-                               f"(exit codes {[p.exitcode for p in procs]})")
-        return records
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
 
 
 class OtherLoad:
@@ -344,14 +195,6 @@ class OtherLoad:
             return busy, ours
         except (OSError, ValueError, ImportError, IndexError):
             return None
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def _measure(records: list[dict[str, Any]], config: dict[str, Any]) -> dict[str, Any]:
@@ -410,8 +253,8 @@ def _summarize(method: Method, runs: list[dict[str, Any]], ranks: int, parameter
         "topology": method.topology,
         "ranks": ranks,
         "median_s": statistics.median(slowest),
-        "q25_s": _quantile(slowest, 0.25),
-        "q75_s": _quantile(slowest, 0.75),
+        "q25_s": harness.quantile(slowest, 0.25),
+        "q75_s": harness.quantile(slowest, 0.75),
         "repeat_medians_s": repeat_medians,
         "other_cpu_s": other,
         "wall_s": [run["wall_s"] for run in runs],
@@ -479,7 +322,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument(
         "--start-method",
         choices=("fork", "spawn"),
-        default="fork" if "fork" in mp.get_all_start_methods() else "spawn",
+        default=harness.START_METHOD,
         help="how the worker processes start (default fork: they inherit the imported torch and lightning; "
         "the driver itself never computes, so no thread pool is forked)",
     )
@@ -492,12 +335,11 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
         args.repeats = 1 if args.repeats is None else args.repeats
         args.warmup = 1 if args.warmup is None else args.warmup
         args.methods = SMOKE_METHODS if args.methods is None else args.methods
-        args.widths = ",".join(map(str, SMOKE_WIDTHS)) if args.widths is None else args.widths
     args.steps = 30 if args.steps is None else args.steps
     args.warmup = 5 if args.warmup is None else args.warmup
     args.repeats = 5 if args.repeats is None else args.repeats
     args.methods = DEFAULT_METHODS if args.methods is None else args.methods
-    args.widths = tuple(int(w) for w in (args.widths or ",".join(map(str, FULL_WIDTHS))).split(","))
+    args.widths = harness.parse_widths(args.widths, args.smoke)
     if args.steps < 1 or args.warmup < 1:
         parser.error("--steps and --warmup must be >= 1 (a step's time is measured from the end of the previous one)")
     if args.repeats < 1:
@@ -527,13 +369,9 @@ def _git_state() -> Optional[str]:
     return commit.stdout.strip() + (" + uncommitted changes in lightning_decentral/" if dirty.stdout.strip() else "")
 
 
-def _exit_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # runs the `finally` that kills the workers
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    harness.exit_on_sigterm()
     config = dict(
         steps=args.steps,
         warmup=args.warmup,
@@ -544,7 +382,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         momentum=args.momentum,
     )
     methods = [METHODS[m] for m in args.methods.split(",")]
-    parameters = count_parameters(args.widths)
+    parameters = harness.count_parameters(args.widths)
     print(
         f"MLP {'-'.join(map(str, args.widths))}: {parameters:,} parameters ({parameters * 4 / 1e6:.1f} MB float32); "
         f"SGD(lr={args.lr}, momentum={args.momentum}); batch {args.batch_size} per process; "
@@ -573,7 +411,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         for method in order:
             t0 = time.monotonic()
             with OtherLoad() as other:
-                records = _run_method(method, args.workers, config, args.timeout, args.start_method)
+                records = harness.run_ranks(
+                    functools.partial(_train, method, config), 1 if method.strategy == "single" else args.workers,
+                    timeout=args.timeout, one_node=True, start_method=args.start_method,
+                )
             if records[0]["parameters"] != parameters:
                 raise RuntimeError(f"the model has {records[0]['parameters']} parameters, expected {parameters}")
             run = _measure(records, config)
@@ -611,14 +452,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "elapsed_s": elapsed,
         "other_cpu_s_in_the_second_before": before.seconds,
     }
-    for out in args.out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.suffix == ".json":
-            path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-        else:
-            path.write_text(table + "\n")
-        print(f"wrote {path}")
+    harness.write_outputs(args.out, {"meta": meta, "rows": rows}, table, indent=2)
     return 0
 
 

@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import signal
 import statistics
 import sys
 import textwrap
@@ -47,19 +45,16 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from netns import (  # noqa: E402  (benchmarks/ is not a package)
-    PROFILES, exit_on_sigterm, netns_permitted, network_or_loopback, quiet, run_workers, step_times,
-)
+import harness
 
 RUNS = ("compute_awc", "awc", "compute_decentlam", "decentlam", "atc", "comm_awc", "comm_decentlam")
 EVENTS: list[tuple[str, float, float, int]] = []  # (what, begin, end, tag), on this rank
 
 
 def _instrument() -> None:
-    """Record every ``Gossip.start`` and ``PendingGossip.wait`` of this process into ``EVENTS``."""
+    """Record every ``Gossip.start`` and ``PendingGossip.wait`` of this process into ``EVENTS``.
+
+    Patches the gossip engine's classes (until the strategy offers a public observer)."""
     from lightning_decentral import gossip
 
     def timed(function: Any, what: str) -> Any:
@@ -89,7 +84,7 @@ def _strategy(run: str, topology: str, total: int) -> Any:
 
 def _train(run: str, config: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     import lightning.pytorch as pl
-    from step_time import MLP, _make_loader
+    from mlp import MLP, make_loader, quiet_trainer
 
     class Stamps(pl.Callback):
         def __init__(self) -> None:
@@ -118,13 +113,10 @@ def _train(run: str, config: dict[str, Any], rank: int, world_size: int) -> dict
     widths = tuple(config["widths"])
     total = config["warmup"] + config["steps"]
     stamps = Stamps()
-    trainer = pl.Trainer(
-        accelerator="cpu", num_nodes=world_size, devices=1, strategy=_strategy(run, config["topology"], total),
-        max_steps=total, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, use_distributed_sampler=False, callbacks=[stamps],
-    )
+    trainer = quiet_trainer(_strategy(run, config["topology"], total), total, [stamps], num_nodes=world_size, devices=1,
+                            use_distributed_sampler=False)
     EVENTS.clear()
-    trainer.fit(TimedMLP(widths, lr=0.01, momentum=0.9), train_dataloaders=_make_loader(rank, widths, config["batch_size"], total))
+    trainer.fit(TimedMLP(widths, lr=0.01, momentum=0.9), train_dataloaders=make_loader(rank, widths, config["batch_size"], total))
     ends = [t for what, t in stamps.marks if what == "batch_end"]
     return {"ends": ends, "marks": stamps.marks, "events": list(EVENTS)}
 
@@ -136,10 +128,8 @@ def _communicate(run: str, config: dict[str, Any], rank: int, world_size: int) -
     from lightning_decentral.gossip import Gossip
     from lightning_decentral.topology import resolve_topology
 
-    from step_time import count_parameters
-
     gossip = Gossip(resolve_topology(config["topology"], world_size))
-    flat = torch.zeros(count_parameters(tuple(config["widths"])))
+    flat = torch.zeros(harness.count_parameters(tuple(config["widths"])))
     cap = int(config["bucket_cap_mb"] * 2**20) // flat.element_size()
     buffers = list(flat.split(cap)) if run == "comm_decentlam" else [flat]
     seconds = []
@@ -155,10 +145,8 @@ def _communicate(run: str, config: dict[str, Any], rank: int, world_size: int) -
 
 def _work(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     """One worker: every run of ``spec`` in order, in one process group."""
-    from step_time import use_threads
-
-    use_threads(spec["config"]["threads"])
-    quiet()
+    harness.use_threads(spec["config"]["threads"])
+    harness.quiet()
     _instrument()
     world_size = int(os.environ["WORLD_SIZE"])
     results: dict[str, list[dict[str, Any]]] = {run: [] for run in RUNS}
@@ -180,7 +168,7 @@ def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:
             if run.startswith("comm_"):
                 pooled += [max(column) for column in zip(*(r[run][repeat]["seconds"] for r in records))]
             else:
-                pooled += step_times([r[run][repeat] for r in records], warmup)
+                pooled += harness.step_times([r[run][repeat] for r in records], warmup)
         medians[run] = statistics.median(pooled)
     return medians
 
@@ -276,7 +264,7 @@ def plot(records: list[dict[str, Any]], warmup: int, shown: int, path: Path, tit
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--network", default="1gbit", help=f"loopback, or a netns.py profile: {', '.join(PROFILES)} (default 1gbit)")
+    parser.add_argument("--network", default="1gbit", help=f"loopback, or a netns.py profile: {', '.join(harness.PROFILES)} (default 1gbit)")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--topology", default="one_peer_exponential", help="the gossip topology (default one_peer_exponential)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per run (default 12)")
@@ -293,19 +281,15 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="2 measured steps on a tiny model")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.steps, args.warmup, args.widths = args.steps or 2, args.warmup or 1, args.widths or "64,64,10"
+        args.steps, args.warmup = args.steps or 2, args.warmup or 1
         args.shown = min(args.shown, 2)
         args.repeats = args.repeats or 1
     elif args.png is None:
-        args.png = str(HERE.parent / "docs" / "img" / "benchmarks" / "timeline.png")
+        args.png = str(harness.ROOT / "docs" / "img" / "benchmarks" / "timeline.png")
     args.steps, args.warmup, args.repeats = args.steps or 12, args.warmup or 3, args.repeats or 2
-    if args.widths is None:
-        from step_time import FULL_WIDTHS
-
-        args.widths = ",".join(map(str, FULL_WIDTHS))
-    args.widths = [int(w) for w in args.widths.split(",")]
-    if args.network != "loopback" and args.network not in PROFILES:
-        parser.error(f"--network must be loopback or one of {list(PROFILES)}")
+    if args.network != "loopback" and args.network not in harness.PROFILES:
+        parser.error(f"--network must be loopback or one of {list(harness.PROFILES)}")
+    args.widths = harness.parse_widths(args.widths, args.smoke)
     if args.steps < 1 or args.warmup < 1 or args.repeats < 1:
         parser.error("--steps, --warmup and --repeats must be >= 1")
     return args
@@ -313,25 +297,26 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parse(argv)
-    link = None if args.network == "loopback" else PROFILES[args.network]
+    link = None if args.network == "loopback" else harness.PROFILES[args.network]
     if link is not None:
-        ok, why = netns_permitted()
+        ok, why = harness.netns_permitted()
         if not ok:
             print(f"--network {args.network} needs network namespaces: {why}. Use --network loopback.", file=sys.stderr)
             return 2
-    signal.signal(signal.SIGTERM, exit_on_sigterm)
-    command = " ".join(["python", "benchmarks/timeline.py", *(sys.argv[1:] if argv is None else argv)])
+    harness.exit_on_sigterm()
+    command = harness.command_line(__file__, argv)
     config = dict(widths=args.widths, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
                   threads=args.threads, topology=args.topology, bucket_cap_mb=args.bucket_cap_mb, repeats=args.repeats)
     import lightning_decentral  # noqa: F401  imported once here, inherited by the forked workers
-    import step_time  # noqa: F401
+    import mlp  # noqa: F401
 
     started = time.monotonic()
-    with network_or_loopback(link, args.workers) as network:
+    with harness.network_or_loopback(link, args.workers) as network:
         setting = network.shaping if network is not None else "loopback TCP (gloo), no shaping"
         print(f"{args.workers} workers, {setting}; MLP {'-'.join(map(str, args.widths))}, batch {args.batch_size}, "
               f"topology {args.topology}; {args.warmup}+{args.steps} steps per run", flush=True)
-        records = run_workers(functools.partial(_work, {"config": config}), args.workers, network, args.timeout)
+        records = harness.run_ranks(functools.partial(_work, {"config": config}), args.workers, timeout=args.timeout,
+                                    network=network)
     medians = summarize(records, args.warmup)
     setting += f"; {args.workers} workers, topology {args.topology}, MLP {'-'.join(map(str, args.widths))}, batch {args.batch_size}"
     table = render_table(medians, command, setting)
@@ -339,12 +324,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.png:
         plot(records, args.warmup, args.shown, Path(args.png), f"{args.workers} workers, {setting}")
         print(f"wrote {args.png}")
-    for out in args.out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        body = {"command": command, "setting": setting, "config": config, "medians_s": medians, "records": records}
-        path.write_text(json.dumps(body) + "\n" if path.suffix == ".json" else table + "\n")
-        print(f"wrote {path}")
+    body = {"command": command, "setting": setting, "config": config, "medians_s": medians, "records": records}
+    harness.write_outputs(args.out, body, table)
     return 0
 
 

@@ -27,21 +27,18 @@ Timing: every repetition starts after a barrier; the slowest rank's wall time of
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+import harness
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.topology import Ring
 
@@ -113,20 +110,14 @@ def _exchange(
     raise ValueError(name)
 
 
-def _worker(rank: int, n: int, port: int, config: dict[str, Any], out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(config: dict[str, Any], rank: int) -> dict[str, dict[str, list[float]]]:
     torch.set_num_threads(1)
+    n = int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=n)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=n)
-        try:
-            status: tuple[str, Any] = ("ok", _measure(rank, n, config))
-        finally:
-            dist.destroy_process_group()
-    except BaseException as exc:
-        status = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    partial = Path(out) / f"{rank}.partial"
-    partial.write_text(json.dumps(status))
-    os.replace(partial, Path(out) / f"{rank}.json")
+        return _measure(rank, n, config)
+    finally:
+        dist.destroy_process_group()
 
 
 def _measure(rank: int, n: int, config: dict[str, Any]) -> dict[str, dict[str, list[float]]]:
@@ -153,45 +144,6 @@ def _measure(rank: int, n: int, config: dict[str, Any]) -> dict[str, dict[str, l
                     samples.append(time.perf_counter() - start)
             times[str(size)][name] = samples
     return times
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(n: int, config: dict[str, Any], timeout: float) -> list[dict[str, dict[str, list[float]]]]:
-    """Every rank's times, ``[rank][size][transport] = [seconds per repetition]``."""
-    context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
-        procs = [context.Process(target=_worker, args=(r, n, port, config, out)) for r in range(n)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-                if any(p.exitcode not in (None, 0) for p in procs) or any(
-                    json.loads(f.read_text())[0] == "error" for f in Path(out).glob("*.json")
-                ):
-                    break
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join()
-        results = []
-        for r in range(n):
-            path = Path(out) / f"{r}.json"
-            if not path.exists():
-                raise RuntimeError(f"rank {r} gave no result (exit codes {[p.exitcode for p in procs]})")
-            status, value = json.loads(path.read_text())
-            if status == "error":
-                raise RuntimeError(value)
-            results.append(value)
-        return results
 
 
 def summarize(results: list[dict[str, dict[str, list[float]]]]) -> list[dict[str, Any]]:
@@ -256,19 +208,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"{args.workers} gloo processes, ring exchange, float32; {config['warmup']} warm-up + {config['reps']} "
           f"measured repetitions; {os.cpu_count()} CPU cores; torch {torch.__version__}", flush=True)
     started = time.monotonic()
-    rows = summarize(run(args.workers, config, args.timeout))
+    harness.exit_on_sigterm()
+    results = harness.run_ranks(functools.partial(_worker, config), args.workers, timeout=args.timeout)
+    rows = summarize(results)
     table = render(rows)
     print(table)
     print(f"\nwhole run: {time.monotonic() - started:.0f} s")
-    for out in args.out:
-        path = Path(out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.suffix == ".json":
-            path.write_text(json.dumps({"command": " ".join([Path(sys.executable).name, *sys.argv]),
-                                        "workers": args.workers, "config": config, "rows": rows}, indent=2) + "\n")
-        else:
-            path.write_text(table + "\n")
-        print(f"wrote {path}")
+    body = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "workers": args.workers, "config": config, "rows": rows}
+    harness.write_outputs(args.out, body, table, indent=2)
     return 0
 
 

@@ -30,7 +30,7 @@ def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def _netns_permitted() -> tuple[bool, str]:
-    spec = importlib.util.spec_from_file_location("netns_benchmark", ROOT / "benchmarks" / "netns.py")
+    spec = importlib.util.spec_from_file_location("benchmarks_harness", ROOT / "benchmarks" / "harness.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
