@@ -17,7 +17,7 @@ second window (the first one warms up allocators and caches) to the last, and th
 window's step time to the second's.
 
 First, on one thread, it times the NaN/Inf check the gossip engine runs before every exchange
-(:func:`~lightning_decentral.gossip.check_finite_`) on a float32 buffer of ``--check-elements``
+(``lightning_decentral.mixing.raise_if_not_finite``) on a float32 buffer of ``--check-elements``
 (default: the 5,257,226 parameters of ``benchmarks/step_time.py``), against the addition of the gossip
 correction, ``x <- x + (W x − x)``, that every AWC step already makes on the same buffer (median of 20
 runs each).
@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import harness
 from lightning_decentral import DecentralizedStrategy
-from lightning_decentral.gossip import check_finite_
+from lightning_decentral.mixing import raise_if_not_finite
 
 METHODS = {
     "awc": {},
@@ -116,7 +116,7 @@ def _run(method: str, args: argparse.Namespace) -> list[list[dict[str, float]]]:
 
 
 def _finite_check_cost(elements: int) -> dict[str, float]:
-    """Median seconds of ``check_finite_`` and of ``x += correction`` on float32 buffers, on one thread."""
+    """Median seconds of ``raise_if_not_finite`` and of ``x += correction`` on float32 buffers, on one thread."""
     torch.set_num_threads(1)
     buffer, correction = torch.randn(elements), torch.zeros(elements)
 
@@ -128,7 +128,7 @@ def _finite_check_cost(elements: int) -> dict[str, float]:
             times.append(time.perf_counter() - start)
         return sorted(times)[len(times) // 2]
 
-    check = median_seconds(lambda: check_finite_([buffer], 0, 0))
+    check = median_seconds(lambda: raise_if_not_finite([buffer], 0, 0))
     add = median_seconds(lambda: buffer.add_(correction))
     return {"elements": elements, "check_s": check, "add_s": add, "ratio_to_add": check / add}
 

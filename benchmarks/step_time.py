@@ -32,7 +32,7 @@ Two rows measure no communication at all, so the reader can see what bounds the 
 Bytes each rank sends per step:
 
 * dpsgd over point-to-point (``ring``, ``torus``, ``exponential``, ``one_peer_exponential``):
-  ``strategy._gossip.bytes_sent(strategy.flat_parameters, step)``, i.e. model bytes x the number of
+  the bytes the strategy's exchange observer reports (``ExchangeEvent.bytes_sent``), i.e. model bytes x the number of
   out-neighbours of ``W(step)``, averaged over the measured steps.
 * ``complete`` (one all-reduce of the parameters) and ``ddp`` (all-reduce of the gradients): the
   ring all-reduce figure ``2 (n - 1) / n`` x model bytes. This is a model of the traffic, not a
@@ -60,6 +60,7 @@ import torch
 
 import harness
 from lightning_decentral import DecentralizedStrategy
+from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver
 from mlp import MLP, StepClock, make_loader, quiet_trainer
 
 # -- what is measured ---------------------------------------------------------------------------
@@ -97,31 +98,31 @@ SMOKE_METHODS = "ddp,ring"
 
 
 class ByteClock(StepClock):
-    """:class:`~mlp.StepClock`, and the bytes the gossip will send each step.
-
-    Reads the strategy's private ``_gossip`` (until the strategy reports its bytes publicly).
-    """
+    """[`StepClock`][mlp.StepClock], and the bytes each step's exchanges send (the strategy's exchange observer)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.bytes: list[int] = []  # Gossip.bytes_sent x rounds
+        self.bytes: list[int] = []  # bytes posted per step, all rounds and buckets
         self.all_reduce: list[bool] = []  # W(step) = 11ᵀ/n: the gossip is one all-reduce
-        self.bytes_error: Optional[str] = None
+
+    def on_fit_start(self, trainer: Any, module: Any) -> None:
+        clock = self
+
+        class Bytes(ExchangeObserver):
+            def on_post(self, event: ExchangeEvent) -> None:
+                clock.bytes[-1] += event.bytes_sent
+
+        if isinstance(trainer.strategy, DecentralizedStrategy):
+            trainer.strategy.observe(Bytes())
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         # Callbacks run before the strategy's own hook, so AWC posts its exchange after this stamp.
         super().on_train_batch_start(trainer, module, batch, batch_idx)
         strategy = trainer.strategy
-        if isinstance(strategy, DecentralizedStrategy) and self.bytes_error is None:
-            try:
-                if strategy._gossip is None:
-                    raise RuntimeError("strategy._gossip is None during training")
-                step = trainer.global_step
-                rounds = strategy.gossip_rounds(step)
-                self.bytes.append(rounds * strategy._gossip.bytes_sent(strategy.flat_parameters, step))
-                self.all_reduce.append(rounds > 0 and strategy.topology.is_average(step))
-            except Exception as exc:  # keep timing even if this private API changes
-                self.bytes_error = f"{type(exc).__name__}: {exc}"
+        if isinstance(strategy, DecentralizedStrategy):
+            step = trainer.global_step
+            self.bytes.append(0)
+            self.all_reduce.append(strategy.gossip_rounds(step) > 0 and strategy.topology.is_average(step))
 
 
 # -- one rank ------------------------------------------------------------------------------------
@@ -153,7 +154,6 @@ def _train(method: Method, config: dict[str, Any], rank: int) -> dict[str, Any]:
         "ends": clock.ends,
         "bytes": clock.bytes,
         "all_reduce": clock.all_reduce,
-        "bytes_error": clock.bytes_error,
         "parameters": sum(p.numel() for p in module.parameters()),
         "threads": torch.get_num_threads(),
     }
@@ -212,7 +212,6 @@ def _measure(records: list[dict[str, Any]], config: dict[str, Any]) -> dict[str,
         "per_rank_median": [statistics.median(times) for times in per_rank],
         "bytes": [max(r["bytes"][k] for r in records) for k in measured] if all(r["bytes"] for r in records) else None,
         "all_reduce": [records[0]["all_reduce"][k] for k in measured] if records[0]["bytes"] else None,
-        "bytes_error": next((r["bytes_error"] for r in records if r["bytes_error"]), None),
     }
 
 
@@ -222,10 +221,9 @@ def _summarize(method: Method, runs: list[dict[str, Any]], ranks: int, parameter
     inside = [t for run in runs for t in run["inside"]]
     model_bytes = parameters * 4  # float32
     ring_allreduce = 2 * (world_size - 1) / world_size * model_bytes
-    bytes_error = next((run["bytes_error"] for run in runs if run["bytes_error"]), None)
     gossip_counted: Optional[float] = None
     sent: Optional[float] = None
-    if method.strategy in ("dpsgd", "local") and not bytes_error and all(run["bytes"] for run in runs):
+    if method.strategy in ("dpsgd", "local") and all(run["bytes"] for run in runs):
         steps = [(b, a) for run in runs for b, a in zip(run["bytes"], run["all_reduce"])]
         gossip_counted = statistics.mean(b for b, _ in steps)
         # an all-reduce step (W = 11ᵀ/n, e.g. `complete`) is counted with the ring model, the others as bytes_sent
@@ -235,8 +233,8 @@ def _summarize(method: Method, runs: list[dict[str, Any]], ranks: int, parameter
         sent, how = ring_allreduce, "2(n-1)/n x gradient bytes (ring all-reduce model)"
     elif method.strategy == "single":
         sent, how = 0.0, "none"
-    elif bytes_error or gossip_counted is None:
-        how = f"n/a ({bytes_error or 'no byte count recorded'})"
+    elif gossip_counted is None:
+        how = "n/a (no byte count recorded)"
     elif method.strategy == "local":
         how = "Gossip.bytes_sent (every step local)"
     elif kinds == {True}:

@@ -51,24 +51,18 @@ RUNS = ("compute_awc", "awc", "compute_decentlam", "decentlam", "atc", "comm_awc
 EVENTS: list[tuple[str, float, float, int]] = []  # (what, begin, end, tag), on this rank
 
 
-def _instrument() -> None:
-    """Record every ``Gossip.start`` and ``PendingGossip.wait`` of this process into ``EVENTS``.
+def _recorder() -> Any:
+    """An exchange observer that records every post and wait of this rank into ``EVENTS``."""
+    from lightning_decentral.mixing import ExchangeObserver
 
-    Patches the gossip engine's classes (until the strategy offers a public observer)."""
-    from lightning_decentral import gossip
+    class Recorder(ExchangeObserver):
+        def on_post(self, event: Any) -> None:
+            EVENTS.append(("post", event.post_started, event.posted, event.tag))
 
-    def timed(function: Any, what: str) -> Any:
-        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            begin = time.perf_counter()
-            result = function(self, *args, **kwargs)
-            tag = kwargs.get("tag", args[3] if len(args) > 3 else 0) if what == "post" else getattr(self, "_tag", 0)
-            EVENTS.append((what, begin, time.perf_counter(), int(tag)))
-            return result
+        def on_wait(self, event: Any) -> None:
+            EVENTS.append(("wait", event.wait_started, event.waited, event.tag))
 
-        return wrapper
-
-    gossip.Gossip.start = timed(gossip.Gossip.start, "post")
-    gossip.PendingGossip.wait = timed(gossip.PendingGossip.wait, "wait")
+    return Recorder()
 
 
 def _strategy(run: str, topology: str, total: int) -> Any:
@@ -116,6 +110,7 @@ def _train(run: str, config: dict[str, Any], rank: int, world_size: int) -> dict
     trainer = quiet_trainer(_strategy(run, config["topology"], total), total, [stamps], num_nodes=world_size, devices=1,
                             use_distributed_sampler=False)
     EVENTS.clear()
+    trainer.strategy.observe(_recorder())
     trainer.fit(TimedMLP(widths, lr=0.01, momentum=0.9), train_dataloaders=make_loader(rank, widths, config["batch_size"], total))
     ends = [t for what, t in stamps.marks if what == "batch_end"]
     return {"ends": ends, "marks": stamps.marks, "events": list(EVENTS)}
@@ -147,7 +142,6 @@ def _work(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     """One worker: every run of ``spec`` in order, in one process group."""
     harness.use_threads(spec["config"]["threads"])
     harness.quiet()
-    _instrument()
     world_size = int(os.environ["WORLD_SIZE"])
     results: dict[str, list[dict[str, Any]]] = {run: [] for run in RUNS}
     for repeat in range(spec["config"]["repeats"]):  # rotated: no run always first (the machine drifts)
