@@ -45,6 +45,7 @@ _FIGURES: list[tuple[str, str, Callable[[str], bool], bool]] = [
     ("effective_lr_ratio", "Effective learning rate ratio α_e / γ", lambda name: name == "lr/effective_ratio", False),
     ("gossip_steps", "Gossip rounds per step", lambda name: name == "consensus/gossip_steps", False),
 ]
+_AXIS_LABELS = {"consensus/gossip_steps": "gossip rounds (consensus/gossip_steps)"}  # else the metric's name
 
 
 def read_csv(path: Union[str, Path]) -> Series:
@@ -145,7 +146,7 @@ def plot_runs(log_dirs: Sequence[Union[str, Path]], out_dir: Union[str, Path]) -
             if log_scale and all(v > 0 for _, series in runs for _, v in series.get(name, [])):
                 ax.set_yscale("log")
             ax.set_xlabel("optimizer step")
-            ax.set_ylabel(name)
+            ax.set_ylabel(_AXIS_LABELS.get(name, name))
             ax.set_title(name, fontsize=10)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
