@@ -1,20 +1,19 @@
-"""``lightning-decentral``: Lightning's ``LightningCLI`` with the decentralized strategies registered.
+"""`lightning-decentral`: Lightning's `LightningCLI` with the decentralized strategies registered.
 
     lightning-decentral fit --config examples/configs/digits_dpsgd.yaml
     lightning-decentral fit --config examples/configs/digits_dpsgd.yaml --trainer.max_epochs 5
     lightning-decentral fit --config examples/configs/digits_dpsgd.yaml --print_config
     lightning-decentral validate --config examples/configs/digits_dpsgd.yaml --ckpt_path last.ckpt
 
-Subcommands ``fit``, ``validate``, ``test``, ``predict``. ``model`` and ``data`` take any
-LightningModule and LightningDataModule by ``class_path`` (subclass mode), ``trainer.strategy``
-a registered name (``dpsgd``, ``decentlam``, ``ddp``...) or
-``class_path: lightning_decentral.DecentralizedStrategy`` with ``init_args``.
+Subcommands `fit`, `validate`, `test`, `predict`. `model` and `data` take any LightningModule and
+LightningDataModule by `class_path` (subclass mode), `trainer.strategy` a registered name (`dpsgd`,
+`decentlam`, `ddp`...) or `class_path: lightning_decentral.DecentralizedStrategy` with `init_args`.
 
-Like ``python -m``, the command puts the current directory first on ``sys.path``, so that
-``class_path: examples.digits.DigitsCNN`` imports when run from the repository root; modules on
-``PYTHONPATH`` import as well. After ``fit``, rank 0 prints the validation metrics of the final
-model (the averaged model ``x̄`` under ``DecentralizedStrategy``'s default ``eval_on="average"``),
-where the logs and checkpoints are, and the plots :func:`lightning_decentral.plot.plot_runs` drew.
+Like `python -m`, the command puts the current directory first on `sys.path`, so that
+`class_path: examples.digits.DigitsCNN` imports when run from the repository root; modules on
+`PYTHONPATH` import as well. After `fit`, rank 0 prints the validation metrics of the final model
+(the averaged model `x̄` under `DecentralizedStrategy`'s default `eval_on="average"`), where the logs
+and checkpoints are, and the plots [`plot_runs`][lightning_decentral.plot.plot_runs] drew.
 """
 
 from __future__ import annotations
@@ -34,11 +33,11 @@ from lightning_decentral.strategy import DecentralizedStrategy
 
 
 class DecentralizedCLI(LightningCLI):
-    """``LightningCLI`` in subclass mode for model and data, reporting on the averaged model after ``fit``.
+    """`LightningCLI` in subclass mode for model and data, reporting on the averaged model after `fit`.
 
     Args:
-        args: the command line (default ``sys.argv[1:]``), as for ``LightningCLI``.
-        **kwargs: any other :class:`~lightning.pytorch.cli.LightningCLI` argument.
+        args: the command line (default `sys.argv[1:]`), as for `LightningCLI`.
+        **kwargs: any other `lightning.pytorch.cli.LightningCLI` argument.
     """
 
     def __init__(self, args: ArgsType = None, **kwargs: Any) -> None:
@@ -52,7 +51,7 @@ class DecentralizedCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """Create model, data and Trainer; an error in a constructor (a bad value in the config, a
         topology that does not fit the world size) exits like a parse error: the message, no traceback
-        (``JSONARGPARSE_DEBUG=1`` raises it instead)."""
+        (`JSONARGPARSE_DEBUG=1` raises it instead)."""
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, MisconfigurationException) as error:
@@ -86,7 +85,7 @@ class DecentralizedCLI(LightningCLI):
 
 
 class _LastValidation(Callback):
-    """The optimizer step at which validation last ran during ``fit`` (-1: never)."""
+    """The optimizer step at which validation last ran during `fit` (-1: never)."""
 
     def __init__(self) -> None:
         self.step = -1
@@ -97,7 +96,7 @@ class _LastValidation(Callback):
 
 
 def _plot(trainer: Trainer) -> list[Path]:
-    """The monitors' plots, drawn from the CSV log into ``<csv log dir>/plots`` (rank 0; none without a CSVLogger)."""
+    """The monitors' plots, drawn from the CSV log into `<csv log dir>/plots` (rank 0; none without a CSVLogger)."""
     if not trainer.is_global_zero:
         return []
     csv_dirs = [logger.log_dir for logger in trainer.loggers if isinstance(logger, CSVLogger)]
@@ -109,7 +108,7 @@ def _plot(trainer: Trainer) -> list[Path]:
 
 
 def _report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> str:
-    """The text printed after ``fit``: what was evaluated, the metrics, where logs, checkpoints and plots are."""
+    """The text printed after `fit`: what was evaluated, the metrics, where logs, checkpoints and plots are."""
     strategy = trainer.strategy
     if isinstance(strategy, DecentralizedStrategy):
         what = "the averaged model x̄" if strategy.eval_on == "average" else "rank 0's own replica"
@@ -133,7 +132,7 @@ def _report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> s
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """The ``lightning-decentral`` console command (``args`` defaults to ``sys.argv[1:]``)."""
+    """The `lightning-decentral` console command (`args` defaults to `sys.argv[1:]`)."""
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.insert(0, cwd)  # as `python -m` does: configs may name classes in modules under the cwd

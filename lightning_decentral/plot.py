@@ -2,19 +2,21 @@
 
     python -m lightning_decentral.plot LOG_DIR [LOG_DIR ...] [--out DIR]
 
-Each ``LOG_DIR`` is searched for Lightning ``CSVLogger`` files (``metrics.csv``) and TensorBoard event
-files (``events.out.tfevents.*``); every one found is a run, named after its directory. One PNG per
+Each `LOG_DIR` is searched for Lightning `CSVLogger` files (`metrics.csv`) and TensorBoard event
+files (`events.out.tfevents.*`); every one found is a run, named after its directory. One PNG per
 quantity, plotted against the optimizer step, one line per run:
 
-* ``loss.png``: every metric whose name contains ``loss`` (e.g. ``train_loss``, ``val_loss``);
-* ``accuracy.png``: every metric whose name contains ``acc``;
-* ``consensus_distance.png``: ``consensus/distance``, ``consensus/relative`` and ``consensus/residual``
-  (:class:`~lightning_decentral.callbacks.ConsensusDistance`), log scale;
-* ``effective_lr_ratio.png``: ``lr/effective_ratio`` (:class:`~lightning_decentral.callbacks.EffectiveLearningRate`);
-* ``gossip_steps.png``: ``consensus/gossip_steps`` (:class:`~lightning_decentral.callbacks.ConsensusControl`).
+* `loss.png`: every metric whose name contains `loss` (e.g. `train_loss`, `val_loss`);
+* `accuracy.png`: every metric whose name contains `acc`;
+* `consensus_distance.png`: `consensus/distance`, `consensus/relative` and `consensus/residual`
+  ([`ConsensusDistance`][lightning_decentral.callbacks.ConsensusDistance]), log scale;
+* `effective_lr_ratio.png`: `lr/effective_ratio`
+  ([`EffectiveLearningRate`][lightning_decentral.callbacks.EffectiveLearningRate]);
+* `gossip_steps.png`: `consensus/gossip_steps`, the gossip rounds each step took
+  ([`ConsensusControl`][lightning_decentral.callbacks.ConsensusControl]).
 
 A figure is written only when some run logged one of its metrics. From Python:
-``plot_runs(["logs/ring", "logs/complete"], "plots")`` returns the paths written.
+`plot_runs(["logs/ring", "logs/complete"], "plots")` returns the paths written.
 """
 
 from __future__ import annotations
@@ -43,10 +45,20 @@ _FIGURES: list[tuple[str, str, Callable[[str], bool], bool]] = [
     ("effective_lr_ratio", "Effective learning rate ratio α_e / γ", lambda name: name == "lr/effective_ratio", False),
     ("gossip_steps", "Gossip rounds per step", lambda name: name == "consensus/gossip_steps", False),
 ]
+_AXIS_LABELS = {"consensus/gossip_steps": "gossip rounds (consensus/gossip_steps)"}  # else the metric's name
 
 
 def read_csv(path: Union[str, Path]) -> Series:
-    """The metrics of a Lightning ``metrics.csv``: ``{name: [(step, value), ...]}`` (empty cells skipped)."""
+    """The metrics of a Lightning `metrics.csv`: `{name: [(step, value), ...]}` (empty cells skipped).
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as folder:
+        ...     path = Path(folder) / "metrics.csv"
+        ...     _ = path.write_text("epoch,step,train_loss,val_loss\\n0,9,0.5,\\n0,9,,0.75\\n0,19,0.25,\\n")
+        ...     read_csv(path)
+        {'train_loss': [(9, 0.5), (19, 0.25)], 'val_loss': [(9, 0.75)]}
+    """
     series: Series = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
@@ -61,7 +73,7 @@ def read_csv(path: Union[str, Path]) -> Series:
 
 
 def read_tensorboard(directory: Union[str, Path]) -> Series:
-    """The scalars of the TensorBoard event files in ``directory``: ``{tag: [(step, value), ...]}``."""
+    """The scalars of the TensorBoard event files in `directory`: `{tag: [(step, value), ...]}`."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError as exc:
@@ -76,8 +88,15 @@ def read_tensorboard(directory: Union[str, Path]) -> Series:
 
 
 def find_runs(log_dir: Union[str, Path]) -> list[tuple[str, Series]]:
-    """Every run under ``log_dir``, as ``(label, series)``; a directory holding both a CSV and TensorBoard
-    log counts once (the CSV)."""
+    """Every run under `log_dir`, as `(label, series)`; a directory holding both a CSV and TensorBoard
+    log counts once (the CSV).
+
+    Examples:
+        >>> find_runs("no/such/logs")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: No log directory 'no/such/logs': pass the save_dir (or a version_N folder) of a logger.
+    """
     root = Path(log_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"No log directory {str(root)!r}: pass the save_dir (or a version_N folder) of a logger.")
@@ -100,7 +119,7 @@ def _label(root: Path, directory: Path, single: bool) -> str:
 
 
 def plot_runs(log_dirs: Sequence[Union[str, Path]], out_dir: Union[str, Path]) -> list[Path]:
-    """Write one PNG per quantity found in the runs under ``log_dirs`` into ``out_dir``; return their paths."""
+    """Write one PNG per quantity found in the runs under `log_dirs` into `out_dir`; return their paths."""
     plt = _pyplot()
     runs = [run for log_dir in log_dirs for run in find_runs(log_dir)]
     if not runs:
@@ -127,7 +146,7 @@ def plot_runs(log_dirs: Sequence[Union[str, Path]], out_dir: Union[str, Path]) -
             if log_scale and all(v > 0 for _, series in runs for _, v in series.get(name, [])):
                 ax.set_yscale("log")
             ax.set_xlabel("optimizer step")
-            ax.set_ylabel(name)
+            ax.set_ylabel(_AXIS_LABELS.get(name, name))
             ax.set_title(name, fontsize=10)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
@@ -163,6 +182,7 @@ def _pyplot():  # type: ignore[no-untyped-def]
 
 
 def main(argv: Union[Sequence[str], None] = None) -> int:
+    """`python -m lightning_decentral.plot LOG_DIR [LOG_DIR ...] [--out DIR]`: the exit status (2 on an error)."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_decentral.plot",
         description="Plot loss, accuracy, consensus distance and effective-LR ratio of runs against the step.",

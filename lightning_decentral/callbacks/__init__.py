@@ -1,12 +1,17 @@
-"""Monitors and control for decentralized training (ALGORITHMS.md §6), as Lightning callbacks.
+"""Monitors and control for decentralized training, as Lightning callbacks (see the
+[monitoring page](../monitoring.md)).
 
-* :class:`ConsensusDistance`: ``consensus/distance`` ``Ξ``, ``consensus/relative``, ``consensus/residual``.
-* :class:`EffectiveLearningRate`: ``lr/effective``, ``lr/effective_ratio``, ``noise/decentralized``.
-* :class:`ConsensusControl`: extra gossip rounds while ``Ξ`` exceeds a target; ``consensus/gossip_steps``.
+* [`ConsensusDistance`][lightning_decentral.callbacks.ConsensusDistance]: `consensus/distance` `Ξ`,
+  `consensus/relative`, `consensus/residual`.
+* [`EffectiveLearningRate`][lightning_decentral.callbacks.EffectiveLearningRate]: `lr/effective`,
+  `lr/effective_ratio`, `noise/decentralized`.
+* [`ConsensusControl`][lightning_decentral.callbacks.ConsensusControl]: extra gossip rounds while `Ξ`
+  exceeds a target; `consensus/gossip_steps` (the gossip rounds each step took).
 
-They talk to :class:`~lightning_decentral.DecentralizedStrategy` only through its monitoring surface
-(``measure_residuals``, ``gossip_residual``, ``parameter_deviations``, ``extra_gossip``, ``averaged_model``,
-``gossip_rounds``, ``topology``), and degrade to the exact single-model values under any other strategy.
+They talk to [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] only through its
+monitoring surface (`measure_residuals`, `gossip_residual`, `parameter_deviations`, `extra_gossip`,
+`averaged_model`, `gossip_rounds`, `topology`), and degrade to the exact single-model values under any
+other strategy.
 """
 
 from lightning_decentral.callbacks.consensus import ConsensusControl, ConsensusDistance

@@ -13,19 +13,25 @@ from lightning_decentral.strategy import DecentralizedStrategy
 
 
 def check_every(every_n_steps: Any) -> int:
+    """`every_n_steps`, checked: a positive integer."""
     if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
         raise ValueError(f"`every_n_steps` must be a positive integer (1 = every step), got {every_n_steps!r}.")
     return every_n_steps
 
 
 def due(step: int, every_n_steps: int) -> bool:
-    """Whether optimizer step ``step`` (0-based) is measured: ``(step + 1) % every_n_steps == 0``, the
-    steps Lightning writes to the loggers when ``every_n_steps`` is a multiple of ``log_every_n_steps``."""
+    """Whether optimizer step `step` (0-based) is measured: `(step + 1) % every_n_steps == 0`, the
+    steps Lightning writes to the loggers when `every_n_steps` is a multiple of `log_every_n_steps`.
+
+    Examples:
+        >>> [step for step in range(200) if due(step, every_n_steps=50)]
+        [49, 99, 149, 199]
+    """
     return (step + 1) % every_n_steps == 0
 
 
 def decentralized(trainer: Trainer) -> Optional[DecentralizedStrategy]:
-    """The trainer's :class:`DecentralizedStrategy` with more than one rank, else ``None`` (replicas are equal)."""
+    """The trainer's `DecentralizedStrategy` with more than one rank, else `None` (replicas are equal)."""
     strategy = trainer.strategy
     if isinstance(strategy, DecentralizedStrategy) and strategy.world_size > 1:
         return strategy
@@ -33,14 +39,14 @@ def decentralized(trainer: Trainer) -> Optional[DecentralizedStrategy]:
 
 
 def sum_over_ranks(tensor: Tensor) -> Tensor:
-    """``sum_i tensor_i``, in place: one all-reduce on the default group, no barrier and no host sync."""
+    """`sum_i tensor_i`, in place: one all-reduce on the default group, no barrier and no host sync."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor
 
 
 def max_over_ranks(tensor: Tensor) -> Tensor:
-    """``max_i tensor_i``, in place: a decision every rank then shares, whatever each computed."""
+    """`max_i tensor_i`, in place: a decision every rank then shares, whatever each computed."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor

@@ -1,17 +1,18 @@
 """Consensus distance (Kong et al., ICML 2021): watch it, and keep it under a target.
 
-    Ξ(k) = sqrt( (1/n) Σ_i ‖x_i(k) − x̄(k)‖² )        over the trainable parameters (ALGORITHMS.md §6)
+    Ξ(k) = sqrt( (1/n) Σ_i ‖x_i(k) − x̄(k)‖² )        over the trainable parameters
 
-Both callbacks act at the end of optimizer step ``k``, on the replicas ``x(k+1)`` the strategy has just
-produced, when no exchange is in flight. The free proxy is the *gossip residual* of step ``k``,
+(defined on the [monitoring page](../monitoring.md#consensus-distance)). Both callbacks act at the end
+of optimizer step `k`, on the replicas `x(k+1)` the strategy has just produced, when no exchange is in
+flight. The free proxy is the *gossip residual* of step `k`,
 
     R(k) = sqrt( (1/n) Σ_i ‖y_i − Σ_j w_ij(k) y_j‖² )
 
-over the state ``y`` that step's first gossip round mixed (AWC: ``x(k)``; ATC: ``U(x(k), g)``; DecentLaM:
-``z = x(k) − γ g``, not ``x``). Because ``(I − W)`` vanishes on consensus, ``R`` is ``Ξ(y)`` scaled by a
-factor between ``1 − λ₂(W)`` and ``1 − λ_min(W)`` (symmetric ``W``); the *calibration*
-``c = Ξ(k) / R(k)``, the exact distance at the end of a step over that step's residual, turns it into an
-estimate ``Ξ̂(k) = c · R(k)`` of the distance at the end of later steps.
+over the state `y` that step's first gossip round mixed (AWC: `x(k)`; ATC: `U(x(k), g)`; DecentLaM:
+`z = x(k) − γ g`, not `x`). Because `(I − W)` vanishes on consensus, `R` is `Ξ(y)` scaled by a factor
+between `1 − λ₂(W)` and `1 − λ_min(W)` (symmetric `W`); the *calibration* `c = Ξ(k) / R(k)`, the exact
+distance at the end of a step over that step's residual, turns it into an estimate `Ξ̂(k) = c · R(k)` of
+the distance at the end of later steps.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ _REFERENCES = ("absolute", "parameters")
 
 
 class _StepEnd(Callback):
-    """Calls :meth:`_step_end` once per optimizer step, from ``on_train_batch_end`` of the batch that stepped."""
+    """Tells which optimizer step ended, once per step, from `on_train_batch_end` of the batch that stepped."""
 
     _seen_step = 0
 
@@ -48,7 +49,7 @@ class _StepEnd(Callback):
         self._seen_step = trainer.global_step  # a resumed fit starts counting here
 
     def _ended_step(self, trainer: Trainer) -> Optional[int]:
-        """The optimizer step ``k`` that ended since the last call, else ``None`` (accumulating)."""
+        """The optimizer step `k` that ended since the last call, else `None` (accumulating)."""
         if trainer.global_step == self._seen_step:
             return None
         self._seen_step = trainer.global_step
@@ -56,7 +57,11 @@ class _StepEnd(Callback):
 
 
 def gossip_residual(strategy: DecentralizedStrategy, step: int) -> Optional[Tensor]:
-    """``R(step)``, equal on every rank (one scalar all-reduce); ``None`` where step ``step`` did not gossip."""
+    """`R(step) = sqrt( (1/n) Σ_i r_i )` from each rank's `r_i = ‖y_i − Σ_j w_ij y_j‖²`
+    (`strategy.gossip_residual(step)`).
+
+    Equal on every rank (one scalar all-reduce); `None` where step `step` did not gossip.
+    """
     if not strategy.gossip_rounds(step):  # the same on every rank, so the collectives always match
         return None
     local = strategy.gossip_residual(step)
@@ -66,8 +71,11 @@ def gossip_residual(strategy: DecentralizedStrategy, step: int) -> Optional[Tens
 
 
 def consensus_distance(strategy: DecentralizedStrategy, per_layer: bool = False) -> dict[str, Tensor]:
-    """Exact ``Ξ`` (``"distance"``), ``‖x̄‖`` (``"mean_norm"``) and, with ``per_layer``, ``Ξ`` of each
-    top-level submodule (``"distance/<name>"``): one all-reduce of the parameters and one of a few scalars."""
+    """Exact `Ξ = sqrt( (1/n) Σ_i ‖x_i − x̄‖² )` (`"distance"`), `‖x̄‖` (`"mean_norm"`) and, with
+    `per_layer`, `Ξ` of each top-level submodule (`"distance/<name>"`).
+
+    Cost: one all-reduce of the parameters (in `strategy.parameter_deviations()`) and one of a few scalars.
+    """
     deviations = strategy.parameter_deviations()
     device = strategy.root_device
     layers: dict[str, list[Tensor]] = {}
@@ -84,23 +92,35 @@ def consensus_distance(strategy: DecentralizedStrategy, per_layer: bool = False)
 
 
 class ConsensusDistance(_StepEnd):
-    """Log the consensus distance ``Ξ`` between the replicas, and its free proxy, to every logger.
+    """Log the consensus distance `Ξ` between the replicas, and its free proxy, to every logger.
 
-    * every ``every_n_steps`` optimizer steps: ``consensus/distance`` (``Ξ``, exact) and ``consensus/relative``
-      (``Ξ / ‖x̄‖``); with ``per_layer=True`` also ``consensus/distance/<name>`` per top-level submodule.
+    * every `every_n_steps` optimizer steps: `consensus/distance` (`Ξ`, exact) and `consensus/relative`
+      (`Ξ / ‖x̄‖`); with `per_layer=True` also `consensus/distance/<name>` per top-level submodule.
       Cost: one all-reduce of the parameters (about one gossip round of bytes).
-    * every step that gossips: ``consensus/residual`` (``R(k)``, see the module docstring). Cost: a scalar
+    * every step that gossips: `consensus/residual` (`R(k)`, see the module docstring). Cost: a scalar
       all-reduce; the residual itself is computed while the exchange is combined.
 
-    The values are all-reduced, hence equal on every rank, and logged with ``LightningModule.log``: the
-    loggers (rank zero only) write them once, at the steps Lightning writes (``log_every_n_steps``); they
-    also reach ``trainer.callback_metrics`` (e.g. for ``ModelCheckpoint(monitor="consensus/distance")``).
-    Measured states are the replicas after the step (and after :class:`ConsensusControl`'s extra rounds).
-    Under any other strategy the replicas are one model: ``Ξ = 0`` is logged and nothing is communicated.
+    The values are all-reduced, hence equal on every rank, and logged with `LightningModule.log`: the
+    loggers (rank zero only) write them once, at the steps Lightning writes (`log_every_n_steps`); they
+    also reach `trainer.callback_metrics` (e.g. for `ModelCheckpoint(monitor="consensus/distance")`).
+    Measured states are the replicas after the step (and after
+    [`ConsensusControl`][lightning_decentral.callbacks.ConsensusControl]'s extra rounds). Under any other
+    strategy the replicas are one model: `Ξ = 0` is logged and nothing is communicated.
 
-    Example::
+    Args:
+        every_n_steps: measure `Ξ` exactly every this many optimizer steps (step `k` when
+            `(k + 1) % every_n_steps == 0`); best a multiple of `Trainer(log_every_n_steps=...)`.
+        per_layer: also log `Ξ` of each top-level submodule.
 
-        trainer = Trainer(strategy="dpsgd", devices=8, callbacks=[ConsensusDistance(every_n_steps=50)])
+    Examples:
+        >>> ConsensusDistance(every_n_steps=50).every_n_steps
+        50
+        >>> ConsensusDistance(every_n_steps=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: `every_n_steps` must be a positive integer (1 = every step), got 0.
+
+        In a job: `Trainer(strategy="dpsgd", devices=8, callbacks=[ConsensusDistance(every_n_steps=50)])`.
     """
 
     def __init__(self, every_n_steps: int = 50, per_layer: bool = False) -> None:
@@ -121,7 +141,7 @@ class ConsensusDistance(_StepEnd):
         if step is None:
             return
         if self._control is not None:
-            self._control._step_end(trainer, step)  # the control acts first: Ξ is measured after it
+            self._control.run_extra_rounds(trainer, step)  # the control acts first: Ξ is measured after it
         strategy = decentralized(trainer)
         metrics: dict[str, Any] = {}
         if strategy is None:
@@ -140,43 +160,52 @@ class ConsensusDistance(_StepEnd):
                 metrics.update({f"consensus/{key}": value for key, value in measured.items()})
                 metrics["consensus/relative"] = measured["distance"] / mean_norm
                 if self._control is not None:
-                    self._control._calibrate(step, measured["distance"], residual, mean_norm)
+                    self._control.calibrate(step, measured["distance"], residual, mean_norm)
         if metrics:
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
 
 class ConsensusControl(_StepEnd):
-    """Keep the consensus distance under ``target`` with extra gossip rounds (Kong et al.'s practical scheme).
+    """Keep the consensus distance under `target` with extra gossip rounds (Kong et al.'s practical scheme).
 
-    At the end of every optimizer step ``k`` that gossips, while the estimated ``Ξ`` exceeds the target, the
-    replicas (and mixed buffers) take one more round ``x <- W(k) x``, up to ``max_gossip_steps`` rounds at that
-    step in all (the strategy's own ``gossip_steps`` included). The estimate ``Ξ̂`` before the extra rounds is
-    the exact ``Ξ`` on steps with ``(k + 1) % every_n_steps == 0`` (one all-reduce of the parameters; also
-    whenever no calibration exists yet), else the calibrated proxy ``c · R(k)`` (a scalar all-reduce), ``c``
-    refreshed by every exact measurement of the step's state, this callback's or :class:`ConsensusDistance`'s.
-    ``r`` rounds shrink the distance at least by ``‖W(k)^r − 11ᵀ/n‖₂``: ``Ξ̂_r = ‖W(k)^r − 11ᵀ/n‖₂ · Ξ̂``
-    (a guaranteed bound, no measurement per round), and the control stops at the first ``r`` with
-    ``Ξ̂_r ≤ target``, or when one more round cannot lower the bound (a ``W(k)`` that reaches only some
-    ranks, as in one-peer topologies).
+    At the end of every optimizer step `k` that gossips, while the estimated `Ξ` exceeds the target, the
+    replicas (and mixed buffers) take one more round `x <- W(k) x`, up to `max_gossip_steps` rounds at that
+    step in all (the strategy's own `gossip_steps` rounds included). The estimate `Ξ̂` before the extra
+    rounds is the exact `Ξ` on steps with `(k + 1) % every_n_steps == 0` (one all-reduce of the parameters;
+    also whenever no calibration exists yet), else the calibrated proxy `c · R(k)` (a scalar all-reduce),
+    `c` refreshed by every exact measurement of the step's state, this callback's or
+    [`ConsensusDistance`][lightning_decentral.callbacks.ConsensusDistance]'s. `r` rounds shrink the
+    distance at least by `‖W(k)^r − 11ᵀ/n‖₂` ([`contraction_bounds`][lightning_decentral.callbacks.consensus.contraction_bounds]):
+    `Ξ̂_r = ‖W(k)^r − 11ᵀ/n‖₂ · Ξ̂` (a guaranteed bound, no measurement per round), and the control stops at
+    the first `r` with `Ξ̂_r ≤ target`, or when one more round cannot lower the bound (a `W(k)` that reaches
+    only some ranks, as in one-peer topologies): [`rounds_needed`][lightning_decentral.callbacks.consensus.rounds_needed].
 
-    Every rank takes the same decision by construction: ``Ξ̂`` comes from all-reduced values and the rounds
+    Every rank takes the same decision by construction: `Ξ̂` comes from all-reduced values and the rounds
     are then agreed with an all-reduce (max) before any round is sent.
 
     Args:
-        target: the largest tolerated ``Ξ`` (``reference="absolute"``), or ``Ξ / ‖x̄‖``
-            (``reference="parameters"``, with the ``‖x̄‖`` of the latest exact measurement).
-        reference: ``"absolute"`` or ``"parameters"``.
-        max_gossip_steps: the most rounds at one step, the strategy's own included.
-        until_epoch: control during epochs ``< until_epoch`` only (the initial phase, where Kong et al.
-            find the consensus distance matters most); ``None``: always.
-        every_n_steps: measure ``Ξ`` exactly (and recalibrate) every this many steps.
+        target: the largest tolerated `Ξ` (`reference="absolute"`), or `Ξ / ‖x̄‖`
+            (`reference="parameters"`, with the `‖x̄‖` of the latest exact measurement).
+        reference: `"absolute"` or `"parameters"`.
+        max_gossip_steps: the most gossip rounds at one step, the strategy's own included.
+        until_epoch: control during epochs `< until_epoch` only (the initial phase, where Kong et al.
+            find the consensus distance matters most); `None`: always.
+        every_n_steps: measure `Ξ` exactly (and recalibrate) every this many steps.
 
-    Logs ``consensus/gossip_steps``, the rounds each step took in all (0 on local steps). Under a strategy
-    other than :class:`~lightning_decentral.DecentralizedStrategy` it warns and does nothing (``Ξ = 0``).
+    Logs `consensus/gossip_steps`, the number of gossip rounds each step took in all (0 on local steps).
+    Under a strategy other than [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] it
+    warns and does nothing (`Ξ = 0`).
 
-    Example::
+    Examples:
+        >>> control = ConsensusControl(target=0.05, reference="parameters", until_epoch=30)
+        >>> control.max_gossip_steps, control.calibration
+        (8, None)
+        >>> ConsensusControl(target=0.05, reference="relative")
+        Traceback (most recent call last):
+        ...
+        ValueError: `reference` must be one of ['absolute', 'parameters'], got 'relative'.
 
-        callbacks = [ConsensusControl(target=0.05, reference="parameters", until_epoch=30), ConsensusDistance()]
+        In a job: `callbacks=[ConsensusControl(target=0.05, reference="parameters"), ConsensusDistance()]`.
     """
 
     def __init__(
@@ -229,14 +258,19 @@ class ConsensusControl(_StepEnd):
         step = self._ended_step(trainer)
         if step is None:
             return
-        self._step_end(trainer, step)
+        self.run_extra_rounds(trainer, step)
         pl_module.log("consensus/gossip_steps", float(self._rounds), on_step=True, on_epoch=False)
 
     def _active(self, trainer: Trainer) -> bool:
         return self.until_epoch is None or trainer.current_epoch < self.until_epoch
 
-    def _step_end(self, trainer: Trainer, step: int) -> None:
-        """Decide and run the extra rounds of step ``step`` (once, whichever monitor asks first)."""
+    def run_extra_rounds(self, trainer: Trainer, step: int) -> None:
+        """Decide and run the extra gossip rounds of optimizer step `step`, at its end.
+
+        Acts once per step, whichever callback calls first: this one from `on_train_batch_end`, or
+        [`ConsensusDistance`][lightning_decentral.callbacks.ConsensusDistance] just before it measures,
+        so that `Ξ` is measured after the control. A collective: every rank calls it at the same step.
+        """
         if self._done_step == step:
             return
         if self._extra:
@@ -257,22 +291,26 @@ class ConsensusControl(_StepEnd):
         )
         if exact:
             measured = consensus_distance(strategy)
-            self._calibrate(step, measured["distance"], residual, measured["mean_norm"])
+            self.calibrate(step, measured["distance"], residual, measured["mean_norm"])
             estimate = float(measured["distance"])
         else:
             estimate = self.calibration * float(residual)
         target = self.target * (self.mean_norm or 0.0) if self.reference == "parameters" else self.target
-        extra = self._rounds_needed(strategy.topology, step, estimate, target, self.max_gossip_steps - own)
+        limit = self.max_gossip_steps - own
+        extra = rounds_needed(self._contraction(strategy.topology, step, limit), estimate, target, limit)
         extra = int(max_over_ranks(torch.tensor(extra, device=strategy.root_device)))
         strategy.extra_gossip(step, extra)
         self._extra, self._rounds = extra, own + extra
 
-    def _calibrate(self, step: int, distance: Tensor, residual: Optional[Tensor], mean_norm: Tensor) -> None:
-        """Take an exact ``Ξ`` of the state at the end of ``step``, before any extra round.
+    def calibrate(self, step: int, distance: Tensor, residual: Optional[Tensor], mean_norm: Tensor) -> None:
+        """Take an exact `Ξ` (`distance`) and `‖x̄‖` (`mean_norm`) of the state at the end of `step`,
+        measured after [`run_extra_rounds`][lightning_decentral.callbacks.ConsensusControl.run_extra_rounds]
+        for that step and before any extra round.
 
-        It sets ``c = Ξ / R(step)`` unless step ``step - 1`` ran extra rounds (then ``R(step)`` measured a state
-        the control had just contracted, not the training dynamics the proxy is meant to follow) or ``R`` is
-        at the level of rounding (replicas still equal).
+        It sets `c = Ξ / R(step)` (`residual = R(step)`) unless step `step - 1` ran extra rounds (then
+        `R(step)` measured a state the control had just contracted, not the training dynamics the proxy is
+        meant to follow) or `R` is at the level of rounding (replicas still equal). A measurement of another
+        step, or of a state the control has already mixed, is ignored.
         """
         if step != self._done_step or self._extra:
             return  # not this step's state before the control, or the replicas were mixed since
@@ -283,25 +321,52 @@ class ConsensusControl(_StepEnd):
         if r > 1e-6 * self.mean_norm and math.isfinite(xi):
             self.calibration = xi / r
 
-    def _rounds_needed(self, topology: Topology, step: int, estimate: float, target: float, limit: int) -> int:
-        """The fewest rounds ``r <= limit`` with ``‖W(step)^r − J‖₂ · estimate <= target``; fewer if rounds
-        stop helping."""
-        bounds = self._contraction(topology, step, limit)
-        rounds = 0
-        while rounds < limit and bounds[rounds] * estimate > target and bounds[rounds + 1] < bounds[rounds] - 1e-12:
-            rounds += 1
-        return rounds
-
     def _contraction(self, topology: Topology, step: int, limit: int) -> list[float]:
-        """``[‖W^r − J‖₂ for r = 0..limit]`` for ``W = W(step)``, ``J = 11ᵀ/n`` (pure math, cached per phase)."""
+        """[`contraction_bounds`][lightning_decentral.callbacks.consensus.contraction_bounds], cached per phase."""
         key = (step % topology.period, limit)
         if key not in self._bounds:
-            n = topology.world_size
-            deviation = topology.mixing(step) - np.full((n, n), 1.0 / n)  # (W − J)^r = W^r − J
-            power, bounds = np.eye(n) - np.full((n, n), 1.0 / n), []
-            for _ in range(limit + 1):
-                bounds.append(float(np.linalg.norm(power, 2)))
-                power = deviation @ power
-            self._bounds[key] = bounds
+            self._bounds[key] = contraction_bounds(topology, step, limit)
         return self._bounds[key]
+
+
+def contraction_bounds(topology: Topology, step: int, limit: int) -> list[float]:
+    """`[‖W^r − J‖₂ for r = 0..limit]` with `W = W(step)`, `J = 11ᵀ/n`: `r` gossip rounds shrink `Ξ` at
+    least by the factor `‖W^r − J‖₂`, since `(W − J)^r = W^r − J` and `W^r x − x̄ = (W^r − J)(x − x̄)`.
+
+    Examples:
+        >>> from lightning_decentral.topology import OnePeerExponential, Ring
+        >>> [f"{b:.3f}" for b in contraction_bounds(Ring(world_size=8), step=0, limit=3)]  # 0.805^r
+        ['1.000', '0.805', '0.648', '0.521']
+        >>> one_peer = OnePeerExponential(world_size=8)  # W(2) mixes i with i + 4 only: no bound
+        >>> [f"{b:.3f}" for b in contraction_bounds(one_peer, step=2, limit=2)]
+        ['1.000', '1.000', '1.000']
+    """
+    n = topology.world_size
+    deviation = topology.mixing(step) - np.full((n, n), 1.0 / n)  # (W − J)^r = W^r − J
+    power, bounds = np.eye(n) - np.full((n, n), 1.0 / n), []
+    for _ in range(limit + 1):
+        bounds.append(float(np.linalg.norm(power, 2)))
+        power = deviation @ power
+    return bounds
+
+
+def rounds_needed(bounds: list[float], estimate: float, target: float, limit: int) -> int:
+    """The fewest gossip rounds `r <= limit` with `bounds[r] · estimate <= target`, or fewer where one more
+    round no longer lowers the bound (`bounds[r + 1] ≥ bounds[r]`); `bounds` from
+    [`contraction_bounds`][lightning_decentral.callbacks.consensus.contraction_bounds].
+
+    Examples:
+        >>> from lightning_decentral.topology import Ring
+        >>> bounds = contraction_bounds(Ring(world_size=8), step=0, limit=3)  # 1, 0.80, 0.65, 0.52
+        >>> rounds_needed(bounds, estimate=0.1, target=0.07, limit=3)  # 0.1 · 0.65 ≤ 0.07
+        2
+        >>> rounds_needed(bounds, estimate=0.1, target=0.01, limit=3)  # the most allowed
+        3
+        >>> rounds_needed([1.0, 1.0, 1.0], estimate=0.1, target=0.01, limit=2)  # a round would not help
+        0
+    """
+    rounds = 0
+    while rounds < limit and bounds[rounds] * estimate > target and bounds[rounds + 1] < bounds[rounds] - 1e-12:
+        rounds += 1
+    return rounds
 

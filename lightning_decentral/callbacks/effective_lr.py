@@ -1,4 +1,5 @@
-"""The effective learning rate of D-PSGD (Zhang et al., 2021), ALGORITHMS.md §6.
+"""The effective learning rate of D-PSGD (Zhang et al., 2021), defined on the
+[monitoring page](../monitoring.md#effective-learning-rate):
 
     ḡ_loc = (1/n) Σ_i ∇L(x_i; ξ_i)        what D-PSGD applies (gradients at the local replicas)
     g(x̄)  = (1/n) Σ_i ∇L(x̄; ξ_i)        what SSGD would apply (gradients at the average, same batches)
@@ -22,34 +23,41 @@ from lightning_decentral.callbacks._common import check_every, decentralized, du
 
 
 class EffectiveLearningRate(Callback):
-    """Log D-PSGD's effective learning rate ``α_e`` and its landscape-dependent noise (ALGORITHMS.md §6).
+    """Log D-PSGD's effective learning rate `α_e` and its landscape-dependent noise `η_d` (module docstring).
 
-    Every ``every_n_steps`` optimizer steps it logs ``lr/effective`` (``α_e``), ``lr/effective_ratio``
-    (``α_e / γ``) and ``noise/decentralized`` (``‖η_d‖``), equal on every rank. ``γ`` is the learning rate of
-    the optimizer's first param group; the ratio is over all trainable parameters. ``α_e < γ`` where the
+    Every `every_n_steps` optimizer steps it logs `lr/effective` (`α_e`), `lr/effective_ratio`
+    (`α_e / γ`) and `noise/decentralized` (`‖η_d‖`), equal on every rank. `γ` is the learning rate of
+    the optimizer's first param group; the ratio is over all trainable parameters. `α_e < γ` where the
     landscape is sharp: D-PSGD's self-adjusting learning rate.
 
-    How, at a measured step ``k``, in ``on_before_optimizer_step`` (the gradients of the step exist, the
-    optimizer has not stepped; DecentLaM has not yet replaced them by ``g̃``):
+    How, at a measured step `k`, in `on_before_optimizer_step` (the gradients of the step exist, the
+    optimizer has not stepped; DecentLaM has not yet replaced them by `g̃`):
 
-    * ``g_i``: this rank's ``p.grad`` (unscaled, before clipping), the step's raw gradient at ``x_i(k)``;
-    * ``∇L(x̄; ξ_i)``: ``training_step`` again on each of the step's own (micro-)batches, with the parameters
-      and floating buffers replaced by their average (``strategy.averaged_model()``), under the precision
+    * `g_i`: this rank's `p.grad` (unscaled, before clipping), the step's raw gradient at `x_i(k)`;
+    * `∇L(x̄; ξ_i)`: `training_step` again on each of the step's own (micro-)batches, with the parameters
+      and floating buffers replaced by their average (`strategy.averaged_model()`), under the precision
       plugin's forward context and the random state the batch's training forward started from (the same
-      dropout masks), differentiated with ``torch.autograd.grad``: no ``p.grad`` is touched and no
+      dropout masks), differentiated with `torch.autograd.grad`: no `p.grad` is touched and no
       gradient hook (DecentLaM's buckets) fires;
-    * afterwards, parameters, every buffer (BatchNorm statistics, ``num_batches_tracked``), the random
-      state and the states of the module's torchmetrics are put back exactly, and ``self.log`` calls made
-      by that second ``training_step`` are dropped: training continues bit for bit as without the callback.
+    * afterwards, parameters, every buffer (BatchNorm statistics, `num_batches_tracked`), the random
+      state and the states of the module's torchmetrics are put back exactly, and `self.log` calls made
+      by that second `training_step` are dropped: training continues bit for bit as without the callback.
 
     Cost at a measured step: one more forward and backward per micro-batch, and three model-sized
-    all-reduces (``x̄``, then both gradients at once). Needs automatic optimization. Under any other
-    strategy the replicas are one model, so ``α_e = γ``, the ratio 1 and the noise 0 are logged with no
+    all-reduces (`x̄`, then both gradients at once). Needs automatic optimization. Under any other
+    strategy the replicas are one model, so `α_e = γ`, the ratio 1 and the noise 0 are logged with no
     extra work.
 
-    Example::
+    Args:
+        every_n_steps: measure at optimizer step `k` when `(k + 1) % every_n_steps == 0`; best a
+            multiple of `Trainer(log_every_n_steps=...)`.
 
-        trainer = Trainer(strategy="dpsgd", devices=8, callbacks=[EffectiveLearningRate(every_n_steps=50)])
+    Examples:
+        >>> EffectiveLearningRate(every_n_steps=50).every_n_steps
+        50
+
+        In a job: `Trainer(strategy="dpsgd", devices=8, callbacks=[EffectiveLearningRate(every_n_steps=50)])`;
+        the formula itself is [`ratio_and_noise`][lightning_decentral.callbacks.effective_lr.ratio_and_noise].
     """
 
     def __init__(self, every_n_steps: int = 50) -> None:
@@ -93,7 +101,7 @@ class EffectiveLearningRate(Callback):
     def _measure(
         self, trainer: Trainer, pl_module: LightningModule, batches: list[tuple[Any, int, dict[str, Any]]]
     ) -> tuple[Tensor, Tensor]:
-        """``(⟨ḡ_loc, g(x̄)⟩ / ‖g(x̄)‖², ‖ḡ_loc − g(x̄)‖)``, equal on every rank."""
+        """`(⟨ḡ_loc, g(x̄)⟩ / ‖g(x̄)‖², ‖ḡ_loc − g(x̄)‖)`, equal on every rank."""
         strategy = trainer.strategy
         params = [p for p in pl_module.parameters() if p.requires_grad]
         local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -103,14 +111,27 @@ class EffectiveLearningRate(Callback):
         both = torch.cat([g.detach().reshape(-1).to(strategy.root_device, dtype) for g in local + at_mean])
         sum_over_ranks(both).div_(strategy.world_size)
         local_mean, mean_grad = both.double().split(both.numel() // 2)
-        ratio = torch.dot(local_mean, mean_grad) / torch.dot(mean_grad, mean_grad)
-        return ratio, torch.linalg.vector_norm(local_mean - mean_grad)
+        return ratio_and_noise(local_mean, mean_grad)
+
+
+def ratio_and_noise(local_mean: Tensor, mean_grad: Tensor) -> tuple[Tensor, Tensor]:
+    """`(α_e / γ, ‖η_d‖) = (⟨ḡ_loc, g(x̄)⟩ / ‖g(x̄)‖², ‖ḡ_loc − g(x̄)‖)` from the flat, rank-averaged
+    gradients `ḡ_loc` (`local_mean`, at the replicas) and `g(x̄)` (`mean_grad`, at their average).
+
+    Examples:
+        >>> import torch
+        >>> ratio, noise = ratio_and_noise(torch.tensor([1.0, 0.75]), torch.tensor([2.0, 0.0]))
+        >>> float(ratio), float(noise)  # ⟨ḡ_loc, g⟩ / ‖g‖² = 2 / 4, ‖(−1, 0.75)‖
+        (0.5, 1.25)
+    """
+    ratio = torch.dot(local_mean, mean_grad) / torch.dot(mean_grad, mean_grad)
+    return ratio, torch.linalg.vector_norm(local_mean - mean_grad)
 
 
 def _gradients(
     trainer: Trainer, pl_module: LightningModule, params: list[Tensor], batches: list[tuple[Any, int, dict]]
 ) -> list[Tensor]:
-    """``Σ_m ∇(L(x; ξ_m) / accumulate_grad_batches)`` at the current parameters, over the step's micro-batches."""
+    """`Σ_m ∇(L(x; ξ_m) / accumulate_grad_batches)` at the current parameters, over the step's micro-batches."""
     grads = [torch.zeros_like(p) for p in params]
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
@@ -131,8 +152,8 @@ def _gradients(
 
 @contextlib.contextmanager
 def _untouched(pl_module: LightningModule, device: torch.device) -> Iterator[None]:
-    """Inside: ``self.log`` is silenced. After: every buffer, the random state and the torchmetrics states
-    are what they were before (parameters are restored by ``averaged_model``)."""
+    """Inside: `self.log` is silenced. After: every buffer, the random state and the torchmetrics states
+    are what they were before (parameters are restored by `averaged_model`)."""
     from torchmetrics import Metric
 
     buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
