@@ -1,4 +1,4 @@
-"""The dense single-process reference of ALGORITHMS.md §1, §2 and §4.
+"""The dense single-process reference of docs/algorithms.md (§1, §2 and §4).
 
 All ``n`` replicas live in one process; ``W(k)`` is written here from the closed forms
 of §5, independently of ``lightning_decentral.topology``, and applied as a dense matrix.

@@ -1,4 +1,4 @@
-"""DecentLaM (ALGORITHMS.md §3): n = 4 processes against the dense reference, its special cases, its bias."""
+"""DecentLaM (docs/algorithms.md §3): n = 4 processes against the dense reference, its special cases, its bias."""
 
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def _fixed_point_error(kind: str, n: int = 16, lr: float = 0.01, beta: float = 0
 
 def test_decentlam_removes_the_momentum_amplified_bias() -> None:
     dsgd, dmsgd, ours = (_fixed_point_error(kind) for kind in ("dsgd", "dmsgd-atc", "decentlam"))
-    assert 0.05 < dsgd < 0.15  # ALGORITHMS.md §3 reports 8.7e-2 for its draw of b
+    assert 0.05 < dsgd < 0.15  # docs/algorithms.md §3 reports 8.7e-2 for its draw of b
     assert ours <= 1.05 * dsgd
     assert dmsgd >= 3 * dsgd
 

@@ -1,4 +1,4 @@
-"""The monitors of ALGORITHMS.md §6 on n = 4 gloo processes, checked against independent computations
+"""The monitors of docs/monitoring.md on n = 4 gloo processes, checked against independent computations
 from every rank's parameters, gradients and batches (plain torch, not the code under test)."""
 
 from __future__ import annotations

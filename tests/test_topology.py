@@ -1,4 +1,4 @@
-"""The mixing matrices of ALGORITHMS.md §5: structure, closed-form spectral gaps, errors."""
+"""The mixing matrices of docs/topologies.md: structure, closed-form spectral gaps, errors."""
 
 from __future__ import annotations
 
