@@ -1,7 +1,7 @@
 """lightning-decentral: decentralized (gossip) training for PyTorch Lightning.
 
-``import lightning_decentral`` registers the strategies, after which
-``Trainer(strategy="dpsgd")`` trains any LightningModule decentralized.
+`import lightning_decentral` registers the strategies, after which
+`Trainer(strategy="dpsgd")` trains any LightningModule decentralized.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry

@@ -139,7 +139,7 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
 def digest(*parts: bytes) -> int:
     """A 64-bit signed digest of `parts`, to compare data too long to gather.
 
-    Example:
+    Examples:
         >>> digest(b"ring") == digest(b"ring") != digest(b"torus")
         True
     """

@@ -1,20 +1,22 @@
 """Per-rank checkpoint shards: every replica, its optimizer state, the strategy's state and RNG state.
 
-A decentralized run is ``n`` models. The checkpoint file Lightning writes on rank 0 keeps the
-average ``x̄`` (a plain LightningModule loads it); next to it, every rank writes its own shard,
-so that ``trainer.fit(ckpt_path=...)`` continues every replica exactly::
+A decentralized run is `n` models. The checkpoint file Lightning writes on rank 0 keeps the
+average `x̄` (a plain LightningModule loads it); next to it, every rank writes its own shard,
+so that `trainer.fit(ckpt_path=...)` continues every replica exactly:
 
-    epoch=1-step=40.ckpt                                      rank 0: x̄, loops, callbacks, {save_id, world_size}
-    epoch=1-step=40.ckpt.shards/rank-00002-of-00004.<save_id>.pt   rank 2's shard, written by rank 2
+```text
+epoch=1-step=40.ckpt                                            rank 0: x̄, loops, callbacks, {save_id, world_size}
+epoch=1-step=40.ckpt.shards/rank-00002-of-00004.<save_id>.pt    rank 2's shard, written by rank 2
+```
 
 Each rank writes and removes only its own shard, so nothing is gathered onto one rank and no
 filesystem needs to be shared between nodes. Every file is written under a temporary name and
 renamed into place (atomic on a local or POSIX filesystem); the strategy writes the checkpoint
 file only once every rank has reported its shard in place, so an existing checkpoint file
-implies complete shards. The random ``save_id`` in the shard names is recorded in the
-checkpoint file too: shards of another save (an overwritten ``last.ckpt``, a crash between the
+implies complete shards. The random `save_id` in the shard names is recorded in the
+checkpoint file too: shards of another save (an overwritten `last.ckpt`, a crash between the
 shards and the file, a foreign run) are never taken for this one's. Shards hold tensors and
-primitives only and are read with ``torch.load(weights_only=True)``.
+primitives only and are read with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -47,7 +49,11 @@ class RankGroup(Protocol):
 
 
 class ShardProblem(enum.IntEnum):
-    """Why a rank cannot resume exactly from its shard (`NONE`: it can)."""
+    """Why a rank cannot resume exactly from its shard (`NONE`: it can).
+
+    An `IntEnum`, so that every rank's problem travels in one all-gather of integers
+    ([`load_own_shard`][lightning_decentral.checkpoint.load_own_shard]).
+    """
 
     NONE = 0
     NOT_SHARDED = 1
@@ -57,7 +63,14 @@ class ShardProblem(enum.IntEnum):
     UNREADABLE = 5
 
     def describe(self, saved: Optional[int] = None, now: Optional[int] = None) -> str:
-        """The problem in words (`saved`, `now`: the world sizes, for `OTHER_WORLD_SIZE`)."""
+        """The problem in words (`saved`, `now`: the world sizes, for `OTHER_WORLD_SIZE`).
+
+        Examples:
+            >>> ShardProblem.OTHER_WORLD_SIZE.describe(saved=4, now=2)
+            'it was saved by 4 ranks and this run has 2'
+            >>> ShardProblem.MISSING.describe()
+            'the shard is missing'
+        """
         return {
             ShardProblem.NONE: "",
             ShardProblem.NOT_SHARDED: "the checkpoint records no shards (it was not saved by DecentralizedStrategy)",
@@ -190,16 +203,23 @@ def resume_warning(path: _PATH, problems: list[ShardProblem], meta: Optional[dic
 
 
 def resolve(checkpoint_path: _PATH) -> str:
-    """The file a local ``checkpoint_path`` links to (``ModelCheckpoint(save_last="link")``): its shards sit there."""
+    """The file a local `checkpoint_path` links to (`ModelCheckpoint(save_last="link")`): its shards sit there."""
     fs = get_filesystem(checkpoint_path)
     return os.path.realpath(checkpoint_path) if isinstance(fs, LocalFileSystem) else str(checkpoint_path)
 
 
 def shard_directory(checkpoint_path: _PATH) -> str:
+    """The directory beside `checkpoint_path` that holds its shards: `<checkpoint_path>.shards`."""
     return f"{checkpoint_path}.shards"
 
 
 def shard_path(checkpoint_path: _PATH, rank: int, world_size: int, save_id: int) -> str:
+    """Where rank `rank` of `world_size` writes its shard of the save `save_id` of `checkpoint_path`.
+
+    Examples:
+        >>> shard_path("ckpts/last.ckpt", rank=2, world_size=4, save_id=123)
+        'ckpts/last.ckpt.shards/rank-00002-of-00004.123.pt'
+    """
     return f"{shard_directory(checkpoint_path)}/{_prefix(rank)}-of-{world_size:05d}.{save_id}.pt"
 
 
@@ -208,7 +228,7 @@ def _prefix(rank: int) -> str:
 
 
 def write_shard(shard: dict[str, Any], path: str) -> None:
-    """``torch.save`` to ``path + ".tmp"``, then rename to ``path``: a reader sees all of it or nothing."""
+    """`torch.save` to `path + ".tmp"`, then rename to `path`: a reader sees all of it or nothing."""
     fs = get_filesystem(path)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     partial = path + ".tmp"
@@ -218,7 +238,7 @@ def write_shard(shard: dict[str, Any], path: str) -> None:
 
 
 def discard(path: str) -> None:
-    """Remove the shard ``path`` and its temporary file, where they exist (a save that failed)."""
+    """Remove the shard `path` and its temporary file, where they exist (a save that failed)."""
     fs = get_filesystem(path)
     for leftover in (path, path + ".tmp"):
         if fs.exists(leftover):
@@ -226,19 +246,19 @@ def discard(path: str) -> None:
 
 
 def read_shard(path: str) -> dict[str, Any]:
-    """A shard, on the CPU, unpickled with ``weights_only=True`` (tensors and primitives only)."""
+    """A shard, on the CPU, unpickled with `weights_only=True` (tensors and primitives only)."""
     with get_filesystem(path).open(path, "rb") as f:
         return torch.load(f, map_location="cpu", weights_only=True)
 
 
 def shards_of_rank(checkpoint_path: _PATH, rank: int) -> list[str]:
-    """This rank's shard files for ``checkpoint_path``, of any save and world size."""
+    """This rank's shard files for `checkpoint_path`, of any save and world size."""
     fs = get_filesystem(checkpoint_path)
     return sorted(fs.glob(f"{shard_directory(checkpoint_path)}/{_prefix(rank)}-of-*.pt"))
 
 
 def remove_shards(checkpoint_path: _PATH, rank: int, keep: Optional[str] = None) -> None:
-    """Delete this rank's shards of ``checkpoint_path`` but the file ``keep``; the directory too once empty."""
+    """Delete this rank's shards of `checkpoint_path` but the file `keep`; the directory too once empty."""
     fs = get_filesystem(checkpoint_path)
     for path in shards_of_rank(checkpoint_path, rank):
         if keep is None or os.path.basename(path) != os.path.basename(keep):
@@ -252,7 +272,7 @@ def remove_shards(checkpoint_path: _PATH, rank: int, keep: Optional[str] = None)
 
 
 def rng_state() -> dict[str, Any]:
-    """The global RNG states of torch (and CUDA when in use), numpy and Python, as ``weights_only`` types."""
+    """The global RNG states of torch (and CUDA when in use), numpy and Python, as `weights_only` types."""
     kind, keys, position, has_gauss, gauss = np.random.get_state()
     version, python_state, python_gauss = random.getstate()
     state = {
@@ -266,7 +286,7 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`rng_state`."""
+    """Inverse of [`rng_state`][lightning_decentral.checkpoint.rng_state]."""
     torch.set_rng_state(state["torch"])
     kind, keys, position, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))

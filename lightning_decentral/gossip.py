@@ -1,38 +1,41 @@
-"""Neighbour exchange on flat buffers over ``torch.distributed``.
+"""Neighbour exchange on flat buffers over `torch.distributed`.
 
-The one operation here is in-place gossip, ``x_i <- sum_j W(k)_ij x_j``, applied
-``rounds`` times (``W(k)^r``). It is split into ``start`` (post the messages)
-and ``wait`` (finish them and combine), so the caller can compute while the
-bytes travel::
+The one operation here is in-place gossip, `x_i <- sum_j W(k)_ij x_j`, applied
+`rounds` times (`W(k)^r`). It is split into `start` (post the messages)
+and `wait` (finish them and combine), so the caller can compute while the
+bytes travel:
 
-    gossip = Gossip(topology)
-    pending = gossip.start(buffers, step=k)   # non-blocking
-    ...                                       # forward / backward
-    pending.wait()                            # buffers now hold W(k) x
+```python
+gossip = Gossip(topology)
+pending = gossip.start(buffers, step=k)   # non-blocking
+...                                       # forward / backward
+pending.wait()                            # buffers now hold W(k) x
+```
 
-With ``out=`` the buffers are only read, never written: they travel as they
-are (no copy) and ``out`` receives ``W(k)^r x − x`` (adapt-with-combine's
-correction, which the strategy adds after the optimizer step).
+With `out=` the buffers are only read, never written: they travel as they
+are (no copy) and `out` receives `W(k)^r x − x` (adapt-with-combine's
+correction, which [`AdaptWithCombine`][lightning_decentral.rules.AdaptWithCombine] adds after the
+optimizer step).
 
-Each rank derives its sends and receives from the same ``W(k)``, a pure
-function of ``k``: every send has its matching receive on the peer, so the
+Each rank derives its sends and receives from the same `W(k)`, a pure
+function of `k`: every send has its matching receive on the peer, so the
 schedule cannot deadlock. Transport, per exchange:
 
-* ``W(k) = 11ᵀ/n``: one all-reduce per buffer, always in the buffers' precision.
-* otherwise one message per neighbour per flat buffer, point-to-point (``batch_isend_irecv``,
+* `W(k) = 11ᵀ/n`: one all-reduce per buffer, always in the buffers' precision.
+* otherwise one message per neighbour per flat buffer, point-to-point (`batch_isend_irecv`,
   which NCCL coalesces into one group call). On gloo it was the fastest neighbour exchange
   measured from 4 KB to 1 MB (20–40 % ahead of a broadcast on a 2-rank subgroup per edge) and
-  tied with it (±5 %) at 16 and 64 MB (``benchmarks/transport.py``, ``docs/benchmarks.md``);
-  ``transport="broadcast"`` selects the per-edge broadcast. NCCL is not measured here.
-* :class:`~lightning_decentral.topology.Hierarchical`: two exchanges per round,
-  ``I ⊗ W_in`` on one subgroup per node (an all-reduce when the inner topology is
-  ``complete``), then ``W_out ⊗ I`` on one subgroup per local rank. The subgroups
+  tied with it (±5 %) at 16 and 64 MB (`benchmarks/transport.py`, `docs/benchmarks.md`);
+  `transport="broadcast"` selects the per-edge broadcast. NCCL is not measured here.
+* [`Hierarchical`][lightning_decentral.topology.Hierarchical]: two exchanges per round,
+  `I ⊗ W_in` on one subgroup per node (an all-reduce when the inner topology is
+  `complete`), then `W_out ⊗ I` on one subgroup per local rank. The subgroups
   are created when the engine is built, in the same order on every rank.
 
-Low precision (``dtype=torch.bfloat16`` or ``float16``): neighbour messages carry
-``q_i = x_i`` rounded to ``dtype`` and the combine is ``x_i <- x_i + Σ_j w_ij q_j − q_i``.
-The column sums of ``W`` make ``Σ_i`` of the update zero, so ``x̄`` is kept exactly, and the
-rounding error ``x_i − q_i`` stays in ``x_i`` and goes out in later rounds (error feedback).
+Low precision (`dtype=torch.bfloat16` or `float16`): neighbour messages carry
+`q_i = x_i` rounded to `dtype` and the combine is `x_i <- x_i + Σ_j w_ij q_j − q_i`.
+The column sums of `W` make `Σ_i` of the update zero, so `x̄` is kept exactly, and the
+rounding error `x_i − q_i` stays in `x_i` and goes out in later rounds (error feedback).
 """
 
 from __future__ import annotations
@@ -136,23 +139,32 @@ class PendingGossip:
 
 
 class Gossip:
-    """``x <- W(k)^r x`` over a process group, for a bound topology.
+    """`x <- W(k)^r x` over a process group, for a bound topology: the
+    [`Mixer`][lightning_decentral.mixing.Mixer] of rank `i` when every worker is a process.
 
     Args:
-        topology: a topology bound to the group's size; rank ``i`` of the topology is rank ``i``
+        topology: a topology bound to the group's size; rank `i` of the topology is rank `i`
             of the group.
         group: the process group to talk on (default: the world).
-        dtype: the floating-point type point-to-point messages travel in (``torch.bfloat16``,
-            ``torch.float16``); ``None`` sends the buffers' own. See the module docstring.
-        transport: neighbour messages as ``"p2p"`` (``None``, the default) or ``"broadcast"``
+        dtype: the floating-point type point-to-point messages travel in (`torch.bfloat16`,
+            `torch.float16`); `None` sends the buffers' own. See the module docstring.
+        transport: neighbour messages as `"p2p"` (`None`, the default) or `"broadcast"`
             (a 2-rank subgroup per edge, gloo only; see the module docstring).
         timeout: the timeout of the subgroups the engine creates (hierarchical levels, edges);
-            ``None``: torch's default. The strategy passes its own ``timeout``.
+            `None`: torch's default. The strategy passes its own `timeout`.
 
-    Example::
+    Examples:
+        Inside a process group (every rank runs this, with the same `k`):
+
+        ```python
+        from lightning_decentral.topology import resolve_topology
 
         gossip = Gossip(resolve_topology("ring", dist.get_world_size()), dtype=torch.bfloat16)
         gossip.start([flat], step=k).wait()          # flat <- flat + W q - q, q = bf16(flat)
+        ```
+
+        Without processes, the [`DenseMixer`][lightning_decentral.mixing.DenseMixer] runs the same
+        exchange for all ranks at once.
     """
 
     def __init__(
@@ -211,7 +223,7 @@ class Gossip:
     def _hierarchical_stages(self, world: dist.ProcessGroup) -> list["Gossip"]:
         """One engine per level: the inner topology on this rank's node, the outer one on its local-rank peers.
 
-        Every rank creates every subgroup, in the same order (``new_group`` is collective).
+        Every rank creates every subgroup, in the same order (`new_group` is collective).
         """
         topology = self.topology
         assert isinstance(topology, Hierarchical)
@@ -268,7 +280,7 @@ class Gossip:
         return PendingGossip(self, buffers, step, rounds, tag, out, event)
 
     def close(self) -> None:
-        """Destroy the subgroups this engine created (edges, hierarchical levels); not ``group`` itself."""
+        """Destroy the subgroups this engine created (edges, hierarchical levels); not `group` itself."""
         for stage in self._stages:  # each stage runs on a subgroup of this rank's (see _hierarchical_stages)
             stage.close()
             dist.destroy_process_group(stage.group)
@@ -277,7 +289,7 @@ class Gossip:
         self._stages, self._edge_groups = [], {}
 
     def bytes_sent(self, buffers: Sequence[Tensor], step: int) -> int:
-        """Bytes this rank sends for one round of ``start(buffers, step)`` (all-reduce: the ring figure)."""
+        """Bytes this rank sends for one round of `start(buffers, step)` (all-reduce: the ring figure)."""
         return sum(leg._leg_bytes(buffers, step) for leg in self._legs(step))
 
     # -- transport -----------------------------------------------------------------
@@ -333,7 +345,7 @@ class Gossip:
         return works
 
     def _sent(self, buffer: Tensor, key: int) -> Tensor:
-        """What goes on the wire for ``buffer``: itself, or ``q`` = it rounded to ``dtype``."""
+        """What goes on the wire for `buffer`: itself, or `q` = it rounded to `dtype`."""
         if self._wire_dtype(buffer) == buffer.dtype:
             return buffer
         wire = self._wire.get(key)
@@ -349,9 +361,9 @@ class Gossip:
         measure: bool = False,
         into: Optional[Sequence[Tensor]] = None,
     ) -> list[Tensor]:
-        """Finish one exchange: ``x <- x + delta``, ``delta = Σ_j w_ij s_j − s_i`` (``s`` = what was
-        sent: ``x``, or ``q`` in low precision). With ``into`` the buffers stay as they are and
-        ``into`` gets ``delta``. ``measure``: return ``‖delta‖²`` per buffer (the all-reduce path
+        """Finish one exchange: `x <- x + delta`, `delta = Σ_j w_ij s_j − s_i` (`s` = what was
+        sent: `x`, or `q` in low precision). With `into` the buffers stay as they are and
+        `into` gets `delta`. `measure`: return `‖delta‖²` per buffer (the all-reduce path
         leaves that to the caller)."""
         if self.topology.is_average(step):
             for buffer in buffers:
@@ -384,7 +396,7 @@ class Gossip:
         return buffer if self._wire_dtype(buffer) == buffer.dtype else self._wire[key]
 
     def _scratch_like(self, like: Tensor) -> Tensor:
-        """A temporary of ``like``'s size: a view into one growing buffer per (device, dtype)."""
+        """A temporary of `like`'s size: a view into one growing buffer per (device, dtype)."""
         key = (like.device, like.dtype)
         scratch = self._scratch.get(key)
         if scratch is None or scratch.numel() < like.numel():

@@ -1,19 +1,21 @@
-"""Mixers: what the update rules call to apply ``W(k)^r`` to a replica's flat buffers.
+"""Mixers: what the update rules call to apply `W(k)^r` to a replica's flat buffers.
 
 A mixer has one operation, split in two so that computation can run while bytes travel:
 
-    pending = mixer.start(buffers, step, rounds)   # post round one of W(step)^rounds
-    ...                                            # forward, backward
-    pending.wait()                                 # buffers now hold W(step)^rounds x
+```python
+pending = mixer.start(buffers, step, rounds)   # post round one of W(step)^rounds
+...                                            # forward, backward
+pending.wait()                                 # buffers now hold W(step)^rounds x
+```
 
-With ``out=`` the buffers are only read and ``out`` receives ``W^r x − x`` (adapt-with-combine's
+With `out=` the buffers are only read and `out` receives `W^r x − x` (adapt-with-combine's
 correction). Two mixers implement it:
 
-* [`Gossip`][lightning_decentral.gossip.Gossip]: rank ``i`` of ``n`` processes, over ``torch.distributed``;
-* [`DenseMixer`][lightning_decentral.mixing.DenseMixer]: all ``n`` workers in one process, ``W`` applied
+* [`Gossip`][lightning_decentral.gossip.Gossip]: rank `i` of `n` processes, over `torch.distributed`;
+* [`DenseMixer`][lightning_decentral.mixing.DenseMixer]: all `n` workers in one process, `W` applied
   to their stacked buffers. The rules are tested against the dense reference with it.
 
-Every exchange is published to the mixer's ``observers`` as an
+Every exchange is published to the mixer's `observers` as an
 [`ExchangeEvent`][lightning_decentral.mixing.ExchangeEvent]: the one public way to watch the bytes
 and the timing of the communication (the monitors, the tests and the benchmarks use it).
 """
@@ -33,17 +35,17 @@ from lightning_decentral.topology import Hierarchical, Topology
 
 @dataclass
 class ExchangeEvent:
-    """One exchange as this worker saw it; times are ``time.perf_counter()`` seconds.
+    """One exchange as this worker saw it; times are `time.perf_counter()` seconds.
 
     Attributes:
-        step: the optimizer step whose ``W(step)`` was applied.
+        step: the optimizer step whose `W(step)` was applied.
         tag: the exchange's tag (DecentLaM: the bucket index; the mixed module buffers come last).
-        rounds: rounds of ``W(step)``.
+        rounds: rounds of `W(step)`.
         bytes_sent: bytes this worker sends, all rounds together.
-        post_started: when ``start`` was called.
-        posted: when ``start`` returned (round one in flight).
-        wait_started: when ``wait`` was called, ``None`` before.
-        waited: when ``wait`` returned (the buffers are mixed), ``None`` before.
+        post_started: when `start` was called.
+        posted: when `start` returned (round one in flight).
+        wait_started: when `wait` was called, `None` before.
+        waited: when `wait` returned (the buffers are mixed), `None` before.
     """
 
     step: int
@@ -57,18 +59,47 @@ class ExchangeEvent:
 
 
 class ExchangeObserver:
-    """Told of every exchange of a mixer; override either method. Add one with ``mixer.observers.append``
-    or ``DecentralizedStrategy.observe``. Observers must not touch the buffers in flight."""
+    """Told of every exchange of a mixer; override either method.
+
+    Add one with `mixer.observers.append(observer)`, or, in a Trainer, with
+    [`DecentralizedStrategy.observe`][lightning_decentral.DecentralizedStrategy.observe] (this rank's
+    exchanges from then on). The methods run on the thread that calls `start` and `wait`, so they
+    add to the step time: keep them cheap. Observers must not touch the buffers in flight.
+
+    Examples:
+        Count the bytes one step of a ring of 4 sends (each worker: 4 float32 values to each of
+        its 2 neighbours):
+
+        >>> from lightning_decentral.topology import Ring
+        >>> class Bytes(ExchangeObserver):
+        ...     def __init__(self):
+        ...         self.sent, self.waited = 0, 0
+        ...     def on_post(self, event):
+        ...         self.sent += event.bytes_sent
+        ...     def on_wait(self, event):
+        ...         self.waited += 1
+        >>> mixer, count = DenseMixer(Ring(world_size=4)), Bytes()
+        >>> mixer.observers.append(count)
+        >>> pending = [mixer.worker(i).start([torch.zeros(4)], step=0) for i in range(4)]
+        >>> for p in pending:
+        ...     p.wait()
+        >>> count.sent, count.waited
+        (128, 4)
+    """
 
     def on_post(self, event: ExchangeEvent) -> None:
-        """``start`` has posted the exchange (``event.posted`` is set)."""
+        """`start` has posted the exchange (`event.posted` is set)."""
 
     def on_wait(self, event: ExchangeEvent) -> None:
-        """``wait`` has finished it (``event.waited`` is set)."""
+        """`wait` has finished it (`event.waited` is set)."""
 
 
 class Pending(Protocol):
-    """An exchange in flight."""
+    """An exchange in flight, as `Mixer.start` returns it.
+
+    After `wait()`, `residuals` holds one 0-dim tensor per buffer when the mixer measured them
+    (`measure_residual`), else `None`.
+    """
 
     residuals: Optional[list[Tensor]]
 
@@ -77,7 +108,13 @@ class Pending(Protocol):
 
 
 class Mixer(Protocol):
-    """``x <- W(step)^rounds x`` on one worker's flat buffers (see the module docstring)."""
+    """`x <- W(step)^rounds x` on one worker's flat buffers (see the module docstring).
+
+    Implemented by [`Gossip`][lightning_decentral.gossip.Gossip] (one process per worker) and by
+    `DenseMixer.worker(i)` (all workers in one process). `observers` are told of every exchange;
+    `measure_residual` makes the first round record `‖y_i − Σ_j w_ij y_j‖²` per buffer in
+    `Pending.residuals`.
+    """
 
     observers: list[ExchangeObserver]
     measure_residual: bool
@@ -91,7 +128,12 @@ class Mixer(Protocol):
         out: Optional[Sequence[Tensor]] = None,
         check_finite: bool = True,
     ) -> Pending:
-        """Post round one of ``rounds``; the buffers must not be written until ``wait()`` returns."""
+        """Post round one of `rounds`; the buffers must not be written until `wait()` returns.
+
+        Exchanges in flight at the same time need distinct `tag`s. With `out`, the buffers are only
+        read and `out` receives `W^r x − x`. `check_finite`: raise `FloatingPointError` before anything
+        is sent if a buffer holds a NaN or an Inf.
+        """
 
 
 def raise_if_not_finite(buffers: Sequence[Tensor], rank: int, step: int) -> None:
@@ -100,7 +142,7 @@ def raise_if_not_finite(buffers: Sequence[Tensor], rank: int, step: int) -> None
     One reduction per flat buffer (a sum, accumulated in at least float32 so that finite values
     do not overflow; a NaN or Inf anywhere makes it non-finite) and one host sync for them all.
 
-    Example:
+    Examples:
         >>> raise_if_not_finite([torch.tensor([1.0, float("nan")])], rank=2, step=7)
         Traceback (most recent call last):
         ...
@@ -117,7 +159,7 @@ def raise_if_not_finite(buffers: Sequence[Tensor], rank: int, step: int) -> None
 
 
 def notify_post(observers: Sequence[ExchangeObserver], event: Optional[ExchangeEvent]) -> None:
-    """Stamp ``event.posted`` and tell ``observers`` (nothing when there is no event)."""
+    """Stamp `event.posted` and tell `observers` (nothing when there is no event)."""
     if event is not None:
         event.posted = time.perf_counter()
         for observer in observers:
@@ -125,7 +167,7 @@ def notify_post(observers: Sequence[ExchangeObserver], event: Optional[ExchangeE
 
 
 def notify_wait(observers: Sequence[ExchangeObserver], event: Optional[ExchangeEvent], started: float) -> None:
-    """Stamp ``event.wait_started`` and ``event.waited`` and tell ``observers``."""
+    """Stamp `event.wait_started` and `event.waited` and tell `observers`."""
     if event is not None:
         event.wait_started, event.waited = started, time.perf_counter()
         for observer in observers:
@@ -133,10 +175,10 @@ def notify_wait(observers: Sequence[ExchangeObserver], event: Optional[ExchangeE
 
 
 def stages(topology: Topology, step: int) -> list[tuple[Tensor, bool]]:
-    """The exchanges of one round at ``step``, in order, each ``(W, exact average)``, ``W`` float64.
+    """The exchanges of one round at `step`, in order, each `(W, exact average)`, `W` float64.
 
-    ``[W(step)]``, or for a [`Hierarchical`][lightning_decentral.topology.Hierarchical] topology with ``m``
-    ranks per node ``[I_N ⊗ W_in, W_out ⊗ I_m]`` (identity factors left out), as the gossip engine runs them.
+    `[W(step)]`, or for a [`Hierarchical`][lightning_decentral.topology.Hierarchical] topology with `m`
+    ranks per node `[I_N ⊗ W_in, W_out ⊗ I_m]` (identity factors left out), as the gossip engine runs them.
     """
     if topology.is_identity(step):
         return []
@@ -155,19 +197,19 @@ def stages(topology: Topology, step: int) -> list[tuple[Tensor, bool]]:
 
 
 class DenseMixer:
-    """All ``n`` workers' exchanges in one process: ``W(step)`` applied to their stacked buffers.
+    """All `n` workers' exchanges in one process: `W(step)` applied to their stacked buffers.
 
-    Each worker talks to its own view, ``mixer.worker(i)``, exactly as rank ``i`` talks to a
+    Each worker talks to its own view, `mixer.worker(i)`, exactly as rank `i` talks to a
     [`Gossip`][lightning_decentral.gossip.Gossip]. An exchange is computed when the first worker waits
-    for it, so every worker must ``start`` it before any waits (a single-process executor runs the
-    workers phase by phase). In low precision (``dtype``) a round is ``x <- x + W q − q`` with ``q``
-    the buffers rounded to ``dtype``; exact averages stay in full precision, as on processes.
+    for it, so every worker must `start` it before any waits (a single-process executor runs the
+    workers phase by phase). In low precision (`dtype`) a round is `x <- x + W q − q` with `q`
+    the buffers rounded to `dtype`; exact averages stay in full precision, as on processes.
 
     Args:
-        topology: a topology bound to ``n`` workers.
-        dtype: the precision messages travel in; ``None``: the buffers' own.
+        topology: a topology bound to `n` workers.
+        dtype: the precision messages travel in; `None`: the buffers' own.
 
-    Example:
+    Examples:
         >>> from lightning_decentral.topology import Ring
         >>> mixer = DenseMixer(Ring(world_size=3))
         >>> x = [torch.tensor([3.0 * i]) for i in range(3)]
@@ -185,13 +227,13 @@ class DenseMixer:
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
 
     def worker(self, rank: int) -> _WorkerMixer:
-        """The [`Mixer`][lightning_decentral.mixing.Mixer] worker ``rank`` uses."""
+        """The [`Mixer`][lightning_decentral.mixing.Mixer] worker `rank` uses."""
         if not 0 <= rank < self.topology.world_size:
             raise ValueError(f"rank must be in [0, {self.topology.world_size}), got {rank}.")
         return _WorkerMixer(self, rank)
 
     def bytes_sent(self, buffers: Sequence[Tensor], rank: int, step: int) -> int:
-        """Bytes rank ``rank`` would send for one round on processes (an exact average: the ring all-reduce figure)."""
+        """Bytes rank `rank` would send for one round on processes (an exact average: the ring all-reduce figure)."""
         total = 0
         for matrix, average in stages(self.topology, step):
             size = sum(b.numel() * b.element_size() for b in buffers)
@@ -211,7 +253,7 @@ class DenseMixer:
         posted[pending.rank] = pending
 
     def _complete(self, step: int, tag: int) -> None:
-        """Mix the exchange ``(step, tag)`` of every worker at once."""
+        """Mix the exchange `(step, tag)` of every worker at once."""
         posted = self._posted.pop((step, tag), {})
         n = self.topology.world_size
         missing = sorted(set(range(n)) - posted.keys())
@@ -247,7 +289,7 @@ class DenseMixer:
 
 
 class _WorkerMixer:
-    """Worker ``rank``'s [`Mixer`][lightning_decentral.mixing.Mixer] on a shared [`DenseMixer`][lightning_decentral.mixing.DenseMixer]."""
+    """Worker `rank`'s [`Mixer`][lightning_decentral.mixing.Mixer] on a shared [`DenseMixer`][lightning_decentral.mixing.DenseMixer]."""
 
     def __init__(self, dense: DenseMixer, rank: int) -> None:
         self.dense, self.rank = dense, rank

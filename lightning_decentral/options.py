@@ -28,7 +28,7 @@ def check_options(
 ) -> Optional[torch.dtype]:
     """Raise `ValueError` naming the fix for any bad argument; return `gossip_dtype` resolved.
 
-    Example:
+    Examples:
         >>> check_options("ring", "awc", "local", 1, 1, "average", 4.0, "bfloat16")
         torch.bfloat16
         >>> check_options("ring", "acw", "local", 1, 1, "average", 4.0, None)

@@ -1,6 +1,6 @@
 """DecentLaM's exchange in gradient buckets, started during backward.
 
-``z = x − γ g`` exists only once ``g`` does, so the parameters are cut into
+`z = x − γ g` exists only once `g` does, so the parameters are cut into
 buckets, in reverse order of registration (roughly the order backward produces
 their gradients, as in DDP). When the last gradient of a bucket has been
 accumulated, that bucket's trial point is computed and its exchange posted,
@@ -8,8 +8,8 @@ while backward goes on for the layers below. Buckets are posted in index order
 on every rank (a ready bucket waits for its predecessors), so the message
 sequence is identical everywhere, as NCCL requires.
 
-The gradients themselves live in flat buffers too (``p.grad`` is a view), so
-``z`` and the modified gradient ``g̃`` are computed with a few vector operations
+The gradients themselves live in flat buffers too (`p.grad` is a view), so
+`z` and the modified gradient `g̃` are computed with a few vector operations
 per bucket.
 """
 
@@ -30,7 +30,7 @@ from lightning_decentral.mixing import Mixer, Pending
 
 @dataclass
 class _Segment:
-    """A run of one bucket that belongs to one optimizer param group (``group=None``: not optimized)."""
+    """A run of one bucket that belongs to one optimizer param group (`group=None`: not optimized)."""
 
     x: Tensor
     grad: Tensor
@@ -68,7 +68,7 @@ class _Flat:
 
 
 class GradientBuckets:
-    """Per-bucket `z = x − γ g` exchange and `g̃ = (x − W z) / γ` (docs/algorithms.md §3).
+    """Per-bucket `z = x − γ g` exchange and `g̃ = (x − W z) / γ` (docs/algorithms.md, "DecentLaM").
 
     Args:
         flat_parameters: the flat buffers the parameters are views of
@@ -78,7 +78,7 @@ class GradientBuckets:
         mixer: the exchange to run.
         bucket_bytes: the target size of one bucket.
         grad_scale: the factor the gradients carry during backward (a GradScaler's scale), or 1.
-        check_finite: refuse to send a ``z`` holding a NaN or an Inf (off under a GradScaler, whose
+        check_finite: refuse to send a `z` holding a NaN or an Inf (off under a GradScaler, whose
             overflowing steps every rank skips together).
     """
 
@@ -118,7 +118,7 @@ class GradientBuckets:
     # -- one step -----------------------------------------------------------------
 
     def attach_gradients(self) -> None:
-        """Make every ``p.grad`` a view into the flat gradient buffers (before a backward)."""
+        """Make every `p.grad` a view into the flat gradient buffers (before a backward)."""
         for flat in self._flats:
             for p in flat.params:
                 start = flat.offset(p)
@@ -129,7 +129,7 @@ class GradientBuckets:
                     p.grad = view.copy_(p.grad)
 
     def arm(self, step: int, rounds: int, listen: bool) -> None:
-        """Prepare step ``step`` (``rounds`` exchanges per bucket); ``listen``: post from the gradient hooks."""
+        """Prepare step `step` (`rounds` exchanges per bucket); `listen`: post from the gradient hooks."""
         self._step, self._rounds = step, rounds
         self._next = 0
         self.late_gradient = False
@@ -138,7 +138,7 @@ class GradientBuckets:
         self.listening = listen
 
     def on_gradient(self, param: Parameter) -> None:
-        """Gradient hook: count ``param`` ready and post every bucket that now can be."""
+        """Gradient hook: count `param` ready and post every bucket that now can be."""
         if not self.listening:
             return
         bucket = self._bucket_of[id(param)]
@@ -170,14 +170,14 @@ class GradientBuckets:
         return torch.stack([torch.isfinite(flat.grad).all() for flat in self._flats]).all()
 
     def poison_gradients_if(self, condition: Tensor) -> None:
-        """Where the 0-dim ``condition`` holds, put an inf into an optimized gradient, so that a
+        """Where the 0-dim `condition` holds, put an inf into an optimized gradient, so that a
         GradScaler skips this step here too (no host sync)."""
         segment = next(s for b in self._buckets for s in b.segments if s.group is not None)
         first = segment.grad[:1]
         first.copy_(torch.where(condition, torch.full_like(first, float("inf")), first))
 
     def modify_gradients(self) -> None:
-        """Post what is left, wait for every bucket, write ``g̃ = (x − W z) / γ`` into the (unscaled) gradients."""
+        """Post what is left, wait for every bucket, write `g̃ = (x − W z) / γ` into the (unscaled) gradients."""
         self.post_all()
         self.residuals = []
         for bucket in self._buckets:
@@ -208,7 +208,7 @@ def _shares_storage(param: Parameter, flat: Tensor) -> bool:
 
 
 def _bucket(flat: _Flat, chunk: list[Parameter], group_of: dict[int, int]) -> _Bucket:
-    """The contiguous slice of ``flat`` holding ``chunk``, split in runs of one param group."""
+    """The contiguous slice of `flat` holding `chunk`, split in runs of one param group."""
     runs: list[list] = []  # [start, end, group], ascending offsets
     for p in sorted(chunk, key=flat.offset):
         start, group = flat.offset(p), group_of.get(id(p))

@@ -1,4 +1,4 @@
-"""A worker's replica as flat buffers, and the averaged model ``x̄`` swapped in and out of it."""
+"""A worker's replica as flat buffers, and the averaged model `x̄` swapped in and out of it."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def pack_(tensors: Iterable[Tensor]) -> list[Tensor]:
     are and writing into a buffer updates the tensors. The tensors' identity (and so any
     optimizer state keyed by them) is kept.
 
-    Example:
+    Examples:
         >>> a, b = torch.ones(2), torch.zeros(3)
         >>> (flat,) = pack_([a, b])
         >>> flat.mul_(2)
@@ -62,7 +62,7 @@ class Replica:
         mix_buffers: also pack the floating-point module buffers (BatchNorm statistics), which the
             update rules then mix like the parameters.
 
-    Example:
+    Examples:
         >>> replica = Replica(torch.nn.Linear(3, 2), mix_buffers=True)
         >>> [b.numel() for b in replica.flat_parameters], replica.flat_buffers
         ([8], [])

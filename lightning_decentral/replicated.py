@@ -62,14 +62,14 @@ class ReplicaStrategy(DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """When the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica."""
+        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica."""
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _AveragingLauncher(self, start_method=self._start_method)
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        """Before fit, validate, test or predict; outside fit every replica stays as it is."""
+        """Runs before fit, validate, test or predict; outside fit every replica stays as it is."""
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)  # calls configure_ddp, then builds the optimizers
             return
@@ -90,45 +90,45 @@ class ReplicaStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """A run stopped with an error: no collective may run at teardown."""
+        """Runs when a run stops with an error: no collective may run at teardown."""
         self._failed = True
         self._eval_context.close()
         super().on_exception(exception)
 
     @override
     def teardown(self) -> None:
-        """After the stage: forget a shard not restored."""
+        """Runs after each stage: forget a shard not restored."""
         self._resume_shard = None
         super().teardown()
 
     @override
     def on_validation_start(self) -> None:
-        """Validation runs on `x̄` (`eval_on="average"`)."""
+        """Runs when validation starts: swap in `x̄` (`eval_on="average"`)."""
         self._enter_eval()
 
     @override
     def on_validation_end(self) -> None:
-        """Each replica is restored after validation."""
+        """Runs when validation ends: restore each replica."""
         self._eval_context.close()
 
     @override
     def on_test_start(self) -> None:
-        """Testing runs on `x̄` (`eval_on="average"`)."""
+        """Runs when testing starts: swap in `x̄` (`eval_on="average"`)."""
         self._enter_eval()
 
     @override
     def on_test_end(self) -> None:
-        """Each replica is restored after testing."""
+        """Runs when testing ends: restore each replica."""
         self._eval_context.close()
 
     @override
     def on_predict_start(self) -> None:
-        """Prediction runs on `x̄` (`eval_on="average"`)."""
+        """Runs when prediction starts: swap in `x̄` (`eval_on="average"`)."""
         self._enter_eval()
 
     @override
     def on_predict_end(self) -> None:
-        """Each replica is restored after prediction."""
+        """Runs when prediction ends: restore each replica."""
         self._eval_context.close()
 
     def _enter_eval(self) -> None:
@@ -137,7 +137,8 @@ class ReplicaStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer state averaged over ranks, so that a resumed run starts from the mean momentum.
+        """Runs when a checkpoint is saved, on every rank: the optimizer state averaged over ranks, so that
+        a resumed run starts from the mean momentum.
 
         For DecentLaM this also cancels each rank's consensus term: `1ᵀ (I − W) = 0`.
         """
@@ -157,14 +158,15 @@ class ReplicaStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """`x̄`'s state dict on every rank, so any rank's checkpoint loads into a plain module."""
+        """Runs when a checkpoint is saved, on every rank: `x̄`'s state dict, so any rank's checkpoint loads
+        into a plain module."""
         with self.averaged_model():
             return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """On every rank: each writes its shard, then rank 0 the checkpoint file
-        ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards])."""
+        """Runs when a checkpoint is saved, on every rank: each writes its shard, then rank 0 the checkpoint
+        file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards])."""
         write_file = super().save_checkpoint  # writes on global rank 0 only
         shards.save_with_shards(
             self._ranks,
@@ -176,14 +178,15 @@ class ReplicaStrategy(DDPStrategy):
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Rank 0 removes the checkpoint file, every rank its own shards of it."""
+        """Runs when a checkpoint callback drops an old checkpoint: rank 0 removes the checkpoint file, every
+        rank its own shards of it."""
         super().remove_checkpoint(filepath)
         shards.remove_shards(filepath, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read the checkpoint file (`weights_only=True` unless the caller asks otherwise); when fitting, also
-        this rank's shard.
+        """Runs when a run starts from `ckpt_path`: read the checkpoint file (`weights_only=True` unless the
+        caller asks otherwise); when fitting, also this rank's shard.
 
         If every rank finds its shard of the same save at the same world size, the checkpoint returned carries
         this rank's replica, optimizer and precision-plugin state, and `configure_ddp` keeps the replicas as
@@ -201,8 +204,9 @@ class ReplicaStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        """Lightning restores the optimizers last: then this rank's step and RNG state, if resuming from
-        shards (after this, nothing draws a random number before the training loop makes its iterator)."""
+        """Runs when a checkpoint is restored, last (Lightning restores the optimizers after the model
+        and the loops): the optimizers, then this rank's step and RNG state, if resuming from shards
+        (after this, nothing draws a random number before the training loop makes its iterator)."""
         super().load_optimizer_state_dict(checkpoint)
         shard, self._resume_shard = self._resume_shard, None
         if shard is not None:
@@ -222,10 +226,6 @@ class ReplicaStrategy(DDPStrategy):
         )
 
     # -- every rank runs the same configuration ----------------------------------------------
-
-    @property
-    def _ranks(self) -> Ranks:
-        return Ranks(self.global_rank, self.world_size, self.root_device)
 
     @property
     def _ranks(self) -> Ranks:

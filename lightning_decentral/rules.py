@@ -3,19 +3,27 @@
 A rule touches only its worker's [`Replica`][lightning_decentral.replicas.Replica], the worker's
 optimizer, and a [`Mixer`][lightning_decentral.mixing.Mixer]. An executor (the Trainer strategy,
 a Fabric strategy, a single-process simulation) drives every rule through the same lifecycle, once
-per optimizer step ``k``, with the step's [`StepPlan`][lightning_decentral.schedule.StepPlan]:
+per optimizer step `k`, with the step's [`StepPlan`][lightning_decentral.schedule.StepPlan]:
 
-    rule.begin_step(plan)                  before the forward pass      AWC posts x(k)
-    rule.before_backward()                 before each backward         DecentLaM: gradients into flat buffers
-    closure = rule.wrap_closure(closure)   forward + backward           AWC waits after it; DecentLaM posts z
-    optimizer.step(closure)                x <- U(x, g)                 DecentLaM: g <- g̃ just before U
-    rule.end_step()                        after the step               AWC adds W x(k) − x(k); ATC posts U(x)
-    rule.finish_step()                     (may be later)               ATC, DecentLaM buffers: wait and combine
-    rule.drain()                           on an error, at the end      finish anything in flight
+```text
+rule.begin_step(plan)                  before the forward pass      AWC posts x(k)
+rule.before_backward()                 before each backward         DecentLaM: gradients into flat buffers
+closure = rule.wrap_closure(closure)   forward + backward           AWC waits after it; DecentLaM posts z
+optimizer.step(closure)                x <- U(x, g)                 DecentLaM: g <- g̃ just before U
+rule.end_step()                        after the step               AWC adds W x(k) − x(k); ATC posts U(x)
+rule.finish_step()                     (may be later)               ATC, DecentLaM buffers: wait and combine
+rule.drain()                           on an error, at the end      finish anything in flight
+rule.teardown()                        once, when the run is over   release hooks (DecentLaM)
+```
+
+Backward passes of accumulated micro-batches run inside `rule.no_backward_sync()`.
 
 An executor that runs many workers in one process runs each line for every worker before the
-next line (every exchange is then started everywhere before anyone waits for it). Adding a rule
-means a subclass of [`UpdateRule`][lightning_decentral.rules.UpdateRule] and an entry in ``RULES``.
+next line (every exchange is then started everywhere before anyone waits for it), as with the
+[`DenseMixer`][lightning_decentral.mixing.DenseMixer] (see the example of
+[`AdaptThenCombine`][lightning_decentral.rules.AdaptThenCombine]). Adding a rule means a subclass
+of [`UpdateRule`][lightning_decentral.rules.UpdateRule] and an entry in `RULES` (docs/architecture.md,
+"Adding a rule").
 """
 
 from __future__ import annotations
@@ -133,7 +141,7 @@ class UpdateRule:
 
 
 class AdaptWithCombine(UpdateRule):
-    """`x_i(k+1) = Σ_j w_ij x_j(k) + (U(x_i(k), g_i) − x_i(k))` (docs/algorithms.md §1).
+    """`x_i(k+1) = Σ_j w_ij x_j(k) + (U(x_i(k), g_i) − x_i(k))` (docs/algorithms.md, "D-PSGD, adapt-with-combine").
 
     The exchange of `x(k)` is posted before the forward pass and read only until the closure ends,
     so it travels during forward and backward; the mixer writes the correction `W x(k) − x(k)`,
@@ -180,7 +188,35 @@ class AdaptWithCombine(UpdateRule):
 
 
 class AdaptThenCombine(UpdateRule):
-    """`x_i(k+1) = Σ_j w_ij U(x_j(k), g_j)` (docs/algorithms.md §2): step, then mix what was stepped."""
+    """`x_i(k+1) = Σ_j w_ij U(x_j(k), g_j)` (docs/algorithms.md, "D-PSGD, adapt-then-combine"): step, then
+    mix what was stepped. `end_step` posts `U(x)`; `finish_step` waits and combines.
+
+    Examples:
+        Two workers in one process on a [`DenseMixer`][lightning_decentral.mixing.DenseMixer], one step
+        on the complete graph (`W = 11ᵀ/2`): `x = (1, 3)`, `g = 1`, `γ = 0.5` give `U(x) = (0.5, 2.5)`,
+        mixed to their mean.
+
+        >>> from lightning_decentral.mixing import DenseMixer
+        >>> from lightning_decentral.replicas import Replica
+        >>> from lightning_decentral.schedule import StepPlan
+        >>> from lightning_decentral.topology import Complete
+        >>> mixer = DenseMixer(Complete(world_size=2))
+        >>> models = [torch.nn.Linear(1, 1, bias=False) for _ in range(2)]
+        >>> rules = []
+        >>> for i, model in enumerate(models):
+        ...     _ = torch.nn.init.constant_(model.weight, 2.0 * i + 1)
+        ...     sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+        ...     rules.append(AdaptThenCombine(Replica(model, mix_buffers=False), mixer.worker(i), sgd))
+        >>> for rule in rules:  # each phase for every worker before the next phase
+        ...     rule.begin_step(StepPlan(step=0, rounds=1))
+        >>> for rule, model in zip(rules, models):
+        ...     _ = rule.optimizer.step(rule.wrap_closure(lambda m=model: m(torch.ones(1, 1)).sum().backward()))
+        ...     rule.end_step()  # posts U(x)
+        >>> for rule in rules:
+        ...     rule.finish_step()  # waits: W U(x)
+        >>> [model.weight.item() for model in models]
+        [1.5, 1.5]
+    """
 
     def end_step(self) -> None:
         assert self.plan is not None
@@ -189,7 +225,7 @@ class AdaptThenCombine(UpdateRule):
 
 
 class DecentLaM(UpdateRule):
-    """`z_j = x_j − γ g_j`, `g̃_i = (x_i − Σ_j w_ij z_j) / γ`, `x_i(k+1) = U(x_i(k), g̃_i)` (docs/algorithms.md §3).
+    """`z_j = x_j − γ g_j`, `g̃_i = (x_i − Σ_j w_ij z_j) / γ`, `x_i(k+1) = U(x_i(k), g̃_i)` (docs/algorithms.md, "DecentLaM").
 
     `z` is exchanged bucket by bucket as backward produces the gradients
     ([`GradientBuckets`][lightning_decentral.overlap.GradientBuckets]); an optimizer pre-hook runs the
@@ -312,12 +348,14 @@ RULES: dict[str, type[UpdateRule]] = {
     "atc": AdaptThenCombine,
     "decentlam": DecentLaM,
 }
+"""The update rules by name; [`rule_name`][lightning_decentral.rules.rule_name] picks the entry of a
+strategy's `momentum` and `combine`."""
 
 
 def rule_name(momentum: str, combine: str) -> str:
     """The entry of `RULES` that `momentum` and `combine` select (DecentLaM ignores `combine`).
 
-    Example:
+    Examples:
         >>> rule_name("local", "atc"), rule_name("decentlam", "awc")
         ('atc', 'decentlam')
     """

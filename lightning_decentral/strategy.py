@@ -3,10 +3,12 @@
 One optimizer step `k` on rank `i`, as the Trainer runs it (the update rule is an object of
 [`lightning_decentral.rules`][lightning_decentral.rules]; this class only says when):
 
-    on_train_batch_start   plan = schedule.plan(k); rule.begin_step(plan)      AWC posts x(k)
-    pre_backward           rule.before_backward()
-    optimizer_step         optimizer.step(rule.wrap_closure(closure))          forward, backward, U
-                           rule.end_step(); rule.finish_step()                 combine
+```text
+on_train_batch_start   plan = schedule.plan(k); rule.begin_step(plan)      AWC posts x(k)
+pre_backward           rule.before_backward()
+optimizer_step         optimizer.step(rule.wrap_closure(closure))          forward, backward, U
+                       rule.end_step(); rule.finish_step()                 combine
+```
 
 Gradients are never all-reduced and the module is never wrapped in `DistributedDataParallel`;
 launching, cluster environments, samplers, `barrier`, `broadcast` and `reduce` are `DDPStrategy`'s own.
@@ -51,7 +53,7 @@ if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against t
 class DecentralizedStrategy(ReplicaStrategy):
     """Decentralized data-parallel training: each rank keeps its own replica and gossips it.
 
-    Update rules (docs/algorithms.md §1–§4), with `U` the user's optimizer:
+    Update rules (docs/algorithms.md), with `U` the user's optimizer:
 
     * `combine="awc"`: `x_i(k+1) = Σ_j w_ij(k) x_j(k) + (U(x_i(k), g_i) − x_i(k))`; the
       exchange of `x(k)` overlaps the forward and backward pass.
@@ -78,7 +80,7 @@ class DecentralizedStrategy(ReplicaStrategy):
 
     The remaining arguments are `lightning.pytorch.strategies.DDPStrategy`'s.
 
-    Example:
+    Examples:
         ```python
         import lightning_decentral  # registers "dpsgd", "decentlam" and their "_spawn" variants
         trainer = Trainer(strategy="dpsgd", accelerator="cpu", devices=4)
@@ -192,22 +194,23 @@ class DecentralizedStrategy(ReplicaStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """When the Trainer is built, before any process starts: bind the topology (bad ones fail here)."""
+        """Runs when the Trainer is built, before any process starts: bind the topology (bad ones fail here)."""
         super()._configure_launcher()
         topology = resolve_topology(self._topology_spec, self.num_nodes * self.num_processes, self.num_nodes)
         self._schedule = GossipSchedule(topology, self.gossip_every, self.gossip_steps)
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        """Before fit, validate, test or predict: the replicas, then (fitting) the update rule."""
+        """Runs before fit, validate, test or predict: the replicas, then (fitting) the update rule."""
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
         if trainer.state.fn == TrainerFn.FITTING:
             self._rule = self._build_rule()
 
     @override
     def configure_ddp(self) -> None:
-        """Start every replica from rank 0's weights (or from its own shard when resuming) and pack
-        them into flat buffers (no DDP wrapper); build the gossip engine."""
+        """Runs in `setup` when fitting, before the optimizers exist: start every replica from rank 0's
+        weights (or from its own shard when resuming), pack it into flat buffers (no DDP wrapper) and
+        build the gossip engine."""
         self._start_replicas()
         self._replica = Replica(self.lightning_module, self.gossip_buffers)
         group = dist.new_group(backend=self.process_group_backend, timeout=self._timeout)  # else torch's 30 min
@@ -276,7 +279,8 @@ class DecentralizedStrategy(ReplicaStrategy):
         model: Optional[Union[LightningModule, Module]] = None,
         **kwargs: Any,
     ) -> Any:
-        """One step of the update rule: the closure and `U` with the rule's exchange around them."""
+        """Runs once per optimizer step, in place of `optimizer.step(closure)`: the closure and `U` with
+        the rule's exchange around them, then `end_step` and `finish_step`."""
         rule = self._begin_step()  # already begun, unless manual optimization skipped the batch start
         try:
             output = super().optimizer_step(optimizer, rule.wrap_closure(closure), model, **kwargs)
