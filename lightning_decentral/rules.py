@@ -9,6 +9,7 @@ per optimizer step `k`, with the step's [`StepPlan`][lightning_decentral.schedul
 rule.begin_step(plan)                  before the forward pass      AWC posts x(k)
 rule.before_backward()                 before each backward         DecentLaM: gradients into flat buffers
 closure = rule.wrap_closure(closure)   forward + backward           AWC waits after it; DecentLaM posts z
+rule.gradients_ready()                 after clipping               DecentLaM posts what backward did not
 optimizer.step(closure)                x <- U(x, g)                 DecentLaM: g <- g̃ just before U
 rule.end_step()                        after the step               AWC adds W x(k) − x(k); ATC posts U(x)
 rule.finish_step()                     (may be later)               ATC, DecentLaM buffers: wait and combine
@@ -99,6 +100,11 @@ class UpdateRule:
     def wrap_closure(self, closure: Closure) -> Closure:
         """The closure the optimizer runs (forward and backward), with the rule's work around it."""
         return closure
+
+    def gradients_ready(self) -> None:
+        """The gradients of this step are final (after clipping), and `U` comes next. An executor that
+        runs the workers phase by phase calls it for every worker before any optimizer steps; the
+        Trainer strategy need not (DecentLaM's optimizer pre-hook does the same)."""
 
     def end_step(self) -> None:
         """The optimizer has stepped."""
@@ -296,6 +302,10 @@ class DecentLaM(UpdateRule):
 
         self._modify_at_step = True
         return closure_then_post
+
+    def gradients_ready(self) -> None:
+        if self._modify_at_step:
+            self.buckets.post_all()  # what backward did not post: unused parameters, or clipping came first
 
     def end_step(self) -> None:
         assert self.plan is not None
