@@ -293,3 +293,22 @@ def test_a_second_wait_reports_nothing_more() -> None:
     assert [e.tag for e in recorder.waits] == [5] * N and [e.step for e in recorder.waits] == [0] * N
     assert all(e.bytes_sent == 3 * 2 * 10 * 2 for e in recorder.waits)  # 3 rounds, 2 neighbours, 10 bf16 values
     assert [id(e) for e in recorder.waits] == [id(e) for e in recorder.posts]
+
+
+@pytest.mark.parametrize("rule", ["awc", "decentlam"])
+def test_a_step_that_never_reached_the_optimizer_is_drained(rule: str) -> None:
+    """Step 0's exchange is in flight (AWC: x(0), posted by begin_step; DecentLaM: z, posted during backward)
+    and the optimizer never steps: AWC's next begin_step finishes it, DecentLaM's drain() does; nothing moves."""
+    executor = DenseExecutor(Config(f"{rule}-skip", optimizer=MOMENTUM, **RULES[rule]), N)
+    start = executor.state()
+    for r in executor.rules:
+        r.begin_step(executor.schedule.plan(0))
+    if rule == "decentlam":  # z is posted during backward
+        for i, r in enumerate(executor.rules):
+            r.wrap_closure(executor._forward_backward(i, 0))()
+        for r in executor.rules:
+            r.drain()
+    assert torch.equal(executor.state(), start)
+    executor.step(1)  # AWC: begin_step(1) drains x(0)'s exchange first
+    assert not executor.mixer._posted  # every exchange was completed
+    assert torch.isfinite(executor.state()).all() and not torch.equal(executor.state(), start)
