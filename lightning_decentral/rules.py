@@ -270,6 +270,7 @@ class DecentLaM(UpdateRule):
         self._hooks.append(optimizer.register_step_pre_hook(self._before_update))
 
     def begin_step(self, plan: StepPlan) -> None:
+        self.drain()  # posted for a step that never reached the optimizer (manual optimization)
         super().begin_step(plan)
         if plan.gossips:
             self.buckets.arm(plan.step, plan.rounds, listen=self.options.overlap_backward)

@@ -16,11 +16,10 @@ Phase order of one optimizer step ``k`` (the one that works for every rule):
    inside ``rule.no_backward_sync()``. AWC waits for ``x(k)`` right after it (every worker posted at
    phase 1); DecentLaM's gradient hooks post ``z`` bucket by bucket during the last backward and its
    wrapper posts what is left.
-   DecentLaM with clipping (``overlap_backward=False``, as the Trainer strategy chooses): on processes
-   the optimizer pre-hook runs the closure, posts ``z`` after clipping and waits, all in one call; a
-   DenseMixer cannot serve a worker that waits before the others posted, so the executor posts
-   here, after clipping, with ``rule.buckets.post_all()`` (the first thing the pre-hook's
-   ``modify_gradients`` does; it then finds nothing left to post).
+   After clipping, ``rule.gradients_ready()``: DecentLaM with clipping (``overlap_backward=False``, as
+   the Trainer strategy chooses) posts ``z`` there. On processes its optimizer pre-hook posts after
+   clipping and waits in one call; a DenseMixer cannot serve a worker that waits before the others
+   posted, so the executor posts in this phase (the pre-hook then finds nothing left to post).
 3. ``optimizer.step(closure=lambda: cached)`` of every worker (DecentLaM's pre-hook calls that
    closure, waits for ``z`` (all posted in phase 2) and writes ``g̃`` before ``U``).
 4. ``rule.end_step()`` (AWC adds ``W x(k) − x(k)``; ATC posts ``U(x)``; DecentLaM posts the buffers).
@@ -41,7 +40,7 @@ from torch import nn
 
 from lightning_decentral.mixing import DenseMixer, ExchangeObserver
 from lightning_decentral.replicas import Replica
-from lightning_decentral.rules import RULES, DecentLaM, RuleOptions, UpdateRule, rule_name
+from lightning_decentral.rules import RULES, RuleOptions, UpdateRule, rule_name
 from lightning_decentral.schedule import GossipSchedule
 from lightning_decentral.topology import resolve_topology
 from tests.models import init_seed, initial_net, make_optimizer, make_scheduler, rank_data
@@ -128,8 +127,7 @@ class DenseExecutor:
             result = rule.wrap_closure(self._forward_backward(i, k))()
             if self.config.clip is not None:  # the precision plugin clips after the (wrapped) closure
                 nn.utils.clip_grad_norm_(self.modules[i].parameters(), self.config.clip)
-                if isinstance(rule, DecentLaM) and plan.gossips:
-                    rule.buckets.post_all()  # see the module docstring
+            rule.gradients_ready()
             results.append(result)
         if after_closures is not None:
             after_closures(k)
