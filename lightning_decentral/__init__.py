@@ -1,11 +1,13 @@
 """lightning-decentral: decentralized (gossip) training for PyTorch Lightning.
 
 `import lightning_decentral` registers the strategies, after which
-`Trainer(strategy="dpsgd")` trains any LightningModule decentralized.
+`Trainer(strategy="dpsgd")` trains any LightningModule decentralized, and
+`Trainer(strategy="dpsgd_sim", devices=1)` simulates the same run in one process.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 from lightning_decentral.strategy import DecentralizedStrategy
 from lightning_decentral.topology import (
     TOPOLOGIES,
@@ -23,6 +25,7 @@ from lightning_decentral.topology import (
 __version__ = "0.1.0"
 
 DecentralizedStrategy.register_strategies(StrategyRegistry)
+SimulatedDecentralizedStrategy.register_strategies(StrategyRegistry)
 
 __all__ = [
     "TOPOLOGIES",
@@ -34,6 +37,7 @@ __all__ = [
     "MatrixTopology",
     "OnePeerExponential",
     "Ring",
+    "SimulatedDecentralizedStrategy",
     "Topology",
     "Torus",
 ]

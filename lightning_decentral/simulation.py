@@ -1,0 +1,530 @@
+"""`SimulatedDecentralizedStrategy`: `n` decentralized workers in one process, the same run as `n` processes.
+
+Worker `i` is a copy of the LightningModule (worker 0 is the module itself) with its own optimizer,
+gradients, BatchNorm statistics and torch random state; it sees the batches Lightning's
+`DistributedSampler` gives rank `i` of `n`. The update rules are the objects of
+[`lightning_decentral.rules`][lightning_decentral.rules], one per worker, over one
+[`DenseMixer`][lightning_decentral.mixing.DenseMixer]. One optimizer step runs phase by phase:
+
+```text
+on_train_batch_start   every worker: rule.begin_step(plan)                  AWC posts x(k)
+closure                every worker: training_step on its batch, backward   DecentLaM posts z per bucket
+                       every rule's closure wrapper; every worker: clip; rule.gradients_ready()
+                       every worker: optimizer.step()                       (waits, U)
+                       every worker: rule.end_step(); then rule.finish_step()
+```
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_decentral.mixing import DenseMixer, ExchangeObserver
+from lightning_decentral.options import TopologyName, check_options
+from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
+from lightning_decentral.rules import RULES, RuleOptions, UpdateRule, rule_name
+from lightning_decentral.schedule import GossipSchedule, StepPlan
+from lightning_decentral.topology import Topology, resolve_topology
+
+if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against them
+    import networkx
+    import numpy as np
+
+
+class PerWorker(tuple):
+    """One item per simulated worker (a batch, an output), worker 0 first."""
+
+
+class _Worker:
+    """One simulated worker: its module, optimizer, flat replica, update rule and random state."""
+
+    def __init__(self, module: Module, optimizer: Optimizer, replica: Replica, rule: UpdateRule) -> None:
+        self.module, self.optimizer, self.replica, self.rule = module, optimizer, replica, rule
+        self.rng: Optional[Tensor] = None  # torch's CPU generator state while another worker runs
+        self.cuda_rng: Optional[Tensor] = None
+
+
+class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
+    """`workers` decentralized workers in one process, on one CPU or GPU: the run `DecentralizedStrategy`
+    makes on `workers` processes, replica for replica (docs/simulation.md).
+
+    The update-rule arguments are [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]'s.
+    Use it with `devices=1`; the DataLoader's `batch_size` is the per-worker batch, as on processes.
+
+    Args:
+        workers: the number of simulated workers `n`.
+
+    Example:
+        ```python
+        trainer = Trainer(strategy=SimulatedDecentralizedStrategy(workers=64, topology="ring"), devices=1)
+        trainer = Trainer(strategy="dpsgd_sim", devices=1)  # 8 workers
+        ```
+    """
+
+    strategy_name = "dpsgd_sim"
+
+    def __init__(
+        self,
+        workers: int = 8,
+        topology: Union[
+            TopologyName, Topology, list[list[float]], list[list[list[float]]], np.ndarray, Tensor, networkx.Graph
+        ] = "ring",
+        combine: Literal["awc", "atc"] = "awc",
+        momentum: Literal["local", "decentlam"] = "local",
+        gossip_every: int = 1,
+        gossip_steps: int = 1,
+        gossip_buffers: bool = True,
+        eval_on: Literal["average", "local"] = "average",
+        bucket_cap_mb: float = 4.0,
+        gossip_dtype: Optional[torch.dtype] = None,
+        accelerator: Optional[Any] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"`workers` must be a positive integer (the simulated workers), got {workers!r}.")
+        dtype = check_options(topology, combine, momentum, gossip_every, gossip_steps, eval_on, bucket_cap_mb, gossip_dtype)
+        super().__init__(device="cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin)
+        self.workers, self.combine, self.momentum, self.eval_on = workers, combine, momentum, eval_on
+        self.gossip_every, self.gossip_steps, self.gossip_buffers = gossip_every, gossip_steps, gossip_buffers
+        self.bucket_cap_mb, self.gossip_dtype = bucket_cap_mb, dtype
+        self._devices: list[torch.device] = []
+        self._schedule = GossipSchedule(resolve_topology(topology, workers), gossip_every, gossip_steps)
+        self._mixer = DenseMixer(self._schedule.topology, dtype=dtype)
+        self._workers: list[_Worker] = []
+        self._plan: Optional[StepPlan] = None
+        self._losses: list[Tensor] = []
+        self._averaged = AveragedModel()
+        self._eval_context = contextlib.ExitStack()
+
+    # -- the devices Lightning hands over --------------------------------------------------------
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        """The devices of the Trainer's `devices=`; exactly one."""
+        return self._devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
+        devices = list(devices or [])
+        if len(devices) != 1:
+            raise ValueError(
+                f"SimulatedDecentralizedStrategy runs every worker in one process on one device, but the Trainer "
+                f"was given {len(devices)} devices: use devices=1 (and workers=n for n simulated workers), or "
+                "DecentralizedStrategy for one process per device."
+            )
+        self._devices = devices
+        self._root_device = devices[0]
+
+    @property
+    def num_nodes(self) -> int:
+        """Always 1."""
+        return 1
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ValueError(f"SimulatedDecentralizedStrategy runs in one process: use num_nodes=1, not {num_nodes}.")
+
+    # -- public surface, as DecentralizedStrategy's --------------------------------------------
+
+    @property
+    def topology(self) -> Topology:
+        """The topology, bound to `workers`."""
+        return self._schedule.topology
+
+    def gossip_rounds(self, step: int) -> int:
+        """Rounds of exchange at optimizer step `step` (0: a local step)."""
+        return self._schedule.rounds(step)
+
+    def observe(self, observer: ExchangeObserver) -> None:
+        """Tell `observer` of every exchange of every worker from now on."""
+        self._mixer.observers.append(observer)
+
+    def worker_modules(self) -> list[Module]:
+        """Each worker's module, worker 0 (the LightningModule itself) first; empty before fit."""
+        return [worker.module for worker in self._workers]
+
+    @contextlib.contextmanager
+    def averaged_model(self) -> Iterator[None]:
+        """Replace the LightningModule's state by `x̄`, the mean of every worker's, inside the block."""
+        mean = self._mean_over_workers if len(self._workers) > 1 else None
+        with self._averaged.swapped_in(self.lightning_module, mean):
+            yield
+
+    def _mean_over_workers(self, tensors: list[Tensor]) -> list[Tensor]:
+        """For the LightningModule's floating tensors, their means over the workers' matching tensors."""
+        index = {id(t): j for j, t in enumerate(_floating_state(self.lightning_module))}
+        columns = [_floating_state(worker.module) for worker in self._workers]
+        return [torch.stack([column[index[id(t)]].detach() for column in columns]).mean(0) for t in tensors]
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        """Before each stage; before fit, also the workers: module copies, optimizers, replicas, rules."""
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = self.lightning_module
+        if not module.automatic_optimization:
+            raise ValueError("SimulatedDecentralizedStrategy needs automatic optimization; use DecentralizedStrategy.")
+        if len(self.optimizers) != 1:
+            raise ValueError(
+                f"Decentralized training needs exactly one optimizer, but `configure_optimizers` returned "
+                f"{len(self.optimizers)}. Put the parameters into one optimizer with several parameter groups."
+            )
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            raise ValueError("The simulation does not run under a GradScaler (16-mixed): use precision='bf16-mixed' or '32-true'.")
+        self._workers = [self._build_worker(0, module, self.optimizers[0])]
+        for i in range(1, self.workers):
+            copied = copy.deepcopy(module)  # a LightningModule leaves its Trainer out of copies: attach it
+            copied.trainer = trainer
+            self._workers.append(self._build_worker(i, copied, _optimizer_like(self.optimizers[0], module, copied)))
+
+    def _build_worker(self, rank: int, module: Module, optimizer: Optimizer) -> _Worker:
+        replica = Replica(module, self.gossip_buffers)
+        trainer = self.lightning_module.trainer
+        overlap = not trainer.gradient_clip_val and not any(
+            is_overridden(hook, self.lightning_module)
+            for hook in ("configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step")
+        )
+        options = RuleOptions(
+            bucket_bytes=int(self.bucket_cap_mb * 2**20), overlap_backward=overlap, warn=_warn_once(rank)
+        )
+        rule = RULES[rule_name(self.momentum, self.combine)](replica, self._mixer.worker(rank), optimizer, options)
+        return _Worker(module, optimizer, replica, rule)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training DataLoader becomes one per worker, each with rank `i`'s `DistributedSampler`."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, torch.utils.data.DataLoader):
+            return dataloader
+        return WorkerLoaders(dataloader, self.workers, self._as_worker)
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Each worker's batch to the device, through the LightningModule's transfer hooks."""
+        if isinstance(batch, PerWorker):
+            return PerWorker(super(SimulatedDecentralizedStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    # -- one optimizer step, every worker ---------------------------------------------------------
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before each training batch: every worker begins the optimizer step (AWC posts `x(k)`)."""
+        super().on_train_batch_start(batch, batch_idx)
+        step = self.lightning_module.trainer.global_step
+        if self._plan is None or self._plan.step != step:
+            self._plan = self._schedule.plan(step)
+            for worker in self._workers:
+                worker.rule.begin_step(self._plan)
+
+    @override
+    def training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        """Each worker's `training_step` on its batch; what they log is logged once, as the mean over workers.
+
+        Returns worker 0's output with the loss replaced by the mean loss over the workers.
+        """
+        trainer = self.lightning_module.trainer
+        if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
+            for worker in self._workers[1:]:  # Lightning zeroes worker 0's gradients, as on every rank
+                worker.optimizer.zero_grad()
+        logged: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
+        outputs = []
+        for i, (worker, part) in enumerate(zip(self._workers, batch)):
+            with self._as_worker(i), _collect_logs(worker.module, logged), self.precision_plugin.train_step_context():
+                outputs.append(worker.module.training_step(part, *args, **kwargs))
+        for name, values in logged.items():
+            if len(values) == len(self._workers) and all(_is_number(v) for v, _ in values):
+                mean = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.root_device) for v, _ in values]).mean()
+                self.lightning_module.log(name, mean, **values[0][1])
+            else:  # a Metric object, or logged by some workers only: worker 0's
+                self.lightning_module.log(name, values[0][0], **values[0][1])
+        self._losses = [_loss_of(output) for output in outputs]
+        if any(loss is None for loss in self._losses):
+            raise ValueError("A worker's training_step returned no loss: every simulated worker must step together.")
+        mean_loss = torch.stack([loss.detach() for loss in self._losses]).mean()  # backward is per worker
+        first = outputs[0]
+        return {**first, "loss": mean_loss} if isinstance(first, dict) else mean_loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Each worker's backward of its own loss (scaled as Lightning scales the returned one)."""
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        for i, (worker, loss) in enumerate(zip(self._workers, self._losses)):
+            worker.rule.before_backward()
+            with self._as_worker(i):
+                self.precision_plugin.backward(loss / accumulate, worker.module, worker.optimizer, *args, **kwargs)
+        self._losses = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Around the backward of accumulated micro-batches (DecentLaM posts no bucket there)."""
+        with contextlib.ExitStack() as stack:
+            for worker in self._workers:
+                stack.enter_context(worker.rule.no_backward_sync())
+            yield
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        """One step of every worker, phase by phase (see the module docstring).
+
+        Worker 0 steps through Lightning's own path (hooks, clipping, precision); its closure runs every
+        worker's forward and backward, then clips the other workers and tells their rules the gradients are
+        final, so that every exchange has been posted before worker 0's optimizer waits for one.
+        """
+        self._begin_if_needed()
+        for worker in self._workers:
+            closure = worker.rule.wrap_closure(closure)
+        trainer = self.lightning_module.trainer
+        results: list[Any] = []
+
+        def every_worker_ready() -> Any:
+            results.append(closure())  # every worker's forward and backward, then every rule's wrapper
+            for worker in self._workers[1:]:
+                worker.module.configure_gradient_clipping(
+                    worker.optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
+                )
+                worker.rule.gradients_ready()
+            return results[0]
+
+        try:
+            output = super().optimizer_step(optimizer, every_worker_ready, model, **kwargs)
+            for i, worker in enumerate(self._workers[1:], start=1):
+                for group, leader in zip(worker.optimizer.param_groups, optimizer.param_groups):
+                    group.update({k: v for k, v in leader.items() if k != "params"})  # schedulers step worker 0's
+                with self._as_worker(i):
+                    worker.optimizer.step(closure=lambda: results[0])
+        finally:
+            self._plan = None
+        for worker in self._workers:
+            worker.rule.end_step()
+        for worker in self._workers:
+            worker.rule.finish_step()
+        return output
+
+    def _begin_if_needed(self) -> None:
+        step = self.lightning_module.trainer.global_step
+        if self._plan is None or self._plan.step != step:
+            self._plan = self._schedule.plan(step)
+            for worker in self._workers:
+                worker.rule.begin_step(self._plan)
+
+    @contextlib.contextmanager
+    def _as_worker(self, rank: int) -> Iterator[None]:
+        """Worker `rank`'s torch random state inside the block (worker 0's is the process's own)."""
+        if rank == 0 or not self._workers:
+            yield
+            return
+        worker, cuda = self._workers[rank], self.root_device.type == "cuda"
+        own = torch.get_rng_state(), torch.cuda.get_rng_state(self.root_device) if cuda else None
+        if worker.rng is None:  # every worker starts from the state the run starts with, as every rank does
+            worker.rng, worker.cuda_rng = own
+        torch.set_rng_state(worker.rng)
+        if cuda:
+            torch.cuda.set_rng_state(worker.cuda_rng, self.root_device)
+        try:
+            yield
+        finally:
+            worker.rng = torch.get_rng_state()
+            torch.set_rng_state(own[0])
+            if cuda:
+                worker.cuda_rng = torch.cuda.get_rng_state(self.root_device)
+                torch.cuda.set_rng_state(own[1], self.root_device)
+
+    @override
+    def on_train_end(self) -> None:
+        """After the last training batch: finish anything still in flight."""
+        for worker in self._workers:
+            worker.rule.drain()
+        self._plan = None
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        """After the stage: release the rules' hooks."""
+        for worker in self._workers:
+            worker.rule.teardown()
+        super().teardown()
+
+    # -- evaluation on the average ----------------------------------------------------------------
+
+    @override
+    def on_validation_start(self) -> None:
+        """Validation runs on `x̄` (`eval_on="average"`), else on worker 0's replica."""
+        self._enter_eval()
+
+    @override
+    def on_validation_end(self) -> None:
+        """Worker 0's replica is restored after validation."""
+        self._eval_context.close()
+
+    @override
+    def on_test_start(self) -> None:
+        """Testing runs on `x̄` (`eval_on="average"`), else on worker 0's replica."""
+        self._enter_eval()
+
+    @override
+    def on_test_end(self) -> None:
+        """Worker 0's replica is restored after testing."""
+        self._eval_context.close()
+
+    @override
+    def on_predict_start(self) -> None:
+        """Prediction runs on `x̄` (`eval_on="average"`), else on worker 0's replica."""
+        self._enter_eval()
+
+    @override
+    def on_predict_end(self) -> None:
+        """Worker 0's replica is restored after prediction."""
+        self._eval_context.close()
+
+    def _enter_eval(self) -> None:
+        if self.eval_on == "average":
+            self._eval_context.enter_context(self.averaged_model())
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A run stopped with an error: put worker 0's own state back."""
+        self._eval_context.close()
+        super().on_exception(exception)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register `"dpsgd_sim"` and `"decentlam_sim"` (8 workers)."""
+        for name, momentum in (("dpsgd_sim", "local"), ("decentlam_sim", "decentlam")):
+            strategy_registry.register(
+                name, cls, description=f"Decentralized training simulated in one process, momentum={momentum!r}",
+                override=True, momentum=momentum,
+            )
+
+
+class WorkerLoaders:
+    """A training DataLoader as `n` workers see it: worker `i` iterates rank `i`'s `DistributedSampler`
+    (Lightning's own, with its shuffling seed, padding and `drop_last`); each item is a
+    [`PerWorker`][lightning_decentral.simulation.PerWorker] of batches. `as_worker(i)` is the context in
+    which worker `i` iterates (its random state)."""
+
+    def __init__(self, dataloader: torch.utils.data.DataLoader, workers: int, as_worker: Callable[[int], Any]) -> None:
+        shuffle = _is_dataloader_shuffled(dataloader)
+        self.loaders = [
+            _update_dataloader(
+                dataloader,
+                _get_distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank),
+                mode=RunningStage.TRAINING,
+            )
+            for rank in range(workers)
+        ]
+        self.sampler = _Samplers([loader.sampler for loader in self.loaders])
+        self._as_worker = as_worker
+
+    def __len__(self) -> int:
+        return len(self.loaders[0])
+
+    def __iter__(self) -> Iterator[PerWorker]:
+        iterators = []
+        for rank, loader in enumerate(self.loaders):
+            with self._as_worker(rank):
+                iterators.append(iter(loader))
+        while True:
+            batches = []
+            for rank, iterator in enumerate(iterators):
+                with self._as_worker(rank):
+                    batch = next(iterator, _END)
+                if batch is _END:
+                    return
+                batches.append(batch)
+            yield PerWorker(batches)
+
+
+class _Samplers:
+    """Lightning calls `sampler.set_epoch(epoch)` every epoch: for every worker's sampler."""
+
+    def __init__(self, samplers: list[Any]) -> None:
+        self.samplers = samplers
+
+    def set_epoch(self, epoch: int) -> None:
+        for sampler in self.samplers:
+            sampler.set_epoch(epoch)
+
+
+_END = object()
+
+
+def _loss_of(output: Any) -> Optional[Tensor]:
+    return output["loss"] if isinstance(output, dict) else output
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1)
+
+
+def _floating_state(module: Module) -> list[Tensor]:
+    return [t for t in state_tensors(module) if t.is_floating_point()]
+
+
+@contextlib.contextmanager
+def _collect_logs(module: Module, logged: dict[str, list[tuple[Any, dict[str, Any]]]]) -> Iterator[None]:
+    """Inside: `module.log(name, value, **kwargs)` records into `logged` instead of logging."""
+
+    def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        logged.setdefault(name, []).append((value, kwargs))
+
+    module.log = record  # type: ignore[method-assign]  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del module.log
+
+
+def _optimizer_like(optimizer: Optimizer, module: Module, copied: Module) -> Optimizer:
+    """An optimizer of `optimizer`'s class and param groups over `copied`'s parameters (a fresh state)."""
+    mapping = {id(p): q for p, q in zip(module.parameters(), copied.parameters())}
+    groups = [{**group, "params": [mapping[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+    try:
+        return type(optimizer)(groups, **optimizer.defaults)
+    except Exception as error:
+        raise ValueError(
+            f"The simulation gives every worker its own {type(optimizer).__name__}, built as "
+            f"{type(optimizer).__name__}(param_groups, **defaults), which failed: {error}. Use an optimizer that "
+            "can be built that way (every torch.optim optimizer can), or DecentralizedStrategy on processes."
+        ) from error
+
+
+def _warn_once(rank: int) -> Callable[[str], None]:
+    return rank_zero_warn if rank == 0 else (lambda message: None)

@@ -1,0 +1,86 @@
+"""The same runs on n gloo processes and in one process (SimulatedDecentralizedStrategy), for the equivalence tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
+from tests.models import Regression, flat, init_seed, rank_data
+from tests.reference import Config
+
+SEED = 7
+
+
+class LoggingRegression(Regression):
+    """Logs its loss as a rank would (``sync_dist=True``); optionally with dropout (random state per worker)."""
+
+    def __init__(self, dropout: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(self.dropout(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_step=True, on_epoch=False, sync_dist=True)
+        return loss
+
+
+def shared_loader(config: Config, workers: int) -> DataLoader:
+    """One shuffled dataset for all workers: Lightning's DistributedSampler splits it."""
+    samples = config.steps * config.accumulate * config.batch_size * workers
+    return DataLoader(TensorDataset(*rank_data(0, samples, config.dtype)), batch_size=config.batch_size, shuffle=True)
+
+
+def _trainer(strategy: Any, config: Config, devices: int, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=config.steps,
+        accumulate_grad_batches=config.accumulate,
+        gradient_clip_val=config.clip,
+        precision="64-true" if config.dtype == torch.float64 else "32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        **kwargs,
+    )
+
+
+def _state(module: nn.Module) -> torch.Tensor:
+    buffers = [b.detach().reshape(-1).cpu() for b in module.buffers() if b.is_floating_point()]
+    return torch.cat([flat(module)] + buffers)
+
+
+def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: float = 0.0) -> dict[str, Any]:
+    """Each config on ``world_size`` gloo processes: this rank's final state and its logged loss."""
+    out = {}
+    for config in configs:
+        pl.seed_everything(SEED, verbose=False)
+        model = LoggingRegression(dropout, seed=init_seed(rank), batch_norm=config.batch_norm, **config.optimizer_spec())
+        trainer = _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size)
+        trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, world_size))
+        out[config.name] = {"state": _state(model), "train_loss": float(trainer.callback_metrics["train_loss"])}
+    return out
+
+
+def fit_simulated(config: Config, workers: int, dropout: float = 0.0) -> dict[str, Any]:
+    """The same config on ``workers`` simulated workers: every worker's final state and the logged loss."""
+    pl.seed_everything(SEED, verbose=False)
+    model = LoggingRegression(dropout, seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
+    strategy = SimulatedDecentralizedStrategy(workers=workers, **config.strategy_kwargs())
+    trainer = _trainer(strategy, config, 1)
+    trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, workers))
+    return {
+        "states": [_state(module) for module in strategy.worker_modules()],
+        "train_loss": float(trainer.callback_metrics["train_loss"]),
+    }
