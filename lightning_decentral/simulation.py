@@ -235,11 +235,7 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Before each training batch: every worker begins the optimizer step (AWC posts `x(k)`)."""
         super().on_train_batch_start(batch, batch_idx)
-        step = self.lightning_module.trainer.global_step
-        if self._plan is None or self._plan.step != step:
-            self._plan = self._schedule.plan(step)
-            for worker in self._workers:
-                worker.rule.begin_step(self._plan)
+        self._begin_if_needed()
 
     @override
     def training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -325,8 +321,6 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
         try:
             output = super().optimizer_step(optimizer, every_worker_ready, model, **kwargs)
             for i, worker in enumerate(self._workers[1:], start=1):
-                for group, leader in zip(worker.optimizer.param_groups, optimizer.param_groups):
-                    group.update({k: v for k, v in leader.items() if k != "params"})  # schedulers step worker 0's
                 with self._as_worker(i):
                     worker.optimizer.step(closure=lambda: results[0])
         finally:
@@ -338,10 +332,15 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
         return output
 
     def _begin_if_needed(self) -> None:
+        """Begin the current optimizer step on every worker, once. Lightning's schedulers step worker 0's
+        optimizer: every worker takes its hyperparameters (learning rate, momentum...) first."""
         step = self.lightning_module.trainer.global_step
         if self._plan is None or self._plan.step != step:
             self._plan = self._schedule.plan(step)
+            leader = self._workers[0].optimizer.param_groups
             for worker in self._workers:
+                for group, lead in zip(worker.optimizer.param_groups, leader):
+                    group.update({k: v for k, v in lead.items() if k != "params"})
                 worker.rule.begin_step(self._plan)
 
     @contextlib.contextmanager

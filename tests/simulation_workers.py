@@ -65,8 +65,8 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
     """Each config on ``world_size`` gloo processes: this rank's final state and its logged loss."""
     out = {}
     for config in configs:
-        pl.seed_everything(SEED, verbose=False)
         model = LoggingRegression(dropout, seed=init_seed(rank), batch_norm=config.batch_norm, **config.optimizer_spec())
+        pl.seed_everything(SEED, verbose=False)  # after the model, whose init seeds by rank: every rank alike
         trainer = _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size)
         trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, world_size))
         out[config.name] = {"state": _state(model), "train_loss": float(trainer.callback_metrics["train_loss"])}
@@ -75,12 +75,43 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
 
 def fit_simulated(config: Config, workers: int, dropout: float = 0.0) -> dict[str, Any]:
     """The same config on ``workers`` simulated workers: every worker's final state and the logged loss."""
-    pl.seed_everything(SEED, verbose=False)
     model = LoggingRegression(dropout, seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
+    pl.seed_everything(SEED, verbose=False)
     strategy = SimulatedDecentralizedStrategy(workers=workers, **config.strategy_kwargs())
     trainer = _trainer(strategy, config, 1)
     trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, workers))
     return {
         "states": [_state(module) for module in strategy.worker_modules()],
         "train_loss": float(trainer.callback_metrics["train_loss"]),
+    }
+
+
+def interleaved_loader(config: Config, workers: int) -> DataLoader:
+    """Worker ``i`` of ``workers`` (DistributedSampler without shuffling: samples i, i + n, ...) gets
+    exactly ``rank_data(i)``, the data the dense reference gives rank ``i``."""
+    parts = [rank_data(i, config.samples, config.dtype) for i in range(workers)]
+    x = torch.stack([p[0] for p in parts], dim=1).flatten(0, 1)
+    y = torch.stack([p[1] for p in parts], dim=1).flatten(0, 1)
+    return DataLoader(TensorDataset(x, y), batch_size=config.batch_size, shuffle=False)
+
+
+def fit_simulated_on_rank_data(config: Config, workers: int) -> torch.Tensor:
+    """``config`` simulated on the dense reference's per-rank data: every worker's final state, ``n × d``."""
+    model = LoggingRegression(seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
+    strategy = SimulatedDecentralizedStrategy(workers=workers, **config.strategy_kwargs())
+    _trainer(strategy, config, 1).fit(model.to(config.dtype), train_dataloaders=interleaved_loader(config, workers))
+    return torch.stack([_state(module) for module in strategy.worker_modules()])
+
+
+def validate_simulated(config: Config, workers: int, eval_on: str) -> dict[str, Any]:
+    """Fit, then validate: the parameters validation saw, every worker's, and worker 0's afterwards."""
+    model = LoggingRegression(seed=init_seed(0), **config.optimizer_spec())
+    strategy = SimulatedDecentralizedStrategy(workers=workers, eval_on=eval_on, **config.strategy_kwargs())
+    trainer = _trainer(strategy, config, 1, limit_val_batches=1)
+    trainer.fit(model, train_dataloaders=shared_loader(config, workers))
+    trainer.validate(model, shared_loader(config, workers), verbose=False)
+    return {
+        "validated": model.validation_params[-1],
+        "workers": [flat(module) for module in strategy.worker_modules()],
+        "after": flat(model),
     }
