@@ -241,8 +241,7 @@ def discard(path: str) -> None:
     """Remove the shard `path` and its temporary file, where they exist (a save that failed)."""
     fs = get_filesystem(path)
     for leftover in (path, path + ".tmp"):
-        if fs.exists(leftover):
-            fs.rm(leftover)
+        _remove(fs, leftover)
 
 
 def read_shard(path: str) -> dict[str, Any]:
@@ -257,17 +256,39 @@ def shards_of_rank(checkpoint_path: _PATH, rank: int) -> list[str]:
     return sorted(fs.glob(f"{shard_directory(checkpoint_path)}/{_prefix(rank)}-of-*.pt"))
 
 
-def remove_shards(checkpoint_path: _PATH, rank: int, keep: Optional[str] = None) -> None:
-    """Delete this rank's shards of `checkpoint_path` but the file `keep`; the directory too once empty."""
+def temporary_files_of_rank(checkpoint_path: _PATH, rank: int) -> list[str]:
+    """This rank's temporary shard files for `checkpoint_path` (writes that never finished), of any save."""
     fs = get_filesystem(checkpoint_path)
-    for path in shards_of_rank(checkpoint_path, rank):
-        if keep is None or os.path.basename(path) != os.path.basename(keep):
-            fs.rm(path)
+    return sorted(fs.glob(f"{shard_directory(checkpoint_path)}/{_prefix(rank)}-of-*.pt.tmp"))
+
+
+def remove_shards(checkpoint_path: _PATH, rank: int, keep: Optional[str] = None) -> None:
+    """Delete this rank's shards and temporary files of `checkpoint_path` but the file `keep`; the
+    directory too once empty.
+
+    After a save, `keep` is its shard: every other file of this rank there belongs to no checkpoint
+    (an earlier save, a save whose checkpoint file was never written, a write killed midway). Safe to
+    repeat or to race: a file or directory already gone (another job saving to the same path removed
+    it) is no error.
+    """
+    fs = get_filesystem(checkpoint_path)
+    kept = None if keep is None else os.path.basename(keep)
+    for path in [*shards_of_rank(checkpoint_path, rank), *temporary_files_of_rank(checkpoint_path, rank)]:
+        if os.path.basename(path) != kept:
+            _remove(fs, path)
     directory = shard_directory(checkpoint_path)
     try:
         if fs.exists(directory) and not fs.ls(directory):
             fs.rmdir(directory)
-    except OSError:  # another rank wrote or removed it meanwhile (shared filesystem)
+    except OSError:  # not empty, or already gone: another rank or job wrote or removed it meanwhile
+        pass
+
+
+def _remove(fs: Any, path: str) -> None:
+    """Delete the file `path`; one already gone is no error."""
+    try:
+        fs.rm(path)
+    except FileNotFoundError:
         pass
 
 

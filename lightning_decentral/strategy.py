@@ -82,7 +82,7 @@ class DecentralizedStrategy(ReplicaStrategy):
 
     Examples:
         ```python
-        import lightning_decentral  # registers "dpsgd", "decentlam" and their "_spawn" variants
+        import lightning_decentral  # registers "dpsgd", "decentlam" and their "_spawn" and "_fork" variants
         trainer = Trainer(strategy="dpsgd", accelerator="cpu", devices=4)
         trainer = Trainer(strategy=DecentralizedStrategy(topology="one_peer_exponential"), devices=8)
         trainer = Trainer(strategy="decentlam", devices=8)  # large batch, momentum SGD
@@ -348,12 +348,14 @@ class DecentralizedStrategy(ReplicaStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register `"dpsgd"`, `"decentlam"` and their `"_spawn"` variants."""
+        """Register `"dpsgd"`, `"decentlam"` and their `"_spawn"` and `"_fork"` variants."""
         for name, momentum, start_method in (
             ("dpsgd", "local", "popen"),
             ("dpsgd_spawn", "local", "spawn"),
+            ("dpsgd_fork", "local", "fork"),
             ("decentlam", "decentlam", "popen"),
             ("decentlam_spawn", "decentlam", "spawn"),
+            ("decentlam_fork", "decentlam", "fork"),
         ):
             strategy_registry.register(
                 name,

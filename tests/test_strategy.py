@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -108,11 +112,49 @@ def test_spawn_launcher_returns_the_average_to_the_main_process(tmp_path) -> Non
     torch.testing.assert_close(flat(model), replicas.mean(0), atol=1e-6, rtol=0)
 
 
+_FORK_FIT = """
+import sys, torch
+from lightning.pytorch import Trainer
+import lightning_decentral
+from lightning_decentral import DecentralizedStrategy
+from tests.models import RecordingRegression, flat, loader
+
+record_dir = sys.argv[1]
+model = RecordingRegression(record_dir, momentum=0.9, lr=0.05)
+trainer = Trainer(
+    strategy="dpsgd_fork", accelerator="cpu", devices=2, max_steps=3, logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+assert isinstance(trainer.strategy, DecentralizedStrategy) and trainer.strategy._start_method == "fork"
+trainer.fit(model, train_dataloaders=loader(0, 48, 8))
+torch.save(flat(model), f"{record_dir}/main.pt")
+"""
+
+
+def test_fork_launcher_returns_the_average_to_the_main_process(tmp_path) -> None:
+    """`strategy="dpsgd_fork"` forks the calling process, so it runs in a fresh interpreter, not in pytest's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PL_DISABLE_FORK", "LOCAL_RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_FIT, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    replicas = torch.stack([torch.load(tmp_path / f"{rank}.pt") for rank in range(2)])
+    assert (replicas[0] - replicas[1]).abs().max() > 1e-4
+    torch.testing.assert_close(torch.load(tmp_path / "main.pt"), replicas.mean(0), atol=1e-6, rtol=0)
+
+
 def test_names_are_registered() -> None:
     for name, start_method in (("dpsgd", "popen"), ("dpsgd_spawn", "spawn")):
         assert name in StrategyRegistry
         strategy = StrategyRegistry.get(name)
         assert isinstance(strategy, DecentralizedStrategy) and strategy._start_method == start_method
+    for name, momentum, start_method in (
+        ("dpsgd_fork", "local", "fork"),
+        ("decentlam_fork", "decentlam", "fork"),
+        ("decentlam_spawn", "decentlam", "spawn"),
+    ):
+        assert name in StrategyRegistry, name
+        assert StrategyRegistry[name]["init_params"] == {"momentum": momentum, "start_method": start_method}
     trainer = Trainer(strategy="dpsgd", accelerator="cpu", devices=4, logger=False)
     assert trainer.strategy.topology.world_size == 4 and type(trainer.strategy.topology).__name__ == "Ring"
 

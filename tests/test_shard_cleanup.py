@@ -1,0 +1,129 @@
+"""Shard cleanup in one process: idempotent under a concurrent remover, and no leftovers after a save."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_decentral import checkpoint
+from lightning_decentral.checkpoint import (
+    META_KEY,
+    remove_shards,
+    save_with_shards,
+    shard_directory,
+    shard_path,
+)
+
+
+class OneOfRanks:
+    """The `RankGroup` of rank `rank` of `world_size`, with the collectives of a group that always agrees."""
+
+    def __init__(self, rank: int, world_size: int, save_id: int) -> None:
+        self.rank, self.world_size, self.save_id = rank, world_size, save_id
+
+    def gather(self, values: list[int]) -> Any:
+        return np.array([[self.save_id]] * self.world_size)
+
+    def on_every_rank(self, action: Callable[[], Any], what: str) -> None:
+        action()
+
+
+def _save(path: Path, save_id: int, rank: int = 0, world_size: int = 2) -> str:
+    """A save of ``path`` as seen by ``rank``: its shard, then (rank 0) the file; returns the shard's path."""
+    state: dict[str, Any] = {}
+
+    def write_file() -> None:
+        if rank == 0:
+            torch.save(state, path)
+
+    save_with_shards(OneOfRanks(rank, world_size, save_id), state, str(path), lambda i: {"save_id": i}, write_file)
+    assert torch.load(path, weights_only=True)[META_KEY]["save_id"] == save_id
+    return shard_path(str(path), rank, world_size, save_id)
+
+
+def _names(directory: str) -> set[str]:
+    return set(os.listdir(directory)) if os.path.isdir(directory) else set()
+
+
+def test_a_shard_removed_by_another_job_between_listing_and_delete_is_no_error(tmp_path: Path, monkeypatch) -> None:
+    """Two jobs saving to one path: the other removes our shard after we listed it, before we delete it."""
+    path = tmp_path / "last.ckpt"
+    _save(path, 1)
+    listed = checkpoint.shards_of_rank
+
+    def listed_then_removed_by_the_other_job(checkpoint_path: Any, rank: int) -> list[str]:
+        found = listed(checkpoint_path, rank)
+        for shard in found:
+            os.remove(shard)  # every listed shard vanishes before the delete: the other job was faster
+        return found
+
+    monkeypatch.setattr(checkpoint, "shards_of_rank", listed_then_removed_by_the_other_job)
+    remove_shards(str(path), 0)  # the checkpoint's removal
+    assert not os.path.exists(shard_directory(path))
+    remove_shards(str(path), 0)  # again, with the directory gone: still no error
+
+
+def test_a_shard_of_this_save_removed_meanwhile_is_no_error(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "model.ckpt"
+    _save(path, 1)
+    os.makedirs(shard_directory(path), exist_ok=True)
+    listed = checkpoint.shards_of_rank
+    vanished = shard_path(str(path), 0, 2, 99)
+    monkeypatch.setattr(checkpoint, "shards_of_rank", lambda p, r: [*listed(p, r), vanished])  # gone by now
+    kept = _save(path, 3)  # the cleanup after this save meets the vanished shard
+    assert _names(shard_directory(path)) == {os.path.basename(kept)}
+
+
+def test_a_save_leaves_only_its_shard_of_this_rank(tmp_path: Path) -> None:
+    """A shard write killed midway left a ``.pt.tmp``; a rank 0 killed before the file left an orphan shard:
+    the next save to the path removes both, and touches neither other ranks' files nor other checkpoints'."""
+    path, other = tmp_path / "last.ckpt", tmp_path / "epoch=0-step=3.ckpt"
+    other_shard = _save(other, 7)
+    directory = shard_directory(path)
+    os.makedirs(directory)
+    killed_write = shard_path(str(path), 0, 2, 11) + ".tmp"  # killed midway through torch.save
+    orphan = shard_path(str(path), 0, 2, 12)  # written, then rank 0 died before writing the file
+    other_world = shard_path(str(path), 0, 4, 13) + ".tmp"  # an earlier run of 4 ranks
+    foreign = [shard_path(str(path), 1, 2, 12), shard_path(str(path), 1, 2, 11) + ".tmp"]  # rank 1's own business
+    for leftover in (killed_write, orphan, other_world, *foreign):
+        Path(leftover).write_bytes(b"partial")
+
+    kept = _save(path, 14)
+    assert _names(directory) == {os.path.basename(p) for p in (kept, *foreign)}
+    assert _names(shard_directory(other)) == {os.path.basename(other_shard)}  # another checkpoint's shards stay
+
+
+def test_removing_a_checkpoint_removes_this_ranks_temporary_files_too(tmp_path: Path) -> None:
+    path = tmp_path / "epoch=0-step=3.ckpt"
+    _save(path, 1)
+    Path(shard_path(str(path), 0, 2, 2) + ".tmp").write_bytes(b"partial")
+    os.remove(path)  # rank 0 removed the file (`ModelCheckpoint` pushed it out of the top k)
+    remove_shards(str(path), 0)
+    assert not os.path.exists(shard_directory(path))
+
+
+@pytest.mark.parametrize("leftover", ["orphan", "temporary"])
+def test_a_failed_save_removes_its_shard_and_keeps_the_previous_one(tmp_path: Path, monkeypatch, leftover: str) -> None:
+    path = tmp_path / "last.ckpt"
+    previous = _save(path, 1)
+
+    def disk_full() -> None:
+        raise OSError("No space left on device (simulated)")
+
+    def write_shard_then_fail(shard: dict, target: str) -> None:
+        Path(target + (".tmp" if leftover == "temporary" else "")).write_bytes(b"partial")
+        raise OSError("No space left on device (simulated)")
+
+    write_file: Callable[[], None] = disk_full  # the shard is in place, the file fails
+    if leftover == "temporary":  # the shard fails midway
+        monkeypatch.setattr(checkpoint, "write_shard", write_shard_then_fail)
+        write_file = lambda: None
+    with pytest.raises(OSError, match="simulated"):
+        save_with_shards(OneOfRanks(0, 2, 2), {}, str(path), lambda i: {"save_id": i}, write_file)
+    assert _names(shard_directory(path)) == {os.path.basename(previous)}
