@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
@@ -58,7 +60,7 @@ class _Worker:
 
     def __init__(self, module: Module, optimizer: Optimizer, replica: Replica, rule: UpdateRule) -> None:
         self.module, self.optimizer, self.replica, self.rule = module, optimizer, replica, rule
-        self.rng: Optional[Tensor] = None  # torch's CPU generator state while another worker runs
+        self.rng = torch.get_rng_state()  # torch's generator states while another worker runs
         self.cuda_rng: Optional[Tensor] = None
 
 
@@ -179,6 +181,18 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
     # -- set-up -----------------------------------------------------------------------------------
 
     @override
+    def setup_environment(self) -> None:
+        """Before the module's `setup`: refuse a job of several processes; re-seed as every rank does."""
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        if processes > 1:
+            raise ValueError(
+                f"SimulatedDecentralizedStrategy runs in one process, but this job has {processes} (WORLD_SIZE): "
+                "launch one process, or use DecentralizedStrategy."
+            )
+        super().setup_environment()
+        reset_seed()  # DDPStrategy re-seeds each rank from seed_everything's seed here: so does every worker
+
+    @override
     def setup(self, trainer: Trainer) -> None:
         """Before each stage; before fit, also the workers: module copies, optimizers, replicas, rules."""
         super().setup(trainer)
@@ -230,6 +244,16 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
         return super().batch_to_device(batch, device, dataloader_idx)
 
     # -- one optimizer step, every worker ---------------------------------------------------------
+
+    @override
+    def on_train_start(self) -> None:
+        """Before the first epoch: every worker starts from the random state the run has now, as every rank
+        does (each re-seeded from `seed_everything`'s seed at set-up, then doing the same work)."""
+        super().on_train_start()
+        cuda = self.root_device.type == "cuda"
+        for worker in self._workers[1:]:
+            worker.rng = torch.get_rng_state()
+            worker.cuda_rng = torch.cuda.get_rng_state(self.root_device) if cuda else None
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -351,8 +375,6 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
             return
         worker, cuda = self._workers[rank], self.root_device.type == "cuda"
         own = torch.get_rng_state(), torch.cuda.get_rng_state(self.root_device) if cuda else None
-        if worker.rng is None:  # every worker starts from the state the run starts with, as every rank does
-            worker.rng, worker.cuda_rng = own
         torch.set_rng_state(worker.rng)
         if cuda:
             torch.cuda.set_rng_state(worker.cuda_rng, self.root_device)
