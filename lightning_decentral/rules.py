@@ -59,6 +59,9 @@ class RuleOptions:
         overlap_backward: post DecentLaM's buckets from backward (no clipping or gradient-editing hook
             needs every gradient first, and optimization is automatic).
         warn: how to warn (the Trainer strategy warns on rank 0 only).
+        before_wait: called once per step when this worker's gradients are final and it is about to wait
+            for its neighbours' `z` (DecentLaM's optimizer pre-hook): a single-process executor readies the
+            other workers there.
     """
 
     bucket_bytes: int = 4 * 2**20
@@ -66,6 +69,7 @@ class RuleOptions:
     any_worker: Callable[[Tensor], Tensor] = field(default=lambda flag: flag)
     overlap_backward: bool = True
     warn: Callable[[str], None] = field(default=warnings.warn)
+    before_wait: Callable[[], None] = field(default=lambda: None)
 
 
 class UpdateRule:
@@ -347,6 +351,7 @@ class DecentLaM(UpdateRule):
         closure = kwargs.get("closure")
         with torch.enable_grad():
             result = closure() if closure is not None else None
+        self.options.before_wait()
         self.buckets.modify_gradients()
         self._record(self.buckets.residuals)  # of z, bucket by bucket
         if closure is None:

@@ -113,6 +113,7 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
         self._mixer = DenseMixer(self._schedule.topology, dtype=dtype)
         self._workers: list[_Worker] = []
         self._plan: Optional[StepPlan] = None
+        self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []
         self._averaged = AveragedModel()
         self._eval_context = contextlib.ExitStack()
@@ -223,7 +224,10 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
             for hook in ("configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step")
         )
         options = RuleOptions(
-            bucket_bytes=int(self.bucket_cap_mb * 2**20), overlap_backward=overlap, warn=_warn_once(rank)
+            bucket_bytes=int(self.bucket_cap_mb * 2**20),
+            overlap_backward=overlap,
+            warn=_warn_once(rank),
+            before_wait=self._ready_other_workers if rank == 0 else (lambda: None),
         )
         rule = RULES[rule_name(self.momentum, self.combine)](replica, self._mixer.worker(rank), optimizer, options)
         return _Worker(module, optimizer, replica, rule)
@@ -323,27 +327,23 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
     ) -> Any:
         """One step of every worker, phase by phase (see the module docstring).
 
-        Worker 0 steps through Lightning's own path (hooks, clipping, precision); its closure runs every
-        worker's forward and backward, then clips the other workers and tells their rules the gradients are
-        final, so that every exchange has been posted before worker 0's optimizer waits for one.
+        Worker 0 steps through Lightning's own path (closure, `on_before_optimizer_step`, clipping,
+        precision); its closure runs every worker's forward and backward. The other workers are clipped and
+        told their gradients are final before worker 0 waits for an exchange (DecentLaM) or steps, then step.
         """
         self._begin_if_needed()
         for worker in self._workers:
             closure = worker.rule.wrap_closure(closure)
-        trainer = self.lightning_module.trainer
         results: list[Any] = []
+        self._others_ready = False
 
-        def every_worker_ready() -> Any:
+        def every_worker(closure: Callable[[], Any] = closure) -> Any:
             results.append(closure())  # every worker's forward and backward, then every rule's wrapper
-            for worker in self._workers[1:]:
-                worker.module.configure_gradient_clipping(
-                    worker.optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm
-                )
-                worker.rule.gradients_ready()
             return results[0]
 
         try:
-            output = super().optimizer_step(optimizer, every_worker_ready, model, **kwargs)
+            output = super().optimizer_step(optimizer, every_worker, model, **kwargs)
+            self._ready_other_workers()
             for i, worker in enumerate(self._workers[1:], start=1):
                 with self._as_worker(i):
                     worker.optimizer.step(closure=lambda: results[0])
@@ -354,6 +354,17 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
         for worker in self._workers:
             worker.rule.finish_step()
         return output
+
+    def _ready_other_workers(self) -> None:
+        """Once per step, after worker 0's `on_before_optimizer_step` and clipping: clip workers 1..n-1 (their
+        LightningModule hook) and tell their rules the gradients are final (DecentLaM posts what is left)."""
+        if self._others_ready:
+            return
+        self._others_ready = True
+        trainer = self.lightning_module.trainer
+        for worker in self._workers[1:]:
+            worker.module.configure_gradient_clipping(worker.optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+            worker.rule.gradients_ready()
 
     def _begin_if_needed(self) -> None:
         """Begin the current optimizer step on every worker, once. Lightning's schedulers step worker 0's
