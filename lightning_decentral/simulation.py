@@ -162,6 +162,54 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
         """Tell `observer` of every exchange of every worker from now on."""
         self._mixer.observers.append(observer)
 
+    @property
+    def num_workers(self) -> int:
+        """`n`, the simulated workers."""
+        return self.workers
+
+    def measure_residuals(self) -> None:
+        """From now on, every exchange of the parameters also measures its gossip residual."""
+        self._mixer.measure_residual = True
+
+    def gossip_residual(self, step: int) -> Optional[Tensor]:
+        """`Σ_i ‖y_i − Σ_j w_ij(k) y_j‖²` over the workers' trainable parameters, for the first round of step
+        `step` (see `DecentralizedStrategy.gossip_residual`, which gives one rank's term); `None` if a
+        worker has none."""
+        residuals = [worker.rule.residual(step) for worker in self._workers]
+        if not residuals or any(r is None for r in residuals):
+            return None
+        return torch.stack(residuals).sum()
+
+    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
+        """For each trainable parameter `p`: its name, `Σ_i ‖p_i − p̄‖²` over the workers and `‖p̄‖²`
+        (float64; `DecentralizedStrategy.parameter_deviations` gives one rank's term of the sum)."""
+        named = [[(n, p) for n, p in worker.module.named_parameters() if p.requires_grad] for worker in self._workers]
+        out = []
+        for column in zip(*named):
+            stacked = torch.stack([p.detach().to(torch.promote_types(p.dtype, torch.float32)) for _, p in column])
+            mean = stacked.mean(0)
+            deviation = torch.linalg.vector_norm(stacked - mean, dtype=torch.float64).square()
+            out.append((column[0][0], deviation, torch.linalg.vector_norm(mean, dtype=torch.float64).square()))
+        return out
+
+    def extra_gossip(self, step: int, rounds: int) -> None:
+        """`x <- W(step)^rounds x` for every worker's parameters and mixed buffers, now (between steps)."""
+        if rounds > 0:
+            pending = [self._mixer.worker(i).start(w.replica.mixed, step, rounds) for i, w in enumerate(self._workers)]
+            for exchange in pending:
+                exchange.wait()
+
+    def gradient_sum(self) -> list[Tensor]:
+        """`Σ_i g_i` for each trainable parameter of the LightningModule: the workers' current gradients."""
+        columns = zip(*[[p for p in w.module.parameters() if p.requires_grad] for w in self._workers])
+        return [torch.stack([_grad(p) for p in column]).sum(0) for column in columns]
+
+    def random_states(self) -> list[tuple[Tensor, Optional[Tensor]]]:
+        """Each worker's torch random state `(cpu, cuda or None)` now; worker 0's is the process's own."""
+        cuda = self.root_device.type == "cuda"
+        own = (torch.get_rng_state(), torch.cuda.get_rng_state(self.root_device) if cuda else None)
+        return [own] + [(w.rng, w.cuda_rng) for w in self._workers[1:]]
+
     def worker_modules(self) -> list[Module]:
         """Each worker's module, worker 0 (the LightningModule itself) first; empty before fit."""
         return [worker.module for worker in self._workers]
@@ -516,6 +564,10 @@ class _Samplers:
 
 
 _END = object()
+
+
+def _grad(param: Tensor) -> Tensor:
+    return param.grad.detach() if param.grad is not None else torch.zeros_like(param)
 
 
 def _loss_of(output: Any) -> Optional[Tensor]:

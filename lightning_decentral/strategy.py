@@ -144,6 +144,11 @@ class DecentralizedStrategy(ReplicaStrategy):
         """The topology, bound to the world size (available once the Trainer is built)."""
         return self._bound_schedule().topology
 
+    @property
+    def num_workers(self) -> int:
+        """`n`: one worker per rank."""
+        return self.world_size
+
     def gossip_rounds(self, step: int) -> int:
         """Rounds of exchange at optimizer step `step` (0: a local step, `W = I`)."""
         return self._bound_schedule().rounds(step)

@@ -115,3 +115,40 @@ def validate_simulated(config: Config, workers: int, eval_on: str) -> dict[str, 
         "workers": [flat(module) for module in strategy.worker_modules()],
         "after": flat(model),
     }
+
+
+class MetricsPerStep(pl.Callback):
+    """What Lightning holds as logged after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.metrics: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.metrics.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def _monitors() -> list[pl.Callback]:
+    from lightning_decentral.callbacks import ConsensusControl, ConsensusDistance, EffectiveLearningRate
+
+    control = ConsensusControl(target=0.02, reference="parameters", every_n_steps=3, max_gossip_steps=4)
+    return [control, ConsensusDistance(every_n_steps=1, per_layer=True), EffectiveLearningRate(every_n_steps=2)]
+
+
+def fit_processes_monitored(rank: int, world_size: int, config: Config, dropout: float) -> dict[str, Any]:
+    """``config`` on gloo processes with every monitor attached: the logged values after each step."""
+    model = LoggingRegression(dropout, seed=init_seed(rank), **config.optimizer_spec())
+    pl.seed_everything(SEED, verbose=False)
+    recorder = MetricsPerStep()
+    trainer = _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size, callbacks=[*_monitors(), recorder])
+    trainer.fit(model, train_dataloaders=shared_loader(config, world_size))
+    return {"metrics": recorder.metrics, "state": _state(model)}
+
+
+def fit_simulated_monitored(config: Config, workers: int, dropout: float) -> dict[str, Any]:
+    model = LoggingRegression(dropout, seed=init_seed(0), **config.optimizer_spec())
+    pl.seed_everything(SEED, verbose=False)
+    recorder = MetricsPerStep()
+    strategy = SimulatedDecentralizedStrategy(workers=workers, **config.strategy_kwargs())
+    trainer = _trainer(strategy, config, 1, callbacks=[*_monitors(), recorder])
+    trainer.fit(model, train_dataloaders=shared_loader(config, workers))
+    return {"metrics": recorder.metrics, "states": [_state(module) for module in strategy.worker_modules()]}

@@ -13,7 +13,7 @@ LAYERS = [
     ["cli"],
     ["plot"],
     ["callbacks"],
-    ["strategy"],
+    ["strategy", "simulation"],
     ["replicated"],
     ["rules"],
     ["overlap"],

@@ -109,3 +109,22 @@ def test_evaluation_runs_on_the_average_or_on_worker_zero() -> None:
         expected = workers.mean(0) if eval_on == "average" else workers[0]
         torch.testing.assert_close(seen["validated"], expected, atol=1e-6, rtol=0)
         assert torch.equal(seen["after"], workers[0])  # worker 0's replica is back, bit for bit
+
+
+@pytest.mark.parametrize("config", [Config("awc", optimizer=SGD), Config("decentlam", momentum="decentlam", optimizer=SGD)],
+                         ids=lambda c: c.name)
+def test_monitors_log_what_they_log_on_processes(config: Config, monkeypatch) -> None:
+    """ConsensusDistance (per layer), EffectiveLearningRate (with dropout: the forward at x̄ replays each
+    worker's random state) and ConsensusControl log, step by step, the values of the 4-process run."""
+    ranks = run_distributed(sim.fit_processes_monitored, WORLD, config=config, dropout=0.2)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    simulated = sim.fit_simulated_monitored(config, WORLD, dropout=0.2)
+    expected = ranks[0]["metrics"]
+    assert len(simulated["metrics"]) == len(expected) == config.steps
+    assert {"consensus/distance", "consensus/residual", "lr/effective_ratio", "consensus/gossip_steps"} <= set(expected[-1])
+    assert max(m["consensus/gossip_steps"] for m in expected) > 1 or config.momentum == "decentlam"  # control acted
+    for step, (seen, want) in enumerate(zip(simulated["metrics"], expected)):
+        assert seen.keys() == want.keys(), step
+        for key in want:
+            assert seen[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
+    torch.testing.assert_close(torch.stack(simulated["states"]), torch.stack([r["state"] for r in ranks]), atol=1e-5, rtol=0)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_decentral.simulation import PerWorker, SimulatedDecentralizedStrategy
 from lightning_decentral.strategy import DecentralizedStrategy
+
+Decentralized = Union[DecentralizedStrategy, SimulatedDecentralizedStrategy]
 
 
 def check_every(every_n_steps: Any) -> int:
@@ -30,12 +33,19 @@ def due(step: int, every_n_steps: int) -> bool:
     return (step + 1) % every_n_steps == 0
 
 
-def decentralized(trainer: Trainer) -> Optional[DecentralizedStrategy]:
-    """The trainer's `DecentralizedStrategy` with more than one rank, else `None` (replicas are equal)."""
+def decentralized(trainer: Trainer) -> Optional[Decentralized]:
+    """The trainer's decentralized strategy (on processes or simulated) with more than one worker, else
+    `None` (the replicas are one model). Its monitoring values are this process's sums over its workers:
+    a sum over the ranks, divided by `num_workers`, gives the mean over every worker."""
     strategy = trainer.strategy
-    if isinstance(strategy, DecentralizedStrategy) and strategy.world_size > 1:
+    if isinstance(strategy, (DecentralizedStrategy, SimulatedDecentralizedStrategy)) and strategy.num_workers > 1:
         return strategy
     return None
+
+
+def worker_parts(batch: Any) -> list[Any]:
+    """The batches of this process's workers: each simulated worker's, or the rank's own."""
+    return list(batch) if isinstance(batch, PerWorker) else [batch]
 
 
 def sum_over_ranks(tensor: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_decentral.callbacks._common import (
+    Decentralized,
     check_every,
     decentralized,
     due,
@@ -34,7 +35,6 @@ from lightning_decentral.callbacks._common import (
     sum_over_ranks,
     warn_unless_written,
 )
-from lightning_decentral.strategy import DecentralizedStrategy
 from lightning_decentral.topology import Topology
 
 _REFERENCES = ("absolute", "parameters")
@@ -56,7 +56,7 @@ class _StepEnd(Callback):
         return trainer.global_step - 1
 
 
-def gossip_residual(strategy: DecentralizedStrategy, step: int) -> Optional[Tensor]:
+def gossip_residual(strategy: Decentralized, step: int) -> Optional[Tensor]:
     """`R(step) = sqrt( (1/n) Σ_i r_i )` from each rank's `r_i = ‖y_i − Σ_j w_ij y_j‖²`
     (`strategy.gossip_residual(step)`).
 
@@ -67,10 +67,10 @@ def gossip_residual(strategy: DecentralizedStrategy, step: int) -> Optional[Tens
     local = strategy.gossip_residual(step)
     if local is None:  # cannot happen once measure_residuals() ran; NaN shows it without a hang
         local = torch.tensor(math.nan, dtype=torch.float64, device=strategy.root_device)
-    return sum_over_ranks(local.clone()).div_(strategy.world_size).sqrt_()
+    return sum_over_ranks(local.clone()).div_(strategy.num_workers).sqrt_()
 
 
-def consensus_distance(strategy: DecentralizedStrategy, per_layer: bool = False) -> dict[str, Tensor]:
+def consensus_distance(strategy: Decentralized, per_layer: bool = False) -> dict[str, Tensor]:
     """Exact `Ξ = sqrt( (1/n) Σ_i ‖x_i − x̄‖² )` (`"distance"`), `‖x̄‖` (`"mean_norm"`) and, with
     `per_layer`, `Ξ` of each top-level submodule (`"distance/<name>"`).
 
@@ -85,7 +85,7 @@ def consensus_distance(strategy: DecentralizedStrategy, per_layer: bool = False)
     local = torch.stack(
         [torch.stack([d for _, d, _ in deviations]).sum()] + [torch.stack(d).sum() for d in layers.values()]
     ).to(device)
-    distances = sum_over_ranks(local).div_(strategy.world_size).sqrt_()
+    distances = sum_over_ranks(local).div_(strategy.num_workers).sqrt_()
     out = {"distance": distances[0], "mean_norm": torch.stack([m for _, _, m in deviations]).sum().sqrt().to(device)}
     out.update({f"distance/{name}": d for name, d in zip(layers, distances[1:])})
     return out

@@ -19,7 +19,15 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_decentral.callbacks._common import check_every, decentralized, due, sum_over_ranks, warn_unless_written
+from lightning_decentral.callbacks._common import (
+    check_every,
+    decentralized,
+    due,
+    sum_over_ranks,
+    warn_unless_written,
+    worker_parts,
+)
+from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 
 
 class EffectiveLearningRate(Callback):
@@ -79,8 +87,10 @@ class EffectiveLearningRate(Callback):
         step = trainer.global_step
         if step != self._step:
             self._step, self._batches = step, []
-        if due(step, self.every_n_steps) and decentralized(trainer) is not None:
-            self._batches.append((batch, batch_idx, _random_state(trainer.strategy.root_device)))
+        strategy = decentralized(trainer)
+        if due(step, self.every_n_steps) and strategy is not None:
+            states = _worker_random_states(strategy)
+            self._batches += [(part, batch_idx, state) for part, state in zip(worker_parts(batch), states)]
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         step = trainer.global_step
@@ -104,12 +114,15 @@ class EffectiveLearningRate(Callback):
         """`(⟨ḡ_loc, g(x̄)⟩ / ‖g(x̄)‖², ‖ḡ_loc − g(x̄)‖)`, equal on every rank."""
         strategy = trainer.strategy
         params = [p for p in pl_module.parameters() if p.requires_grad]
-        local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if isinstance(strategy, SimulatedDecentralizedStrategy):  # Σ_i g_i over the simulated workers
+            local = strategy.gradient_sum()
+        else:
+            local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         with _untouched(pl_module, strategy.root_device), strategy.averaged_model():
             at_mean = _gradients(trainer, pl_module, params, batches)
         dtype = torch.promote_types(params[0].dtype, torch.float32)
         both = torch.cat([g.detach().reshape(-1).to(strategy.root_device, dtype) for g in local + at_mean])
-        sum_over_ranks(both).div_(strategy.world_size)
+        sum_over_ranks(both).div_(strategy.num_workers)
         local_mean, mean_grad = both.double().split(both.numel() // 2)
         return ratio_and_noise(local_mean, mean_grad)
 
@@ -176,6 +189,16 @@ def _untouched(pl_module: LightningModule, device: torch.device) -> Iterator[Non
 
 def _drop(*args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _worker_random_states(strategy: Any) -> list[dict[str, Any]]:
+    """The random state each of this process's workers starts its training forward from."""
+    if not isinstance(strategy, SimulatedDecentralizedStrategy):
+        return [_random_state(strategy.root_device)]
+    device = strategy.root_device
+    return [
+        {"cpu": cpu, **({"cuda": (device, cuda)} if cuda is not None else {})} for cpu, cuda in strategy.random_states()
+    ]
 
 
 def _random_state(device: torch.device) -> dict[str, Any]:
