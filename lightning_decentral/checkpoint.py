@@ -116,16 +116,18 @@ def make_shard(
     step: int,
     optimizers: Optional[list[Any]] = None,
     precision: Optional[dict[str, Any]] = None,
+    rng: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
-    """A rank's shard: its own `state_dict`, the optimizer step, its RNG state, and (unless the
-    checkpoint is weights-only: `optimizers=None`) its optimizers' and precision plugin's state."""
+    """A rank's shard: its own `state_dict`, the optimizer step, its RNG state (`rng`, default this
+    process's [`rng_state`][lightning_decentral.checkpoint.rng_state]), and (unless the checkpoint is
+    weights-only: `optimizers=None`) its optimizers' and precision plugin's state."""
     shard = {
         "save_id": save_id,
         "rank": rank,
         "world_size": world_size,
         "state_dict": state_dict,
         "strategy": {"step": step},
-        "rng": rng_state(),
+        "rng": rng if rng is not None else rng_state(),
     }
     if optimizers is not None:
         shard["optimizer_states"] = [optimizer.state_dict() for optimizer in optimizers]

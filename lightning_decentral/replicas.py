@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -129,3 +129,29 @@ class AveragedModel:
         """The module's state dict with this worker's own values, also while `x̄` is swapped in."""
         state = module.state_dict(keep_vars=True)
         return {name: self._own.get(id(value), value).detach() for name, value in state.items()}
+
+
+def averaged_optimizer_state(states: list[dict[str, Any]], mean: MeanFn) -> dict[str, Any]:
+    """`states[0]` (an optimizer `state_dict()`) with each floating per-parameter tensor (momentum, Adam's
+    moments; not scalars such as `step`) replaced by its mean, `mean(tensors of states[0])`; the live
+    state is not touched.
+
+    Examples:
+        >>> a = {"state": {0: {"momentum_buffer": torch.tensor([1.0, 3.0])}}, "param_groups": []}
+        >>> b = {"state": {0: {"momentum_buffer": torch.tensor([3.0, 5.0])}}, "param_groups": []}
+        >>> over_workers = lambda tensors: [torch.stack([a["state"][0]["momentum_buffer"],
+        ...                                             b["state"][0]["momentum_buffer"]]).mean(0)]
+        >>> averaged_optimizer_state([a, b], over_workers)["state"][0]["momentum_buffer"]
+        tensor([2., 4.])
+    """
+    state = states[0]
+    per_param = {key: dict(values) for key, values in state["state"].items()}
+    entries = [
+        (values, name)
+        for values in per_param.values()
+        for name, value in values.items()
+        if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0
+    ]
+    for (values, name), average in zip(entries, mean([values[name] for values, name in entries])):
+        values[name] = average
+    return {**state, "state": per_param}

@@ -20,13 +20,12 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks
-from lightning_decentral.replicas import AveragedModel, state_tensors
+from lightning_decentral.replicas import AveragedModel, averaged_optimizer_state, state_tensors
 
 
 class ReplicaStrategy(DDPStrategy):
@@ -145,16 +144,7 @@ class ReplicaStrategy(DDPStrategy):
         state = super().optimizer_state(optimizer)
         if self.world_size == 1 or not state:
             return state
-        per_param = {key: dict(values) for key, values in state["state"].items()}  # never touch the live state
-        entries = [
-            (values, name)
-            for values in per_param.values()
-            for name, value in values.items()
-            if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0
-        ]
-        for (values, name), mean in zip(entries, self._ranks.mean([values[name] for values, name in entries])):
-            values[name] = mean
-        return {**state, "state": per_param}
+        return averaged_optimizer_state([state], self._ranks.mean)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

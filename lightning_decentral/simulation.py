@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import secrets
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -39,9 +40,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral import checkpoint as shards
 from lightning_decentral.mixing import DenseMixer, ExchangeObserver
 from lightning_decentral.options import TopologyName, check_options
-from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
+from lightning_decentral.replicas import AveragedModel, Replica, averaged_optimizer_state, state_tensors
 from lightning_decentral.rules import RULES, RuleOptions, UpdateRule, rule_name
 from lightning_decentral.schedule import GossipSchedule, StepPlan
 from lightning_decentral.topology import Topology, resolve_topology
@@ -117,6 +119,8 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
         self._losses: list[Tensor] = []
         self._averaged = AveragedModel()
         self._eval_context = contextlib.ExitStack()
+        self._resume_shards: list[dict[str, Any]] = []  # fit(ckpt_path=...): every worker's shard, until restored
+        self._rng_restored = False
 
     # -- the devices Lightning hands over --------------------------------------------------------
 
@@ -245,6 +249,7 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
     def setup(self, trainer: Trainer) -> None:
         """Before each stage; before fit, also the workers: module copies, optimizers, replicas, rules."""
         super().setup(trainer)
+        self._rng_restored = False
         if trainer.state.fn != TrainerFn.FITTING:
             return
         module = self.lightning_module
@@ -302,6 +307,8 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
         """Before the first epoch: every worker starts from the random state the run has now, as every rank
         does (each re-seeded from `seed_everything`'s seed at set-up, then doing the same work)."""
         super().on_train_start()
+        if self._rng_restored:  # resumed from shards: each worker's own
+            return
         cuda = self.root_device.type == "cuda"
         for worker in self._workers[1:]:
             worker.rng = torch.get_rng_state()
@@ -497,6 +504,100 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
         if self.eval_on == "average":
             self._eval_context.enter_context(self.averaged_model())
 
+    # -- checkpoints: x̄ and one shard per worker, as DecentralizedStrategy writes them ------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """`x̄`'s state dict: the checkpoint loads into a plain module."""
+        with self.averaged_model():
+            return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer state averaged over the workers (a resume that cannot use the shards starts there)."""
+        states = [worker.optimizer.state_dict() for worker in self._workers] or [super().optimizer_state(optimizer)]
+        return averaged_optimizer_state(states, lambda tensors: _means_across(states, tensors))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Every worker's shard as rank `i` of `n` writes it, then the checkpoint file (`x̄`), then the
+        workers' shards of earlier saves to this path go: the layout `DecentralizedStrategy` reads."""
+        if not self._workers:  # not fitting: a plain checkpoint
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        save_id = secrets.randbits(62)
+        checkpoint[shards.META_KEY] = {"save_id": save_id, "world_size": self.workers}
+        paths = [shards.shard_path(filepath, i, self.workers, save_id) for i in range(self.workers)]
+        try:
+            for i, (worker, path) in enumerate(zip(self._workers, paths)):
+                shards.write_shard(self._shard(i, save_id, weights_only="optimizer_states" not in checkpoint), path)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        except BaseException:
+            for path in paths:
+                shards.discard(path)
+            raise
+        for i, path in enumerate(paths):
+            shards.remove_shards(filepath, i, keep=path)
+
+    def _shard(self, rank: int, save_id: int, weights_only: bool) -> dict[str, Any]:
+        worker = self._workers[rank]
+        rng = shards.rng_state()  # numpy's and Python's generators are the process's, shared by the workers
+        if rank > 0:
+            rng = {**rng, "torch": worker.rng, **({"cuda": [worker.cuda_rng]} if worker.cuda_rng is not None else {})}
+        return shards.make_shard(
+            save_id,
+            rank,
+            self.workers,
+            state_dict={k: v.detach() for k, v in self._averaged.own_state_dict(worker.module).items()},
+            step=self.lightning_module.trainer.global_step,
+            optimizers=None if weights_only else [worker.optimizer],
+            precision=None if weights_only else self.precision_plugin.state_dict(),
+            rng=rng,
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """The checkpoint file and every worker's shards of it."""
+        super().remove_checkpoint(filepath)
+        for i in range(self.workers):
+            shards.remove_shards(filepath, i)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """The checkpoint file and, when fitting, every worker's shard: if all are there (a save of `workers`
+        ranks, by either strategy), worker `i` continues exactly from shard `i`; else every worker starts from
+        `x̄` and the averaged optimizer state, with one warning saying why."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
+        self._resume_shards = []
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint
+        meta = checkpoint.get(shards.META_KEY)
+        found = [shards.read_own_shard(checkpoint_path, meta, i, self.workers) for i in range(self.workers)]
+        problems = [problem for _, problem in found]
+        if any(problems):
+            rank_zero_warn(shards.resume_warning(checkpoint_path, problems, meta, self.workers))
+            return checkpoint
+        self._resume_shards = [shard for shard, _ in found]
+        return shards.with_shard(checkpoint, self._resume_shards[0], precision_key=type(self.precision_plugin).__qualname__)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Lightning restores worker 0's optimizer; then every other worker's replica, optimizer and random
+        state from its shard (or the averaged optimizer state), and worker 0's step and random state."""
+        super().load_optimizer_state_dict(checkpoint)
+        resumed, self._resume_shards = self._resume_shards, []
+        for i, worker in enumerate(self._workers[1:], start=1):
+            if resumed:
+                worker.module.load_state_dict(resumed[i]["state_dict"])
+                worker.optimizer.load_state_dict(resumed[i]["optimizer_states"][0])
+            else:
+                worker.optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+        if resumed:
+            shards.resume_rank_state(resumed[0], self.lightning_module.trainer.global_step)
+            for worker, shard in zip(self._workers[1:], resumed[1:]):
+                worker.rng = shard["rng"]["torch"]
+                worker.cuda_rng = shard["rng"]["cuda"][0] if "cuda" in shard["rng"] else None
+        self._rng_restored = bool(resumed)
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A run stopped with an error: put worker 0's own state back."""
@@ -564,6 +665,12 @@ class _Samplers:
 
 
 _END = object()
+
+
+def _means_across(states: list[dict[str, Any]], tensors: list[Tensor]) -> list[Tensor]:
+    """For tensors of `states[0]["state"]`, their means over the same entries of every state."""
+    where = {id(v): (key, name) for key, values in states[0]["state"].items() for name, v in values.items()}
+    return [torch.stack([s["state"][where[id(t)][0]][where[id(t)][1]] for s in states]).mean(0) for t in tensors]
 
 
 def _grad(param: Tensor) -> Tensor:

@@ -152,3 +152,41 @@ def fit_simulated_monitored(config: Config, workers: int, dropout: float) -> dic
     trainer = _trainer(strategy, config, 1, callbacks=[*_monitors(), recorder])
     trainer.fit(model, train_dataloaders=shared_loader(config, workers))
     return {"metrics": recorder.metrics, "states": [_state(module) for module in strategy.worker_modules()]}
+
+
+RESUME = Config("resume", optimizer={"lr": 0.05, "momentum": 0.9}, steps=4)
+
+
+def _resume_trainer(strategy: Any, devices: int, epochs: int) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+
+
+def _resume_model(rank: int) -> LoggingRegression:
+    model = LoggingRegression(0.2, seed=init_seed(rank), **RESUME.optimizer_spec())
+    pl.seed_everything(SEED, verbose=False)
+    return model
+
+
+def resume_processes(rank: int, world_size: int, save: str = "", load: str = "") -> torch.Tensor:
+    """On processes: fit 1 epoch and save to ``save``, or resume from ``load`` to epoch 2, or (neither) fit 2
+    epochs straight; this rank's final state."""
+    model = _resume_model(rank)
+    trainer = _resume_trainer(DecentralizedStrategy(**RESUME.strategy_kwargs()), world_size, 1 if save else 2)
+    trainer.fit(model, train_dataloaders=shared_loader(RESUME, world_size), ckpt_path=load or None)
+    if save:
+        trainer.save_checkpoint(save)
+    return _state(model)
+
+
+def resume_simulated(workers: int, save: str = "", load: str = "") -> list[torch.Tensor]:
+    """The same in the simulation: every worker's final state."""
+    model = _resume_model(0)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, **RESUME.strategy_kwargs())
+    trainer = _resume_trainer(strategy, 1, 1 if save else 2)
+    trainer.fit(model, train_dataloaders=shared_loader(RESUME, workers), ckpt_path=load or None)
+    if save:
+        trainer.save_checkpoint(save)
+    return [_state(module) for module in strategy.worker_modules()]

@@ -128,3 +128,47 @@ def test_monitors_log_what_they_log_on_processes(config: Config, monkeypatch) ->
         for key in want:
             assert seen[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
     torch.testing.assert_close(torch.stack(simulated["states"]), torch.stack([r["state"] for r in ranks]), atol=1e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Straight 2-epoch runs and 1 + 1-epoch runs through a checkpoint, in every direction."""
+    root = tmp_path_factory.mktemp("sim_resume")
+    sim_ckpt, proc_ckpt = str(root / "sim.ckpt"), str(root / "proc.ckpt")
+    out: dict[str, Any] = {"sim_first": sim.resume_simulated(WORLD, save=sim_ckpt)}
+    out["sim_straight"] = sim.resume_simulated(WORLD)
+    out["sim_from_sim"] = sim.resume_simulated(WORLD, load=sim_ckpt)
+    run_distributed(sim.resume_processes, WORLD, save=proc_ckpt)
+    out["proc_straight"] = run_distributed(sim.resume_processes, WORLD)
+    out["proc_from_sim"] = run_distributed(sim.resume_processes, WORLD, load=sim_ckpt)
+    out["sim_from_proc"] = sim.resume_simulated(WORLD, load=proc_ckpt)
+    out["sim_ckpt"] = sim_ckpt
+    return out
+
+
+def test_simulation_resumes_its_own_checkpoint_bit_for_bit(resumed: dict[str, Any]) -> None:
+    assert (resumed["sim_first"][0] - resumed["sim_straight"][0]).abs().max() > 1e-3  # the second epoch moved
+    for worker, (a, b) in enumerate(zip(resumed["sim_from_sim"], resumed["sim_straight"])):
+        assert torch.equal(a, b), f"worker {worker}"
+
+
+def test_a_simulated_checkpoint_resumes_on_processes_and_back(resumed: dict[str, Any]) -> None:
+    """Float tolerance, not bits: the dense mixer sums in another order than the ranks' gossip."""
+    torch.testing.assert_close(torch.stack(resumed["proc_from_sim"]), torch.stack(resumed["proc_straight"]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.stack(resumed["sim_from_proc"]), torch.stack(resumed["sim_straight"]), atol=1e-5, rtol=0)
+
+
+def test_the_simulated_checkpoint_holds_the_average_and_a_shard_per_worker(resumed: dict[str, Any]) -> None:
+    from lightning_decentral.checkpoint import META_KEY, read_shard, shard_path
+    from tests.models import Regression
+
+    checkpoint = torch.load(resumed["sim_ckpt"], weights_only=True)
+    meta = checkpoint[META_KEY]
+    assert meta["world_size"] == WORLD
+    shard_states = [read_shard(shard_path(resumed["sim_ckpt"], i, WORLD, meta["save_id"]))["state_dict"] for i in range(WORLD)]
+    plain = torch.nn.Module()
+    plain.net = Regression().net
+    plain.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")})
+    mean = {k: torch.stack([s[k] for s in shard_states]).mean(0) for k in plain.state_dict()}
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(value, mean[name], atol=1e-6, rtol=0)
