@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 from lightning_decentral.strategy import DecentralizedStrategy
 
 
@@ -110,13 +111,17 @@ def _plot(trainer: Trainer) -> list[Path]:
 def _report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> str:
     """The text printed after `fit`: what was evaluated, the metrics, where logs, checkpoints and plots are."""
     strategy = trainer.strategy
-    if isinstance(strategy, DecentralizedStrategy):
-        what = "the averaged model x̄" if strategy.eval_on == "average" else "rank 0's own replica"
+    workers = trainer.world_size
+    if isinstance(strategy, (DecentralizedStrategy, SimulatedDecentralizedStrategy)):
+        what = "the averaged model x̄" if strategy.eval_on == "average" else "worker 0's own replica"
         rule = "decentlam" if strategy.momentum == "decentlam" else f"dpsgd {strategy.combine}"
         how = f"{rule}, {strategy.topology!r}"
+        workers = strategy.num_workers
+        if isinstance(strategy, SimulatedDecentralizedStrategy):
+            how += ", simulated in one process"
     else:
         what, how = "the model", type(strategy).__name__
-    lines = [f"Finished fit after {trainer.global_step} steps on {trainer.world_size} workers ({how})."]
+    lines = [f"Finished fit after {trainer.global_step} steps on {workers} workers ({how})."]
     if metrics:
         values = ", ".join(f"{k} = {v:.4f}" for k, v in sorted(metrics.items()))
         lines.append(f"Validation of {what}: {values}")

@@ -68,3 +68,20 @@ def test_docs_topology_table_is_what_the_code_computes() -> None:
     assert (ROOT / "docs" / "topologies_table.md").read_text() == generator.table(), (
         "the topologies changed: run `python docs/scripts/topologies.py` and commit docs/"
     )
+
+
+def test_simulated_config_trains_in_this_process(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The YAML with SimulatedDecentralizedStrategy by class_path: a few steps of 16 workers, in one process."""
+    from lightning_decentral.cli import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
+    main([
+        "fit", "--config", "examples/configs/digits_simulated.yaml", "--trainer.max_steps", "3",
+        "--trainer.logger", "false", "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(tmp_path),
+    ])
+    out = capsys.readouterr().out
+    assert "Finished fit after 3 steps on 16 workers (dpsgd awc, Ring(world_size=16), simulated in one process)" in out
+    assert "Validation of the averaged model x̄" in out
