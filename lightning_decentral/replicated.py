@@ -11,7 +11,7 @@ check, before anything runs, that every rank runs the same configuration.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 from lightning.fabric.utilities.types import _PATH
@@ -28,7 +28,45 @@ from lightning_decentral.agreement import Ranks
 from lightning_decentral.replicas import AveragedModel, averaged_optimizer_state, state_tensors
 
 
-class ReplicaStrategy(DDPStrategy):
+class EvaluatesOnAverage:
+    """Strategy hooks that validate, test and predict on `x̄` when `eval_on == "average"`, restoring every
+    replica exactly afterwards; for a strategy with `eval_on`, `averaged_model()` and an `ExitStack`
+    `_eval_context` (closed on an exception too)."""
+
+    eval_on: str
+    _eval_context: contextlib.ExitStack
+    averaged_model: Callable[[], contextlib.AbstractContextManager]
+
+    def on_validation_start(self) -> None:
+        """Runs when validation starts: swap in `x̄` (`eval_on="average"`)."""
+        self._enter_eval()
+
+    def on_validation_end(self) -> None:
+        """Runs when validation ends: restore every replica."""
+        self._eval_context.close()
+
+    def on_test_start(self) -> None:
+        """Runs when testing starts: swap in `x̄` (`eval_on="average"`)."""
+        self._enter_eval()
+
+    def on_test_end(self) -> None:
+        """Runs when testing ends: restore every replica."""
+        self._eval_context.close()
+
+    def on_predict_start(self) -> None:
+        """Runs when prediction starts: swap in `x̄` (`eval_on="average"`)."""
+        self._enter_eval()
+
+    def on_predict_end(self) -> None:
+        """Runs when prediction ends: restore every replica."""
+        self._eval_context.close()
+
+    def _enter_eval(self) -> None:
+        if self.eval_on == "average":
+            self._eval_context.enter_context(self.averaged_model())
+
+
+class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     """`DDPStrategy` without the wrapper and the gradient all-reduce: each rank trains its own replica.
 
     Subclasses define the update (`optimizer_step`) and `_configuration()`, the fields every rank must
@@ -99,40 +137,6 @@ class ReplicaStrategy(DDPStrategy):
         """Runs after each stage: forget a shard not restored."""
         self._resume_shard = None
         super().teardown()
-
-    @override
-    def on_validation_start(self) -> None:
-        """Runs when validation starts: swap in `x̄` (`eval_on="average"`)."""
-        self._enter_eval()
-
-    @override
-    def on_validation_end(self) -> None:
-        """Runs when validation ends: restore each replica."""
-        self._eval_context.close()
-
-    @override
-    def on_test_start(self) -> None:
-        """Runs when testing starts: swap in `x̄` (`eval_on="average"`)."""
-        self._enter_eval()
-
-    @override
-    def on_test_end(self) -> None:
-        """Runs when testing ends: restore each replica."""
-        self._eval_context.close()
-
-    @override
-    def on_predict_start(self) -> None:
-        """Runs when prediction starts: swap in `x̄` (`eval_on="average"`)."""
-        self._enter_eval()
-
-    @override
-    def on_predict_end(self) -> None:
-        """Runs when prediction ends: restore each replica."""
-        self._eval_context.close()
-
-    def _enter_eval(self) -> None:
-        if self.eval_on == "average":
-            self._eval_context.enter_context(self.averaged_model())
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from typing_extensions import override
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.mixing import DenseMixer, ExchangeObserver
 from lightning_decentral.options import TopologyName, check_options
+from lightning_decentral.replicated import EvaluatesOnAverage
 from lightning_decentral.replicas import AveragedModel, Replica, averaged_optimizer_state, state_tensors
 from lightning_decentral.rules import RULES, RuleOptions, UpdateRule, rule_name
 from lightning_decentral.schedule import GossipSchedule, StepPlan
@@ -66,7 +67,7 @@ class _Worker:
         self.cuda_rng: Optional[Tensor] = None
 
 
-class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
+class SimulatedDecentralizedStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
     """`workers` decentralized workers in one process, on one CPU or GPU: the run `DecentralizedStrategy`
     makes on `workers` processes, replica for replica (docs/simulation.md).
 
@@ -467,42 +468,6 @@ class SimulatedDecentralizedStrategy(SingleDeviceStrategy):
         for worker in self._workers:
             worker.rule.teardown()
         super().teardown()
-
-    # -- evaluation on the average ----------------------------------------------------------------
-
-    @override
-    def on_validation_start(self) -> None:
-        """Validation runs on `x̄` (`eval_on="average"`), else on worker 0's replica."""
-        self._enter_eval()
-
-    @override
-    def on_validation_end(self) -> None:
-        """Worker 0's replica is restored after validation."""
-        self._eval_context.close()
-
-    @override
-    def on_test_start(self) -> None:
-        """Testing runs on `x̄` (`eval_on="average"`), else on worker 0's replica."""
-        self._enter_eval()
-
-    @override
-    def on_test_end(self) -> None:
-        """Worker 0's replica is restored after testing."""
-        self._eval_context.close()
-
-    @override
-    def on_predict_start(self) -> None:
-        """Prediction runs on `x̄` (`eval_on="average"`), else on worker 0's replica."""
-        self._enter_eval()
-
-    @override
-    def on_predict_end(self) -> None:
-        """Worker 0's replica is restored after prediction."""
-        self._eval_context.close()
-
-    def _enter_eval(self) -> None:
-        if self.eval_on == "average":
-            self._eval_context.enter_context(self.averaged_model())
 
     # -- checkpoints: x̄ and one shard per worker, as DecentralizedStrategy writes them ------------
 
