@@ -226,6 +226,11 @@ class DenseMixer:
         self.measure_residual = False
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
 
+    @property
+    def in_flight(self) -> int:
+        """How many exchanges some worker has started and none has waited for yet."""
+        return len(self._posted)
+
     def worker(self, rank: int) -> _WorkerMixer:
         """The [`Mixer`][lightning_decentral.mixing.Mixer] worker `rank` uses."""
         if not 0 <= rank < self.topology.world_size:

@@ -310,5 +310,5 @@ def test_a_step_that_never_reached_the_optimizer_is_drained(rule: str) -> None:
             r.drain()
     assert torch.equal(executor.state(), start)
     executor.step(1)  # AWC: begin_step(1) drains x(0)'s exchange first
-    assert not executor.mixer._posted  # every exchange was completed
+    assert executor.mixer.in_flight == 0  # every exchange was completed
     assert torch.isfinite(executor.state()).all() and not torch.equal(executor.state(), start)
