@@ -1,10 +1,14 @@
 """lightning-decentral: decentralized (gossip) training for PyTorch Lightning.
 
 `import lightning_decentral` registers the strategies, after which
-`Trainer(strategy="dpsgd")` trains any LightningModule decentralized.
+`Trainer(strategy="dpsgd")` trains any LightningModule decentralized, and `Fabric(strategy="dpsgd")`
+a hand-written loop ([`lightning_decentral.fabric`][lightning_decentral.fabric]).
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_decentral import fabric
 
 from lightning_decentral.strategy import DecentralizedStrategy
 from lightning_decentral.topology import (
@@ -23,6 +27,7 @@ from lightning_decentral.topology import (
 __version__ = "0.1.0"
 
 DecentralizedStrategy.register_strategies(StrategyRegistry)
+fabric.DecentralizedStrategy.register_strategies(STRATEGY_REGISTRY)
 
 __all__ = [
     "TOPOLOGIES",

@@ -20,12 +20,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.agreement import Ranks
+from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.replicas import AveragedModel, state_tensors
 
 
@@ -142,19 +141,7 @@ class ReplicaStrategy(DDPStrategy):
 
         For DecentLaM this also cancels each rank's consensus term: `1ᵀ (I − W) = 0`.
         """
-        state = super().optimizer_state(optimizer)
-        if self.world_size == 1 or not state:
-            return state
-        per_param = {key: dict(values) for key, values in state["state"].items()}  # never touch the live state
-        entries = [
-            (values, name)
-            for values in per_param.values()
-            for name, value in values.items()
-            if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0
-        ]
-        for (values, name), mean in zip(entries, self._ranks.mean([values[name] for values, name in entries])):
-            values[name] = mean
-        return {**state, "state": per_param}
+        return mean_optimizer_state(self._ranks, super().optimizer_state(optimizer))
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
