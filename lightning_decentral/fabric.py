@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
+import lightning.fabric.wrappers
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -468,6 +469,7 @@ def effective_lr_metrics(
     at_mean = [torch.zeros_like(p) for p in params]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     rng = torch.get_rng_state()
+    lightning.fabric.wrappers._in_fabric_backward = True  # a differentiation, not a training backward
     try:
         with strategy.averaged_model(), torch.enable_grad():
             for batch in batches:
@@ -476,6 +478,7 @@ def effective_lr_metrics(
                     if part is not None:
                         total.add_(part)
     finally:
+        lightning.fabric.wrappers._in_fabric_backward = False
         torch.set_rng_state(rng)
         with torch.no_grad():
             for buffer, saved in buffers:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_decentral.fabric import DecentralizedStrategy, consensus_metrics, effective_lr_metrics
-from tests.models import Regression, flat, init_seed, initial_net, loader, make_optimizer, make_scheduler, rank_data
+from tests.models import Regression, flat, init_seed, initial_net, loader, make_optimizer, make_scheduler
 from tests.reference import Config
 
 
@@ -152,7 +152,8 @@ def evaluate_and_monitor(rank: int, world_size: int, config: Config) -> dict[str
     out["replica"] = flat(loop.model)
     with strategy.averaged_model():
         out["averaged"] = flat(loop.model)
-        out["averaged_output"] = loop.model(loop.batches[0][0]).detach()
+        out["averaged_input"] = loop.batches[0][0]
+        out["averaged_output"] = loop.model(out["averaged_input"]).detach()
     out["after_average"] = flat(loop.model)
     fabric.strategy.teardown()
     return out
@@ -200,7 +201,3 @@ def killed_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[
     except RuntimeError as exc:
         failure = str(exc)
     return {"failure": failure, "stopped_at": time.monotonic()}
-
-
-def rank_samples(rank: int, samples: int) -> torch.Tensor:
-    return rank_data(rank, samples)[0]
