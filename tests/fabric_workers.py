@@ -201,3 +201,10 @@ def killed_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[
     except RuntimeError as exc:
         failure = str(exc)
     return {"failure": failure, "stopped_at": time.monotonic()}
+
+
+def example_gpt(rank: int, world_size: int, argv: list[str]) -> dict[str, float]:
+    """examples/fabric_gpt.py as `python examples/fabric_gpt.py ARGV` runs on each worker."""
+    from examples import fabric_gpt
+
+    return fabric_gpt.main(fabric_gpt.parse(argv))

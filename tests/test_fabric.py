@@ -197,3 +197,18 @@ def test_a_killed_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> No
     assert status == "ok", result
     assert "step 2" in result["failure"], result["failure"]
     assert result["stopped_at"] - float(stamp.read_text()) < timeout + 10
+
+
+def test_the_gpt_example_trains_evaluates_on_the_average_saves_and_resumes(tmp_path: Path) -> None:
+    from examples.fabric_gpt import GPT
+
+    tiny = ["--sentences", "200", "--block_size", "16", "--batch_size", "4", "--n_layer", "1", "--n_embd", "16",
+            "--n_head", "2", "--eval_every", "2", "--out_dir", str(tmp_path)]
+    first = run_distributed(fabric_workers.example_gpt, WORLD, argv=["--steps", "3", *tiny])
+    assert [r["step"] for r in first] == [3] * WORLD and first[0]["val_loss"] == first[1]["val_loss"]
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    model = GPT(vocab_size=checkpoint["model"]["tokens.weight"].shape[0], block_size=16, n_layer=1, n_head=2, n_embd=16)
+    model.load_state_dict(checkpoint["model"])  # x̄, into the plain module
+    resumed = run_distributed(fabric_workers.example_gpt, WORLD, argv=["--steps", "5", "--resume", *tiny])
+    assert [(r["resumed_from"], r["step"]) for r in resumed] == [(3, 5)] * WORLD
+    assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
