@@ -1,12 +1,15 @@
 """lightning-decentral: decentralized (gossip) training for PyTorch Lightning.
 
 `import lightning_decentral` registers the strategies, after which
-`Trainer(strategy="dpsgd")` trains any LightningModule decentralized, and
+`Trainer(strategy="dpsgd")` trains any LightningModule decentralized, `Fabric(strategy="dpsgd")`
+a hand-written loop ([`lightning_decentral.fabric`][lightning_decentral.fabric]), and
 `Trainer(strategy="dpsgd_sim", devices=1)` simulates the same run in one process.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_decentral import fabric
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 from lightning_decentral.strategy import DecentralizedStrategy
 from lightning_decentral.topology import (
@@ -26,6 +29,7 @@ __version__ = "0.1.0"
 
 DecentralizedStrategy.register_strategies(StrategyRegistry)
 SimulatedDecentralizedStrategy.register_strategies(StrategyRegistry)
+fabric.DecentralizedStrategy.register_strategies(STRATEGY_REGISTRY)
 
 __all__ = [
     "TOPOLOGIES",

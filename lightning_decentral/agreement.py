@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_decentral.replicas import group_by_layout
+from lightning_decentral.replicas import averaged_optimizer_state, group_by_layout
 
 _STRING_SLOTS = 64  # a configuration string travels as this many code points
 
@@ -134,6 +134,33 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),
         "mixed buffers (elements)": sum(b.numel() for b in buffers),
     }
+
+
+def parameter_deviations(ranks: Ranks, module: torch.nn.Module) -> list[tuple[str, Tensor, Tensor]]:
+    """For each trainable parameter `p` of `module`: its name, `‖p_i − p̄‖²` on this rank and `‖p̄‖²`.
+
+    0-dim float64 tensors, `p̄ = (1/n) Σ_i p_i` averaged in at least float32. Costs one all-reduce
+    of the parameters; every rank must call it together.
+    """
+    named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    wide = [p.detach().to(torch.promote_types(p.dtype, torch.float32)) for _, p in named]
+    means = ranks.mean(wide)
+    return [(name, _squared_norm(w - m), _squared_norm(m)) for (name, _), w, m in zip(named, wide, means)]
+
+
+def mean_optimizer_state(ranks: Ranks, state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer `state_dict` with every floating-point state tensor (momentum, Adam's moments) replaced
+    by its mean over the ranks, one all-reduce per (device, dtype); the live state is never touched.
+
+    For DecentLaM this also cancels each rank's consensus term: `1ᵀ (I − W) = 0`.
+    """
+    if ranks.world_size == 1 or not state:
+        return state
+    return averaged_optimizer_state([state], ranks.mean)
+
+
+def _squared_norm(t: Tensor) -> Tensor:
+    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
 
 
 def digest(*parts: bytes) -> int:

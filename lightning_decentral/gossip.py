@@ -279,6 +279,32 @@ class Gossip:
             raise_if_not_finite(buffers, self.rank, step)
         return PendingGossip(self, buffers, step, rounds, tag, out, event)
 
+    @classmethod
+    def on_new_group(
+        cls,
+        topology: Topology,
+        device: torch.device,
+        backend: Optional[str] = None,
+        timeout: Optional[timedelta] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> "Gossip":
+        """An engine on a new process group of every rank, with `timeout` (else torch's 30 minutes): a
+        dead peer ends every rank's exchange within it. Every rank calls it together."""
+        group = dist.new_group(backend=backend, timeout=timeout)
+        dist.all_reduce(torch.zeros(1, device=device), group=group)  # NCCL: every rank joins first
+        return cls(topology, group=group, dtype=dtype, timeout=timeout)
+
+    def leave(self) -> None:
+        """Every rank leaves the engine's group together, then destroys it (with its subgroups), so that
+        repeated runs in one process do not accumulate groups (threads, sockets). The barrier comes first:
+        a rank destroying the group closes its connections, which must not happen while a slower peer is
+        still receiving its last message. Call it only after a clean run (the other ranks may be gone
+        after an error, and those still waiting end through the timeout)."""
+        dist.barrier(group=self.group)
+        self.close()
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+
     def close(self) -> None:
         """Destroy the subgroups this engine created (edges, hierarchical levels); not `group` itself."""
         for stage in self._stages:  # each stage runs on a subgroup of this rank's (see _hierarchical_stages)

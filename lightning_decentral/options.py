@@ -73,3 +73,27 @@ def _check_gossip_dtype(dtype: Any) -> Optional[torch.dtype]:
 def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"`{name}` must be a positive integer (1 = every step), got {value!r}.")
+
+
+REGISTERED = (
+    ("dpsgd", "local", "popen"),
+    ("dpsgd_spawn", "local", "spawn"),
+    ("dpsgd_fork", "local", "fork"),
+    ("decentlam", "decentlam", "popen"),
+    ("decentlam_spawn", "decentlam", "spawn"),
+    ("decentlam_fork", "decentlam", "fork"),
+)
+"""The strategy names `import lightning_decentral` registers: `(name, momentum, start_method)`."""
+
+
+def register_strategies(registry: Any, strategy: type) -> None:
+    """Register `strategy` in `registry` (the Trainer's or Fabric's) under each name of `REGISTERED`."""
+    for name, momentum, start_method in REGISTERED:
+        registry.register(
+            name,
+            strategy,
+            description=f"Decentralized training (gossip), momentum={momentum!r}, start_method {start_method!r}",
+            override=True,
+            momentum=momentum,
+            start_method=start_method,
+        )

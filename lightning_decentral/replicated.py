@@ -24,8 +24,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.agreement import Ranks
-from lightning_decentral.replicas import AveragedModel, averaged_optimizer_state, state_tensors
+from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.replicas import AveragedModel, state_tensors
 
 
 class EvaluatesOnAverage:
@@ -145,10 +145,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
         For DecentLaM this also cancels each rank's consensus term: `1ᵀ (I − W) = 0`.
         """
-        state = super().optimizer_state(optimizer)
-        if self.world_size == 1 or not state:
-            return state
-        return averaged_optimizer_state([state], self._ranks.mean)
+        return mean_optimizer_state(self._ranks, super().optimizer_state(optimizer))
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

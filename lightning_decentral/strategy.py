@@ -22,7 +22,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import LightningModule, Trainer
@@ -35,10 +34,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_decentral.agreement import run_configuration
+from lightning_decentral.agreement import parameter_deviations, run_configuration
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.mixing import ExchangeObserver
-from lightning_decentral.options import TopologyName, check_options
+from lightning_decentral.options import TopologyName, check_options, register_strategies
 from lightning_decentral.replicas import Replica
 from lightning_decentral.replicated import ReplicaStrategy
 from lightning_decentral.rules import RULES, RuleOptions, UpdateRule, rule_name
@@ -184,10 +183,7 @@ class DecentralizedStrategy(ReplicaStrategy):
         0-dim float64 tensors, `p̄ = (1/n) Σ_i p_i` averaged in at least float32. Costs one all-reduce
         of the parameters; every rank must call it together (`Ξ² = (1/n) Σ_i Σ_p ‖p_i − p̄‖²`).
         """
-        named = [(name, p) for name, p in self.lightning_module.named_parameters() if p.requires_grad]
-        wide = [p.detach().to(torch.promote_types(p.dtype, torch.float32)) for _, p in named]
-        means = self._ranks.mean(wide)
-        return [(name, _squared_norm(w - m), _squared_norm(m)) for (name, _), w, m in zip(named, wide, means)]
+        return parameter_deviations(self._ranks, self.lightning_module)
 
     def extra_gossip(self, step: int, rounds: int) -> None:
         """`x <- W(step)^rounds x` for the parameters and the mixed buffers, now, on top of the step's own
@@ -218,9 +214,9 @@ class DecentralizedStrategy(ReplicaStrategy):
         build the gossip engine."""
         self._start_replicas()
         self._replica = Replica(self.lightning_module, self.gossip_buffers)
-        group = dist.new_group(backend=self.process_group_backend, timeout=self._timeout)  # else torch's 30 min
-        dist.all_reduce(torch.zeros(1, device=self.root_device), group=group)  # NCCL: every rank joins first
-        self._mixer = Gossip(self.topology, group=group, dtype=self.gossip_dtype, timeout=self._timeout)
+        self._mixer = Gossip.on_new_group(
+            self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
+        )
         self._mixer.measure_residual = self._measure_residuals
         self._mixer.observers = self._observers
         self._plan = None
@@ -319,20 +315,9 @@ class DecentralizedStrategy(ReplicaStrategy):
             self._rule.teardown()
         self._rule = None
         if self._mixer is not None and not self._failed:
-            self._close_mixer()
+            self._mixer.leave()  # every rank together; after an error the others may be gone
         self._mixer = None  # and its receive buffers
         super().teardown()
-
-    def _close_mixer(self) -> None:
-        """Every rank leaves the gossip groups together, then destroys them, so that repeated fits in one
-        process do not accumulate groups (threads, sockets). The barrier comes first: a rank destroying
-        the group closes its connections, which must not happen while a slower peer is still receiving
-        its last message. After an exception nothing is destroyed: the other ranks may be gone, and those
-        still waiting end through the timeout."""
-        assert self._mixer is not None
-        dist.barrier(group=self._mixer.group)
-        self._mixer.close()
-        dist.destroy_process_group(self._mixer.group)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))
@@ -354,23 +339,4 @@ class DecentralizedStrategy(ReplicaStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register `"dpsgd"`, `"decentlam"` and their `"_spawn"` and `"_fork"` variants."""
-        for name, momentum, start_method in (
-            ("dpsgd", "local", "popen"),
-            ("dpsgd_spawn", "local", "spawn"),
-            ("dpsgd_fork", "local", "fork"),
-            ("decentlam", "decentlam", "popen"),
-            ("decentlam_spawn", "decentlam", "spawn"),
-            ("decentlam_fork", "decentlam", "fork"),
-        ):
-            strategy_registry.register(
-                name,
-                cls,
-                description=f"Decentralized training (gossip), momentum={momentum!r}, start_method {start_method!r}",
-                override=True,
-                momentum=momentum,
-                start_method=start_method,
-            )
-
-
-def _squared_norm(t: Tensor) -> Tensor:
-    return torch.linalg.vector_norm(t, dtype=torch.float64).square()
+        register_strategies(strategy_registry, cls)

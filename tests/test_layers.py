@@ -13,17 +13,17 @@ LAYERS = [
     ["cli"],
     ["plot"],
     ["callbacks"],
-    ["strategy", "simulation"],
+    ["strategy", "simulation", "fabric"],
     ["replicated"],
     ["rules"],
     ["overlap"],
     ["schedule", "options"],
-    ["replicas", "agreement", "checkpoint"],
+    ["replicas", "agreement", "checkpoint", "measures"],
     ["gossip", "mixing"],
     ["algorithms"],
     ["topology"],
 ]
-WITHOUT_LIGHTNING = ["rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["measures", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:

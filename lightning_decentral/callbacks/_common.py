@@ -48,13 +48,6 @@ def worker_parts(batch: Any) -> list[Any]:
     return list(batch) if isinstance(batch, PerWorker) else [batch]
 
 
-def sum_over_ranks(tensor: Tensor) -> Tensor:
-    """`sum_i tensor_i`, in place: one all-reduce on the default group, no barrier and no host sync."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor
-
-
 def max_over_ranks(tensor: Tensor) -> Tensor:
     """`max_i tensor_i`, in place: a decision every rank then shares, whatever each computed."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -26,15 +26,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_decentral.callbacks._common import (
-    Decentralized,
-    check_every,
-    decentralized,
-    due,
-    max_over_ranks,
-    sum_over_ranks,
-    warn_unless_written,
-)
+from lightning_decentral.callbacks._common import check_every, decentralized, due, max_over_ranks, warn_unless_written
+from lightning_decentral.measures import consensus_distance, gossip_residual
 from lightning_decentral.topology import Topology
 
 _REFERENCES = ("absolute", "parameters")
@@ -54,41 +47,6 @@ class _StepEnd(Callback):
             return None
         self._seen_step = trainer.global_step
         return trainer.global_step - 1
-
-
-def gossip_residual(strategy: Decentralized, step: int) -> Optional[Tensor]:
-    """`R(step) = sqrt( (1/n) Σ_i r_i )` from each rank's `r_i = ‖y_i − Σ_j w_ij y_j‖²`
-    (`strategy.gossip_residual(step)`).
-
-    Equal on every rank (one scalar all-reduce); `None` where step `step` did not gossip.
-    """
-    if not strategy.gossip_rounds(step):  # the same on every rank, so the collectives always match
-        return None
-    local = strategy.gossip_residual(step)
-    if local is None:  # cannot happen once measure_residuals() ran; NaN shows it without a hang
-        local = torch.tensor(math.nan, dtype=torch.float64, device=strategy.root_device)
-    return sum_over_ranks(local.clone()).div_(strategy.num_workers).sqrt_()
-
-
-def consensus_distance(strategy: Decentralized, per_layer: bool = False) -> dict[str, Tensor]:
-    """Exact `Ξ = sqrt( (1/n) Σ_i ‖x_i − x̄‖² )` (`"distance"`), `‖x̄‖` (`"mean_norm"`) and, with
-    `per_layer`, `Ξ` of each top-level submodule (`"distance/<name>"`).
-
-    Cost: one all-reduce of the parameters (in `strategy.parameter_deviations()`) and one of a few scalars.
-    """
-    deviations = strategy.parameter_deviations()
-    device = strategy.root_device
-    layers: dict[str, list[Tensor]] = {}
-    if per_layer:
-        for name, deviation, _ in deviations:
-            layers.setdefault(name.split(".", 1)[0], []).append(deviation)
-    local = torch.stack(
-        [torch.stack([d for _, d, _ in deviations]).sum()] + [torch.stack(d).sum() for d in layers.values()]
-    ).to(device)
-    distances = sum_over_ranks(local).div_(strategy.num_workers).sqrt_()
-    out = {"distance": distances[0], "mean_norm": torch.stack([m for _, _, m in deviations]).sum().sqrt().to(device)}
-    out.update({f"distance/{name}": d for name, d in zip(layers, distances[1:])})
-    return out
 
 
 class ConsensusDistance(_StepEnd):

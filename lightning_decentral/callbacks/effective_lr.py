@@ -19,14 +19,8 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_decentral.callbacks._common import (
-    check_every,
-    decentralized,
-    due,
-    sum_over_ranks,
-    warn_unless_written,
-    worker_parts,
-)
+from lightning_decentral.callbacks._common import check_every, decentralized, due, warn_unless_written, worker_parts
+from lightning_decentral.measures import effective_ratio
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 
 
@@ -65,7 +59,7 @@ class EffectiveLearningRate(Callback):
         50
 
         In a job: `Trainer(strategy="dpsgd", devices=8, callbacks=[EffectiveLearningRate(every_n_steps=50)])`;
-        the formula itself is [`ratio_and_noise`][lightning_decentral.callbacks.effective_lr.ratio_and_noise].
+        the formula itself is [`ratio_and_noise`][lightning_decentral.measures.ratio_and_noise].
     """
 
     def __init__(self, every_n_steps: int = 50) -> None:
@@ -120,25 +114,7 @@ class EffectiveLearningRate(Callback):
             local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         with _untouched(pl_module, strategy.root_device), strategy.averaged_model():
             at_mean = _gradients(trainer, pl_module, params, batches)
-        dtype = torch.promote_types(params[0].dtype, torch.float32)
-        both = torch.cat([g.detach().reshape(-1).to(strategy.root_device, dtype) for g in local + at_mean])
-        sum_over_ranks(both).div_(strategy.num_workers)
-        local_mean, mean_grad = both.double().split(both.numel() // 2)
-        return ratio_and_noise(local_mean, mean_grad)
-
-
-def ratio_and_noise(local_mean: Tensor, mean_grad: Tensor) -> tuple[Tensor, Tensor]:
-    """`(α_e / γ, ‖η_d‖) = (⟨ḡ_loc, g(x̄)⟩ / ‖g(x̄)‖², ‖ḡ_loc − g(x̄)‖)` from the flat, rank-averaged
-    gradients `ḡ_loc` (`local_mean`, at the replicas) and `g(x̄)` (`mean_grad`, at their average).
-
-    Examples:
-        >>> import torch
-        >>> ratio, noise = ratio_and_noise(torch.tensor([1.0, 0.75]), torch.tensor([2.0, 0.0]))
-        >>> float(ratio), float(noise)  # ⟨ḡ_loc, g⟩ / ‖g‖² = 2 / 4, ‖(−1, 0.75)‖
-        (0.5, 1.25)
-    """
-    ratio = torch.dot(local_mean, mean_grad) / torch.dot(mean_grad, mean_grad)
-    return ratio, torch.linalg.vector_norm(local_mean - mean_grad)
+        return effective_ratio(strategy, local, at_mean)
 
 
 def _gradients(

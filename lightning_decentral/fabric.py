@@ -1,0 +1,473 @@
+"""Decentralized training in a hand-written Lightning Fabric loop: `Fabric(strategy="dpsgd")`.
+
+The usual loop trains decentralized; the whole update rule of
+[`lightning_decentral.rules`][lightning_decentral.rules] runs inside `optimizer.step()`:
+
+```text
+model(x)              forward pre-hook: plan = schedule.plan(k); rule.begin_step(plan)    AWC posts x(k)
+fabric.backward(loss) rule.before_backward(), then backward                              DecentLaM posts buckets
+optimizer.step()      rule.wrap_closure(...); U; rule.end_step(); rule.finish_step(); k += 1
+```
+
+`k` counts the optimizer steps of this strategy and is saved with every checkpoint. Launching,
+cluster environments, samplers, `barrier`, `broadcast` and `all_reduce` are Fabric's `DDPStrategy`'s;
+the module is never wrapped in `DistributedDataParallel`. See the [Fabric page](../fabric.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Literal, Optional, Union
+
+import lightning.fabric.wrappers
+import torch
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.types import _PATH
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_decentral import checkpoint as shards
+from lightning_decentral.agreement import Ranks, mean_optimizer_state, parameter_deviations, run_configuration
+from lightning_decentral.gossip import Gossip
+from lightning_decentral.measures import consensus_distance, effective_ratio, gossip_residual
+from lightning_decentral.mixing import ExchangeObserver
+from lightning_decentral.options import check_options, register_strategies
+from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
+from lightning_decentral.rules import RULES, DecentLaM, RuleOptions, UpdateRule, rule_name
+from lightning_decentral.schedule import GossipSchedule, StepPlan
+from lightning_decentral.topology import Topology, resolve_topology
+
+STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
+
+
+class DecentralizedStrategy(DDPStrategy):
+    """Fabric's decentralized data-parallel strategy: each rank keeps its own replica and gossips it.
+
+    The update rules and their arguments are those of the Trainer's
+    [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] (`topology`, `combine`,
+    `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
+    `gossip_dtype`); the keyword arguments `**kwargs` are `lightning.fabric.strategies.DDPStrategy`'s
+    (`timeout` bounds every exchange: a dead rank ends the others within it).
+    `eval_on` decides what [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation]
+    swaps in.
+
+    One model and one optimizer per strategy. DecentLaM sends its buckets during backward from the
+    second step on, unless the first step called `fabric.clip_gradients` (then it sends them in
+    `optimizer.step()`, after the clipping, on every step).
+
+    Examples:
+        ```python
+        import lightning_decentral  # registers "dpsgd", "decentlam" and their "_spawn" variants
+        fabric = Fabric(strategy="decentlam", accelerator="cpu", devices=4)
+        fabric = Fabric(strategy=DecentralizedStrategy(topology="one_peer_exponential"), devices=8)
+        ```
+    """
+
+    strategy_name = "dpsgd"
+
+    def __init__(
+        self,
+        topology: Any = "ring",
+        combine: Literal["awc", "atc"] = "awc",
+        momentum: Literal["local", "decentlam"] = "local",
+        gossip_every: int = 1,
+        gossip_steps: int = 1,
+        gossip_buffers: bool = True,
+        eval_on: Literal["average", "local"] = "average",
+        bucket_cap_mb: float = 4.0,
+        gossip_dtype: Optional[torch.dtype] = None,
+        **kwargs: Any,
+    ) -> None:
+        dtype = check_options(topology, combine, momentum, gossip_every, gossip_steps, eval_on, bucket_cap_mb, gossip_dtype)
+        super().__init__(**kwargs)  # accelerator, cluster_environment, precision, timeout, start_method, ...
+        self._backward_sync_control = _RuleBackwardSync(self)
+        self.combine, self.momentum, self.eval_on = combine, momentum, eval_on
+        self.gossip_every, self.gossip_steps, self.gossip_buffers = gossip_every, gossip_steps, gossip_buffers
+        self.bucket_cap_mb, self.gossip_dtype = bucket_cap_mb, dtype
+        self.step = 0  # k: the optimizer steps taken (saved with every checkpoint)
+        self._topology_spec = topology
+        self._schedule: Optional[GossipSchedule] = None
+        self._module: Optional[Module] = None
+        self._optimizer: Optional[Optimizer] = None
+        self._replica: Optional[Replica] = None
+        self._mixer: Optional[Gossip] = None
+        self._rule: Optional[UpdateRule] = None
+        self._options = RuleOptions(overlap_backward=False)  # DecentLaM: learnt on the first step
+        self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
+        self._clipping = False  # fabric.clip_gradients ran
+        self._averaged = AveragedModel()
+        self._averaging = 0  # depth of averaged_model()
+        self._observers: list[ExchangeObserver] = []
+        self._measure_residuals = False
+        self._hooks: list[Any] = []
+
+    # -- the monitoring surface (as the Trainer strategy's) -----------------------------------
+
+    @property
+    def topology(self) -> Topology:
+        """The topology, bound to the world size (available once Fabric is built)."""
+        if self._schedule is None:
+            raise RuntimeError("The topology is bound to the world size when Fabric is created.")
+        return self._schedule.topology
+
+    @property
+    def num_workers(self) -> int:
+        """`n`: one worker per rank."""
+        return self.world_size
+
+    def gossip_rounds(self, step: int) -> int:
+        """Rounds of exchange at optimizer step `step` (0: a local step, `W = I`)."""
+        return self._schedule.rounds(step) if self._schedule is not None else 0
+
+    def observe(self, observer: ExchangeObserver) -> None:
+        """Tell `observer` of every exchange of this rank from now on (bytes, post and wait times)."""
+        self._observers.append(observer)
+
+    def measure_residuals(self) -> None:
+        """From now on, every exchange of the parameters also measures its gossip residual."""
+        self._measure_residuals = True
+        if self._mixer is not None:
+            self._mixer.measure_residual = True
+
+    def gossip_residual(self, step: int) -> Optional[Tensor]:
+        """This rank's `‖y_i − Σ_j w_ij(k) y_j‖²` of step `step`'s first round, if measured."""
+        return self._rule.residual(step) if self._rule is not None else None
+
+    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
+        """For each trainable parameter: its name, `‖p_i − p̄‖²` here and `‖p̄‖²` (every rank together)."""
+        return parameter_deviations(self._ranks, self._live(self._module))
+
+    @contextlib.contextmanager
+    def averaged_model(self) -> Iterator[None]:
+        """Replace this rank's replica by `x̄ = (1/n) Σ_i x_i` inside the block, then restore it exactly.
+
+        Every rank must enter it together, between optimizer steps; a nested use is free.
+        """
+        module = self._live(self._module)
+        self._averaging += 1
+        try:
+            with self._averaged.swapped_in(module, self._ranks.mean if self.world_size > 1 else None):
+                yield
+        finally:
+            self._averaging -= 1
+
+    def evaluation(self) -> AbstractContextManager:
+        """[`averaged_model()`][lightning_decentral.fabric.DecentralizedStrategy.averaged_model] with
+        `eval_on="average"`; nothing (each rank's own replica) with `eval_on="local"`."""
+        return self.averaged_model() if self.eval_on == "average" else nullcontext()
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    @override
+    def _configure_launcher(self) -> None:
+        """Runs when Fabric is built, before any process starts: bind the topology (bad ones fail here)."""
+        super()._configure_launcher()
+        topology = resolve_topology(self._topology_spec, self.num_nodes * self.num_processes, self.num_nodes)
+        self._schedule = GossipSchedule(topology, self.gossip_every, self.gossip_steps)
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
+    ) -> tuple[Module, list[Optimizer], Optional[Any]]:
+        """Runs in `fabric.setup(model, optimizer)`: the replica, then the update rule."""
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"DecentralizedStrategy mixes the whole model once per optimizer step and needs exactly one "
+                f"optimizer, but `fabric.setup` got {len(optimizers)}. Put the parameters into one optimizer "
+                "with several parameter groups."
+            )
+        module = self.setup_module(module)
+        return module, [self.setup_optimizer(optimizers[0])], scheduler
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """Runs in `fabric.setup`: check the configuration on every rank, start every replica from rank 0's
+        weights, pack it into flat buffers (no DDP wrapper) and build the gossip engine."""
+        if isinstance(module, DistributedDataParallel):
+            raise ValueError(
+                "DecentralizedStrategy trains one replica per rank and never all-reduces gradients: pass the "
+                "module itself to `fabric.setup`, not a DistributedDataParallel wrapper (use `ddp.module`)."
+            )
+        if self._module is not None:
+            raise ValueError("DecentralizedStrategy gossips one model: set up one module per Fabric.")
+        precision = str(getattr(self.precision, "precision", type(self.precision).__name__))
+        self._ranks.check_same_configuration(run_configuration(self, module, precision))
+        self._ranks.broadcast_from_rank_zero(list(state_tensors(module)))
+        self._replica = Replica(module, self.gossip_buffers)
+        self._mixer = Gossip.on_new_group(
+            self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
+        )
+        self._mixer.measure_residual = self._measure_residuals
+        self._mixer.observers = self._observers
+        self._module = module
+        self._hooks = [module.register_forward_pre_hook(self._before_forward)]
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Runs in `fabric.setup` or `fabric.setup_optimizers`: build the update rule around `optimizer`."""
+        if self._rule is not None:
+            raise ValueError(
+                "DecentralizedStrategy needs exactly one optimizer; a second was set up. Put the parameters "
+                "into one optimizer with several parameter groups."
+            )
+        replica, mixer = self._live(self._replica), self._live(self._mixer)
+        scaler = getattr(self.precision, "scaler", None)
+        self._options.bucket_bytes = int(self.bucket_cap_mb * 2**20)
+        self._options.grad_scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self._options.any_worker = self._ranks.any
+        self._options.warn = rank_zero_warn
+        self._rule = RULES[rule_name(self.momentum, self.combine)](replica, mixer, optimizer, self._options)
+        self._optimizer = optimizer
+        return optimizer
+
+    # -- one optimizer step -------------------------------------------------------------------
+
+    def _before_forward(self, module: Module, args: Any) -> None:
+        """Forward pre-hook of the set-up module: a training forward begins the step (AWC posts `x(k)`)."""
+        if module.training and torch.is_grad_enabled() and not self._averaging:
+            self._begin_step()
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        """Runs in `fabric.backward`: the rule prepares the backward (DecentLaM: flat gradients)."""
+        if self._rule is not None:
+            self._begin_step().before_backward()
+        super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Runs in `optimizer.step()`: the rule's wait (AWC) or posts (DecentLaM) after the backward that
+        already ran, `U`, then `end_step` and `finish_step`; `k` advances."""
+        rule = self._begin_step()
+        closure = kwargs.pop("closure", None)
+        try:
+            if closure is None:  # forward and backward ran in the user's loop
+                rule.wrap_closure(_nothing)()
+                output = super().optimizer_step(optimizer, **kwargs)
+            else:
+                output = super().optimizer_step(optimizer, closure=rule.wrap_closure(closure), **kwargs)
+        finally:
+            self._plan = None
+        rule.end_step()
+        rule.finish_step()
+        self.step += 1
+        self._options.overlap_backward = not self._clipping
+        return output
+
+    @override
+    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        """Runs in `fabric.clip_gradients(max_norm=...)`."""
+        self._before_clipping()
+        return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+
+    @override
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        """Runs in `fabric.clip_gradients(clip_val=...)`."""
+        self._before_clipping()
+        return super().clip_gradients_value(module, optimizer, clip_val)
+
+    def _before_clipping(self) -> None:
+        if self._options.overlap_backward and isinstance(self._rule, DecentLaM):
+            raise RuntimeError(
+                f"fabric.clip_gradients ran at step {self.step}, after DecentLaM had sent buckets of unclipped "
+                "gradients during backward. Clip from the first optimizer step on (DecentLaM then sends after "
+                "the clipping), or not at all."
+            )
+        self._clipping = True
+
+    def _begin_step(self) -> UpdateRule:
+        """The rule, with step `k` begun (once per step: the schedule decides it here)."""
+        rule = self._live(self._rule)
+        if self._plan is None:
+            self._plan = self._live(self._schedule).plan(self.step)
+            rule.begin_step(self._plan)
+        return rule
+
+    @override
+    def teardown(self) -> None:
+        """Runs when the run is over (`fabric.strategy.teardown()`): finish any exchange, release the rule's
+        hooks and leave the gossip group together."""
+        if self._rule is not None:
+            self._rule.drain()
+            self._rule.teardown()
+        for hook in self._hooks:
+            hook.remove()
+        if self._mixer is not None:
+            self._mixer.leave()
+        self._rule = self._mixer = self._replica = self._module = self._optimizer = None
+        self._plan, self._hooks = None, []
+        super().teardown()
+
+    # -- checkpoints --------------------------------------------------------------------------
+
+    @override
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, Any],
+        storage_options: Optional[Any] = None,
+        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+    ) -> None:
+        """Runs in `fabric.save`, on every rank: the file holds `x̄` and the averaged optimizer state; each
+        rank writes its shard beside it, then rank 0 the file
+        ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards])."""
+        module_key, optimizer_key = self._keys(state)
+        if module_key is None:
+            return super().save_checkpoint(path, state, storage_options, filter)
+        with self.averaged_model():
+            converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+            converted[module_key] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in converted[module_key].items()}
+        if optimizer_key is not None:
+            converted[optimizer_key] = mean_optimizer_state(self._ranks, converted[optimizer_key])
+        converted[STEP_KEY] = self.step
+
+        def make_shard(save_id: int) -> dict[str, Any]:
+            return shards.make_shard(
+                save_id, self.global_rank, self.world_size, state_dict=self._live(self._module).state_dict(),
+                step=self.step, optimizers=[self._optimizer] if optimizer_key is not None else None,
+                precision=self.precision.state_dict(),
+            )
+
+        def write_file() -> None:
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+
+        shards.save_with_shards(self._ranks, converted, path, make_shard=make_shard, write_file=write_file)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        strict: bool = True,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Runs in `fabric.load`, on every rank: restore `x̄` and the averaged optimizer state; then, if every
+        rank finds its shard of the same save at the same world size, its own replica, optimizer, precision
+        and RNG state (exact resume); else rank 0 warns once, saying why. `k` is restored too."""
+        module_key, optimizer_key = self._keys(state) if isinstance(state, dict) else (None, None)
+        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        if module_key is None:
+            return remainder
+        meta = remainder.pop(shards.META_KEY, None)
+        self.step = int(remainder.pop(STEP_KEY, remainder.get("global_step", 0)))
+        shard = shards.load_own_shard(self._ranks, path, meta, rank_zero_warn)
+        if shard is None:
+            return remainder
+        self._live(self._module).load_state_dict(shard["state_dict"], strict=strict)
+        if optimizer_key is not None and "optimizer_states" in shard:
+            self._live(self._optimizer).load_state_dict(shard["optimizer_states"][0])
+        if shard.get("precision"):
+            self.precision.load_state_dict(shard["precision"])
+        self.step = shard["strategy"]["step"]
+        shards.resume_rank_state(shard, self.step)
+        return remainder
+
+    def _keys(self, state: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
+        """The keys under which `state` holds this strategy's module and optimizer."""
+        found = lambda target: next((k for k, v in state.items() if target is not None and v is target), None)  # noqa: E731
+        return found(self._module), found(self._optimizer)
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    @property
+    def _ranks(self) -> Ranks:
+        return Ranks(self.global_rank, self.world_size, self.root_device)
+
+    @staticmethod
+    def _live(value: Optional[Any]) -> Any:
+        if value is None:
+            raise RuntimeError("Set up the model and its optimizer first: `model, optimizer = fabric.setup(model, optimizer)`.")
+        return value
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register `"dpsgd"`, `"decentlam"` and their `"_spawn"` variants in Fabric's registry."""
+        register_strategies(strategy_registry, cls)
+
+
+class _RuleBackwardSync(_BackwardSyncControl):
+    """`fabric.no_backward_sync`: begin the step, then the rule's own context (DecentLaM posts nothing)."""
+
+    def __init__(self, strategy: DecentralizedStrategy) -> None:
+        self.strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        """Runs in `fabric.no_backward_sync(model, enabled)`, around an accumulated micro-batch."""
+        if not enabled:
+            return nullcontext()
+        return self.strategy._begin_step().no_backward_sync()
+
+
+def _nothing() -> None:
+    return None
+
+
+# -- monitors a Fabric loop calls ---------------------------------------------------------------
+
+
+def consensus_metrics(strategy: DecentralizedStrategy, per_layer: bool = False) -> dict[str, Tensor]:
+    """What [`ConsensusDistance`][lightning_decentral.callbacks.ConsensusDistance] logs, now: `consensus/distance`
+    (`Ξ`), `consensus/relative` (`Ξ / ‖x̄‖`), with `per_layer` `consensus/distance/<name>`, and
+    `consensus/residual` of the last step if it gossiped and `strategy.measure_residuals()` ran.
+
+    Call it between optimizer steps on every rank; the values are equal on every rank.
+    """
+    metrics: dict[str, Tensor] = {}
+    if strategy.step > 0 and strategy._measure_residuals:
+        residual = gossip_residual(strategy, strategy.step - 1)
+        if residual is not None:
+            metrics["consensus/residual"] = residual
+    measured = consensus_distance(strategy, per_layer)
+    mean_norm = measured.pop("mean_norm")
+    metrics.update({f"consensus/{key}": value for key, value in measured.items()})
+    metrics["consensus/relative"] = measured["distance"] / mean_norm
+    return metrics
+
+
+def effective_lr_metrics(
+    strategy: DecentralizedStrategy, lr: float, loss_fn: Callable[[Any], Tensor], batches: Iterable[Any]
+) -> dict[str, Tensor]:
+    """What [`EffectiveLearningRate`][lightning_decentral.callbacks.EffectiveLearningRate] logs: `lr/effective`,
+    `lr/effective_ratio` (`α_e / γ`) and `noise/decentralized` (`‖η_d‖`).
+
+    Call it after the step's last `fabric.backward` and before `optimizer.step()`, on every rank. `lr` is `γ`;
+    `loss_fn(batch)` must return the loss that was back-propagated for `batch` (divided as it was, when
+    accumulating), and `batches` are the step's micro-batches. The gradients at `x̄` are computed with
+    `torch.autograd.grad` (no `p.grad` changes); buffers and the RNG state are restored afterwards. A model
+    with dropout draws other masks than the training forward did.
+    """
+    module = strategy._live(strategy._module)
+    params = [p for p in module.parameters() if p.requires_grad]
+    scaler = strategy._options.grad_scaler
+    scale = float(scaler.get_scale()) if scaler is not None else 1.0
+    local = [p.grad / scale if p.grad is not None else torch.zeros_like(p) for p in params]
+    at_mean = [torch.zeros_like(p) for p in params]
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    rng = torch.get_rng_state()
+    lightning.fabric.wrappers._in_fabric_backward = True  # a differentiation, not a training backward
+    try:
+        with strategy.averaged_model(), torch.enable_grad():
+            for batch in batches:
+                parts = torch.autograd.grad(loss_fn(batch), params, allow_unused=True)
+                for total, part in zip(at_mean, parts):
+                    if part is not None:
+                        total.add_(part)
+    finally:
+        lightning.fabric.wrappers._in_fabric_backward = False
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    ratio, noise = effective_ratio(strategy, local, at_mean)
+    return {"lr/effective": ratio * lr, "lr/effective_ratio": ratio, "noise/decentralized": noise}

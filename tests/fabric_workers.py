@@ -1,0 +1,210 @@
+"""Functions the spawned workers of tests/test_fabric.py run: hand-written Fabric loops."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.fabric import Fabric
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_decentral.fabric import DecentralizedStrategy, consensus_metrics, effective_lr_metrics
+from tests.models import Regression, flat, init_seed, initial_net, loader, make_optimizer, make_scheduler
+from tests.reference import Config
+
+
+def fabric_for(world_size: int, strategy: Any, **kwargs: Any) -> Fabric:
+    """A launched Fabric on this worker's process group (`launch()` only joins: the launcher env is set)."""
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size, **kwargs)
+    fabric.launch()
+    return fabric
+
+
+class _Loop:
+    """The usual Fabric loop over a config of tests/reference.py: accumulation, clipping, a scheduler."""
+
+    def __init__(self, fabric: Fabric, config: Config, model: nn.Module, rank: int) -> None:
+        optimizer = make_optimizer(model.parameters(), **config.optimizer)
+        self.scheduler = make_scheduler(optimizer, config.scheduler)
+        self.model, self.optimizer = fabric.setup(model, optimizer)
+        data = loader(rank, config.samples, config.batch_size, config.dtype)
+        self.batches = list(fabric.setup_dataloaders(data, use_distributed_sampler=False))
+        self.fabric, self.config = fabric, config
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.model(x), y) / self.config.accumulate
+
+    def step(self, k: int, before_step: Any = None) -> None:
+        config, fabric = self.config, self.fabric
+        micro = self.batches[k * config.accumulate : (k + 1) * config.accumulate]
+        for a, batch in enumerate(micro):
+            with fabric.no_backward_sync(self.model, enabled=a < config.accumulate - 1):
+                fabric.backward(self.loss(batch))
+        if config.clip is not None:
+            fabric.clip_gradients(self.model, self.optimizer, max_norm=config.clip)
+        if before_step is not None:
+            before_step(micro)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+
+def fit_config(rank: int, world_size: int, config: Config) -> torch.Tensor:
+    """Train ``config`` in a Fabric loop on this rank's data; this rank's parameters, then its buffers."""
+    strategy = DecentralizedStrategy(**config.strategy_kwargs())
+    fabric = fabric_for(world_size, strategy, precision="64-true" if config.dtype == torch.float64 else "32-true")
+    model = initial_net(init_seed(rank), config.batch_norm).to(config.dtype)
+    loop = _Loop(fabric, config, model, rank)
+    for k in range(config.steps):
+        loop.step(k)
+    assert strategy.step == config.steps
+    fabric.strategy.teardown()
+    buffers = [b.reshape(-1) for b in model.buffers() if b.is_floating_point()]
+    return torch.cat([flat(model)] + buffers)
+
+
+def fit_configs(rank: int, world_size: int, configs: list[Config]) -> dict[str, torch.Tensor]:
+    return {c.name: fit_config(rank, world_size, c) for c in configs}
+
+
+def _run(rank: int, world_size: int, config: Config, steps: range, strategy: Optional[DecentralizedStrategy] = None,
+         path: Optional[str] = None, load: Optional[str] = None, model: Optional[nn.Module] = None) -> nn.Module:
+    """Steps ``steps`` of ``config``, after loading ``load``; saves to ``path`` at the end."""
+    strategy = strategy or DecentralizedStrategy(**config.strategy_kwargs())
+    fabric = fabric_for(world_size, strategy)
+    model = model if model is not None else initial_net(init_seed(rank) + 7, config.batch_norm)
+    loop = _Loop(fabric, config, model, rank)
+    if load is not None:
+        fabric.load(load, {"model": loop.model, "optimizer": loop.optimizer})
+        assert strategy.step == steps.start, (strategy.step, steps.start)
+    for k in steps:
+        loop.step(k)
+    if path is not None:
+        fabric.save(path, {"model": loop.model, "optimizer": loop.optimizer, "note": "fabric"})
+    fabric.strategy.teardown()
+    return model
+
+
+def resume(rank: int, world_size: int, config: Config, root: str) -> dict[str, Any]:
+    """``2K`` steps straight, against ``K`` steps, save, load into new objects, ``K`` more; x̄ in between."""
+    k = config.steps // 2
+    full = flat(_run(rank, world_size, config, range(config.steps)))
+    half = _run(rank, world_size, config, range(k), path=f"{root}/half.ckpt")
+    resumed = flat(_run(rank, world_size, config, range(k, config.steps), load=f"{root}/half.ckpt"))
+    return {"full": full, "half": flat(half), "resumed": resumed}
+
+
+def resume_from_average(rank: int, world_size: int, config: Config, checkpoint: str) -> dict[str, Any]:
+    """Load a checkpoint saved by 4 ranks on ``world_size`` ranks: every replica starts from x̄, one warning."""
+    strategy = DecentralizedStrategy(**config.strategy_kwargs())
+    fabric = fabric_for(world_size, strategy)
+    loop = _Loop(fabric, config, initial_net(init_seed(rank)), rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load(checkpoint, {"model": loop.model, "optimizer": loop.optimizer})
+    out = {"start": flat(loop.model), "step": strategy.step, "warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)]}
+    fabric.strategy.teardown()
+    return out
+
+
+def from_trainer(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
+    """Load a Trainer's checkpoint (its model and this rank's shard) into a Fabric loop's module."""
+    strategy = DecentralizedStrategy()
+    fabric = fabric_for(world_size, strategy)
+    model = Regression(seed=init_seed(rank) + 3)
+    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        remainder = fabric.load(checkpoint, {"state_dict": model}, strict=False)
+    out = {"replica": flat(model), "step": strategy.step, "global_step": remainder.get("global_step"),
+           "warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)]}
+    fabric.strategy.teardown()
+    return out
+
+
+def evaluate_and_monitor(rank: int, world_size: int, config: Config) -> dict[str, Any]:
+    """Train; measure the monitors at the last step; evaluate on x̄ (and on the replica, eval_on="local")."""
+    strategy = DecentralizedStrategy(**config.strategy_kwargs())
+    strategy.measure_residuals()
+    fabric = fabric_for(world_size, strategy)
+    loop = _Loop(fabric, config, initial_net(init_seed(rank)), rank)
+    out: dict[str, Any] = {}
+
+    def measure(micro: list) -> None:
+        out["before_step"] = flat(loop.model)
+        out["grads"] = torch.cat([p.grad.reshape(-1) for p in loop.model.parameters()])
+        out["batch"] = micro
+        out["lr"] = effective_lr_metrics(strategy, config.optimizer["lr"], loop.loss, micro)
+        out["after_measure"] = flat(loop.model)
+
+    for k in range(config.steps):
+        loop.step(k, before_step=measure if k == config.steps - 1 else None)
+    out["consensus"] = consensus_metrics(strategy)
+    out["replica"] = flat(loop.model)
+    with strategy.averaged_model():
+        out["averaged"] = flat(loop.model)
+        out["averaged_input"] = loop.batches[0][0]
+        out["averaged_output"] = loop.model(out["averaged_input"]).detach()
+    out["after_average"] = flat(loop.model)
+    fabric.strategy.teardown()
+    return out
+
+
+def bad_setups(rank: int, world_size: int) -> dict[str, str]:
+    """The errors of two optimizers, a second model and a DDP-wrapped module."""
+    errors = {}
+    for name in ("two_optimizers", "ddp_wrapped", "second_model"):
+        fabric = fabric_for(world_size, DecentralizedStrategy())
+        net = initial_net(0)
+        try:
+            if name == "two_optimizers":
+                fabric.setup(net, torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.SGD(net[2].parameters(), lr=0.1))
+            elif name == "ddp_wrapped":
+                fabric.setup(nn.parallel.DistributedDataParallel(net), torch.optim.SGD(net.parameters(), lr=0.1))
+            else:
+                fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+                fabric.setup(initial_net(1))
+            errors[name] = "no error"
+        except ValueError as exc:
+            errors[name] = str(exc)
+    return errors
+
+
+def distributed_sampler(rank: int, world_size: int) -> list[int]:
+    """The sample indices this rank's loader yields through `setup_dataloaders`' distributed sampler."""
+    fabric = fabric_for(world_size, DecentralizedStrategy())
+    data = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(16)), batch_size=2))
+    return [int(i) for (batch,) in data for i in batch]
+
+
+def killed_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[str, Any]:
+    """Rank 1 kills itself when step 2 starts; the others must end with an error within ``timeout``."""
+    config = Config("killed", optimizer={"lr": 0.05, "momentum": 0.9})
+    fabric = fabric_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=timeout)))
+    loop = _Loop(fabric, config, initial_net(init_seed(rank)), rank)
+    try:
+        for k in range(config.steps):
+            if rank == 1 and k == 2:
+                Path(stamp).write_text(repr(time.monotonic()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            loop.step(k)
+        failure = "no error"
+    except RuntimeError as exc:
+        failure = str(exc)
+    return {"failure": failure, "stopped_at": time.monotonic()}
+
+
+def example_gpt(rank: int, world_size: int, argv: list[str]) -> dict[str, float]:
+    """examples/fabric_gpt.py as `python examples/fabric_gpt.py ARGV` runs on each worker."""
+    from examples import fabric_gpt
+
+    return fabric_gpt.main(fabric_gpt.parse(argv))

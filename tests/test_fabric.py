@@ -1,0 +1,214 @@
+"""Fabric(strategy="dpsgd" / "decentlam") in a hand-written loop: the dense reference on 4 gloo processes,
+evaluation on x̄, checkpoints (exact resume, x̄ fallback, Trainer -> Fabric, Fabric -> plain module),
+the monitors, bad input and a killed rank."""
+
+from __future__ import annotations
+
+import pickle
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_decentral
+from lightning_decentral import fabric
+from lightning_decentral.checkpoint import META_KEY, shard_directory
+from tests import fabric_workers, reference, workers
+from tests.helpers import run_distributed, start_processes
+from tests.models import flat, initial_net
+from tests.reference import Config
+
+WORLD = 4
+SGD = {"lr": 0.1}
+MOMENTUM = {"lr": 0.05, "momentum": 0.9}
+
+
+def decentlam(name: str, **kwargs: Any) -> Config:
+    return Config(name, momentum="decentlam", **kwargs)
+
+
+CONFIGS = [
+    Config("ring-awc-momentum", optimizer=MOMENTUM),
+    Config("one_peer-atc-sgd", topology="one_peer_exponential", combine="atc", optimizer=SGD),
+    Config("exponential-awc-every2-rounds2", topology="exponential", gossip_every=2, gossip_steps=2),
+    Config("ring-awc-accumulate-clip", optimizer=MOMENTUM, accumulate=2, clip=0.05),
+    Config("one_peer-atc-batchnorm-scheduler", topology="one_peer_exponential", combine="atc", batch_norm=True, scheduler="step"),
+    Config("ring-awc-adam-float64", optimizer={"name": "adam", "lr": 0.01}, dtype=torch.float64),
+    decentlam("ring-decentlam-nesterov-wd", optimizer={"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    decentlam("ring-decentlam-small-buckets-batchnorm", optimizer=MOMENTUM, bucket_cap_mb=1e-4, batch_norm=True),
+    decentlam("ring-decentlam-clip-accumulate", optimizer=MOMENTUM, clip=0.05, accumulate=2),
+]
+
+
+def test_registered_in_fabric_and_trainer_registries() -> None:
+    for name, momentum, start_method in (("dpsgd", "local", "popen"), ("decentlam_spawn", "decentlam", "spawn")):
+        strategy = STRATEGY_REGISTRY.get(name)
+        assert isinstance(strategy, fabric.DecentralizedStrategy)
+        assert (strategy.momentum, strategy._start_method) == (momentum, start_method)
+        assert isinstance(StrategyRegistry.get(name), lightning_decentral.DecentralizedStrategy)
+
+
+def test_bad_arguments_fail_when_built() -> None:
+    with pytest.raises(ValueError, match="`combine` must be one of"):
+        fabric.DecentralizedStrategy(combine="acw")
+
+
+@pytest.fixture(scope="module")
+def trained() -> list[dict[str, torch.Tensor]]:
+    return run_distributed(fabric_workers.fit_configs, WORLD, configs=CONFIGS)
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_every_rank_matches_the_dense_reference(trained: list[dict[str, torch.Tensor]], config: Config) -> None:
+    expected = reference.assert_every_rank_matches(trained, config, WORLD)
+    assert (expected[0] - expected[1]).abs().max() > 1e-4  # decentralized: the replicas really differ
+
+
+RESUME = {
+    "awc": Config("awc", optimizer=MOMENTUM),
+    "atc": Config("atc", combine="atc", topology="one_peer_exponential", optimizer={"name": "adam", "lr": 0.01}),
+    "decentlam": decentlam("decentlam", optimizer=MOMENTUM),
+}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict[str, Any]], Path]]:
+    out = {}
+    for name, config in RESUME.items():
+        root = tmp_path_factory.mktemp(name)
+        out[name] = run_distributed(fabric_workers.resume, WORLD, config=config, root=str(root)), root
+    return out
+
+
+@pytest.mark.parametrize("name", list(RESUME))
+def test_load_resumes_every_replica_bit_for_bit(resumed: dict, name: str) -> None:
+    results, _ = resumed[name]
+    assert (results[0]["full"] - results[1]["full"]).abs().max() > 1e-4
+    for rank, result in enumerate(results):
+        assert torch.equal(result["resumed"], result["full"]), f"rank {rank}"
+
+
+def test_saved_file_holds_the_average_and_loads_into_a_plain_module(resumed: dict) -> None:
+    results, root = resumed["awc"]
+    checkpoint = torch.load(root / "half.ckpt", weights_only=True)
+    plain = initial_net(0)  # no Fabric, no strategy
+    plain.load_state_dict(checkpoint["model"])
+    torch.testing.assert_close(flat(plain), torch.stack([r["half"] for r in results]).mean(0), atol=1e-6, rtol=0)
+    assert checkpoint["note"] == "fabric" and checkpoint[fabric.STEP_KEY] == RESUME["awc"].steps // 2
+    shards = sorted(p.name.rsplit(".", 2)[0] for p in Path(shard_directory(root / "half.ckpt")).iterdir())
+    assert shards == [f"rank-{r:05d}-of-{WORLD:05d}" for r in range(WORLD)]
+    assert checkpoint[META_KEY]["world_size"] == WORLD
+
+
+def test_other_world_size_resumes_from_the_average_with_one_warning(resumed: dict) -> None:
+    results, root = resumed["awc"]
+    mean = torch.stack([r["half"] for r in results]).mean(0)
+    loaded = run_distributed(fabric_workers.resume_from_average, 2, config=RESUME["awc"], checkpoint=str(root / "half.ckpt"))
+    for rank, result in enumerate(loaded):
+        torch.testing.assert_close(result["start"], mean, atol=1e-6, rtol=0)
+        assert result["step"] == RESUME["awc"].steps // 2
+        assert len(result["warnings"]) == (1 if rank == 0 else 0)
+    assert "saved by 4 ranks and this run has 2" in loaded[0]["warnings"][0]
+
+
+def test_a_trainer_checkpoint_loads_into_fabric_with_its_shards(tmp_path: Path) -> None:
+    path = str(tmp_path / "trainer.ckpt")
+    trained = run_distributed(workers.evaluate_and_checkpoint, WORLD, path=path, eval_on="average")
+    loaded = run_distributed(fabric_workers.from_trainer, WORLD, checkpoint=path)
+    for rank, result in enumerate(loaded):
+        assert torch.equal(result["replica"], trained[rank]["replica"]), f"rank {rank}"  # its own replica, not x̄
+        assert result["step"] == result["global_step"] == 6
+        assert not result["warnings"]
+
+
+@pytest.fixture(scope="module")
+def monitored() -> list[dict[str, Any]]:
+    return run_distributed(fabric_workers.evaluate_and_monitor, WORLD, config=Config("monitor", optimizer=MOMENTUM))
+
+
+def test_averaged_model_swaps_in_the_average_and_restores_every_replica(monitored: list[dict[str, Any]]) -> None:
+    replicas = torch.stack([r["replica"] for r in monitored])
+    for result in monitored:
+        torch.testing.assert_close(result["averaged"], replicas.mean(0), atol=1e-6, rtol=0)
+        assert torch.equal(result["after_average"], result["replica"])
+        plain = initial_net(0)
+        torch.nn.utils.vector_to_parameters(replicas.mean(0), plain.parameters())
+        torch.testing.assert_close(result["averaged_output"], plain(result["averaged_input"]).detach(), atol=1e-5, rtol=0)
+
+
+def test_consensus_distance_is_that_of_the_replicas(monitored: list[dict[str, Any]]) -> None:
+    replicas = torch.stack([r["replica"] for r in monitored]).double()
+    distance = (replicas - replicas.mean(0)).square().sum(1).mean().sqrt()
+    for result in monitored:
+        consensus = result["consensus"]
+        torch.testing.assert_close(consensus["consensus/distance"].double(), distance, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(consensus["consensus/relative"].double(), distance / replicas.mean(0).norm(), atol=1e-6, rtol=1e-4)
+        assert float(consensus["consensus/residual"]) > 0
+
+
+def test_effective_learning_rate_is_the_callbacks_formula(monitored: list[dict[str, Any]]) -> None:
+    """α_e / γ = ⟨ḡ_loc, g(x̄)⟩ / ‖g(x̄)‖², recomputed densely from every rank's replica and batch."""
+    mean = torch.stack([r["before_step"] for r in monitored]).mean(0)
+    at_mean = []
+    for result in monitored:
+        net = initial_net(0)
+        torch.nn.utils.vector_to_parameters(mean, net.parameters())
+        (x, y), = result["batch"]
+        torch.nn.functional.mse_loss(net(x), y).backward()
+        at_mean.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
+        assert torch.equal(result["after_measure"], result["before_step"])  # the replica is untouched
+    local = torch.stack([r["grads"] for r in monitored]).double().mean(0)
+    g = torch.stack(at_mean).double().mean(0)
+    ratio = torch.dot(local, g) / torch.dot(g, g)
+    for result in monitored:
+        torch.testing.assert_close(result["lr"]["lr/effective_ratio"], ratio, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result["lr"]["lr/effective"], ratio * MOMENTUM["lr"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result["lr"]["noise/decentralized"], (local - g).norm(), atol=1e-6, rtol=1e-5)
+
+
+def test_bad_setups_name_the_fix() -> None:
+    errors = run_distributed(fabric_workers.bad_setups, 2)[0]
+    assert "exactly one optimizer" in errors["two_optimizers"]
+    assert "not a DistributedDataParallel wrapper" in errors["ddp_wrapped"]
+    assert "one module per Fabric" in errors["second_model"]
+
+
+def test_setup_dataloaders_shards_the_data_over_the_ranks() -> None:
+    indices = run_distributed(fabric_workers.distributed_sampler, 2)
+    assert sorted(indices[0] + indices[1]) == list(range(16)) and not set(indices[0]) & set(indices[1])
+
+
+def test_a_killed_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None:
+    stamp, timeout = tmp_path / "killed_at", 15.0
+    with tempfile.TemporaryDirectory() as out:
+        procs = start_processes(fabric_workers.killed_peer, 2, out, stamp=str(stamp), timeout=timeout)
+        deadline = time.monotonic() + 180
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        status, result = pickle.loads((Path(out) / "0.pkl").read_bytes())
+    assert status == "ok", result
+    assert "step 2" in result["failure"], result["failure"]
+    assert result["stopped_at"] - float(stamp.read_text()) < timeout + 10
+
+
+def test_the_gpt_example_trains_evaluates_on_the_average_saves_and_resumes(tmp_path: Path) -> None:
+    from examples.fabric_gpt import GPT
+
+    tiny = ["--sentences", "200", "--block_size", "16", "--batch_size", "4", "--n_layer", "1", "--n_embd", "16",
+            "--n_head", "2", "--eval_every", "2", "--out_dir", str(tmp_path)]
+    first = run_distributed(fabric_workers.example_gpt, WORLD, argv=["--steps", "3", *tiny])
+    assert [r["step"] for r in first] == [3] * WORLD and first[0]["val_loss"] == first[1]["val_loss"]
+    checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    model = GPT(vocab_size=checkpoint["model"]["tokens.weight"].shape[0], block_size=16, n_layer=1, n_head=2, n_embd=16)
+    model.load_state_dict(checkpoint["model"])  # x̄, into the plain module
+    resumed = run_distributed(fabric_workers.example_gpt, WORLD, argv=["--steps", "5", "--resume", *tiny])
+    assert [(r["resumed_from"], r["step"]) for r in resumed] == [(3, 5)] * WORLD
+    assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
