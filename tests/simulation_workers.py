@@ -190,3 +190,21 @@ def resume_simulated(workers: int, save: str = "", load: str = "") -> list[torch
     if save:
         trainer.save_checkpoint(save)
     return [_state(module) for module in strategy.worker_modules()]
+
+
+class NeedsAName(torch.optim.SGD):
+    """An optimizer whose constructor takes an argument its ``defaults`` do not hold."""
+
+    def __init__(self, params: Any, name: str, lr: float = 0.1) -> None:
+        super().__init__(params, lr=lr)
+        self.name = name
+
+
+def fit_with_optimizer(optimizer_class: type, workers: int) -> None:
+    class WithOptimizer(LoggingRegression):
+        def configure_optimizers(self) -> Any:
+            return optimizer_class(self.parameters(), "mine")
+
+    config = Config("optimizer", optimizer={"lr": 0.1})
+    strategy = SimulatedDecentralizedStrategy(workers=workers)
+    _trainer(strategy, config, 1).fit(WithOptimizer(seed=init_seed(0)), train_dataloaders=shared_loader(config, workers))

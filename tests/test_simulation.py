@@ -172,3 +172,8 @@ def test_the_simulated_checkpoint_holds_the_average_and_a_shard_per_worker(resum
     mean = {k: torch.stack([s[k] for s in shard_states]).mean(0) for k in plain.state_dict()}
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(value, mean[name], atol=1e-6, rtol=0)
+
+
+def test_an_optimizer_that_cannot_be_built_per_worker_is_refused() -> None:
+    with pytest.raises(ValueError, match="its own NeedsAName.*param_groups, \\*\\*defaults"):
+        sim.fit_with_optimizer(sim.NeedsAName, WORLD)

@@ -9,7 +9,8 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_decentral.simulation import PerWorker, SimulatedDecentralizedStrategy
+from lightning_decentral.simulated_workers import PerWorker
+from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 from lightning_decentral.strategy import DecentralizedStrategy
 
 Decentralized = Union[DecentralizedStrategy, SimulatedDecentralizedStrategy]

@@ -1,0 +1,193 @@
+"""`SimulatedReplicaStrategy`: one process holding `n` replicas, as Lightning needs them.
+
+What a simulation of decentralized training needs of Lightning besides its update rule: one device (and a
+clear error for more), the re-seed every rank does at set-up, worker random states from the start of
+training, evaluation on `x̄`, and checkpoints that hold `x̄` with one shard per worker in
+`DecentralizedStrategy`'s layout ([`checkpoint`][lightning_decentral.checkpoint]), so that a run moves
+between the simulation and `n` processes. The workers themselves are a
+[`SimulatedWorkers`][lightning_decentral.simulated_workers.SimulatedWorkers].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_decentral import checkpoint as shards
+from lightning_decentral.mixing import DenseMixer
+from lightning_decentral.replicated import EvaluatesOnAverage
+from lightning_decentral.replicas import AveragedModel
+from lightning_decentral.simulated_workers import SimulatedWorkers
+
+
+class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
+    """`SingleDeviceStrategy` holding `workers` replicas (see the module docstring); subclasses fill
+    `self._group` at set-up and define the update.
+
+    Args:
+        workers: the number of simulated workers `n`.
+        mixer: their mixer, bound to `n`.
+        eval_on: `"average"` (evaluate `x̄`) or `"local"` (worker 0's replica).
+        **kwargs: `SingleDeviceStrategy`'s `accelerator`, `checkpoint_io`, `precision_plugin`.
+    """
+
+    def __init__(self, workers: int, mixer: DenseMixer, eval_on: str, **kwargs: Any) -> None:
+        super().__init__(device="cpu", **kwargs)
+        self.workers, self.eval_on = workers, eval_on
+        self._mixer = mixer
+        self._group = SimulatedWorkers(mixer, torch.device("cpu"))  # rebuilt on the device at fit
+        self._devices: list[torch.device] = []
+        self._averaged = AveragedModel()
+        self._eval_context = contextlib.ExitStack()
+        self._resume_shards: list[dict[str, Any]] = []  # fit(ckpt_path=...): every worker's shard, until restored
+        self._rng_restored = False
+
+    # -- the devices Lightning hands over --------------------------------------------------------
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        """The devices of the Trainer's `devices=`; exactly one."""
+        return self._devices
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
+        devices = list(devices or [])
+        if len(devices) != 1:
+            raise ValueError(
+                f"SimulatedDecentralizedStrategy runs every worker in one process on one device, but the Trainer "
+                f"was given {len(devices)} devices: use devices=1 (and workers=n for n simulated workers), or "
+                "DecentralizedStrategy for one process per device."
+            )
+        self._devices = devices
+        self._root_device = devices[0]
+
+    @property
+    def num_nodes(self) -> int:
+        """Always 1."""
+        return 1
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        if num_nodes != 1:
+            raise ValueError(f"SimulatedDecentralizedStrategy runs in one process: use num_nodes=1, not {num_nodes}.")
+
+    def worker_modules(self) -> list[Module]:
+        """Each worker's module, worker 0 (the LightningModule itself) first; empty before fit."""
+        return [worker.module for worker in self._group.workers]
+
+    @contextlib.contextmanager
+    def averaged_model(self) -> Iterator[None]:
+        """Replace the LightningModule's state by `x̄`, the mean of every worker's, inside the block."""
+        mean = self._group.mean if len(self._group.workers) > 1 else None
+        with self._averaged.swapped_in(self.lightning_module, mean):
+            yield
+
+    @override
+    def setup_environment(self) -> None:
+        """Before the module's `setup`: refuse a job of several processes; re-seed as every rank does."""
+        processes = int(os.environ.get("WORLD_SIZE", "1"))
+        if processes > 1:
+            raise ValueError(
+                f"SimulatedDecentralizedStrategy runs in one process, but this job has {processes} (WORLD_SIZE): "
+                "launch one process, or use DecentralizedStrategy."
+            )
+        super().setup_environment()
+        reset_seed()  # DDPStrategy re-seeds each rank from seed_everything's seed here: so does every worker
+
+    @override
+    def on_train_start(self) -> None:
+        """Before the first epoch: every worker starts from the random state the run has now, as every rank
+        does (each re-seeded from `seed_everything`'s seed at set-up, then doing the same work)."""
+        super().on_train_start()
+        if not self._rng_restored:  # resumed from shards: each worker continues its own
+            self._group.start_random_states()
+
+    # -- checkpoints: x̄ and one shard per worker, as DecentralizedStrategy writes them ------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """`x̄`'s state dict: the checkpoint loads into a plain module."""
+        with self.averaged_model():
+            return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer state averaged over the workers (a resume that cannot use the shards starts there)."""
+        return self._group.optimizer_state() if self._group.workers else super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Every worker's shard as rank `i` of `n` writes it, then the checkpoint file (`x̄`), then the
+        workers' shards of earlier saves to this path go: the layout `DecentralizedStrategy` reads."""
+        if not self._group.workers:  # not fitting: a plain checkpoint
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        save_id = secrets.randbits(62)
+        checkpoint[shards.META_KEY] = {"save_id": save_id, "world_size": self.workers}
+        paths = [shards.shard_path(filepath, i, self.workers, save_id) for i in range(self.workers)]
+        try:
+            precision = None if "optimizer_states" not in checkpoint else self.precision_plugin.state_dict()
+            step = self.lightning_module.trainer.global_step
+            for rank, (worker, path) in enumerate(zip(self._group.workers, paths)):
+                own = {k: v.detach() for k, v in self._averaged.own_state_dict(worker.module).items()}
+                shards.write_shard(self._group.shard(rank, save_id, own, step, precision), path)
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+        except BaseException:
+            for path in paths:
+                shards.discard(path)
+            raise
+        for i, path in enumerate(paths):
+            shards.remove_shards(filepath, i, keep=path)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """The checkpoint file and every worker's shards of it."""
+        super().remove_checkpoint(filepath)
+        for i in range(self.workers):
+            shards.remove_shards(filepath, i)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """The checkpoint file and, when fitting, every worker's shard: if all are there (a save of `workers`
+        ranks, by either strategy), worker `i` continues exactly from shard `i`; else every worker starts from
+        `x̄` and the averaged optimizer state, with one warning saying why."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
+        self._resume_shards = []
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint
+        meta = checkpoint.get(shards.META_KEY)
+        found = [shards.read_own_shard(checkpoint_path, meta, i, self.workers) for i in range(self.workers)]
+        problems = [problem for _, problem in found]
+        if any(problems):
+            rank_zero_warn(shards.resume_warning(checkpoint_path, problems, meta, self.workers))
+            return checkpoint
+        self._resume_shards = [shard for shard, _ in found]
+        return shards.with_shard(checkpoint, self._resume_shards[0], precision_key=type(self.precision_plugin).__qualname__)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """Lightning restores worker 0's optimizer; then every other worker's replica, optimizer and random
+        state from its shard (or the averaged optimizer state), and worker 0's step and random state."""
+        super().load_optimizer_state_dict(checkpoint)
+        resumed, self._resume_shards = self._resume_shards, []
+        self._group.restore(resumed, checkpoint["optimizer_states"][0])
+        if resumed:
+            shards.resume_rank_state(resumed[0], self.lightning_module.trainer.global_step)
+        self._rng_restored = bool(resumed)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """A run stopped with an error: put worker 0's own state back."""
+        self._eval_context.close()
+        super().on_exception(exception)
