@@ -165,3 +165,30 @@ def test_gossip_dtype_by_name_reaches_the_strategy(monkeypatch: pytest.MonkeyPat
         run=False,
     )
     assert cli.trainer.strategy.gossip_dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize("args", [["--help"], ["fit", "--help"]], ids=["command", "fit"])
+def test_help_describes_the_command_and_how_to_see_the_strategy_options(args: list[str], run_cli) -> None:
+    code, out, _ = run_cli(args)
+    text = " ".join(out.split())  # the help is wrapped to the terminal
+    assert code == 0
+    assert "Lightning Trainer command line tool" not in text
+    if args == ["--help"]:
+        assert "decentralized (gossip) strategies registered" in text
+    assert "lightning-decentral fit --trainer.strategy.help lightning_decentral.DecentralizedStrategy" in text
+    assert "not a registered name such as dpsgd" in text
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [
+        ("lightning_decentral.DecentralizedStrategy", ["gossip_steps", "topology", "gossip_dtype", "start_method"]),
+        ("lightning_decentral.SimulatedDecentralizedStrategy", ["gossip_steps", "topology", "gossip_dtype", "workers"]),
+    ],
+)
+def test_strategy_help_lists_the_strategy_options(strategy: str, options: list[str], run_cli) -> None:
+    """What the `--help` hint says works: the strategy's own arguments, by class path."""
+    code, out, _ = run_cli(["fit", "--trainer.strategy.help", strategy])
+    assert code == 0
+    for option in options:
+        assert f"--trainer.strategy.{option}" in out, option
