@@ -219,7 +219,7 @@ class WorkerLoaders:
             for rank in range(workers)
         ]
         self.sampler = _Samplers([loader.sampler for loader in self.loaders])
-        self._group.as_worker = as_worker
+        self._as_worker = as_worker
 
     def __len__(self) -> int:
         return len(self.loaders[0])
@@ -227,12 +227,12 @@ class WorkerLoaders:
     def __iter__(self) -> Iterator[PerWorker]:
         iterators = []
         for rank, loader in enumerate(self.loaders):
-            with self._group.as_worker(rank):
+            with self._as_worker(rank):
                 iterators.append(iter(loader))
         while True:
             batches = []
             for rank, iterator in enumerate(iterators):
-                with self._group.as_worker(rank):
+                with self._as_worker(rank):
                     batch = next(iterator, _END)
                 if batch is _END:
                     return
