@@ -9,6 +9,13 @@ Subcommands `fit`, `validate`, `test`, `predict`. `model` and `data` take any Li
 LightningDataModule by `class_path` (subclass mode), `trainer.strategy` a registered name (`dpsgd`,
 `decentlam`, `ddp`...) or `class_path: lightning_decentral.DecentralizedStrategy` with `init_args`.
 
+`lightning-decentral --help` and `lightning-decentral fit --help` list every option but the strategy's
+own, which depend on the class chosen; show those with `--trainer.strategy.help`, which takes a class
+path or a class name (not a registered name such as `dpsgd`):
+
+    lightning-decentral fit --trainer.strategy.help lightning_decentral.DecentralizedStrategy
+    lightning-decentral fit --trainer.strategy.help lightning_decentral.SimulatedDecentralizedStrategy
+
 Like `python -m`, the command puts the current directory first on `sys.path`, so that
 `class_path: examples.digits.DigitsCNN` imports when run from the repository root; modules on
 `PYTHONPATH` import as well. After `fit`, rank 0 prints the validation metrics of the final model
@@ -24,13 +31,30 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 from lightning_decentral.strategy import DecentralizedStrategy
+
+
+DESCRIPTION = (
+    "lightning-decentral: Lightning's command line (LightningCLI) with the decentralized (gossip) strategies "
+    "registered. It runs fit, validate, test or predict on any LightningModule and LightningDataModule given "
+    "by class_path; --trainer.strategy takes a registered name (dpsgd, decentlam, dpsgd_sim, ddp...) or a "
+    "class_path with init_args."
+)
+"""What `lightning-decentral --help` says the command is."""
+
+STRATEGY_HELP = (
+    "The strategy's own options (topology, gossip_steps, gossip_dtype, ...) are not listed in --help; show "
+    "them with: lightning-decentral fit --trainer.strategy.help lightning_decentral.DecentralizedStrategy "
+    "(or lightning_decentral.SimulatedDecentralizedStrategy). That flag takes a class path or a class name, "
+    "not a registered name such as dpsgd."
+)
+"""The hint, in every `--help`, to see the strategy's options."""
 
 
 class DecentralizedCLI(LightningCLI):
@@ -48,6 +72,13 @@ class DecentralizedCLI(LightningCLI):
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         super().__init__(args=args, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        """The parser of the command (described by `DESCRIPTION`) or of a subcommand; each `--help` ends its
+        description with `STRATEGY_HELP`."""
+        description = kwargs.get("description") or DESCRIPTION  # a subcommand's: the Trainer method's first line
+        kwargs["description"] = f"{description} {STRATEGY_HELP}"
+        return super().init_parser(**kwargs)
 
     def instantiate_classes(self) -> None:
         """Create model, data and Trainer; an error in a constructor (a bad value in the config, a

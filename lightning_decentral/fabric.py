@@ -38,7 +38,7 @@ from lightning_decentral.agreement import Ranks, mean_optimizer_state, parameter
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import consensus_distance, effective_ratio, gossip_residual
 from lightning_decentral.mixing import ExchangeObserver
-from lightning_decentral.options import check_options, register_strategies
+from lightning_decentral.options import GossipDtypeName, check_options, register_strategies
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RULES, DecentLaM, RuleOptions, UpdateRule, rule_name
 from lightning_decentral.schedule import GossipSchedule, StepPlan
@@ -82,7 +82,7 @@ class DecentralizedStrategy(DDPStrategy):
         gossip_buffers: bool = True,
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
-        gossip_dtype: Optional[torch.dtype] = None,
+        gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
         **kwargs: Any,
     ) -> None:
         dtype = check_options(topology, combine, momentum, gossip_every, gossip_steps, eval_on, bucket_cap_mb, gossip_dtype)

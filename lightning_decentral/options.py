@@ -14,6 +14,8 @@ COMBINE = ("awc", "atc")
 EVAL_ON = ("average", "local")
 MOMENTUM = ("local", "decentlam")
 GOSSIP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+GossipDtypeName = Literal[tuple(str(d).removeprefix("torch.") for d in GOSSIP_DTYPES)]  # type: ignore[valid-type]
+"""`gossip_dtype` by name (`"bfloat16"`, `"float16"`, `"float32"`): what a YAML config or the command line gives."""
 
 
 def check_options(
@@ -57,10 +59,10 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
 
 
 def _check_gossip_dtype(dtype: Any) -> Optional[torch.dtype]:
-    """`None`, or one of `GOSSIP_DTYPES` (also given by name: `"bfloat16"`, `"float16"`)."""
+    """`None`, or one of `GOSSIP_DTYPES` (also given by name: `"bfloat16"`, `"torch.bfloat16"`, `"float16"`)."""
     if dtype is None:
         return None
-    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
     if resolved not in GOSSIP_DTYPES:
         names = ", ".join(f"torch.{str(d).split('.')[-1]}" for d in GOSSIP_DTYPES)
         raise ValueError(

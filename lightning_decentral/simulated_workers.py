@@ -205,7 +205,7 @@ def _floating_state(module: Module) -> list[Tensor]:
 class WorkerLoaders:
     """A training DataLoader as `n` workers see it: worker `i` iterates rank `i`'s `DistributedSampler`
     (Lightning's own, with its shuffling seed, padding and `drop_last`); each item is a
-    [`PerWorker`][lightning_decentral.simulation.PerWorker] of batches. `as_worker(i)` is the context in
+    [`PerWorker`][lightning_decentral.simulated_workers.PerWorker] of batches. `as_worker(i)` is the context in
     which worker `i` iterates (its random state)."""
 
     def __init__(self, dataloader: torch.utils.data.DataLoader, workers: int, as_worker: Callable[[int], Any]) -> None:

@@ -35,7 +35,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral.mixing import DenseMixer, ExchangeObserver
-from lightning_decentral.options import TopologyName, check_options
+from lightning_decentral.options import GossipDtypeName, TopologyName, check_options
 from lightning_decentral.rules import RuleOptions, rule_name
 from lightning_decentral.schedule import GossipSchedule, StepPlan
 from lightning_decentral.simulated_replicas import SimulatedReplicaStrategy
@@ -79,7 +79,7 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         gossip_buffers: bool = True,
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
-        gossip_dtype: Optional[torch.dtype] = None,
+        gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,

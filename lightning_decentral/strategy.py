@@ -37,7 +37,7 @@ from typing_extensions import override
 from lightning_decentral.agreement import parameter_deviations, run_configuration
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.mixing import ExchangeObserver
-from lightning_decentral.options import TopologyName, check_options, register_strategies
+from lightning_decentral.options import GossipDtypeName, TopologyName, check_options, register_strategies
 from lightning_decentral.replicas import Replica
 from lightning_decentral.replicated import ReplicaStrategy
 from lightning_decentral.rules import RULES, RuleOptions, UpdateRule, rule_name
@@ -102,7 +102,7 @@ class DecentralizedStrategy(ReplicaStrategy):
         gossip_buffers: bool = True,
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
-        gossip_dtype: Optional[torch.dtype] = None,
+        gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

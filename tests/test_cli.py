@@ -131,3 +131,64 @@ def test_user_module_on_pythonpath_trains(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Finished fit after 3 steps on 1 workers (dpsgd awc, Ring(world_size=1))." in done.stdout
     assert "Validation of the averaged model x̄: val_mse = " in done.stdout
+
+
+@pytest.mark.parametrize("strategy", ["lightning_decentral.DecentralizedStrategy", "lightning_decentral.SimulatedDecentralizedStrategy"])
+@pytest.mark.parametrize("name, printed", [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"),
+                                           ("torch.bfloat16", "torch.bfloat16")])
+def test_gossip_dtype_by_name(strategy: str, name: str, printed: str, run_cli) -> None:
+    """YAML and the command line name the message precision as the Python API does: `bfloat16`, `torch.bfloat16`."""
+    code, out, err = run_cli(
+        ["fit", "--config", QUICKSTART, "--trainer.strategy", strategy,
+         "--trainer.strategy.init_args.gossip_dtype", name, "--print_config"]
+    )
+    assert code == 0, err
+    assert f"gossip_dtype: {printed}" in out
+
+
+def test_unknown_gossip_dtype_names_the_choices(run_cli) -> None:
+    code, out, err = run_cli(["fit", "--config", QUICKSTART, "--trainer.strategy.init_args.gossip_dtype", "bf16"])
+    assert code == 2
+    assert "error:" in err and "Traceback" not in err + out
+    for text in ["gossip_dtype", "bf16", "bfloat16", "float16", "float32"]:
+        assert text in err, text
+
+
+def test_gossip_dtype_by_name_reaches_the_strategy(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from lightning_decentral.cli import DecentralizedCLI
+
+    monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
+    cli = DecentralizedCLI(
+        args=["--config", QUICKSTART, "--trainer.strategy.init_args.gossip_dtype", "bfloat16", "--trainer.logger", "false"],
+        run=False,
+    )
+    assert cli.trainer.strategy.gossip_dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize("args", [["--help"], ["fit", "--help"]], ids=["command", "fit"])
+def test_help_describes_the_command_and_how_to_see_the_strategy_options(args: list[str], run_cli) -> None:
+    code, out, _ = run_cli(args)
+    text = " ".join(out.split())  # the help is wrapped to the terminal
+    assert code == 0
+    assert "Lightning Trainer command line tool" not in text
+    if args == ["--help"]:
+        assert "decentralized (gossip) strategies registered" in text
+    assert "lightning-decentral fit --trainer.strategy.help lightning_decentral.DecentralizedStrategy" in text
+    assert "not a registered name such as dpsgd" in text
+
+
+@pytest.mark.parametrize(
+    "strategy, options",
+    [
+        ("lightning_decentral.DecentralizedStrategy", ["gossip_steps", "topology", "gossip_dtype", "start_method"]),
+        ("lightning_decentral.SimulatedDecentralizedStrategy", ["gossip_steps", "topology", "gossip_dtype", "workers"]),
+    ],
+)
+def test_strategy_help_lists_the_strategy_options(strategy: str, options: list[str], run_cli) -> None:
+    """What the `--help` hint says works: the strategy's own arguments, by class path."""
+    code, out, _ = run_cli(["fit", "--trainer.strategy.help", strategy])
+    assert code == 0
+    for option in options:
+        assert f"--trainer.strategy.{option}" in out, option

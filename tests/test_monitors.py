@@ -170,3 +170,35 @@ def test_warns_when_measurements_would_never_be_written(tmp_path: Path) -> None:
     with pytest.warns(UserWarning, match=r"ConsensusDistance\(every_n_steps=7\).*multiple of") as caught:
         trainer.fit(monitor_workers.TwoPart(), train_dataloaders=loader(0, 8, 8))
     assert not any("EffectiveLearningRate" in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize(
+    "strategy, expected, unexpected",
+    [
+        ("dpsgd", ["nothing to control", "DecentralizedStrategy runs one worker", "devices > 1",
+                   "SimulatedDecentralizedStrategy(workers=n)"], "strategy='dpsgd'"),
+        ("auto", ["nothing to control", "1 rank(s)", "Use strategy='dpsgd'"], "SimulatedDecentralizedStrategy"),
+    ],
+    ids=["one-worker-dpsgd", "other-strategy"],
+)
+def test_consensus_control_with_one_worker_says_what_to_change(strategy: str, expected: list[str], unexpected: str) -> None:
+    """On a decentralized strategy with one worker the advice is more workers, not the strategy it already uses."""
+    import warnings
+
+    from lightning.pytorch import Trainer
+
+    import lightning_decentral  # noqa: F401  # registers "dpsgd"
+    from tests.models import loader
+
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, callbacks=[ConsensusControl(target=1.0)],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(monitor_workers.TwoPart(), train_dataloaders=loader(0, 8, 8))
+    messages = [str(w.message) for w in caught if "ConsensusControl" in str(w.message)]
+    assert len(messages) == 1, messages
+    for text in expected:
+        assert text in messages[0], (text, messages[0])
+    assert unexpected not in messages[0]

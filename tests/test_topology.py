@@ -292,3 +292,54 @@ def test_other_errors() -> None:
         GraphTopology(nx.Graph([(0, 1), (2, 3)]))
     with pytest.raises(ValueError, match=r"rank must be in \[0, 4\)"):
         Ring(world_size=4).in_neighbors(4, 0)
+
+
+def test_graph_edge_weights_are_the_mixing_weights() -> None:
+    """An edge `weight` is `w_ij`; the self-weight makes each row sum to 1; unweighted graphs keep Metropolis-Hastings."""
+    graph = nx.Graph()
+    graph.add_weighted_edges_from([(0, 1, 0.5), (1, 2, 0.25), (2, 3, 0.5), (3, 0, 0.25)])
+    w = GraphTopology(graph).mixing()
+    expected = np.array(
+        [[0.25, 0.5, 0.0, 0.25], [0.5, 0.25, 0.25, 0.0], [0.0, 0.25, 0.25, 0.5], [0.25, 0.0, 0.5, 0.25]]
+    )
+    np.testing.assert_allclose(w, expected, atol=1e-15)
+    assert isinstance(resolve_topology(graph, 4), GraphTopology)
+    np.testing.assert_allclose(resolve_topology(graph, 4).mixing(), expected, atol=1e-15)
+    # labels other than 0..n-1 and a self loop (ignored: w_ii is 1 minus the row's other weights)
+    labelled = nx.Graph()
+    labelled.add_weighted_edges_from([("a", "b", 0.3), ("b", "c", 0.6), ("c", "c", 0.9)])
+    np.testing.assert_allclose(
+        GraphTopology(labelled).mixing(), [[0.7, 0.3, 0.0], [0.3, 0.1, 0.6], [0.0, 0.6, 0.4]], atol=1e-15
+    )
+
+
+@pytest.mark.parametrize(
+    ("edges", "match"),
+    [
+        ([(0, 1, 0.8), (1, 2, 0.4), (2, 0, 0.1)], r"W\[1, 1\] = -0\.2 is negative.*>= 0"),
+        ([(0, 1, -0.5), (1, 2, 0.5)], r"negative.*>= 0"),
+        ([(0, 1, 0.0), (1, 2, 0.5)], r"not connected"),
+    ],
+    ids=["row-over-one", "negative-weight", "zero-weight-disconnects"],
+)
+def test_graph_bad_edge_weights(edges: list[tuple[int, int, float]], match: str) -> None:
+    graph = nx.Graph()
+    graph.add_weighted_edges_from(edges)
+    with pytest.raises(ValueError, match=match):
+        GraphTopology(graph)
+
+
+def test_graph_weights_on_some_edges_only() -> None:
+    graph = nx.Graph([(0, 1), (1, 2), (2, 0)])
+    graph.edges[0, 1]["weight"] = 0.3
+    with pytest.raises(ValueError, match=r"2 of 3 edges have no 'weight'.*\(0, 2\).*every edge a weight, or none"):
+        GraphTopology(graph)
+
+
+def test_graph_mixed_node_labels() -> None:
+    graph = nx.Graph([(0, 1), (1, "a"), ("a", 0)])
+    with pytest.raises(ValueError, match=r"cannot be sorted.*convert_node_labels_to_integers"):
+        GraphTopology(graph)
+    np.testing.assert_allclose(
+        GraphTopology(nx.convert_node_labels_to_integers(graph)).mixing(), Ring(world_size=3).mixing(), atol=1e-15
+    )

@@ -28,6 +28,8 @@ from torch import Tensor
 
 from lightning_decentral.callbacks._common import check_every, decentralized, due, max_over_ranks, warn_unless_written
 from lightning_decentral.measures import consensus_distance, gossip_residual
+from lightning_decentral.simulation import SimulatedDecentralizedStrategy
+from lightning_decentral.strategy import DecentralizedStrategy
 from lightning_decentral.topology import Topology
 
 _REFERENCES = ("absolute", "parameters")
@@ -200,10 +202,7 @@ class ConsensusControl(_StepEnd):
         self._done_step = -1
         strategy = decentralized(trainer)
         if strategy is None:
-            rank_zero_warn(
-                f"ConsensusControl has nothing to control under {type(trainer.strategy).__name__} with "
-                f"{trainer.world_size} rank(s): the replicas are one model (Ξ = 0). Use strategy='dpsgd'."
-            )
+            rank_zero_warn(_nothing_to_control(trainer))
             return
         if strategy.gossip_steps > self.max_gossip_steps:
             raise ValueError(
@@ -328,3 +327,18 @@ def rounds_needed(bounds: list[float], estimate: float, target: float, limit: in
         rounds += 1
     return rounds
 
+
+def _nothing_to_control(trainer: Trainer) -> str:
+    """Why `ConsensusControl` does nothing under this Trainer, and what would give it replicas to control."""
+    strategy = trainer.strategy
+    name = type(strategy).__name__
+    if isinstance(strategy, (DecentralizedStrategy, SimulatedDecentralizedStrategy)):
+        return (
+            f"ConsensusControl has nothing to control: {name} runs one worker, whose replica is the model "
+            "(Ξ = 0). Train on more workers: devices > 1 (or num_nodes > 1), or n workers simulated on one "
+            "device with SimulatedDecentralizedStrategy(workers=n)."
+        )
+    return (
+        f"ConsensusControl has nothing to control under {name} with {trainer.world_size} rank(s): the "
+        "replicas are one model (Ξ = 0). Use strategy='dpsgd'."
+    )

@@ -67,11 +67,16 @@ class MatrixTopology(Topology):
 
 
 class GraphTopology(MatrixTopology):
-    """Metropolis-Hastings weights on an undirected `networkx` graph.
+    """The mixing matrix of an undirected `networkx` graph: its edge weights, or Metropolis-Hastings weights.
 
-    `w_ij = 1/(1 + max(d_i, d_j))` on each edge, `w_ii = 1 - sum_j w_ij`, with `d_i` the degree
-    of node `i` (self loops ignored). Nodes become ranks in `sorted(graph.nodes)` order; the world
-    size is the number of nodes.
+    If the edges carry a `weight` attribute (`graph.add_weighted_edges_from(...)`), `w_ij` is the
+    weight of edge `(i, j)` and `w_ii = 1 - sum_j w_ij`: every edge needs a weight then, each node's
+    weights may sum to at most 1 (else `w_ii` would be negative and the graph is refused), and a
+    weight of 0 is no link. Without weights, `w_ij = 1/(1 + max(d_i, d_j))` on each edge (Metropolis-
+    Hastings), `w_ii = 1 - sum_j w_ij`, with `d_i` the degree of node `i`. Either way `W` is symmetric,
+    so doubly stochastic, and self loops are ignored. Nodes become ranks in `sorted(graph.nodes)`
+    order (labels of one type that sort: integers, or strings; else relabel the nodes with
+    `networkx.convert_node_labels_to_integers`); the world size is the number of nodes.
 
     Examples:
         >>> import networkx as nx
@@ -95,16 +100,37 @@ class GraphTopology(MatrixTopology):
             )
         if graph.number_of_nodes() == 0:
             raise ValueError("The graph has no nodes: it needs one node per rank.")
-        rank = {node: i for i, node in enumerate(sorted(graph.nodes))}
+        try:
+            nodes = sorted(graph.nodes)
+        except TypeError as error:
+            raise ValueError(
+                f"The graph's node labels cannot be sorted into ranks ({error}): relabel the nodes to 0..n-1 "
+                "with networkx.convert_node_labels_to_integers(graph), or use labels of one type."
+            ) from None
+        rank = {node: i for i, node in enumerate(nodes)}
         n = len(rank)
-        edges = {(rank[a], rank[b]) for a, b in graph.edges() if a != b}
-        adjacency = np.zeros((n, n), dtype=bool)
-        for i, j in edges:
-            adjacency[i, j] = adjacency[j, i] = True
-        degree = adjacency.sum(axis=1)
-        w = np.where(adjacency, 1.0 / (1.0 + np.maximum.outer(degree, degree)), 0.0)
+        edges = [(a, b, data) for a, b, data in graph.edges(data=True) if a != b]
+        unweighted = [(a, b) for a, b, data in edges if "weight" not in data]
+        if len(unweighted) == len(edges):  # Metropolis-Hastings
+            adjacency = np.zeros((n, n), dtype=bool)
+            for a, b, _ in edges:
+                adjacency[rank[a], rank[b]] = adjacency[rank[b], rank[a]] = True
+            degree = adjacency.sum(axis=1)
+            w = np.where(adjacency, 1.0 / (1.0 + np.maximum.outer(degree, degree)), 0.0)
+        elif unweighted:
+            raise ValueError(
+                f"{len(unweighted)} of {len(edges)} edges have no 'weight' attribute (e.g. {unweighted[0]!r}): give "
+                "every edge a weight, or none for Metropolis-Hastings weights."
+            )
+        else:  # the user's weights
+            w = np.zeros((n, n), dtype=np.float64)
+            for a, b, data in edges:
+                try:
+                    w[rank[a], rank[b]] = w[rank[b], rank[a]] = float(data["weight"])
+                except (TypeError, ValueError):
+                    raise ValueError(f"The weight of edge {(a, b)!r} must be a number, got {data['weight']!r}.") from None
         w[np.diag_indices(n)] = 1.0 - w.sum(axis=1)
-        super().__init__(w)
+        super().__init__(w)  # validates: a negative weight, or a self-weight below 0, is refused here
 
     def _mismatch_hint(self, world_size: int) -> str:
         return f"the graph has {self._world_size} nodes; pass a graph with {world_size} nodes (one per rank)"
