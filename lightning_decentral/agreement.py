@@ -18,6 +18,9 @@ from torch import Tensor
 from lightning_decentral.replicas import averaged_optimizer_state, group_by_layout
 
 _STRING_SLOTS = 64  # a configuration string travels as this many code points
+_SAME_BUILD = (
+    "Build the same DecentralizedStrategy and the same model on every rank (no argument may depend on the rank)."
+)
 
 
 class Ranks:
@@ -88,12 +91,12 @@ class Ranks:
         if failed:
             raise RuntimeError(f"Rank(s) {failed} could not {what} (their logs say why); no checkpoint was written.")
 
-    def check_same_configuration(self, fields: dict[str, Union[int, str]]) -> None:
+    def check_same_configuration(self, fields: dict[str, Union[int, str]], advice: str = _SAME_BUILD) -> None:
         """Stop every rank if a rank's `fields` differ from rank 0's.
 
         Each field travels as int64 values (a string as its first 64 code points; use
-        [`digest`][lightning_decentral.agreement.digest] for longer data) in one all-gather; the
-        error, raised on every rank, names each differing rank and field with both values.
+        [`digest`][lightning_decentral.agreement.digest] for longer data) in one all-gather; the error, raised on every rank, names each differing rank and
+        field with both values, then `advice`. Every rank must pass fields of the same names and kinds.
         """
         table = self.gather([v for value in fields.values() for v in _encode(value)])
         rows = [_decode(row.tolist(), fields) for row in table]
@@ -104,9 +107,23 @@ class Ranks:
             if row[name] != rows[0][name]
         ]
         if differences:
+            raise ValueError("The ranks do not run the same configuration: " + "; ".join(differences) + ". " + advice)
+
+    def check_same_checkpoint(self, ckpt_path: Optional[str]) -> None:
+        """Stop every rank, naming `ckpt_path` and each rank's value, unless every rank resumes from the same
+        checkpoint (or none). One all-gather of a digest of the path and the path shortened to 64 characters."""
+        tail = _STRING_SLOTS - 3  # the end of a long path names the checkpoint: keep it
+        shown = "None" if ckpt_path is None else repr(ckpt_path if len(ckpt_path) <= tail else "…" + ckpt_path[1 - tail :])
+        mine = digest(b"\0none") if ckpt_path is None else digest(ckpt_path.encode())
+        table = self.gather([mine, *_encode(shown)])
+        if len(set(table[:, 0].tolist())) > 1:
+            values = [_decode(row[1:].tolist(), {"path": shown})["path"] for row in table]
             raise ValueError(
-                "The ranks do not run the same configuration: " + "; ".join(differences) + ". Build the same "
-                "DecentralizedStrategy and the same model on every rank (no argument may depend on the rank)."
+                "The ranks do not resume from the same checkpoint: "
+                + ", ".join(f"rank {rank} has ckpt_path={value}" for rank, value in enumerate(values))
+                + ". Lightning reads a checkpoint only on the ranks given one, and every rank must load the same "
+                "save (each reads its own shard beside it): pass the same `trainer.fit(ckpt_path=...)` on every "
+                "rank, or None on every rank."
             )
 
 

@@ -210,6 +210,13 @@ def resolve(checkpoint_path: _PATH) -> str:
     return os.path.realpath(checkpoint_path) if isinstance(fs, LocalFileSystem) else str(checkpoint_path)
 
 
+def comparable(checkpoint_path: _PATH) -> str:
+    """`checkpoint_path` as the ranks compare it: absolute if local (a relative path and its absolute form
+    name the same file; a link is not followed), else as given."""
+    fs = get_filesystem(checkpoint_path)
+    return os.path.abspath(checkpoint_path) if isinstance(fs, LocalFileSystem) else str(checkpoint_path)
+
+
 def shard_directory(checkpoint_path: _PATH) -> str:
     """The directory beside `checkpoint_path` that holds its shards: `<checkpoint_path>.shards`."""
     return f"{checkpoint_path}.shards"

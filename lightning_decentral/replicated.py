@@ -11,6 +11,7 @@ check, before anything runs, that every rank runs the same configuration.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
@@ -85,6 +86,17 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self._eval_context = contextlib.ExitStack()
         self._resume_shard: Optional[dict[str, Any]] = None  # fit(ckpt_path=...): this rank's shard, until restored
         self._failed = False  # an exception ended the run: no collective at teardown
+
+    @override
+    def setup_environment(self) -> None:
+        """Runs first in every Trainer run, once the process group exists, on every rank: when fitting, check
+        that every rank resumes from the same checkpoint, or none, before any rank reads one (Lightning calls
+        `load_checkpoint`, whose shard protocol gathers, only on the ranks given a path)."""
+        super().setup_environment()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            path = selected_ckpt_path(trainer)
+            self._ranks.check_same_checkpoint(None if path is None else shards.comparable(path))
 
     @contextlib.contextmanager
     def averaged_model(self) -> Iterator[None]:
@@ -225,6 +237,24 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     def _configuration(self) -> dict[str, Union[int, str]]:
         """What every rank must agree on (`Ranks.check_same_configuration`)."""
         raise NotImplementedError
+
+
+def selected_ckpt_path(trainer: Trainer) -> Optional[_PATH]:
+    """The checkpoint this run of `trainer` restores (`"last"`, `"best"`... already resolved), or `None`.
+
+    Lightning resolves it in `fit` and passes it to `Trainer._run` as an argument; `trainer.ckpt_path`
+    records it only once `load_checkpoint` runs, after `setup_environment` (before that, it holds the
+    previous run's). So it is read from the running `_run` call; outside one, `trainer.ckpt_path`.
+    """
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code is Trainer._run.__code__ and frame.f_locals.get("self") is trainer:
+                return frame.f_locals.get("ckpt_path")
+            frame = frame.f_back
+    finally:
+        del frame
+    return trainer.ckpt_path
 
 
 class _AveragingLauncher(_MultiProcessingLauncher):

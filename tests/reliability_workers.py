@@ -190,3 +190,30 @@ def killed_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[
     except RuntimeError as exc:
         failure = str(exc)
     return {"failure": failure, "stopped_at": time.monotonic()}
+
+
+def _outcome(action: Any) -> str:
+    """``"no error"``, or the exception's type and message (the rank goes on to the next scenario)."""
+    try:
+        action()
+        return "no error"
+    except Exception as exc:  # noqa: BLE001 - the test reads which error
+        return f"{type(exc).__name__}: {exc}"
+
+
+def ckpt_path_disagreement(rank: int, world_size: int, root: str, pg_timeout: float) -> dict[str, Any]:
+    """Save checkpoints at steps 1..K; then fit with rank 0 given a checkpoint and rank 1 none, then with
+    two different checkpoints. Every rank must stop with a ``ValueError`` before reading one."""
+    strategy = DecentralizedStrategy(timeout=timedelta(seconds=pg_timeout))
+    callbacks = [ModelCheckpoint(root, every_n_train_steps=1, save_top_k=-1)]
+    trainer = trainer_for(world_size, strategy, max_steps=K, callbacks=callbacks, enable_checkpointing=True)
+    trainer.fit(Regression(seed=init_seed(rank), **MOMENTUM_SGD), loader(rank, K * BATCH, BATCH))
+    out: dict[str, Any] = {}
+    for name, paths in {
+        "one_without": [f"{root}/epoch=0-step={K}.ckpt", None],
+        "different": [f"{root}/epoch=0-step={K}.ckpt", f"{root}/epoch=0-step={K - 1}.ckpt"],
+    }.items():
+        model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
+        trainer = trainer_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=pg_timeout)), max_steps=K + 1)
+        out[name] = _outcome(lambda: trainer.fit(model, loader(rank, K * BATCH, BATCH), ckpt_path=paths[rank]))
+    return out

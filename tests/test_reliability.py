@@ -164,3 +164,18 @@ def test_a_killed_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> No
     assert status == "ok", result
     assert result["failure"].startswith("The gossip exchange of step 2 failed on this rank")
     assert result["stopped_at"] - float(stamp.read_text()) < timeout
+
+
+def test_ranks_given_different_ckpt_paths_all_stop_naming_it(tmp_path: Path) -> None:
+    """Lightning reads a checkpoint only on the ranks given one: without the check at `setup_environment` the
+    shard protocol's all-gather met another collective on the other rank (gloo aborts, or a hang)."""
+    start = time.monotonic()
+    results = run_distributed(workers.ckpt_path_disagreement, 2, timeout=240, root=str(tmp_path), pg_timeout=20.0)
+    assert time.monotonic() - start < 240
+    for rank, r in enumerate(results):
+        for name in ("one_without", "different"):
+            assert r[name].startswith("ValueError: The ranks do not resume from the same checkpoint"), (rank, r[name])
+            assert "rank 0 has ckpt_path='" in r[name] and f"step={workers.K}.ckpt'" in r[name]
+            assert "pass the same `trainer.fit(ckpt_path=...)` on every rank" in r[name]
+        assert "rank 1 has ckpt_path=None" in r["one_without"]
+        assert f"rank 1 has ckpt_path='" in r["different"] and f"step={workers.K - 1}.ckpt'" in r["different"]
