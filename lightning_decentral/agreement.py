@@ -95,7 +95,8 @@ class Ranks:
         """Stop every rank if a rank's `fields` differ from rank 0's.
 
         Each field travels as int64 values (a string as its first 64 code points; use
-        [`digest`][lightning_decentral.agreement.digest] for longer data) in one all-gather; the error, raised on every rank, names each differing rank and
+        [`digest`][lightning_decentral.agreement.digest] or [`fitted`][lightning_decentral.agreement.fitted]
+        for longer data) in one all-gather; the error, raised on every rank, names each differing rank and
         field with both values, then `advice`. Every rank must pass fields of the same names and kinds.
         """
         table = self.gather([v for value in fields.values() for v in _encode(value)])
@@ -125,6 +126,60 @@ class Ranks:
                 "save (each reads its own shard beside it): pass the same `trainer.fit(ckpt_path=...)` on every "
                 "rank, or None on every rank."
             )
+
+    def check_same_optimizers(self, optimizers: list[Any]) -> None:
+        """Stop every rank unless every rank has the same number of optimizers, of the same classes, with the
+        same number of parameter groups and the same `HYPERPARAMETERS` in each (compared exactly: a float
+        travels as its `repr`, the shortest string that reads back as the same float). Three all-gathers,
+        each of a shape every rank agrees on after the one before."""
+        advice = (
+            "Build the same optimizer with the same hyperparameters on every rank (`configure_optimizers` may not "
+            "depend on the rank): the replicas would otherwise drift apart under different updates."
+        )
+        self.check_same_configuration({"optimizers": len(optimizers)}, advice)
+        where = [f" (optimizer {i})" if len(optimizers) > 1 else "" for i in range(len(optimizers))]
+        structure: dict[str, Union[int, str]] = {}
+        for optimizer, at in zip(optimizers, where):
+            structure[f"optimizer class{at}"] = fitted(f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+            structure[f"param groups{at}"] = len(optimizer.param_groups)
+        self.check_same_configuration(structure, advice)
+        values: dict[str, Union[int, str]] = {}
+        for i, optimizer in enumerate(optimizers):
+            groups = optimizer.param_groups
+            for g, group in enumerate(groups):
+                parts = [f"optimizer {i}"] * (len(optimizers) > 1) + [f"param group {g}"] * (len(groups) > 1)
+                suffix = f" ({', '.join(parts)})" if parts else ""
+                for name in HYPERPARAMETERS:
+                    values[f"{name}{suffix}"] = _exact(group[name]) if name in group else "absent"
+        self.check_same_configuration(values, advice)
+
+
+HYPERPARAMETERS = ("lr", "momentum", "betas", "weight_decay", "nesterov", "eps")
+"""The optimizer hyperparameters every rank must agree on (those a parameter group holds)."""
+
+
+def fitted(text: str) -> str:
+    """`text` if it fits the 64 characters a configuration string travels as; else its start and a digest.
+
+    Examples:
+        >>> fitted("ring")
+        'ring'
+        >>> len(fitted("x" * 100))
+        64
+    """
+    if len(text) <= _STRING_SLOTS:
+        return text
+    tag = f"…#{digest(text.encode()) & (2**64 - 1):016x}"
+    return text[: _STRING_SLOTS - len(tag)] + tag
+
+
+def _exact(value: Any) -> str:
+    """A hyperparameter as a string equal for equal values only (`repr` of a float reads back exactly)."""
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    if isinstance(value, (tuple, list)):
+        return fitted("(" + ", ".join(_exact(v) for v in value) + ")")
+    return fitted(repr(value))
 
 
 def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) -> dict[str, Union[int, str]]:

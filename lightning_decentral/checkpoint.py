@@ -117,8 +117,10 @@ def make_shard(
     optimizers: Optional[list[Any]] = None,
     precision: Optional[dict[str, Any]] = None,
     rng: Optional[dict[str, Any]] = None,
+    rule: Optional[dict[str, str]] = None,
 ) -> dict[str, Any]:
-    """A rank's shard: its own `state_dict`, the optimizer step, its RNG state (`rng`, default this
+    """A rank's shard: its own `state_dict`, the optimizer step and the update rule it ran (`rule`, e.g.
+    `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this
     process's [`rng_state`][lightning_decentral.checkpoint.rng_state]), and (unless the checkpoint is
     weights-only: `optimizers=None`) its optimizers' and precision plugin's state."""
     shard = {
@@ -126,7 +128,7 @@ def make_shard(
         "rank": rank,
         "world_size": world_size,
         "state_dict": state_dict,
-        "strategy": {"step": step},
+        "strategy": {"step": step, **(rule or {})},
         "rng": rng if rng is not None else rng_state(),
     }
     if optimizers is not None:
@@ -144,6 +146,21 @@ def with_shard(checkpoint: dict[str, Any], shard: dict[str, Any], precision_key:
     if shard.get("precision"):
         restored[precision_key] = shard["precision"]
     return restored
+
+
+def rule_change_warning(checkpoint_path: _PATH, shard: dict[str, Any], rule: dict[str, str]) -> Optional[str]:
+    """The warning of an exact resume under another update rule or topology than `shard` was saved with
+    (`rule`: this run's, as [`make_shard`][lightning_decentral.checkpoint.make_shard] records it); `None` if
+    nothing recorded changed. A key the shard lacks (an older shard) is unknown, not a change."""
+    saved = shard.get("strategy", {})
+    changes = [f"{key} {saved[key]!r} -> {value!r}" for key, value in rule.items() if key in saved and saved[key] != value]
+    if not changes:
+        return None
+    return (
+        f"Resuming from {checkpoint_path} with another update rule than it was saved with: {'; '.join(changes)} "
+        "(the rule is what `combine` and `momentum` select: 'awc', 'atc' or 'decentlam'). Every replica continues "
+        "from its own shard, with the optimizer state the old rule left."
+    )
 
 
 def resume_rank_state(shard: dict[str, Any], step: int) -> None:

@@ -203,6 +203,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         if shard is None:
             return checkpoint
         self._resume_shard = shard
+        changed = shards.rule_change_warning(checkpoint_path, shard, self._rule_record())
+        if changed is not None:
+            rank_zero_warn(changed)
         return shards.with_shard(checkpoint, shard, precision_key=type(self.precision_plugin).__qualname__)
 
     @override
@@ -226,7 +229,12 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             step=self.lightning_module.trainer.global_step,
             optimizers=None if weights_only else self.optimizers,
             precision=None if weights_only else self.precision_plugin.state_dict(),
+            rule=self._rule_record(),
         )
+
+    def _rule_record(self) -> dict[str, str]:
+        """The update rule as a shard records it (`{}`: nothing to record); a resume warns if it changed."""
+        return {}
 
     # -- every rank runs the same configuration ----------------------------------------------
 

@@ -205,6 +205,7 @@ class DecentralizedStrategy(ReplicaStrategy):
         """Runs before fit, validate, test or predict: the replicas, then (fitting) the update rule."""
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
         if trainer.state.fn == TrainerFn.FITTING:
+            self._ranks.check_same_optimizers(self.optimizers)
             self._rule = self._build_rule()
 
     @override
@@ -322,6 +323,9 @@ class DecentralizedStrategy(ReplicaStrategy):
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))
         return run_configuration(self, self.lightning_module, precision)
+
+    def _rule_record(self) -> dict[str, str]:
+        return {"rule": rule_name(self.momentum, self.combine), "topology": repr(self.topology)}
 
     def _bound_schedule(self) -> GossipSchedule:
         if self._schedule is None:

@@ -192,10 +192,10 @@ def killed_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[
     return {"failure": failure, "stopped_at": time.monotonic()}
 
 
-def _outcome(action: Any) -> str:
-    """``"no error"``, or the exception's type and message (the rank goes on to the next scenario)."""
+def _outcome(action: Any, *args: Any, **kwargs: Any) -> str:
+    """``action(*args, **kwargs)``: ``"no error"``, or the exception's type and message (the rank goes on)."""
     try:
-        action()
+        action(*args, **kwargs)
         return "no error"
     except Exception as exc:  # noqa: BLE001 - the test reads which error
         return f"{type(exc).__name__}: {exc}"
@@ -215,5 +215,37 @@ def ckpt_path_disagreement(rank: int, world_size: int, root: str, pg_timeout: fl
     }.items():
         model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
         trainer = trainer_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=pg_timeout)), max_steps=K + 1)
-        out[name] = _outcome(lambda: trainer.fit(model, loader(rank, K * BATCH, BATCH), ckpt_path=paths[rank]))
+        out[name] = _outcome(trainer.fit, model, loader(rank, K * BATCH, BATCH), ckpt_path=paths[rank])
+    return out
+
+
+def optimizer_disagreement(rank: int, world_size: int) -> dict[str, str]:
+    """Rank 1 with another learning rate, then with another optimizer class: every rank must stop at setup."""
+    out = {}
+    for name, optimizer in {
+        "lr": {"lr": 0.05 if rank == 0 else 0.1},
+        "class": {"name": "sgd" if rank == 0 else "adam", "lr": 0.05},
+    }.items():
+        model = Regression(seed=init_seed(rank), **optimizer)
+        trainer = trainer_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=30)), max_steps=1)
+        out[name] = _outcome(trainer.fit, model, loader(rank, BATCH, BATCH))
+    return out
+
+
+def rule_change_on_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Save at step K under AWC, then resume exactly under ATC and under AWC; the warnings of each resume."""
+    callbacks = [ModelCheckpoint(root, every_n_train_steps=K, save_top_k=-1)]
+    trainer = trainer_for(world_size, DecentralizedStrategy(), max_steps=K, callbacks=callbacks, enable_checkpointing=True)
+    trainer.fit(Regression(seed=init_seed(rank), **MOMENTUM_SGD), loader(rank, K * BATCH, BATCH))
+    out: dict[str, Any] = {}
+    for combine in ("atc", "awc"):
+        model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
+        trainer = trainer_for(world_size, DecentralizedStrategy(combine=combine), max_steps=K + 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, loader(rank, K * BATCH, BATCH), ckpt_path=f"{root}/epoch=0-step={K}.ckpt")
+        out[combine] = {
+            "rule warnings": [str(w.message) for w in caught if "another update rule" in str(w.message)],
+            "fallback warnings": _resume_warnings(caught),
+        }
     return out

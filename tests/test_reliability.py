@@ -178,4 +178,22 @@ def test_ranks_given_different_ckpt_paths_all_stop_naming_it(tmp_path: Path) -> 
             assert "rank 0 has ckpt_path='" in r[name] and f"step={workers.K}.ckpt'" in r[name]
             assert "pass the same `trainer.fit(ckpt_path=...)` on every rank" in r[name]
         assert "rank 1 has ckpt_path=None" in r["one_without"]
-        assert f"rank 1 has ckpt_path='" in r["different"] and f"step={workers.K - 1}.ckpt'" in r["different"]
+        assert "rank 1 has ckpt_path='" in r["different"] and f"step={workers.K - 1}.ckpt'" in r["different"]
+
+
+def test_ranks_with_different_optimizers_stop_at_setup() -> None:
+    results = run_distributed(workers.optimizer_disagreement, 2, timeout=240)
+    for r in results:
+        assert r["lr"].startswith("ValueError: The ranks do not run the same configuration"), r["lr"]
+        assert "rank 1 has lr='0.1' where rank 0 has '0.05'" in r["lr"]
+        assert "rank 1 has optimizer class='torch.optim.adam.Adam' where rank 0 has 'torch.optim.sgd.SGD'" in r["class"]
+
+
+def test_resuming_under_another_update_rule_warns_once(tmp_path: Path) -> None:
+    rank0, rank1 = run_distributed(workers.rule_change_on_resume, 2, timeout=240, root=str(tmp_path))
+    (warning,) = rank0["atc"]["rule warnings"]
+    assert "rule 'awc' -> 'atc'" in warning and "combine" in warning
+    assert not rank1["atc"]["rule warnings"]  # once: from rank 0
+    assert not rank0["awc"]["rule warnings"] and not rank1["awc"]["rule warnings"]
+    for r in (rank0, rank1):  # an exact resume from the shards, both times
+        assert not r["atc"]["fallback warnings"] and not r["awc"]["fallback warnings"]
