@@ -11,7 +11,6 @@ check, before anything runs, that every rank runs the same configuration.
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
@@ -86,17 +85,21 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self._eval_context = contextlib.ExitStack()
         self._resume_shard: Optional[dict[str, Any]] = None  # fit(ckpt_path=...): this rank's shard, until restored
         self._failed = False  # an exception ended the run: no collective at teardown
+        self._checkpoint_agreed = False  # this fit's ranks checked they resume from the same checkpoint
 
     @override
     def setup_environment(self) -> None:
-        """Runs first in every Trainer run, once the process group exists, on every rank: when fitting, check
-        that every rank resumes from the same checkpoint, or none, before any rank reads one (Lightning calls
-        `load_checkpoint`, whose shard protocol gathers, only on the ranks given a path)."""
+        """Runs first in every Trainer run: the ranks have not yet agreed on a checkpoint to resume from."""
         super().setup_environment()
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            path = selected_ckpt_path(trainer)
-            self._ranks.check_same_checkpoint(None if path is None else shards.comparable(path))
+        self._checkpoint_agreed = False
+
+    def _agree_on_checkpoint(self, ckpt_path: Optional[_PATH]) -> None:
+        """Every rank's first collective of a fit: stop every rank, naming `ckpt_path`, unless all resume from
+        the same checkpoint or none. Lightning calls `load_checkpoint` only on the ranks given a path, so a rank
+        with a path runs this from there and a rank without from `configure_ddp`: the two gathers pair up."""
+        if not self._checkpoint_agreed:
+            self._checkpoint_agreed = True
+            self._ranks.check_same_checkpoint(None if ckpt_path is None else shards.comparable(ckpt_path))
 
     @contextlib.contextmanager
     def averaged_model(self) -> Iterator[None]:
@@ -131,7 +134,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self.setup_precision_plugin()
 
     def _start_replicas(self) -> None:
-        """Check the configuration on every rank; start every replica from rank 0's weights unless resuming."""
+        """Check the checkpoint and the configuration on every rank; start every replica from rank 0's weights
+        unless resuming."""
+        self._agree_on_checkpoint(None)  # a no-op on ranks that already agreed in load_checkpoint
         self._ranks.check_same_configuration(self._configuration())
         if self._resume_shard is None:
             self._ranks.broadcast_from_rank_zero(list(state_tensors(self.lightning_module)))
@@ -196,8 +201,11 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         they are (exact resume). Otherwise every replica restarts from `x̄` with the averaged optimizer state,
         and rank 0 warns once, saying why.
         """
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._agree_on_checkpoint(checkpoint_path)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
-        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+        if not fitting:
             return checkpoint
         shard = shards.load_own_shard(self._ranks, checkpoint_path, checkpoint.get(shards.META_KEY), rank_zero_warn)
         if shard is None:
@@ -245,24 +253,6 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     def _configuration(self) -> dict[str, Union[int, str]]:
         """What every rank must agree on (`Ranks.check_same_configuration`)."""
         raise NotImplementedError
-
-
-def selected_ckpt_path(trainer: Trainer) -> Optional[_PATH]:
-    """The checkpoint this run of `trainer` restores (`"last"`, `"best"`... already resolved), or `None`.
-
-    Lightning resolves it in `fit` and passes it to `Trainer._run` as an argument; `trainer.ckpt_path`
-    records it only once `load_checkpoint` runs, after `setup_environment` (before that, it holds the
-    previous run's). So it is read from the running `_run` call; outside one, `trainer.ckpt_path`.
-    """
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code is Trainer._run.__code__ and frame.f_locals.get("self") is trainer:
-                return frame.f_locals.get("ckpt_path")
-            frame = frame.f_back
-    finally:
-        del frame
-    return trainer.ckpt_path
 
 
 class _AveragingLauncher(_MultiProcessingLauncher):
