@@ -208,3 +208,39 @@ def example_gpt(rank: int, world_size: int, argv: list[str]) -> dict[str, float]
     from examples import fabric_gpt
 
     return fabric_gpt.main(fabric_gpt.parse(argv))
+
+
+def dropout_net(seed: int) -> nn.Module:
+    """The MLP of tests/models.py with dropout after its hidden layer."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 3))
+
+
+def monitor_with_dropout(rank: int, world_size: int, config: Config) -> dict[str, Any]:
+    """Train a model with dropout; at the last step record this rank's replica, gradients, micro-batches and
+    the random states its training forwards started from, then measure `effective_lr_metrics`."""
+    strategy = DecentralizedStrategy(**config.strategy_kwargs())
+    fabric = fabric_for(world_size, strategy)
+    torch.manual_seed(50 + rank)  # every rank draws other dropout masks
+    loop = _Loop(fabric, config, dropout_net(init_seed(rank)), rank)
+    out: dict[str, Any] = {}
+
+    def measure(micro: list) -> None:
+        out["before_step"] = flat(loop.model)
+        out["grads"] = torch.cat([p.grad.reshape(-1) for p in loop.model.parameters()])
+        out["batches"] = micro
+        out["states"] = [state["cpu"].clone() for state in strategy.forward_random_states]
+        try:
+            effective_lr_metrics(strategy, config.optimizer["lr"], loop.loss, micro[:-1])
+            out["too_few"] = "no error"
+        except ValueError as exc:
+            out["too_few"] = str(exc)
+        rng = torch.get_rng_state()
+        out["lr"] = effective_lr_metrics(strategy, config.optimizer["lr"], loop.loss, micro)
+        out["rng_restored"] = torch.equal(torch.get_rng_state(), rng)
+        out["after_measure"] = flat(loop.model)
+
+    for k in range(config.steps):
+        loop.step(k, before_step=measure if k == config.steps - 1 else None)
+    fabric.strategy.teardown()
+    return out

@@ -212,3 +212,39 @@ def test_the_gpt_example_trains_evaluates_on_the_average_saves_and_resumes(tmp_p
     resumed = run_distributed(fabric_workers.example_gpt, WORLD, argv=["--steps", "5", "--resume", *tiny])
     assert [(r["resumed_from"], r["step"]) for r in resumed] == [(3, 5)] * WORLD
     assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
+
+
+def test_effective_learning_rate_replays_the_dropout_masks_of_the_training_forwards() -> None:
+    """With dropout and 2 micro-batches per step: `effective_lr_metrics` equals g(x̄) computed densely here with
+    each micro-batch's forward run from the random state its training forward started from (the callback's
+    definition); the masks matter (other masks give another ratio); too few batches is an error."""
+    config = Config("dropout", optimizer=MOMENTUM, accumulate=2)
+    results = run_distributed(fabric_workers.monitor_with_dropout, 2, config=config)
+    mean = torch.stack([r["before_step"] for r in results]).mean(0)
+
+    def gradients_at_mean(replay: bool) -> torch.Tensor:
+        total = []
+        for result in results:
+            net = fabric_workers.dropout_net(0)
+            torch.nn.utils.vector_to_parameters(mean, net.parameters())
+            assert len(result["states"]) == len(result["batches"]) == config.accumulate
+            for (x, y), state in zip(result["batches"], result["states"]):
+                if replay:
+                    torch.set_rng_state(state)
+                (torch.nn.functional.mse_loss(net(x), y) / config.accumulate).backward()
+            total.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
+        return torch.stack(total).double().mean(0)
+
+    local = torch.stack([r["grads"] for r in results]).double().mean(0)
+    g = gradients_at_mean(replay=True)
+    ratio, noise = torch.dot(local, g) / torch.dot(g, g), (local - g).norm()
+    torch.manual_seed(12345)
+    other = gradients_at_mean(replay=False)  # other dropout masks
+    assert abs(float(torch.dot(local, other) / torch.dot(other, other) - ratio)) > 1e-3
+    for result in results:
+        torch.testing.assert_close(result["lr"]["lr/effective_ratio"].double(), ratio, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result["lr"]["lr/effective"].double(), ratio * MOMENTUM["lr"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result["lr"]["noise/decentralized"].double(), noise, atol=1e-6, rtol=1e-5)
+        assert torch.equal(result["after_measure"], result["before_step"]) and result["rng_restored"]
+        assert "got 1 batches but the step ran 2 training forwards" in result["too_few"]
+        assert "micro-batches, in order" in result["too_few"]
