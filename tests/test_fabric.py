@@ -248,3 +248,24 @@ def test_effective_learning_rate_replays_the_dropout_masks_of_the_training_forwa
         assert torch.equal(result["after_measure"], result["before_step"]) and result["rng_restored"]
         assert "got 1 batches but the step ran 2 training forwards" in result["too_few"]
         assert "micro-batches, in order" in result["too_few"]
+
+
+def test_a_fabric_checkpoint_converted_by_to_trainer_checkpoint_resumes_every_replica_under_the_trainer(tmp_path: Path) -> None:
+    """Fabric trains K steps and saves on 2 ranks; `to_trainer_checkpoint` converts it (shards too); the Trainer's
+    `fit(ckpt_path=...)` starts every rank from its own Fabric replica and momentum bit for bit, at global_step K,
+    with no fallback warning, and trains on from there."""
+    config = Config("to-trainer", optimizer={"lr": 0.05, "momentum": 0.9})
+    fabric_path, trainer_path = str(tmp_path / "fabric.ckpt"), str(tmp_path / "trainer.ckpt")
+    saved = run_distributed(fabric_workers.train_and_save_for_trainer, 2, config=config, path=fabric_path)
+    assert (saved[0]["replica"] - saved[1]["replica"]).abs().max() > 1e-4  # the replicas really differ
+    with pytest.warns(UserWarning, match=rf"global_step {config.steps}.*epoch 0.*scheduler.*\['note'\]"):
+        fabric.to_trainer_checkpoint(fabric_path, trainer_path, prefix="net.")
+    converted = torch.load(trainer_path, weights_only=True)
+    assert converted[META_KEY] == torch.load(fabric_path, weights_only=True)[META_KEY]
+    assert sorted(converted["state_dict"]) == sorted(f"net.{k}" for k in initial_net(0).state_dict())
+    resumed = run_distributed(fabric_workers.trainer_resumes_from_fabric, 2, config=config, path=trainer_path, extra=2)
+    for rank, (before, after) in enumerate(zip(saved, resumed)):
+        assert torch.equal(after["start"], before["replica"]), f"rank {rank}"  # its own replica, not x̄
+        assert torch.equal(after["momentum"], before["momentum"]), f"rank {rank}"
+        assert (after["start_step"], after["end_step"]) == (config.steps, config.steps + 2)
+        assert not after["warnings"]
