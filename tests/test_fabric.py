@@ -1,5 +1,5 @@
 """Fabric(strategy="dpsgd" / "decentlam") in a hand-written loop: the dense reference on 4 gloo processes,
-evaluation on x̄, checkpoints (exact resume, x̄ fallback, Trainer -> Fabric, Fabric -> plain module),
+evaluation on x̄, checkpoints (exact resume, x̄ fallback, Trainer -> Fabric, Fabric -> plain module, Fabric -> Trainer),
 the monitors, bad input and a killed rank."""
 
 from __future__ import annotations
