@@ -35,6 +35,7 @@ from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state, parameter_deviations, run_configuration
+from lightning_decentral.callbacks.effective_lr import _random_state, _set_random_state
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import consensus_distance, effective_ratio, gossip_residual
 from lightning_decentral.mixing import ExchangeObserver
@@ -107,6 +108,7 @@ class DecentralizedStrategy(DDPStrategy):
         self._observers: list[ExchangeObserver] = []
         self._measure_residuals = False
         self._hooks: list[Any] = []
+        self._forward_states: list[dict[str, Any]] = []  # the random state of each training forward of step k
 
     # -- the monitoring surface (as the Trainer strategy's) -----------------------------------
 
@@ -143,6 +145,20 @@ class DecentralizedStrategy(DDPStrategy):
     def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
         """For each trainable parameter: its name, `‖p_i − p̄‖²` here and `‖p̄‖²` (every rank together)."""
         return parameter_deviations(self._ranks, self._live(self._module))
+
+    def record_random_state(self) -> None:
+        """Record the random state a training forward starts from (the CPU generator's and, on a GPU, this
+        rank's device's). The forward pre-hook calls it at every training forward of the current optimizer
+        step; the list starts empty at each step's first training forward.
+        [`effective_lr_metrics`][lightning_decentral.fabric.effective_lr_metrics] replays these states, so the
+        gradients at `x̄` see the dropout masks the training forwards drew."""
+        self._forward_states.append(_random_state(self.root_device))
+
+    @property
+    def forward_random_states(self) -> list[dict[str, Any]]:
+        """The random states recorded by `record_random_state` in the current step, in order (a copy):
+        `{"cpu": ByteTensor}`, plus `"cuda": (device, ByteTensor)` on a GPU."""
+        return list(self._forward_states)
 
     @contextlib.contextmanager
     def averaged_model(self) -> Iterator[None]:
@@ -231,9 +247,11 @@ class DecentralizedStrategy(DDPStrategy):
     # -- one optimizer step -------------------------------------------------------------------
 
     def _before_forward(self, module: Module, args: Any) -> None:
-        """Forward pre-hook of the set-up module: a training forward begins the step (AWC posts `x(k)`)."""
+        """Forward pre-hook of the set-up module: a training forward begins the step (AWC posts `x(k)`) and
+        records the random state it starts from."""
         if module.training and torch.is_grad_enabled() and not self._averaging:
             self._begin_step()
+            self.record_random_state()
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
@@ -287,6 +305,7 @@ class DecentralizedStrategy(DDPStrategy):
         """The rule, with step `k` begun (once per step: the schedule decides it here)."""
         rule = self._live(self._rule)
         if self._plan is None:
+            self._forward_states = []  # a new optimizer step
             self._plan = self._live(self._schedule).plan(self.step)
             rule.begin_step(self._plan)
         return rule
@@ -303,7 +322,7 @@ class DecentralizedStrategy(DDPStrategy):
         if self._mixer is not None:
             self._mixer.leave()
         self._rule = self._mixer = self._replica = self._module = self._optimizer = None
-        self._plan, self._hooks = None, []
+        self._plan, self._hooks, self._forward_states = None, [], []
         super().teardown()
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -443,31 +462,137 @@ def effective_lr_metrics(
 
     Call it after the step's last `fabric.backward` and before `optimizer.step()`, on every rank. `lr` is `γ`;
     `loss_fn(batch)` must return the loss that was back-propagated for `batch` (divided as it was, when
-    accumulating), and `batches` are the step's micro-batches. The gradients at `x̄` are computed with
-    `torch.autograd.grad` (no `p.grad` changes); buffers and the RNG state are restored afterwards. A model
-    with dropout draws other masks than the training forward did.
+    accumulating), and `batches` must be the step's micro-batches, in the order they were trained on: the
+    `i`-th batch is run from the random state the step's `i`-th training forward started from
+    ([`forward_random_states`][lightning_decentral.fabric.DecentralizedStrategy.forward_random_states]), so a
+    model with dropout draws the same masks as in training, as the callback does. The gradients at `x̄` are
+    computed with `torch.autograd.grad` (no `p.grad` changes); buffers and the random state are restored
+    afterwards.
+
+    Raises:
+        ValueError: the number of batches is not the number of training forwards of the step.
     """
     module = strategy._live(strategy._module)
+    batches = list(batches)
+    states = strategy.forward_random_states
+    if len(states) != len(batches):
+        raise ValueError(
+            f"effective_lr_metrics got {len(batches)} batches but the step ran {len(states)} training forwards: "
+            "`batches` must be the step's micro-batches, in order, one training forward of the model each (call it "
+            "after the step's last `fabric.backward` and before `optimizer.step()`)."
+        )
     params = [p for p in module.parameters() if p.requires_grad]
     scaler = strategy._options.grad_scaler
     scale = float(scaler.get_scale()) if scaler is not None else 1.0
     local = [p.grad / scale if p.grad is not None else torch.zeros_like(p) for p in params]
     at_mean = [torch.zeros_like(p) for p in params]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    rng = torch.get_rng_state()
+    rng = _random_state(strategy.root_device)
     lightning.fabric.wrappers._in_fabric_backward = True  # a differentiation, not a training backward
     try:
         with strategy.averaged_model(), torch.enable_grad():
-            for batch in batches:
+            for batch, state in zip(batches, states):
+                _set_random_state(state)
                 parts = torch.autograd.grad(loss_fn(batch), params, allow_unused=True)
                 for total, part in zip(at_mean, parts):
                     if part is not None:
                         total.add_(part)
     finally:
         lightning.fabric.wrappers._in_fabric_backward = False
-        torch.set_rng_state(rng)
+        _set_random_state(rng)
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
     ratio, noise = effective_ratio(strategy, local, at_mean)
     return {"lr/effective": ratio * lr, "lr/effective_ratio": ratio, "noise/decentralized": noise}
+
+
+# -- Fabric checkpoint -> Trainer checkpoint ----------------------------------------------------
+
+
+def to_trainer_checkpoint(
+    fabric_path: _PATH, trainer_path: _PATH, model_key: str = "model", optimizer_key: str = "optimizer", prefix: str = ""
+) -> None:
+    """Convert a checkpoint `fabric.save` wrote under this strategy into one `trainer.fit(model, ckpt_path=trainer_path)`
+    resumes from, with the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy], shards
+    included. Runs in one process (no process group), e.g. before launching the Trainer job.
+
+    What is carried over: `x̄` (`state_dict`), the averaged optimizer state, the step counter `k` (the
+    Trainer's `global_step`) and every rank's shard: its own replica, optimizer, precision and RNG state,
+    rewritten beside `trainer_path` under the same save id. On the same world size every rank's replica
+    then resumes from its own Fabric replica bit for bit; on another, every replica starts from `x̄`
+    with one warning (as for any checkpoint).
+
+    What is not, with a warning naming it: the position in the data (the Trainer starts epoch 0 from the
+    first batch, with `global_step = k`), learning-rate schedulers and every other entry of the Fabric
+    state besides the model, the optimizer and the step.
+
+    Args:
+        fabric_path: the file `fabric.save(fabric_path, state)` wrote (its shards beside it).
+        trainer_path: where to write the Trainer checkpoint (its shards go to `<trainer_path>.shards`).
+        model_key: the key of the model in the saved `state`.
+        optimizer_key: the key of the optimizer in the saved `state` (needed: `fit` restores an optimizer).
+        prefix: put before every parameter name: the attribute under which the LightningModule holds the
+            Fabric model, e.g. `"net."` for a module whose `self.net` is that model.
+
+    Examples:
+        ```python
+        fabric.save("fabric.ckpt", {"model": model, "optimizer": optimizer})
+        to_trainer_checkpoint("fabric.ckpt", "trainer.ckpt", prefix="net.")
+        trainer.fit(lightning_module, ckpt_path="trainer.ckpt")  # same world size: every replica resumes
+        ```
+    """
+    import warnings
+
+    import lightning
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+    from lightning.pytorch.loops.progress import _OptimizationProgress, _Progress, _ReadyCompletedTracker
+
+    saved = torch.load(fabric_path, map_location="cpu", weights_only=True)
+    missing = [key for key in (model_key, optimizer_key, STEP_KEY) if key not in saved]
+    if missing:
+        raise ValueError(
+            f"{fabric_path} has no {missing}: pass the file `fabric.save(path, {{{model_key!r}: model, "
+            f"{optimizer_key!r}: optimizer}})` wrote under lightning_decentral's Fabric strategy "
+            "(`model_key`/`optimizer_key` name other keys)."
+        )
+    step = int(saved[STEP_KEY])
+    optimization = _OptimizationProgress()
+    for tracker in (optimization.optimizer.step.total, optimization.optimizer.step.current):
+        tracker.ready = tracker.completed = step
+    for tracker in (optimization.optimizer.zero_grad.total, optimization.optimizer.zero_grad.current):
+        tracker.ready = tracker.started = tracker.completed = step
+    manual = _Progress.from_defaults(_ReadyCompletedTracker, ready=step, completed=step)
+    checkpoint: dict[str, Any] = {
+        "epoch": 0,
+        "global_step": step,
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": {prefix + name: value for name, value in saved[model_key].items()},
+        "loops": {
+            "fit_loop": {
+                "epoch_loop.automatic_optimization.optim_progress": optimization.state_dict(),
+                "epoch_loop.manual_optimization.optim_step_progress": manual.state_dict(),
+                "epoch_loop.state_dict": {"_batches_that_stepped": step},
+            }
+        },
+        "optimizer_states": [saved[optimizer_key]],
+        "lr_schedulers": [],
+    }
+    meta = saved.get(shards.META_KEY)
+    if meta is not None:
+        for rank in range(meta["world_size"]):
+            shard = shards.read_shard(shards.shard_path(fabric_path, rank, meta["world_size"], meta["save_id"]))
+            shard["state_dict"] = {prefix + name: value for name, value in shard["state_dict"].items()}
+            shards.write_shard(shard, shards.shard_path(trainer_path, rank, meta["world_size"], meta["save_id"]))
+        checkpoint[shards.META_KEY] = meta
+    fs = get_filesystem(trainer_path)
+    with fs.open(f"{trainer_path}.tmp", "wb") as f:
+        torch.save(checkpoint, f)
+    fs.mv(f"{trainer_path}.tmp", str(trainer_path))
+    dropped = sorted(str(key) for key in saved if key not in (model_key, optimizer_key, STEP_KEY, shards.META_KEY))
+    warnings.warn(
+        f"{trainer_path}: the Trainer resumes the model, the optimizer and every rank's shard at global_step {step}, "
+        "but starts epoch 0 from the first batch (Fabric records no position in the data) and restores no "
+        f"learning-rate scheduler; not carried over from {fabric_path}: {dropped or 'nothing else'}.",
+        stacklevel=2,
+    )

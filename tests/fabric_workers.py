@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.fabric import Fabric
+from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -208,3 +209,81 @@ def example_gpt(rank: int, world_size: int, argv: list[str]) -> dict[str, float]
     from examples import fabric_gpt
 
     return fabric_gpt.main(fabric_gpt.parse(argv))
+
+
+def dropout_net(seed: int) -> nn.Module:
+    """The MLP of tests/models.py with dropout after its hidden layer."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 3))
+
+
+def monitor_with_dropout(rank: int, world_size: int, config: Config) -> dict[str, Any]:
+    """Train a model with dropout; at the last step record this rank's replica, gradients, micro-batches and
+    the random states its training forwards started from, then measure `effective_lr_metrics`."""
+    strategy = DecentralizedStrategy(**config.strategy_kwargs())
+    fabric = fabric_for(world_size, strategy)
+    torch.manual_seed(50 + rank)  # every rank draws other dropout masks
+    loop = _Loop(fabric, config, dropout_net(init_seed(rank)), rank)
+    out: dict[str, Any] = {}
+
+    def measure(micro: list) -> None:
+        out["before_step"] = flat(loop.model)
+        out["grads"] = torch.cat([p.grad.reshape(-1) for p in loop.model.parameters()])
+        out["batches"] = micro
+        out["states"] = [state["cpu"].clone() for state in strategy.forward_random_states]
+        try:
+            effective_lr_metrics(strategy, config.optimizer["lr"], loop.loss, micro[:-1])
+            out["too_few"] = "no error"
+        except ValueError as exc:
+            out["too_few"] = str(exc)
+        rng = torch.get_rng_state()
+        out["lr"] = effective_lr_metrics(strategy, config.optimizer["lr"], loop.loss, micro)
+        out["rng_restored"] = torch.equal(torch.get_rng_state(), rng)
+        out["after_measure"] = flat(loop.model)
+
+    for k in range(config.steps):
+        loop.step(k, before_step=measure if k == config.steps - 1 else None)
+    fabric.strategy.teardown()
+    return out
+
+
+def _momentum(optimizer: torch.optim.Optimizer, params: Any) -> torch.Tensor:
+    return torch.cat([optimizer.state[p]["momentum_buffer"].reshape(-1) for p in params])
+
+
+def train_and_save_for_trainer(rank: int, world_size: int, config: Config, path: str) -> dict[str, Any]:
+    """``config.steps`` Fabric steps, then `fabric.save`; this rank's replica and momentum as saved."""
+    strategy = DecentralizedStrategy(**config.strategy_kwargs())
+    fabric = fabric_for(world_size, strategy)
+    loop = _Loop(fabric, config, initial_net(init_seed(rank)), rank)
+    for k in range(config.steps):
+        loop.step(k)
+    fabric.save(path, {"model": loop.model, "optimizer": loop.optimizer, "note": "fabric"})
+    out = {"replica": flat(loop.model), "momentum": _momentum(loop.optimizer, loop.model.parameters())}
+    fabric.strategy.teardown()
+    return out
+
+
+class _AtTrainStart(Callback):
+    """Records, when training starts (after the checkpoint is restored), the step and the optimizer state."""
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.global_step = trainer.global_step
+        self.momentum = _momentum(trainer.optimizers[0], pl_module.parameters())
+
+
+def trainer_resumes_from_fabric(rank: int, world_size: int, config: Config, path: str, extra: int) -> dict[str, Any]:
+    """`trainer.fit(ckpt_path=path)` (a converted Fabric checkpoint) on a module holding the same net as `self.net`."""
+    from lightning_decentral import DecentralizedStrategy as TrainerStrategy
+    from tests.models import Regression
+    from tests.workers import trainer_for
+
+    model = Regression(seed=init_seed(rank) + 11, **config.optimizer)
+    at_start = _AtTrainStart()
+    trainer = trainer_for(world_size, TrainerStrategy(**config.strategy_kwargs()), max_steps=config.steps + extra,
+                          callbacks=[at_start])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, train_dataloaders=loader(rank, config.samples, config.batch_size), ckpt_path=path)
+    return {"start": model.train_start_params, "start_step": at_start.global_step, "momentum": at_start.momentum,
+            "end_step": trainer.global_step, "warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)]}

@@ -1,5 +1,5 @@
 """Fabric(strategy="dpsgd" / "decentlam") in a hand-written loop: the dense reference on 4 gloo processes,
-evaluation on x̄, checkpoints (exact resume, x̄ fallback, Trainer -> Fabric, Fabric -> plain module),
+evaluation on x̄, checkpoints (exact resume, x̄ fallback, Trainer -> Fabric, Fabric -> plain module, Fabric -> Trainer),
 the monitors, bad input and a killed rank."""
 
 from __future__ import annotations
@@ -212,3 +212,60 @@ def test_the_gpt_example_trains_evaluates_on_the_average_saves_and_resumes(tmp_p
     resumed = run_distributed(fabric_workers.example_gpt, WORLD, argv=["--steps", "5", "--resume", *tiny])
     assert [(r["resumed_from"], r["step"]) for r in resumed] == [(3, 5)] * WORLD
     assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
+
+
+def test_effective_learning_rate_replays_the_dropout_masks_of_the_training_forwards() -> None:
+    """With dropout and 2 micro-batches per step: `effective_lr_metrics` equals g(x̄) computed densely here with
+    each micro-batch's forward run from the random state its training forward started from (the callback's
+    definition); the masks matter (other masks give another ratio); too few batches is an error."""
+    config = Config("dropout", optimizer=MOMENTUM, accumulate=2)
+    results = run_distributed(fabric_workers.monitor_with_dropout, 2, config=config)
+    mean = torch.stack([r["before_step"] for r in results]).mean(0)
+
+    def gradients_at_mean(replay: bool) -> torch.Tensor:
+        total = []
+        for result in results:
+            net = fabric_workers.dropout_net(0)
+            torch.nn.utils.vector_to_parameters(mean, net.parameters())
+            assert len(result["states"]) == len(result["batches"]) == config.accumulate
+            for (x, y), state in zip(result["batches"], result["states"]):
+                if replay:
+                    torch.set_rng_state(state)
+                (torch.nn.functional.mse_loss(net(x), y) / config.accumulate).backward()
+            total.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
+        return torch.stack(total).double().mean(0)
+
+    local = torch.stack([r["grads"] for r in results]).double().mean(0)
+    g = gradients_at_mean(replay=True)
+    ratio, noise = torch.dot(local, g) / torch.dot(g, g), (local - g).norm()
+    torch.manual_seed(12345)
+    other = gradients_at_mean(replay=False)  # other dropout masks
+    assert abs(float(torch.dot(local, other) / torch.dot(other, other) - ratio)) > 1e-3
+    for result in results:
+        torch.testing.assert_close(result["lr"]["lr/effective_ratio"].double(), ratio, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result["lr"]["lr/effective"].double(), ratio * MOMENTUM["lr"], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(result["lr"]["noise/decentralized"].double(), noise, atol=1e-6, rtol=1e-5)
+        assert torch.equal(result["after_measure"], result["before_step"]) and result["rng_restored"]
+        assert "got 1 batches but the step ran 2 training forwards" in result["too_few"]
+        assert "micro-batches, in order" in result["too_few"]
+
+
+def test_a_fabric_checkpoint_converted_by_to_trainer_checkpoint_resumes_every_replica_under_the_trainer(tmp_path: Path) -> None:
+    """Fabric trains K steps and saves on 2 ranks; `to_trainer_checkpoint` converts it (shards too); the Trainer's
+    `fit(ckpt_path=...)` starts every rank from its own Fabric replica and momentum bit for bit, at global_step K,
+    with no fallback warning, and trains on from there."""
+    config = Config("to-trainer", optimizer={"lr": 0.05, "momentum": 0.9})
+    fabric_path, trainer_path = str(tmp_path / "fabric.ckpt"), str(tmp_path / "trainer.ckpt")
+    saved = run_distributed(fabric_workers.train_and_save_for_trainer, 2, config=config, path=fabric_path)
+    assert (saved[0]["replica"] - saved[1]["replica"]).abs().max() > 1e-4  # the replicas really differ
+    with pytest.warns(UserWarning, match=rf"global_step {config.steps}.*epoch 0.*scheduler.*\['note'\]"):
+        fabric.to_trainer_checkpoint(fabric_path, trainer_path, prefix="net.")
+    converted = torch.load(trainer_path, weights_only=True)
+    assert converted[META_KEY] == torch.load(fabric_path, weights_only=True)[META_KEY]
+    assert sorted(converted["state_dict"]) == sorted(f"net.{k}" for k in initial_net(0).state_dict())
+    resumed = run_distributed(fabric_workers.trainer_resumes_from_fabric, 2, config=config, path=trainer_path, extra=2)
+    for rank, (before, after) in enumerate(zip(saved, resumed)):
+        assert torch.equal(after["start"], before["replica"]), f"rank {rank}"  # its own replica, not x̄
+        assert torch.equal(after["momentum"], before["momentum"]), f"rank {rank}"
+        assert (after["start_step"], after["end_step"]) == (config.steps, config.steps + 2)
+        assert not after["warnings"]
