@@ -83,3 +83,19 @@ def ratio_and_noise(local_mean: Tensor, mean_grad: Tensor) -> tuple[Tensor, Tens
     """
     ratio = torch.dot(local_mean, mean_grad) / torch.dot(mean_grad, mean_grad)
     return ratio, torch.linalg.vector_norm(local_mean - mean_grad)
+
+
+def random_state(device: torch.device) -> dict[str, Any]:
+    """The generators a training forward draws from: the CPU's and, on a GPU, `device`'s."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = (device, torch.cuda.get_rng_state(device))
+    return state
+
+
+def set_random_state(state: dict[str, Any]) -> None:
+    """Restore what [`random_state`][lightning_decentral.measures.random_state] saved."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        device, cuda_state = state["cuda"]
+        torch.cuda.set_rng_state(cuda_state, device)

@@ -20,7 +20,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_decentral.callbacks._common import check_every, decentralized, due, warn_unless_written, worker_parts
-from lightning_decentral.measures import effective_ratio
+from lightning_decentral.measures import effective_ratio, random_state, set_random_state
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 
 
@@ -126,7 +126,7 @@ def _gradients(
     scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
     pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
     for batch, batch_idx, state in batches:
-        _set_random_state(state)
+        set_random_state(state)
         with torch.enable_grad(), trainer.precision_plugin.train_step_context():
             output = pl_module.training_step(batch, batch_idx) if pass_index else pl_module.training_step(batch)
         loss = output["loss"] if isinstance(output, dict) else output
@@ -147,13 +147,13 @@ def _untouched(pl_module: LightningModule, device: torch.device) -> Iterator[Non
 
     buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
     metrics = [(m, copy.deepcopy(m.metric_state), m._update_count) for m in pl_module.modules() if isinstance(m, Metric)]
-    state = _random_state(device)
+    state = random_state(device)
     pl_module.log = pl_module.log_dict = _drop  # type: ignore[method-assign]  # instance attributes shadow them
     try:
         yield
     finally:
         del pl_module.log, pl_module.log_dict
-        _set_random_state(state)
+        set_random_state(state)
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
@@ -170,23 +170,8 @@ def _drop(*args: Any, **kwargs: Any) -> None:
 def _worker_random_states(strategy: Any) -> list[dict[str, Any]]:
     """The random state each of this process's workers starts its training forward from."""
     if not isinstance(strategy, SimulatedDecentralizedStrategy):
-        return [_random_state(strategy.root_device)]
+        return [random_state(strategy.root_device)]
     device = strategy.root_device
     return [
         {"cpu": cpu, **({"cuda": (device, cuda)} if cuda is not None else {})} for cpu, cuda in strategy.random_states()
     ]
-
-
-def _random_state(device: torch.device) -> dict[str, Any]:
-    """The generators a training forward draws from: the CPU's and, on a GPU, this rank's device's."""
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = (device, torch.cuda.get_rng_state(device))
-    return state
-
-
-def _set_random_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state:
-        device, cuda_state = state["cuda"]
-        torch.cuda.set_rng_state(cuda_state, device)

@@ -17,11 +17,10 @@ the module is never wrapped in `DistributedDataParallel`. See the [Fabric page](
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Literal, Optional, Union
 
-import lightning.fabric.wrappers
 import torch
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
@@ -34,14 +33,28 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.agreement import Ranks, mean_optimizer_state, parameter_deviations, run_configuration
-from lightning_decentral.callbacks.effective_lr import _random_state, _set_random_state
+from lightning_decentral.agreement import (
+    Ranks,
+    mean_optimizer_state,
+    parameter_deviations,
+    run_configuration,
+)
 from lightning_decentral.gossip import Gossip
-from lightning_decentral.measures import consensus_distance, effective_ratio, gossip_residual
+from lightning_decentral.measures import random_state
 from lightning_decentral.mixing import ExchangeObserver
-from lightning_decentral.options import GossipDtypeName, check_options, register_strategies
+from lightning_decentral.options import (
+    GossipDtypeName,
+    check_options,
+    register_strategies,
+)
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
-from lightning_decentral.rules import RULES, DecentLaM, RuleOptions, UpdateRule, rule_name
+from lightning_decentral.rules import (
+    RULES,
+    DecentLaM,
+    RuleOptions,
+    UpdateRule,
+    rule_name,
+)
 from lightning_decentral.schedule import GossipSchedule, StepPlan
 from lightning_decentral.topology import Topology, resolve_topology
 
@@ -132,6 +145,21 @@ class DecentralizedStrategy(DDPStrategy):
         """Tell `observer` of every exchange of this rank from now on (bytes, post and wait times)."""
         self._observers.append(observer)
 
+    @property
+    def module(self) -> Module:
+        """The set-up module (this rank's replica); an error before `fabric.setup`."""
+        return self._live(self._module)
+
+    @property
+    def measures_residuals(self) -> bool:
+        """Whether `measure_residuals()` ran: each exchange then measures its gossip residual."""
+        return self._measure_residuals
+
+    @property
+    def grad_scaler(self) -> Optional[torch.amp.GradScaler]:
+        """The enabled GradScaler of fp16 mixed precision, once set up; else `None`."""
+        return self._options.grad_scaler
+
     def measure_residuals(self) -> None:
         """From now on, every exchange of the parameters also measures its gossip residual."""
         self._measure_residuals = True
@@ -152,7 +180,7 @@ class DecentralizedStrategy(DDPStrategy):
         step; the list starts empty at each step's first training forward.
         [`effective_lr_metrics`][lightning_decentral.fabric.effective_lr_metrics] replays these states, so the
         gradients at `x̄` see the dropout masks the training forwards drew."""
-        self._forward_states.append(_random_state(self.root_device))
+        self._forward_states.append(random_state(self.root_device))
 
     @property
     def forward_random_states(self) -> list[dict[str, Any]]:
@@ -430,169 +458,3 @@ class _RuleBackwardSync(_BackwardSyncControl):
 
 def _nothing() -> None:
     return None
-
-
-# -- monitors a Fabric loop calls ---------------------------------------------------------------
-
-
-def consensus_metrics(strategy: DecentralizedStrategy, per_layer: bool = False) -> dict[str, Tensor]:
-    """What [`ConsensusDistance`][lightning_decentral.callbacks.ConsensusDistance] logs, now: `consensus/distance`
-    (`Ξ`), `consensus/relative` (`Ξ / ‖x̄‖`), with `per_layer` `consensus/distance/<name>`, and
-    `consensus/residual` of the last step if it gossiped and `strategy.measure_residuals()` ran.
-
-    Call it between optimizer steps on every rank; the values are equal on every rank.
-    """
-    metrics: dict[str, Tensor] = {}
-    if strategy.step > 0 and strategy._measure_residuals:
-        residual = gossip_residual(strategy, strategy.step - 1)
-        if residual is not None:
-            metrics["consensus/residual"] = residual
-    measured = consensus_distance(strategy, per_layer)
-    mean_norm = measured.pop("mean_norm")
-    metrics.update({f"consensus/{key}": value for key, value in measured.items()})
-    metrics["consensus/relative"] = measured["distance"] / mean_norm
-    return metrics
-
-
-def effective_lr_metrics(
-    strategy: DecentralizedStrategy, lr: float, loss_fn: Callable[[Any], Tensor], batches: Iterable[Any]
-) -> dict[str, Tensor]:
-    """What [`EffectiveLearningRate`][lightning_decentral.callbacks.EffectiveLearningRate] logs: `lr/effective`,
-    `lr/effective_ratio` (`α_e / γ`) and `noise/decentralized` (`‖η_d‖`).
-
-    Call it after the step's last `fabric.backward` and before `optimizer.step()`, on every rank. `lr` is `γ`;
-    `loss_fn(batch)` must return the loss that was back-propagated for `batch` (divided as it was, when
-    accumulating), and `batches` must be the step's micro-batches, in the order they were trained on: the
-    `i`-th batch is run from the random state the step's `i`-th training forward started from
-    ([`forward_random_states`][lightning_decentral.fabric.DecentralizedStrategy.forward_random_states]), so a
-    model with dropout draws the same masks as in training, as the callback does. The gradients at `x̄` are
-    computed with `torch.autograd.grad` (no `p.grad` changes); buffers and the random state are restored
-    afterwards.
-
-    Raises:
-        ValueError: the number of batches is not the number of training forwards of the step.
-    """
-    module = strategy._live(strategy._module)
-    batches = list(batches)
-    states = strategy.forward_random_states
-    if len(states) != len(batches):
-        raise ValueError(
-            f"effective_lr_metrics got {len(batches)} batches but the step ran {len(states)} training forwards: "
-            "`batches` must be the step's micro-batches, in order, one training forward of the model each (call it "
-            "after the step's last `fabric.backward` and before `optimizer.step()`)."
-        )
-    params = [p for p in module.parameters() if p.requires_grad]
-    scaler = strategy._options.grad_scaler
-    scale = float(scaler.get_scale()) if scaler is not None else 1.0
-    local = [p.grad / scale if p.grad is not None else torch.zeros_like(p) for p in params]
-    at_mean = [torch.zeros_like(p) for p in params]
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    rng = _random_state(strategy.root_device)
-    lightning.fabric.wrappers._in_fabric_backward = True  # a differentiation, not a training backward
-    try:
-        with strategy.averaged_model(), torch.enable_grad():
-            for batch, state in zip(batches, states):
-                _set_random_state(state)
-                parts = torch.autograd.grad(loss_fn(batch), params, allow_unused=True)
-                for total, part in zip(at_mean, parts):
-                    if part is not None:
-                        total.add_(part)
-    finally:
-        lightning.fabric.wrappers._in_fabric_backward = False
-        _set_random_state(rng)
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-    ratio, noise = effective_ratio(strategy, local, at_mean)
-    return {"lr/effective": ratio * lr, "lr/effective_ratio": ratio, "noise/decentralized": noise}
-
-
-# -- Fabric checkpoint -> Trainer checkpoint ----------------------------------------------------
-
-
-def to_trainer_checkpoint(
-    fabric_path: _PATH, trainer_path: _PATH, model_key: str = "model", optimizer_key: str = "optimizer", prefix: str = ""
-) -> None:
-    """Convert a checkpoint `fabric.save` wrote under this strategy into one `trainer.fit(model, ckpt_path=trainer_path)`
-    resumes from, with the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy], shards
-    included. Runs in one process (no process group), e.g. before launching the Trainer job.
-
-    What is carried over: `x̄` (`state_dict`), the averaged optimizer state, the step counter `k` (the
-    Trainer's `global_step`) and every rank's shard: its own replica, optimizer, precision and RNG state,
-    rewritten beside `trainer_path` under the same save id. On the same world size every rank's replica
-    then resumes from its own Fabric replica bit for bit; on another, every replica starts from `x̄`
-    with one warning (as for any checkpoint).
-
-    What is not, with a warning naming it: the position in the data (the Trainer starts epoch 0 from the
-    first batch, with `global_step = k`), learning-rate schedulers and every other entry of the Fabric
-    state besides the model, the optimizer and the step.
-
-    Args:
-        fabric_path: the file `fabric.save(fabric_path, state)` wrote (its shards beside it).
-        trainer_path: where to write the Trainer checkpoint (its shards go to `<trainer_path>.shards`).
-        model_key: the key of the model in the saved `state`.
-        optimizer_key: the key of the optimizer in the saved `state` (needed: `fit` restores an optimizer).
-        prefix: put before every parameter name: the attribute under which the LightningModule holds the
-            Fabric model, e.g. `"net."` for a module whose `self.net` is that model.
-
-    Examples:
-        ```python
-        fabric.save("fabric.ckpt", {"model": model, "optimizer": optimizer})
-        to_trainer_checkpoint("fabric.ckpt", "trainer.ckpt", prefix="net.")
-        trainer.fit(lightning_module, ckpt_path="trainer.ckpt")  # same world size: every replica resumes
-        ```
-    """
-    import warnings
-
-    import lightning
-    from lightning.fabric.utilities.cloud_io import get_filesystem
-    from lightning.pytorch.loops.progress import _OptimizationProgress, _Progress, _ReadyCompletedTracker
-
-    saved = torch.load(fabric_path, map_location="cpu", weights_only=True)
-    missing = [key for key in (model_key, optimizer_key, STEP_KEY) if key not in saved]
-    if missing:
-        raise ValueError(
-            f"{fabric_path} has no {missing}: pass the file `fabric.save(path, {{{model_key!r}: model, "
-            f"{optimizer_key!r}: optimizer}})` wrote under lightning_decentral's Fabric strategy "
-            "(`model_key`/`optimizer_key` name other keys)."
-        )
-    step = int(saved[STEP_KEY])
-    optimization = _OptimizationProgress()
-    for tracker in (optimization.optimizer.step.total, optimization.optimizer.step.current):
-        tracker.ready = tracker.completed = step
-    for tracker in (optimization.optimizer.zero_grad.total, optimization.optimizer.zero_grad.current):
-        tracker.ready = tracker.started = tracker.completed = step
-    manual = _Progress.from_defaults(_ReadyCompletedTracker, ready=step, completed=step)
-    checkpoint: dict[str, Any] = {
-        "epoch": 0,
-        "global_step": step,
-        "pytorch-lightning_version": lightning.__version__,
-        "state_dict": {prefix + name: value for name, value in saved[model_key].items()},
-        "loops": {
-            "fit_loop": {
-                "epoch_loop.automatic_optimization.optim_progress": optimization.state_dict(),
-                "epoch_loop.manual_optimization.optim_step_progress": manual.state_dict(),
-                "epoch_loop.state_dict": {"_batches_that_stepped": step},
-            }
-        },
-        "optimizer_states": [saved[optimizer_key]],
-        "lr_schedulers": [],
-    }
-    meta = saved.get(shards.META_KEY)
-    if meta is not None:
-        for rank in range(meta["world_size"]):
-            shard = shards.read_shard(shards.shard_path(fabric_path, rank, meta["world_size"], meta["save_id"]))
-            shard["state_dict"] = {prefix + name: value for name, value in shard["state_dict"].items()}
-            shards.write_shard(shard, shards.shard_path(trainer_path, rank, meta["world_size"], meta["save_id"]))
-        checkpoint[shards.META_KEY] = meta
-    fs = get_filesystem(trainer_path)
-    with fs.open(f"{trainer_path}.tmp", "wb") as f:
-        torch.save(checkpoint, f)
-    fs.mv(f"{trainer_path}.tmp", str(trainer_path))
-    dropped = sorted(str(key) for key in saved if key not in (model_key, optimizer_key, STEP_KEY, shards.META_KEY))
-    warnings.warn(
-        f"{trainer_path}: the Trainer resumes the model, the optimizer and every rank's shard at global_step {step}, "
-        "but starts epoch 0 from the first batch (Fabric records no position in the data) and restores no "
-        f"learning-rate scheduler; not carried over from {fabric_path}: {dropped or 'nothing else'}.",
-        stacklevel=2,
-    )

@@ -1,0 +1,105 @@
+"""A Fabric checkpoint of this package's strategy, converted for the Trainer's `fit(ckpt_path=...)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+
+from lightning_decentral import checkpoint as shards
+from lightning_decentral.fabric.strategy import STEP_KEY
+
+# -- Fabric checkpoint -> Trainer checkpoint ----------------------------------------------------
+
+
+def to_trainer_checkpoint(
+    fabric_path: _PATH, trainer_path: _PATH, model_key: str = "model", optimizer_key: str = "optimizer", prefix: str = ""
+) -> None:
+    """Convert a checkpoint `fabric.save` wrote under this strategy into one `trainer.fit(model, ckpt_path=trainer_path)`
+    resumes from, with the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy], shards
+    included. Runs in one process (no process group), e.g. before launching the Trainer job.
+
+    What is carried over: `x̄` (`state_dict`), the averaged optimizer state, the step counter `k` (the
+    Trainer's `global_step`) and every rank's shard: its own replica, optimizer, precision and RNG state,
+    rewritten beside `trainer_path` under the same save id. On the same world size every rank's replica
+    then resumes from its own Fabric replica bit for bit; on another, every replica starts from `x̄`
+    with one warning (as for any checkpoint).
+
+    What is not, with a warning naming it: the position in the data (the Trainer starts epoch 0 from the
+    first batch, with `global_step = k`), learning-rate schedulers and every other entry of the Fabric
+    state besides the model, the optimizer and the step.
+
+    Args:
+        fabric_path: the file `fabric.save(fabric_path, state)` wrote (its shards beside it).
+        trainer_path: where to write the Trainer checkpoint (its shards go to `<trainer_path>.shards`).
+        model_key: the key of the model in the saved `state`.
+        optimizer_key: the key of the optimizer in the saved `state` (needed: `fit` restores an optimizer).
+        prefix: put before every parameter name: the attribute under which the LightningModule holds the
+            Fabric model, e.g. `"net."` for a module whose `self.net` is that model.
+
+    Examples:
+        ```python
+        fabric.save("fabric.ckpt", {"model": model, "optimizer": optimizer})
+        to_trainer_checkpoint("fabric.ckpt", "trainer.ckpt", prefix="net.")
+        trainer.fit(lightning_module, ckpt_path="trainer.ckpt")  # same world size: every replica resumes
+        ```
+    """
+    import warnings
+
+    import lightning
+    from lightning.fabric.utilities.cloud_io import get_filesystem
+    from lightning.pytorch.loops.progress import (
+        _OptimizationProgress,
+        _Progress,
+        _ReadyCompletedTracker,
+    )
+
+    saved = torch.load(fabric_path, map_location="cpu", weights_only=True)
+    missing = [key for key in (model_key, optimizer_key, STEP_KEY) if key not in saved]
+    if missing:
+        raise ValueError(
+            f"{fabric_path} has no {missing}: pass the file `fabric.save(path, {{{model_key!r}: model, "
+            f"{optimizer_key!r}: optimizer}})` wrote under lightning_decentral's Fabric strategy "
+            "(`model_key`/`optimizer_key` name other keys)."
+        )
+    step = int(saved[STEP_KEY])
+    optimization = _OptimizationProgress()
+    for tracker in (optimization.optimizer.step.total, optimization.optimizer.step.current):
+        tracker.ready = tracker.completed = step
+    for tracker in (optimization.optimizer.zero_grad.total, optimization.optimizer.zero_grad.current):
+        tracker.ready = tracker.started = tracker.completed = step
+    manual = _Progress.from_defaults(_ReadyCompletedTracker, ready=step, completed=step)
+    checkpoint: dict[str, Any] = {
+        "epoch": 0,
+        "global_step": step,
+        "pytorch-lightning_version": lightning.__version__,
+        "state_dict": {prefix + name: value for name, value in saved[model_key].items()},
+        "loops": {
+            "fit_loop": {
+                "epoch_loop.automatic_optimization.optim_progress": optimization.state_dict(),
+                "epoch_loop.manual_optimization.optim_step_progress": manual.state_dict(),
+                "epoch_loop.state_dict": {"_batches_that_stepped": step},
+            }
+        },
+        "optimizer_states": [saved[optimizer_key]],
+        "lr_schedulers": [],
+    }
+    meta = saved.get(shards.META_KEY)
+    if meta is not None:
+        for rank in range(meta["world_size"]):
+            shard = shards.read_shard(shards.shard_path(fabric_path, rank, meta["world_size"], meta["save_id"]))
+            shard["state_dict"] = {prefix + name: value for name, value in shard["state_dict"].items()}
+            shards.write_shard(shard, shards.shard_path(trainer_path, rank, meta["world_size"], meta["save_id"]))
+        checkpoint[shards.META_KEY] = meta
+    fs = get_filesystem(trainer_path)
+    with fs.open(f"{trainer_path}.tmp", "wb") as f:
+        torch.save(checkpoint, f)
+    fs.mv(f"{trainer_path}.tmp", str(trainer_path))
+    dropped = sorted(str(key) for key in saved if key not in (model_key, optimizer_key, STEP_KEY, shards.META_KEY))
+    warnings.warn(
+        f"{trainer_path}: the Trainer resumes the model, the optimizer and every rank's shard at global_step {step}, "
+        "but starts epoch 0 from the first batch (Fabric records no position in the data) and restores no "
+        f"learning-rate scheduler; not carried over from {fabric_path}: {dropped or 'nothing else'}.",
+        stacklevel=2,
+    )
