@@ -287,3 +287,16 @@ def trainer_resumes_from_fabric(rank: int, world_size: int, config: Config, path
         trainer.fit(model, train_dataloaders=loader(rank, config.samples, config.batch_size), ckpt_path=path)
     return {"start": model.train_start_params, "start_step": at_start.global_step, "momentum": at_start.momentum,
             "end_step": trainer.global_step, "warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)]}
+
+
+def fit_mixed_precision(rank: int, world_size: int, momentum: str) -> dict[str, Any]:
+    """A few steps of the usual loop under ``precision="bf16-mixed"``: this rank's replica and step count."""
+    config = Config("bf16", momentum=momentum, optimizer={"lr": 0.05, "momentum": 0.9}, gossip_every=2)  # 2 ranks: W = 11ᵀ/2
+    strategy = DecentralizedStrategy(**config.strategy_kwargs())
+    fabric = fabric_for(world_size, strategy, precision="bf16-mixed")
+    model = initial_net(init_seed(rank))
+    loop = _Loop(fabric, config, model, rank)
+    for k in range(config.steps):
+        loop.step(k)
+    fabric.strategy.teardown()
+    return {"replica": flat(model), "step": strategy.step, "dtype": str(next(model.parameters()).dtype)}

@@ -269,3 +269,13 @@ def test_a_fabric_checkpoint_converted_by_to_trainer_checkpoint_resumes_every_re
         assert torch.equal(after["momentum"], before["momentum"]), f"rank {rank}"
         assert (after["start_step"], after["end_step"]) == (config.steps, config.steps + 2)
         assert not after["warnings"]
+
+
+@pytest.mark.parametrize("momentum", ["local", "decentlam"])
+def test_trains_under_bf16_mixed_precision(momentum: str) -> None:
+    """Autocast forward, float32 replicas and optimizer state: the loop trains and the replicas differ."""
+    results = run_distributed(fabric_workers.fit_mixed_precision, 2, momentum=momentum)
+    replicas = torch.stack([r["replica"] for r in results])
+    assert torch.isfinite(replicas).all()
+    assert (replicas[0] - replicas[1]).abs().max() > 1e-4
+    assert all(r["step"] == 6 and r["dtype"] == "torch.float32" for r in results)
