@@ -132,3 +132,18 @@ def monitors(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
     out["ddp"] = _record(recorder)
     out["ddp_warnings"] = [str(w.message) for w in caught if "ConsensusControl" in str(w.message)]
     return out
+
+
+def one_worker_control_warnings(rank: int, world_size: int, strategy: str) -> list[str]:
+    """Fit one step on ``devices=1`` with ``ConsensusControl``: its warnings. In a process of its own, since
+    ``"dpsgd"`` initializes a process group (and binds its port) that would outlive a test in pytest's process."""
+    import lightning_decentral  # noqa: F401  # registers "dpsgd"
+
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, callbacks=[ConsensusControl(target=1.0)],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TwoPart(), train_dataloaders=loader(0, 8, 8))
+    return [str(w.message) for w in caught if "ConsensusControl" in str(w.message)]

@@ -183,21 +183,7 @@ def test_warns_when_measurements_would_never_be_written(tmp_path: Path) -> None:
 )
 def test_consensus_control_with_one_worker_says_what_to_change(strategy: str, expected: list[str], unexpected: str) -> None:
     """On a decentralized strategy with one worker the advice is more workers, not the strategy it already uses."""
-    import warnings
-
-    from lightning.pytorch import Trainer
-
-    import lightning_decentral  # noqa: F401  # registers "dpsgd"
-    from tests.models import loader
-
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, callbacks=[ConsensusControl(target=1.0)],
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        trainer.fit(monitor_workers.TwoPart(), train_dataloaders=loader(0, 8, 8))
-    messages = [str(w.message) for w in caught if "ConsensusControl" in str(w.message)]
+    (messages,) = run_distributed(monitor_workers.one_worker_control_warnings, 1, strategy=strategy)
     assert len(messages) == 1, messages
     for text in expected:
         assert text in messages[0], (text, messages[0])
