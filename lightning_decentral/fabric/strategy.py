@@ -1,18 +1,5 @@
-"""Decentralized training in a hand-written Lightning Fabric loop: `Fabric(strategy="dpsgd")`.
-
-The usual loop trains decentralized; the whole update rule of
-[`lightning_decentral.rules`][lightning_decentral.rules] runs inside `optimizer.step()`:
-
-```text
-model(x)              forward pre-hook: plan = schedule.plan(k); rule.begin_step(plan)    AWC posts x(k)
-fabric.backward(loss) rule.before_backward(), then backward                              DecentLaM posts buckets
-optimizer.step()      rule.wrap_closure(...); U; rule.end_step(); rule.finish_step(); k += 1
-```
-
-`k` counts the optimizer steps of this strategy and is saved with every checkpoint. Launching,
-cluster environments, samplers, `barrier`, `broadcast` and `all_reduce` are Fabric's `DDPStrategy`'s;
-the module is never wrapped in `DistributedDataParallel`. See the [Fabric page](../fabric.md).
-"""
+"""Fabric's `DecentralizedStrategy`: the update rules inside `optimizer.step()` of a hand-written loop (the
+package docstring of [`lightning_decentral.fabric`][lightning_decentral.fabric] shows one step)."""
 
 from __future__ import annotations
 
