@@ -300,3 +300,29 @@ def fit_mixed_precision(rank: int, world_size: int, momentum: str) -> dict[str, 
         loop.step(k)
     fabric.strategy.teardown()
     return {"replica": flat(model), "step": strategy.step, "dtype": str(next(model.parameters()).dtype)}
+
+
+def disagreeing_setup(rank: int, world_size: int) -> str:
+    """Rank 1 builds another `combine` than rank 0: the error `fabric.setup` raises on this rank."""
+    fabric = fabric_for(world_size, DecentralizedStrategy(combine="atc" if rank == 1 else "awc"))
+    net = initial_net(init_seed(rank))
+    try:
+        fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def nan_on_one_rank(rank: int, world_size: int) -> str:
+    """Rank 1's loss turns NaN at step 2 (AWC): the error on this rank."""
+    config = Config("nan", optimizer={"lr": 0.05})
+    fabric = fabric_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=30)))
+    loop = _Loop(fabric, config, initial_net(init_seed(rank)), rank)
+    original = loop.loss
+    loop.loss = lambda batch: original(batch) * (float("nan") if rank == 1 and fabric.strategy.step == 2 else 1.0)
+    try:
+        for k in range(config.steps):
+            loop.step(k)
+    except (FloatingPointError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

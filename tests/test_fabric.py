@@ -279,3 +279,19 @@ def test_trains_under_bf16_mixed_precision(momentum: str) -> None:
     assert torch.isfinite(replicas).all()
     assert (replicas[0] - replicas[1]).abs().max() > 1e-4
     assert all(r["step"] == 6 and r["dtype"] == "torch.float32" for r in results)
+
+
+def test_ranks_with_another_configuration_stop_at_setup() -> None:
+    messages = run_distributed(fabric_workers.disagreeing_setup, 2)
+    for message in messages:
+        assert "do not run the same configuration" in message and "combine" in message, message
+
+
+def test_a_nan_on_one_rank_stops_before_it_reaches_a_neighbour() -> None:
+    """The rank holding the NaN raises before sending (naming itself and the step); its neighbour then
+    stops with the gossip error instead of mixing the NaN in."""
+    start = time.monotonic()
+    messages = run_distributed(fabric_workers.nan_on_one_rank, 2, timeout=120)
+    assert messages[1].startswith("FloatingPointError") and "Rank 1" in messages[1] and "step 3" in messages[1], messages[1]
+    assert messages[0] != "no error"
+    assert time.monotonic() - start < 100
