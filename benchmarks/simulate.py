@@ -15,6 +15,8 @@ process (fair start-up, its own memory high-water mark) with ``--threads`` torch
 * ``sim``: ``Trainer(strategy=SimulatedDecentralizedStrategy(workers=n), accelerator="cpu",
   devices=1)`` on one DataLoader (``shuffle=True, drop_last=True``, batch ``512 // n``); Lightning's
   ``DistributedSampler`` gives worker ``i`` rank ``i``'s shard, as on processes.
+* ``vectorized``: the same with ``vectorize=True`` (stacked parameters, one ``torch.vmap`` of
+  ``training_step``, one optimizer step and one update rule for all workers).
 * ``processes``: ``DecentralizedStrategy`` on ``--processes`` (8) gloo processes on loopback,
   started by ``harness.run_ranks`` (forked from the run's process once it has imported torch,
   lightning and the data), ``Trainer(devices=n)``, the same DataLoader on every rank.
@@ -35,7 +37,7 @@ process to that point. Memory: ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` of 
 at its end (for processes: of each rank, whose resident pages include what it shares with the
 others); *MB per worker* of the sim is ``(peak(sim) - peak(lightning)) / n``.
 
-The first repeat also checks that ``bare`` computes the sim's update: it runs both at every ``n``
+The first repeat also checks that ``bare`` computes the update of both simulations: it runs both at every ``n``
 with the same initial model and batches and reports the largest difference of the final
 parameters over the workers.
 """
@@ -58,6 +60,7 @@ from typing import Any, Optional
 import harness
 
 WIDTHS = (64, 128, 128, 10)
+SIMULATIONS = ("sim", "vectorized")  # SimulatedDecentralizedStrategy one worker at a time, and vectorize=True
 SMOKE_WIDTHS = (64, 16, 10)
 
 
@@ -89,7 +92,7 @@ def _maxrss_mb() -> float:
 
 
 def _lightning(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
-    """``sim`` (n workers) or ``lightning`` (no strategy, the whole batch): one process, ``devices=1``."""
+    """``sim`` or ``vectorized`` (n workers), or ``lightning`` (no strategy, the whole batch): one process, ``devices=1``."""
     import torch
 
     from lightning_decentral import SimulatedDecentralizedStrategy
@@ -98,8 +101,10 @@ def _lightning(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     n, total = job["n"], job["warmup"] + job["steps"]
     t0 = time.perf_counter()
     wall0 = time.time()
-    if job["kind"] == "sim":
-        strategy: Any = SimulatedDecentralizedStrategy(workers=n, topology="ring", combine="awc", momentum="local")
+    if job["kind"] in SIMULATIONS:
+        strategy: Any = SimulatedDecentralizedStrategy(
+            workers=n, topology="ring", combine="awc", momentum="local", vectorize=job["kind"] == "vectorized"
+        )
     else:
         strategy = "auto"
     clock = StepClock()
@@ -109,7 +114,7 @@ def _lightning(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     if len(clock.ends) != total:
         raise RuntimeError(f"expected {total} optimizer steps, the callback saw {len(clock.ends)}")
     out: dict[str, Any] = {"ends": [clock.ends], "t0": t0, "wall0": wall0}
-    if job.get("save") and job["kind"] == "sim":
+    if job.get("save") and job["kind"] in SIMULATIONS:
         modules = strategy.worker_modules()
         torch.save({name: torch.stack([dict(m.net.named_parameters())[name].detach() for m in modules])
                     for name, _ in module.net.named_parameters()}, job["save"])
@@ -211,7 +216,7 @@ def _child(job: dict[str, Any]) -> None:
     import lightning_decentral  # noqa: F401
 
     x, y = _digits()
-    run = {"sim": _lightning, "lightning": _lightning, "processes": _processes, "bare": _bare}[job["kind"]]
+    run = {"sim": _lightning, "vectorized": _lightning, "lightning": _lightning, "processes": _processes, "bare": _bare}[job["kind"]]
     record = run(job, x, y)
     record["maxrss_mb"] = _maxrss_mb()
     print(json.dumps(record))
@@ -263,6 +268,7 @@ def _summarize(name: str, n: int, records: list[dict[str, Any]], warmup: int) ->
 
 LABELS = {
     "sim": "SimulatedDecentralizedStrategy, 1 process",
+    "vectorized": "SimulatedDecentralizedStrategy(vectorize=True), 1 process",
     "bare": "bare torch.func loop, 1 process",
     "processes": "DecentralizedStrategy, gloo processes",
     "lightning": "plain Trainer, 1 worker, batch 512 (memory baseline)",
@@ -280,13 +286,13 @@ def render_table(rows: list[dict[str, Any]], global_batch: int) -> str:
     ]
     for r in rows:
         n = r["n"]
-        vs_bare = f"{r['median_s'] / bare[n]['median_s']:.2f}" if r["name"] == "sim" and n in bare else ""
+        vs_bare = f"{r['median_s'] / bare[n]['median_s']:.2f}" if r["name"] in SIMULATIONS and n in bare else ""
         vs_proc = f"{sim[n]['median_s'] / r['median_s']:.2f}" if r["name"] == "processes" and n in sim else ""
         rss = f"{r['maxrss_mb']:.0f}"
         if r["rank_maxrss_mb"] is not None:
             rss = f"{r['maxrss_mb']:.0f} + {n} × {r['rank_maxrss_mb']:.0f}"
         per_worker = ""
-        if r["name"] == "sim" and base is not None:
+        if r["name"] in SIMULATIONS and base is not None:
             per_worker = f"{(r['maxrss_mb'] - base['maxrss_mb']) / n:.2f}"
         repeats = "–".join(f"{1e3 * t:.1f}" for t in (min(r["repeat_medians_s"]), max(r["repeat_medians_s"])))
         lines.append(
@@ -345,7 +351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     common = dict(widths=list(widths), lr=args.lr, momentum=args.momentum, global_batch=args.global_batch,
                   threads=args.threads, warmup=args.warmup, steps=args.steps, timeout=args.timeout,
                   start_method=args.start_method)
-    runs = [("sim", n) for n in args.workers] + [("bare", n) for n in args.workers]
+    runs = [(kind, n) for kind in (*SIMULATIONS, "bare") for n in args.workers]
     if args.processes:
         runs.append(("processes", args.processes))
     runs.append(("lightning", 1))
@@ -359,13 +365,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     )
     started = time.monotonic()
     records: dict[tuple[str, int], list[dict[str, Any]]] = {run: [] for run in runs}
-    checks: dict[int, float] = {}
+    checks: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="simulate_") as scratch:
         for repeat in range(args.repeats):
             order = runs[repeat % len(runs) :] + runs[: repeat % len(runs)]  # rotate: no run always first
             for kind, n in order:
                 job = {**common, "kind": kind, "n": n}
-                if repeat == 0 and kind in ("sim", "bare"):
+                if repeat == 0 and kind in (*SIMULATIONS, "bare"):
                     job["save"] = str(Path(scratch) / f"{kind}{n}.pt")
                 t = time.monotonic()
                 record = _launch(job, args.timeout)
@@ -377,10 +383,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 )
         import torch
 
-        for n in args.workers:
-            sim, bare = torch.load(Path(scratch) / f"sim{n}.pt"), torch.load(Path(scratch) / f"bare{n}.pt")
-            checks[n] = max(float((sim[k] - bare[k]).abs().max()) for k in sim)
-            print(f"  n={n}: bare against sim, largest |difference| of the final parameters: {checks[n]:.2e}", flush=True)
+        for kind in SIMULATIONS:
+            for n in args.workers:
+                sim, bare = torch.load(Path(scratch) / f"{kind}{n}.pt"), torch.load(Path(scratch) / f"bare{n}.pt")
+                checks[f"{kind} {n}"] = max(float((sim[k] - bare[k]).abs().max()) for k in sim)
+                print(f"  n={n}: bare against {kind}, largest |difference| of the final parameters: {checks[f'{kind} {n}']:.2e}", flush=True)
     rows = [_summarize(kind, n, records[(kind, n)], args.warmup) for kind, n in runs]
     table = render_table(rows, args.global_batch)
     elapsed = time.monotonic() - started
@@ -399,7 +406,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "lightning": lightning.__version__,
         "config": {**common, "workers": args.workers, "processes": args.processes, "repeats": args.repeats},
         "elapsed_s": elapsed,
-        "bare_vs_sim_max_abs_diff": {str(n): d for n, d in checks.items()},
+        "bare_vs_sim_max_abs_diff": checks,
     }
     harness.write_outputs(args.out, {"meta": meta, "rows": rows}, table, indent=2)
     return 0

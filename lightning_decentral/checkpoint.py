@@ -114,7 +114,7 @@ def make_shard(
     world_size: int,
     state_dict: dict[str, Any],
     step: int,
-    optimizers: Optional[list[Any]] = None,
+    optimizer_states: Optional[list[dict[str, Any]]] = None,
     precision: Optional[dict[str, Any]] = None,
     rng: Optional[dict[str, Any]] = None,
     rule: Optional[dict[str, str]] = None,
@@ -122,7 +122,7 @@ def make_shard(
     """A rank's shard: its own `state_dict`, the optimizer step and the update rule it ran (`rule`, e.g.
     `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this
     process's [`rng_state`][lightning_decentral.checkpoint.rng_state]), and (unless the checkpoint is
-    weights-only: `optimizers=None`) its optimizers' and precision plugin's state."""
+    weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s and its precision plugin's state."""
     shard = {
         "save_id": save_id,
         "rank": rank,
@@ -131,8 +131,8 @@ def make_shard(
         "strategy": {"step": step, **(rule or {})},
         "rng": rng if rng is not None else rng_state(),
     }
-    if optimizers is not None:
-        shard["optimizer_states"] = [optimizer.state_dict() for optimizer in optimizers]
+    if optimizer_states is not None:
+        shard["optimizer_states"] = optimizer_states
         shard["precision"] = precision
     return shard
 

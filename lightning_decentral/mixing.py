@@ -23,7 +23,7 @@ and the timing of the communication (the monitors, the tests and the benchmarks 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol
 
@@ -268,29 +268,158 @@ class DenseMixer:
                 "worker starts an exchange before any worker waits for it."
             )
         order = [posted[i] for i in range(n)]
-        rounds = order[0].rounds
         for index in range(len(order[0].buffers)):
-            x = torch.stack([p.buffers[index].detach() for p in order]).double()
-            start = x
-            for r in range(rounds):
-                before = x
-                for matrix, average in stages(self.topology, step):
-                    if self.dtype is None or average:
-                        x = matrix @ x.reshape(n, -1)
-                    else:
-                        q = x.to(order[0].buffers[index].dtype).to(self.dtype).double().reshape(n, -1)
-                        x = x.reshape(n, -1) + matrix @ q - q
-                    x = x.reshape(start.shape)
-                if r == 0 and self.measure_residual:
-                    delta = (x - before).reshape(n, -1)
-                    for worker, row in zip(order, delta):
-                        worker.residuals = (worker.residuals or []) + [row.square().sum()]
-            for worker, mixed, original in zip(order, x, start):
+            x = torch.stack([p.buffers[index].detach().reshape(-1) for p in order]).double()
+            mixed, change = self.mix(x, step, order[0].rounds, order[0].buffers[index].dtype)
+            residuals = change.square().sum(1) if change is not None else [None] * n
+            for worker, row, original, residual in zip(order, mixed, x, residuals):
                 target = worker.out[index] if worker.out is not None else worker.buffers[index]
-                value = mixed - original if worker.out is not None else mixed
-                target.copy_(value.to(target.dtype))
+                value = row - original if worker.out is not None else row
+                target.copy_(value.view_as(target).to(target.dtype))
+                if residual is not None:
+                    worker.residuals = (worker.residuals or []) + [residual]
         for worker in order:
             worker.done = True
+
+    def mix(self, x: Tensor, step: int, rounds: int, dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor]]:
+        """`W(step)^rounds x` for the workers' buffers stacked as the rows of `x` (`[n, m]`, float64), in the
+        arithmetic of every exchange of this mixer; and, if `measure_residual`, the first round's change
+        `Σ_j w_ij y_j − y_i` (whose squared row norms are the residuals; else `None`). `dtype` is the buffers'
+        own dtype: in low precision each round sends `x` rounded to `dtype`, then to the mixer's `dtype`."""
+        change = None
+        for r in range(rounds):
+            before = x
+            for matrix, average in stages(self.topology, step):
+                if self.dtype is None or average:
+                    x = matrix @ x
+                else:
+                    q = x.to(dtype).to(self.dtype).double()
+                    x = x + matrix @ q - q
+            if r == 0 and self.measure_residual:
+                change = x - before
+        return x, change
+
+    def all_workers(self) -> StackedMixer:
+        """A [`Mixer`][lightning_decentral.mixing.Mixer] over every worker at once (see
+        [`StackedMixer`][lightning_decentral.mixing.StackedMixer]), sharing this mixer's observers."""
+        return StackedMixer(self)
+
+
+class StackedMixer:
+    """Every worker's exchange in one call: each buffer holds the `n` workers' buffers as consecutive rows
+    (a `[n, ...]` tensor, flat), and `start` applies `W(step)^rounds` to its rows at once, as
+    [`DenseMixer`][lightning_decentral.mixing.DenseMixer] does for `n` separate buffers. The vectorized
+    simulation's rules run on it. Each exchange is one
+    [`ExchangeEvent`][lightning_decentral.mixing.ExchangeEvent] whose `bytes_sent` is all workers' together;
+    a residual is the sum over the workers.
+
+    Examples:
+        >>> from lightning_decentral.topology import Ring
+        >>> x = torch.tensor([[0.0, 3.0], [3.0, 6.0], [6.0, 0.0]])   # 3 workers' buffers, as rows
+        >>> DenseMixer(Ring(world_size=3)).all_workers().start([x.view(-1)], step=0).wait()
+        >>> x                                                         # W = 11ᵀ/3: every row is the mean
+        tensor([[3., 3.],
+                [3., 3.],
+                [3., 3.]])
+    """
+
+    def __init__(self, dense: DenseMixer) -> None:
+        self.dense = dense
+        self.observers: list[ExchangeObserver] = []
+        self._space: dict[int, Tensor] = {}
+
+    def _workspace(self, slot: int, n: int, width: int, device: torch.device) -> Tensor:
+        """A float64 `[n, width]` tensor kept for reuse (allocating tens of MB per exchange costs page faults)."""
+        space = self._space.get(slot)
+        if space is None or space.numel() < n * width or space.device != device:
+            space = self._space[slot] = torch.empty(n * width, dtype=torch.float64, device=device)
+        return space[: n * width].view(n, width)
+
+    @property
+    def measure_residual(self) -> bool:
+        return self.dense.measure_residual
+
+    @measure_residual.setter
+    def measure_residual(self, value: bool) -> None:
+        self.dense.measure_residual = value
+
+    def start(
+        self,
+        buffers: Sequence[Tensor],
+        step: int,
+        rounds: int = 1,
+        tag: int = 0,
+        out: Optional[Sequence[Tensor]] = None,
+        check_finite: bool = True,
+    ) -> _Mixed:
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        n = self.dense.topology.world_size
+        rows = [b.view(n, -1) for b in buffers]
+        observers = self.observers + self.dense.observers
+        event = None
+        if observers:
+            sent = sum(self.dense.bytes_sent([r[0] for r in rows], rank, step) for rank in range(n))
+            event = ExchangeEvent(step, tag, rounds, rounds * sent, time.perf_counter())
+        if check_finite:
+            _raise_if_a_row_not_finite(rows, step)
+        residuals: Optional[list[Tensor]] = None
+        if not stages(self.dense.topology, step):  # W = I: nothing moves
+            for o in out or []:
+                o.zero_()
+        else:
+            found: dict[int, Tensor] = {}  # buffer index -> its residual
+            for group in _same_dtype(range(len(rows)), lambda i: rows[i].dtype):
+                # one product for the buffers of one dtype, in float64 work space kept from call to call
+                widths = [rows[i].shape[1] for i in group]
+                x = self._workspace(0, n, sum(widths), rows[group[0]].device)
+                for part, i in zip(x.split(widths, dim=1), group):
+                    part.copy_(rows[i])
+                single = stages(self.dense.topology, step)
+                if rounds == 1 and len(single) == 1 and (self.dense.dtype is None or single[0][1]) and not self.measure_residual:
+                    matrix = single[0][0] - torch.eye(n, dtype=torch.float64) if out is not None else single[0][0]
+                    mixed, change = torch.mm(matrix.to(x.device), x, out=self._workspace(1, n, x.shape[1], x.device)), None
+                else:
+                    mixed, change = self.dense.mix(x, step, rounds, rows[group[0]].dtype)
+                    if out is not None:
+                        mixed = mixed - x
+                for i, part in zip(group, mixed.split(widths, dim=1)):
+                    (out[i].view(n, -1) if out is not None else rows[i]).copy_(part)
+                if change is not None:
+                    found.update((i, part.square().sum()) for i, part in zip(group, change.split(widths, dim=1)))
+            residuals = [found[i] for i in range(len(rows))] if found else None
+        notify_post(observers, event)
+        return _Mixed(residuals, observers, event)
+
+
+class _Mixed:
+    """A [`StackedMixer`][lightning_decentral.mixing.StackedMixer] exchange: done when posted."""
+
+    def __init__(self, residuals: Optional[list[Tensor]], observers: list[ExchangeObserver], event: Optional[ExchangeEvent]) -> None:
+        self.residuals, self.observers, self.event = residuals, observers, event
+        self._reported = False
+
+    def wait(self) -> None:
+        if not self._reported:
+            self._reported = True
+            notify_wait(self.observers, self.event, time.perf_counter())
+
+
+def _same_dtype(indices: Iterable[int], dtype_of: Callable[[int], torch.dtype]) -> list[list[int]]:
+    """`indices` grouped by `dtype_of`, in order of first appearance."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i in indices:
+        groups.setdefault(dtype_of(i), []).append(i)
+    return list(groups.values())
+
+
+def _raise_if_a_row_not_finite(rows: Sequence[Tensor], step: int) -> None:
+    """`raise_if_not_finite` for stacked workers (`[n, m]` rows), naming the first worker whose row is not finite."""
+    sums = torch.stack([r.sum(1, dtype=torch.promote_types(r.dtype, torch.float32)).double() for r in rows]).sum(0)
+    bad = torch.nonzero(~torch.isfinite(sums))
+    if len(bad):
+        worker = int(bad[0])
+        raise_if_not_finite([r[worker] for r in rows], worker, step)
 
 
 class _WorkerMixer:

@@ -73,6 +73,14 @@ class Replica:
         self.flat_parameters = pack_(self.parameters)
         self.flat_buffers = pack_([b for b in module.buffers() if b.is_floating_point()] if mix_buffers else [])
 
+    @classmethod
+    def of_buffers(cls, parameters: list[Parameter], flat_parameters: list[Tensor], flat_buffers: list[Tensor]) -> Replica:
+        """A replica over flat buffers that already hold the tensors (`parameters` are views of
+        `flat_parameters`): nothing is packed or moved."""
+        replica = cls.__new__(cls)
+        replica.parameters, replica.flat_parameters, replica.flat_buffers = parameters, flat_parameters, flat_buffers
+        return replica
+
     @property
     def mixed(self) -> list[Tensor]:
         """What gossip mixes: the flat parameters, then the flat buffers."""

@@ -235,7 +235,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self.world_size,
             state_dict=self._averaged.own_state_dict(self.lightning_module),
             step=self.lightning_module.trainer.global_step,
-            optimizers=None if weights_only else self.optimizers,
+            optimizer_states=None if weights_only else [o.state_dict() for o in self.optimizers],
             precision=None if weights_only else self.precision_plugin.state_dict(),
             rule=self._rule_record(),
         )

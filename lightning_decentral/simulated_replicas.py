@@ -85,12 +85,12 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
 
     def worker_modules(self) -> list[Module]:
         """Each worker's module, worker 0 (the LightningModule itself) first; empty before fit."""
-        return [worker.module for worker in self._group.workers]
+        return list(self._group.modules)
 
     @contextlib.contextmanager
     def averaged_model(self) -> Iterator[None]:
         """Replace the LightningModule's state by `x̄`, the mean of every worker's, inside the block."""
-        mean = self._group.mean if len(self._group.workers) > 1 else None
+        mean = self._group.mean if len(self._group.modules) > 1 else None
         with self._averaged.swapped_in(self.lightning_module, mean):
             yield
 
@@ -125,13 +125,13 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer state averaged over the workers (a resume that cannot use the shards starts there)."""
-        return self._group.optimizer_state() if self._group.workers else super().optimizer_state(optimizer)
+        return self._group.optimizer_state() if self._group.modules else super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Every worker's shard as rank `i` of `n` writes it, then the checkpoint file (`x̄`), then the
         workers' shards of earlier saves to this path go: the layout `DecentralizedStrategy` reads."""
-        if not self._group.workers:  # not fitting: a plain checkpoint
+        if not self._group.modules:  # not fitting: a plain checkpoint
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         save_id = secrets.randbits(62)
         checkpoint[shards.META_KEY] = {"save_id": save_id, "world_size": self.workers}
@@ -139,8 +139,8 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         try:
             precision = None if "optimizer_states" not in checkpoint else self.precision_plugin.state_dict()
             step = self.lightning_module.trainer.global_step
-            for rank, (worker, path) in enumerate(zip(self._group.workers, paths)):
-                own = {k: v.detach() for k, v in self._averaged.own_state_dict(worker.module).items()}
+            for rank, (module, path) in enumerate(zip(self._group.modules, paths)):
+                own = {k: v.detach() for k, v in self._averaged.own_state_dict(module).items()}
                 shards.write_shard(self._group.shard(rank, save_id, own, step, precision), path)
             super().save_checkpoint(checkpoint, filepath, storage_options)
         except BaseException:

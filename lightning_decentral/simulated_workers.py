@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -31,6 +32,167 @@ class PerWorker(tuple):
     """One item per simulated worker (a batch, an output), worker 0 first."""
 
 
+class WorkerGroup:
+    """What every simulation of `n` workers provides, however it stores them: the executor drives one step
+    through the methods below, phase by phase; the monitors and the checkpoints read the workers' modules
+    (worker `i`'s module holds its replica) and optimizer states.
+
+    [`SimulatedWorkers`][lightning_decentral.simulated_workers.SimulatedWorkers] keeps every worker apart;
+    [`StackedWorkers`][lightning_decentral.vectorized.StackedWorkers] keeps worker `i`'s tensors as row `i` of
+    stacked ones and runs them together.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.modules: list[Module] = []  # worker 0's first: the LightningModule
+        self.rules: list[UpdateRule] = []
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def begin_step(self, plan: StepPlan) -> None:
+        """Every worker begins step `plan.step`, with worker 0's optimizer hyperparameters (its scheduler's)."""
+        raise NotImplementedError
+
+    def zero_grad_others(self) -> None:
+        """Zero workers `1..n-1`'s gradients (Lightning zeroes worker 0's)."""
+        raise NotImplementedError
+
+    def training_steps(self, batch: PerWorker, step: Callable[[Module, Any], Any]) -> tuple[list[Any], Logged]:
+        """`step(module_i, batch_i)` for every worker (the module's `training_step`): the outputs, and what each
+        logged (`name -> [(value, log kwargs)]`, one entry per worker that logged it)."""
+        raise NotImplementedError
+
+    def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
+        """`backward(loss, module, optimizer)` of every worker's loss (already divided for accumulation)."""
+        raise NotImplementedError
+
+    def ready_others(self, clip_val: Optional[float], clip_algorithm: Optional[str]) -> None:
+        """After worker 0's clipping: clip workers `1..n-1` and tell the rules their gradients are final."""
+        raise NotImplementedError
+
+    def step_others(self, result: Any) -> None:
+        """Workers `1..n-1`'s optimizer steps (their closure returns `result`)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def no_backward_sync(self) -> Iterator[None]:
+        """Around the backward of accumulated micro-batches, for every rule."""
+        with contextlib.ExitStack() as stack:
+            for rule in self.rules:
+                stack.enter_context(rule.no_backward_sync())
+            yield
+
+    def wrap_closure(self, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """The closure with every rule's work around it."""
+        for rule in self.rules:
+            closure = rule.wrap_closure(closure)
+        return closure
+
+    def end_step(self) -> None:
+        """Every rule ends the step, then finishes it."""
+        for rule in self.rules:
+            rule.end_step()
+        for rule in self.rules:
+            rule.finish_step()
+
+    def drain(self) -> None:
+        """Finish anything in flight."""
+        for rule in self.rules:
+            rule.drain()
+
+    def teardown(self) -> None:
+        """Release the rules' hooks."""
+        for rule in self.rules:
+            rule.teardown()
+
+    # -- random states -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def as_worker(self, rank: int) -> Iterator[None]:
+        """Worker `rank`'s torch random state inside the block (here: the process's, shared)."""
+        yield
+
+    def start_random_states(self) -> None:
+        """Every worker continues from the process's random state now (as ranks seeded alike do)."""
+
+    def random_states(self) -> list[tuple[Tensor, Optional[Tensor]]]:
+        """Each worker's torch random state `(cpu, cuda or None)` now (here: the process's, for every worker)."""
+        own = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+        return [own] * len(self.modules)
+
+    # -- what the monitors read ------------------------------------------------------------------
+
+    def gossip_residual(self, step: int) -> Optional[Tensor]:
+        """`Σ_i ‖y_i − Σ_j w_ij(k) y_j‖²` of step `step`'s first round; `None` if a worker has none."""
+        residuals = [rule.residual(step) for rule in self.rules]
+        if not residuals or any(r is None for r in residuals):
+            return None
+        return torch.stack(residuals).sum()
+
+    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
+        """For each trainable parameter `p`: its name, `Σ_i ‖p_i − p̄‖²` and `‖p̄‖²` (float64)."""
+        named = [[(n, p) for n, p in module.named_parameters() if p.requires_grad] for module in self.modules]
+        out = []
+        for column in zip(*named):
+            stacked = torch.stack([p.detach().to(torch.promote_types(p.dtype, torch.float32)) for _, p in column])
+            mean = stacked.mean(0)
+            deviation = torch.linalg.vector_norm(stacked - mean, dtype=torch.float64).square()
+            out.append((column[0][0], deviation, torch.linalg.vector_norm(mean, dtype=torch.float64).square()))
+        return out
+
+    def extra_gossip(self, step: int, rounds: int) -> None:
+        """`x <- W(step)^rounds x` for every worker's parameters and mixed buffers, now."""
+        if rounds > 0:
+            pending = [rule.mixer.start(rule.replica.mixed, step, rounds) for rule in self.rules]
+            for exchange in pending:
+                exchange.wait()
+
+    def gradient_sum(self) -> list[Tensor]:
+        """`Σ_i g_i` for each trainable parameter: the workers' current gradients."""
+        raise NotImplementedError
+
+    def mean(self, tensors: list[Tensor]) -> list[Tensor]:
+        """For floating tensors of worker 0's module, their means over the workers' matching tensors."""
+        index = {id(t): j for j, t in enumerate(_floating_state(self.modules[0]))}
+        columns = [_floating_state(module) for module in self.modules]
+        return [torch.stack([column[index[id(t)]].detach() for column in columns]).mean(0) for t in tensors]
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def optimizer_state_of(self, rank: int) -> dict[str, Any]:
+        """Worker `rank`'s optimizer `state_dict`, as rank `rank` of `n` would hold it."""
+        raise NotImplementedError
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Worker 0's optimizer `state_dict` with every floating state tensor averaged over the workers."""
+        states = [self.optimizer_state_of(rank) for rank in range(len(self.modules))]
+        return averaged_optimizer_state(states, lambda tensors: _means_across(states, tensors))
+
+    def shard(self, rank: int, save_id: int, state_dict: dict[str, Tensor], step: int, precision: Optional[dict]) -> dict[str, Any]:
+        """Worker `rank`'s shard, as rank `rank` of `n` writes it (`precision=None`: a weights-only save)."""
+        cpu, cuda = self.random_states()[rank]
+        # numpy's and Python's generators are the process's, shared by the workers
+        rng = {**shards.rng_state(), "torch": cpu, **({"cuda": [cuda]} if cuda is not None else {})}
+        return shards.make_shard(
+            save_id,
+            rank,
+            len(self.modules),
+            state_dict=state_dict,
+            step=step,
+            optimizer_states=None if precision is None else [self.optimizer_state_of(rank)],
+            precision=precision,
+            rng=rng,
+        )
+
+    def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
+        """Workers 1..n-1 from their shards (replica, optimizer, random state) if `resumed`, else from the
+        averaged optimizer state (worker 0 is restored by Lightning)."""
+        raise NotImplementedError
+
+
+Logged = dict[str, list[tuple[Any, dict[str, Any]]]]
+
+
 class SimulatedWorker:
     """One simulated worker: its module, optimizer, flat replica, update rule and torch random state."""
 
@@ -40,8 +202,10 @@ class SimulatedWorker:
         self.cuda_rng: Optional[Tensor] = None
 
 
-class SimulatedWorkers:
-    """`n` workers exchanging through one [`DenseMixer`][lightning_decentral.mixing.DenseMixer].
+class SimulatedWorkers(WorkerGroup):
+    """`n` workers kept apart, each with its own module, optimizer, replica, rule and torch random state,
+    exchanging through one [`DenseMixer`][lightning_decentral.mixing.DenseMixer]: any module and
+    optimizer, one worker at a time.
 
     Args:
         mixer: the mixer of all workers (bound to `n`).
@@ -49,22 +213,53 @@ class SimulatedWorkers:
     """
 
     def __init__(self, mixer: DenseMixer, device: torch.device) -> None:
-        self.mixer, self.device = mixer, device
+        super().__init__(device)
+        self.mixer = mixer
         self.workers: list[SimulatedWorker] = []
 
     def add(self, module: Module, optimizer: Optimizer, rule: str, mix_buffers: bool, options: RuleOptions) -> None:
         """Worker `len(self.workers)`: `module` packed into a replica, and its update rule `RULES[rule]`."""
         replica = Replica(module, mix_buffers)
         rank = len(self.workers)
-        self.workers.append(SimulatedWorker(module, optimizer, replica, RULES[rule](replica, self.mixer.worker(rank), optimizer, options)))
+        worker = SimulatedWorker(module, optimizer, replica, RULES[rule](replica, self.mixer.worker(rank), optimizer, options))
+        self.workers.append(worker)
+        self.modules.append(module)
+        self.rules.append(worker.rule)
 
     def begin_step(self, plan: StepPlan) -> None:
-        """Every worker begins step `plan.step`, with worker 0's optimizer hyperparameters (its scheduler's)."""
         leader = self.workers[0].optimizer.param_groups
         for worker in self.workers:
             for group, lead in zip(worker.optimizer.param_groups, leader):
                 group.update({k: v for k, v in lead.items() if k != "params"})
             worker.rule.begin_step(plan)
+
+    def zero_grad_others(self) -> None:
+        for worker in self.workers[1:]:
+            worker.optimizer.zero_grad()
+
+    def training_steps(self, batch: PerWorker, step: Callable[[Module, Any], Any]) -> tuple[list[Any], Logged]:
+        logged: Logged = {}
+        outputs = []
+        for i, (worker, part) in enumerate(zip(self.workers, batch)):
+            with self.as_worker(i), collect_logs(worker.module, logged):
+                outputs.append(step(worker.module, part))
+        return outputs, logged
+
+    def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
+        for i, (worker, loss) in enumerate(zip(self.workers, losses)):
+            worker.rule.before_backward()
+            with self.as_worker(i):
+                backward(loss, worker.module, worker.optimizer)
+
+    def ready_others(self, clip_val: Optional[float], clip_algorithm: Optional[str]) -> None:
+        for worker in self.workers[1:]:
+            worker.module.configure_gradient_clipping(worker.optimizer, clip_val, clip_algorithm)
+            worker.rule.gradients_ready()
+
+    def step_others(self, result: Any) -> None:
+        for i, worker in enumerate(self.workers[1:], start=1):
+            with self.as_worker(i):
+                worker.optimizer.step(closure=lambda: result)
 
     @contextlib.contextmanager
     def as_worker(self, rank: int) -> Iterator[None]:
@@ -87,83 +282,23 @@ class SimulatedWorkers:
                 torch.cuda.set_rng_state(own[1], self.device)
 
     def start_random_states(self) -> None:
-        """Every worker continues from the process's random state now (as ranks seeded alike do)."""
         cuda = self.device.type == "cuda"
         for worker in self.workers[1:]:
             worker.rng = torch.get_rng_state()
             worker.cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
 
     def random_states(self) -> list[tuple[Tensor, Optional[Tensor]]]:
-        """Each worker's torch random state `(cpu, cuda or None)` now."""
-        cuda = self.device.type == "cuda"
-        own = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None)
+        own = super().random_states()[0]
         return [own] + [(w.rng, w.cuda_rng) for w in self.workers[1:]]
 
-    # -- what the monitors read ------------------------------------------------------------------
-
-    def gossip_residual(self, step: int) -> Optional[Tensor]:
-        """`Σ_i ‖y_i − Σ_j w_ij(k) y_j‖²` of step `step`'s first round; `None` if a worker has none."""
-        residuals = [worker.rule.residual(step) for worker in self.workers]
-        if not residuals or any(r is None for r in residuals):
-            return None
-        return torch.stack(residuals).sum()
-
-    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
-        """For each trainable parameter `p`: its name, `Σ_i ‖p_i − p̄‖²` and `‖p̄‖²` (float64)."""
-        named = [[(n, p) for n, p in worker.module.named_parameters() if p.requires_grad] for worker in self.workers]
-        out = []
-        for column in zip(*named):
-            stacked = torch.stack([p.detach().to(torch.promote_types(p.dtype, torch.float32)) for _, p in column])
-            mean = stacked.mean(0)
-            deviation = torch.linalg.vector_norm(stacked - mean, dtype=torch.float64).square()
-            out.append((column[0][0], deviation, torch.linalg.vector_norm(mean, dtype=torch.float64).square()))
-        return out
-
-    def extra_gossip(self, step: int, rounds: int) -> None:
-        """`x <- W(step)^rounds x` for every worker's parameters and mixed buffers, now."""
-        if rounds > 0:
-            pending = [self.mixer.worker(i).start(w.replica.mixed, step, rounds) for i, w in enumerate(self.workers)]
-            for exchange in pending:
-                exchange.wait()
-
     def gradient_sum(self) -> list[Tensor]:
-        """`Σ_i g_i` for each trainable parameter: the workers' current gradients."""
-        columns = zip(*[[p for p in w.module.parameters() if p.requires_grad] for w in self.workers])
+        columns = zip(*[[p for p in module.parameters() if p.requires_grad] for module in self.modules])
         return [torch.stack([_grad(p) for p in column]).sum(0) for column in columns]
 
-    def mean(self, tensors: list[Tensor]) -> list[Tensor]:
-        """For floating tensors of worker 0's module, their means over the workers' matching tensors."""
-        index = {id(t): j for j, t in enumerate(_floating_state(self.workers[0].module))}
-        columns = [_floating_state(worker.module) for worker in self.workers]
-        return [torch.stack([column[index[id(t)]].detach() for column in columns]).mean(0) for t in tensors]
-
-    # -- checkpoints -----------------------------------------------------------------------------
-
-    def optimizer_state(self) -> dict[str, Any]:
-        """Worker 0's optimizer `state_dict` with every floating state tensor averaged over the workers."""
-        states = [worker.optimizer.state_dict() for worker in self.workers]
-        return averaged_optimizer_state(states, lambda tensors: _means_across(states, tensors))
-
-    def shard(self, rank: int, save_id: int, state_dict: dict[str, Tensor], step: int, precision: Optional[dict]) -> dict[str, Any]:
-        """Worker `rank`'s shard, as rank `rank` of `n` writes it (`precision=None`: a weights-only save)."""
-        worker = self.workers[rank]
-        rng = shards.rng_state()  # numpy's and Python's generators are the process's, shared by the workers
-        if rank > 0:
-            rng = {**rng, "torch": worker.rng, **({"cuda": [worker.cuda_rng]} if worker.cuda_rng is not None else {})}
-        return shards.make_shard(
-            save_id,
-            rank,
-            len(self.workers),
-            state_dict=state_dict,
-            step=step,
-            optimizers=None if precision is None else [worker.optimizer],
-            precision=precision,
-            rng=rng,
-        )
+    def optimizer_state_of(self, rank: int) -> dict[str, Any]:
+        return self.workers[rank].optimizer.state_dict()
 
     def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
-        """Workers 1..n-1 from their shards (replica, optimizer, random state) if `resumed`, else from the
-        averaged optimizer state (worker 0 is restored by Lightning)."""
         for i, worker in enumerate(self.workers[1:], start=1):
             if resumed:
                 worker.module.load_state_dict(resumed[i]["state_dict"])
@@ -174,10 +309,24 @@ class SimulatedWorkers:
                 worker.optimizer.load_state_dict(averaged_optimizer)
 
 
-def optimizer_like(optimizer: Optimizer, module: Module, copied: Module) -> Optimizer:
-    """An optimizer of `optimizer`'s class and param groups over `copied`'s parameters (a fresh state)."""
-    mapping = {id(p): q for p, q in zip(module.parameters(), copied.parameters())}
-    groups = [{**group, "params": [mapping[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+@contextlib.contextmanager
+def collect_logs(module: Module, logged: Logged) -> Iterator[None]:
+    """Inside: `module.log(name, value, **kwargs)` appends `(value, kwargs)` to `logged[name]` instead of logging."""
+
+    def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        logged.setdefault(name, []).append((value, kwargs))
+
+    module.log = record  # type: ignore[method-assign]  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del module.log
+
+
+def optimizer_like(optimizer: Optimizer, parameter: Callable[[Tensor], Tensor]) -> Optimizer:
+    """An optimizer of `optimizer`'s class and param groups over `parameter(p)` for each of its parameters `p`
+    (a fresh state)."""
+    groups = [{**group, "params": [parameter(p) for p in group["params"]]} for group in optimizer.param_groups]
     try:
         return type(optimizer)(groups, **optimizer.defaults)
     except Exception as error:
@@ -194,6 +343,12 @@ def _means_across(states: list[dict[str, Any]], tensors: list[Tensor]) -> list[T
     return [torch.stack([s["state"][where[id(t)][0]][where[id(t)][1]] for s in states]).mean(0) for t in tensors]
 
 
+def copy_of(module: Module, copied: Module) -> Callable[[Tensor], Tensor]:
+    """`p -> ` the parameter of `copied` (a copy of `module`) that corresponds to `module`'s parameter `p`."""
+    mapping = {id(p): q for p, q in zip(module.parameters(), copied.parameters())}
+    return lambda p: mapping[id(p)]
+
+
 def _grad(param: Tensor) -> Tensor:
     return param.grad.detach() if param.grad is not None else torch.zeros_like(param)
 
@@ -202,29 +357,66 @@ def _floating_state(module: Module) -> list[Tensor]:
     return [t for t in state_tensors(module) if t.is_floating_point()]
 
 
+class StackedBatch:
+    """Every worker's batch as one collated batch: along the first dimension of each tensor, worker 0's `b`
+    samples, then worker 1's, and so on (the vectorized simulation's batches).
+
+    Examples:
+        >>> batch = StackedBatch((torch.arange(6.0), torch.zeros(6, 2)), workers=3)
+        >>> batch.parts()[1][0]
+        tensor([2., 3.])
+        >>> batch.stacked()[1].shape
+        torch.Size([3, 2, 2])
+    """
+
+    def __init__(self, batch: Any, workers: int) -> None:
+        self.batch, self.workers = batch, workers
+
+    def stacked(self) -> Any:
+        """The batch with each tensor viewed as `[n, b, ...]` (no copy)."""
+        return apply_to_collection(self.batch, Tensor, lambda t: t.view(self.workers, -1, *t.shape[1:]))
+
+    def parts(self) -> PerWorker:
+        """Each worker's batch."""
+        stacked = self.stacked()
+        return PerWorker(apply_to_collection(stacked, Tensor, lambda t, i=i: t[i]) for i in range(self.workers))
+
+
 class WorkerLoaders:
     """A training DataLoader as `n` workers see it: worker `i` iterates rank `i`'s `DistributedSampler`
-    (Lightning's own, with its shuffling seed, padding and `drop_last`); each item is a
-    [`PerWorker`][lightning_decentral.simulated_workers.PerWorker] of batches. `as_worker(i)` is the context in
-    which worker `i` iterates (its random state)."""
+    (Lightning's own, with its shuffling seed, padding and `drop_last`).
 
-    def __init__(self, dataloader: torch.utils.data.DataLoader, workers: int, as_worker: Callable[[int], Any]) -> None:
+    Each item is a [`PerWorker`][lightning_decentral.simulated_workers.PerWorker] of batches, worker `i`'s
+    fetched inside `as_worker(i)` (its random state); or, `together=True`, a
+    [`StackedBatch`][lightning_decentral.simulated_workers.StackedBatch]: one fetch of every worker's samples
+    of the step, collated at once (the same batches for a `collate_fn` that treats samples independently,
+    as the default one does; the dataset draws from the process's random state).
+    """
+
+    def __init__(
+        self, dataloader: torch.utils.data.DataLoader, workers: int, as_worker: Callable[[int], Any], together: bool = False
+    ) -> None:
         shuffle = _is_dataloader_shuffled(dataloader)
-        self.loaders = [
-            _update_dataloader(
-                dataloader,
-                _get_distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank),
-                mode=RunningStage.TRAINING,
-            )
+        samplers = [
+            _get_distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank)
             for rank in range(workers)
         ]
-        self.sampler = _Samplers([loader.sampler for loader in self.loaders])
+        self.sampler = _Samplers(samplers)
+        self.workers, self.together = workers, together
+        if together:
+            self.loaders = [_together(dataloader, samplers)]
+        else:
+            self.loaders = [_update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING) for sampler in samplers]
         self._as_worker = as_worker
 
     def __len__(self) -> int:
         return len(self.loaders[0])
 
-    def __iter__(self) -> Iterator[PerWorker]:
+    def __iter__(self) -> Iterator[Any]:
+        if self.together:
+            for batch in self.loaders[0]:
+                yield StackedBatch(batch, self.workers)
+            return
         iterators = []
         for rank, loader in enumerate(self.loaders):
             with self._as_worker(rank):
@@ -238,6 +430,45 @@ class WorkerLoaders:
                     return
                 batches.append(batch)
             yield PerWorker(batches)
+
+
+def _together(dataloader: torch.utils.data.DataLoader, samplers: list[Any]) -> torch.utils.data.DataLoader:
+    """A DataLoader over `dataloader`'s dataset whose batch at step `t` is every worker's batch `t`, in worker order."""
+    if dataloader.batch_size is None:
+        raise ValueError(
+            "SimulatedDecentralizedStrategy(vectorize=True) fetches every worker's batch_size samples at once, but "
+            "the training DataLoader has no batch_size (a batch_sampler?). Give it a batch_size, or use vectorize=False."
+        )
+    return torch.utils.data.DataLoader(
+        dataloader.dataset,
+        batch_sampler=_StepBatches(samplers, dataloader.batch_size, dataloader.drop_last),
+        num_workers=dataloader.num_workers,
+        collate_fn=dataloader.collate_fn,
+        pin_memory=dataloader.pin_memory,
+        timeout=dataloader.timeout,
+        worker_init_fn=dataloader.worker_init_fn,
+        multiprocessing_context=dataloader.multiprocessing_context,
+        generator=dataloader.generator,
+        prefetch_factor=dataloader.prefetch_factor,
+        persistent_workers=dataloader.persistent_workers,
+    )
+
+
+class _StepBatches:
+    """Batch sampler: at each step, worker 0's next `batch_size` indices from its sampler, then worker 1's, ..."""
+
+    def __init__(self, samplers: list[Any], batch_size: int, drop_last: bool) -> None:
+        self.samplers, self.batch_size, self.drop_last = samplers, batch_size, drop_last
+
+    def __len__(self) -> int:
+        per_worker = len(self.samplers[0])
+        return per_worker // self.batch_size if self.drop_last else -(-per_worker // self.batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        orders = [list(sampler) for sampler in self.samplers]
+        for step in range(len(self)):
+            window = slice(step * self.batch_size, (step + 1) * self.batch_size)
+            yield [index for order in orders for index in order[window]]
 
 
 class _Samplers:

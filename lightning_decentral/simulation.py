@@ -13,6 +13,10 @@ closure                every worker: training_step on its batch, backward   Dece
                        every worker: optimizer.step()                       (waits, U)
                        every worker: rule.end_step(); then rule.finish_step()
 ```
+
+With `vectorize=True` the workers are a [`StackedWorkers`][lightning_decentral.vectorized.StackedWorkers]:
+each line above is one batched call for every worker (one `torch.vmap` of `training_step`, one backward, one
+optimizer step, one rule), with the same result.
 """
 
 from __future__ import annotations
@@ -39,8 +43,16 @@ from lightning_decentral.options import GossipDtypeName, TopologyName, check_opt
 from lightning_decentral.rules import RuleOptions, rule_name
 from lightning_decentral.schedule import GossipSchedule, StepPlan
 from lightning_decentral.simulated_replicas import SimulatedReplicaStrategy
-from lightning_decentral.simulated_workers import PerWorker, SimulatedWorkers, WorkerLoaders, optimizer_like
+from lightning_decentral.simulated_workers import (
+    PerWorker,
+    SimulatedWorkers,
+    StackedBatch,
+    WorkerLoaders,
+    copy_of,
+    optimizer_like,
+)
 from lightning_decentral.topology import Topology, resolve_topology
+from lightning_decentral.vectorized import StackedWorkers, clip_rows_by_norm_, vectorization_problem
 
 if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against them
     import networkx
@@ -56,6 +68,10 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
 
     Args:
         workers: the number of simulated workers `n`.
+        vectorize: run the workers together (stacked parameters, one `torch.vmap` of `training_step`, one
+            optimizer step for all; several times faster at large `n`), which needs an elementwise optimizer
+            (SGD, Adam, ...), a `training_step` without random numbers (no dropout), batches of tensors,
+            and logged values that are numbers or tensors. `False`: one worker at a time, for any module.
 
     Example:
         ```python
@@ -80,6 +96,7 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
+        vectorize: bool = False,
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
@@ -99,6 +116,9 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         self.combine, self.momentum = combine, momentum
         self.gossip_every, self.gossip_steps, self.gossip_buffers = gossip_every, gossip_steps, gossip_buffers
         self.bucket_cap_mb, self.gossip_dtype = bucket_cap_mb, dtype
+        if not isinstance(vectorize, bool):
+            raise ValueError(f"`vectorize` must be True or False, got {vectorize!r}.")
+        self.vectorize = vectorize
         self._schedule = schedule
         self._plan: Optional[StepPlan] = None
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
@@ -174,20 +194,27 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
             is_overridden(hook, module)
             for hook in ("configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step")
         )
+        rule = rule_name(self.momentum, self.combine)
+        options = RuleOptions(
+            bucket_bytes=int(self.bucket_cap_mb * 2**20),
+            overlap_backward=overlap,
+            warn=rank_zero_warn,
+            before_wait=self._ready_other_workers,
+        )
+        modules = [module] + [copy.deepcopy(module) for _ in range(self.workers - 1)]
+        for copied in modules[1:]:  # a LightningModule leaves its Trainer out of copies: attach it
+            copied.trainer = trainer
+        if self.vectorize:
+            problem = vectorization_problem(module, self.optimizers[0])
+            if problem:
+                raise ValueError(f"SimulatedDecentralizedStrategy(vectorize=True) cannot run this module: {problem}. Use vectorize=False.")
+            self._group = StackedWorkers(modules, self.optimizers[0], rule, self.gossip_buffers, options, self._mixer, self.root_device)
+            return
         self._group = SimulatedWorkers(self._mixer, self.root_device)
-        for rank in range(self.workers):
-            worker_module, optimizer = module, self.optimizers[0]
-            if rank > 0:
-                worker_module = copy.deepcopy(module)  # a LightningModule leaves its Trainer out of copies: attach it
-                worker_module.trainer = trainer
-                optimizer = optimizer_like(self.optimizers[0], module, worker_module)
-            options = RuleOptions(
-                bucket_bytes=int(self.bucket_cap_mb * 2**20),
-                overlap_backward=overlap,
-                warn=rank_zero_warn if rank == 0 else (lambda message: None),
-                before_wait=self._ready_other_workers if rank == 0 else (lambda: None),
-            )
-            self._group.add(worker_module, optimizer, rule_name(self.momentum, self.combine), self.gossip_buffers, options)
+        quiet = RuleOptions(options.bucket_bytes, overlap_backward=overlap, warn=lambda message: None)
+        for rank, worker_module in enumerate(modules):
+            optimizer = self.optimizers[0] if rank == 0 else optimizer_like(self.optimizers[0], copy_of(module, worker_module))
+            self._group.add(worker_module, optimizer, rule, self.gossip_buffers, options if rank == 0 else quiet)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -195,13 +222,15 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader
-        return WorkerLoaders(dataloader, self.workers, self._group.as_worker)
+        return WorkerLoaders(dataloader, self.workers, self._group.as_worker, together=self.vectorize)
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        """Each worker's batch to the device, through the LightningModule's transfer hooks."""
+        """Each worker's batch to the device, through the LightningModule's transfer hooks (a stacked batch at once)."""
         if isinstance(batch, PerWorker):
             return PerWorker(super(SimulatedDecentralizedStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch)
+        if isinstance(batch, StackedBatch):
+            return StackedBatch(super().batch_to_device(batch.batch, device, dataloader_idx), batch.workers)
         return super().batch_to_device(batch, device, dataloader_idx)
 
     # -- one optimizer step, every worker ---------------------------------------------------------
@@ -220,15 +249,11 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         """
         trainer = self.lightning_module.trainer
         if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
-            for worker in self._group.workers[1:]:  # Lightning zeroes worker 0's gradients, as on every rank
-                worker.optimizer.zero_grad()
-        logged: dict[str, list[tuple[Any, dict[str, Any]]]] = {}
-        outputs = []
-        for i, (worker, part) in enumerate(zip(self._group.workers, batch)):
-            with self._group.as_worker(i), _collect_logs(worker.module, logged), self.precision_plugin.train_step_context():
-                outputs.append(worker.module.training_step(part, *args, **kwargs))
+            self._group.zero_grad_others()  # Lightning zeroes worker 0's gradients, as on every rank
+        with self.precision_plugin.train_step_context():
+            outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
         for name, values in logged.items():
-            if len(values) == len(self._group.workers) and all(_is_number(v) for v, _ in values):
+            if len(values) == self.workers and all(_is_number(v) for v, _ in values):
                 mean = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.root_device) for v, _ in values]).mean()
                 self.lightning_module.log(name, mean, **values[0][1])
             else:  # a Metric object, or logged by some workers only: worker 0's
@@ -246,10 +271,11 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
-        for i, (worker, loss) in enumerate(zip(self._group.workers, self._losses)):
-            worker.rule.before_backward()
-            with self._group.as_worker(i):
-                self.precision_plugin.backward(loss / accumulate, worker.module, worker.optimizer, *args, **kwargs)
+
+        def backward(loss: Tensor, module: Module, worker_optimizer: Optional[Optimizer]) -> None:
+            self.precision_plugin.backward(loss, module, worker_optimizer, *args, **kwargs)
+
+        self._group.backward([loss / accumulate for loss in self._losses], backward)
         self._losses = []
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
@@ -259,9 +285,7 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """Around the backward of accumulated micro-batches (DecentLaM posts no bucket there)."""
-        with contextlib.ExitStack() as stack:
-            for worker in self._group.workers:
-                stack.enter_context(worker.rule.no_backward_sync())
+        with self._group.no_backward_sync():
             yield
 
     @override
@@ -279,8 +303,7 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         told their gradients are final before worker 0 waits for an exchange (DecentLaM) or steps, then step.
         """
         self._begin_if_needed()
-        for worker in self._group.workers:
-            closure = worker.rule.wrap_closure(closure)
+        closure = self._group.wrap_closure(closure)
         results: list[Any] = []
         self._others_ready = False
 
@@ -289,18 +312,28 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
             return results[0]
 
         try:
-            output = super().optimizer_step(optimizer, every_worker, model, **kwargs)
+            with self._clipping_per_worker():
+                output = super().optimizer_step(optimizer, every_worker, model, **kwargs)
             self._ready_other_workers()
-            for i, worker in enumerate(self._group.workers[1:], start=1):
-                with self._group.as_worker(i):
-                    worker.optimizer.step(closure=lambda: results[0])
+            self._group.step_others(results[0])
         finally:
             self._plan = None
-        for worker in self._group.workers:
-            worker.rule.end_step()
-        for worker in self._group.workers:
-            worker.rule.finish_step()
+        self._group.end_step()
         return output
+
+    @contextlib.contextmanager
+    def _clipping_per_worker(self) -> Iterator[None]:
+        """Vectorized: Lightning's clipping by norm of the stacked gradients clips each worker's row."""
+        if not isinstance(self._group, StackedWorkers):
+            yield
+            return
+        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_rows_by_norm_(  # type: ignore[method-assign]
+            self.precision_plugin.main_params(optimizer), clip_val
+        )
+        try:
+            yield
+        finally:
+            del self.precision_plugin.clip_grad_by_norm
 
     def _ready_other_workers(self) -> None:
         """Once per step, after worker 0's `on_before_optimizer_step` and clipping: clip workers 1..n-1 (their
@@ -309,9 +342,7 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
             return
         self._others_ready = True
         trainer = self.lightning_module.trainer
-        for worker in self._group.workers[1:]:
-            worker.module.configure_gradient_clipping(worker.optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
-            worker.rule.gradients_ready()
+        self._group.ready_others(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
 
     def _begin_if_needed(self) -> None:
         """Begin the current optimizer step on every worker, once (the schedule decides it here)."""
@@ -323,16 +354,14 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
     @override
     def on_train_end(self) -> None:
         """After the last training batch: finish anything still in flight."""
-        for worker in self._group.workers:
-            worker.rule.drain()
+        self._group.drain()
         self._plan = None
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
         """After the stage: release the rules' hooks."""
-        for worker in self._group.workers:
-            worker.rule.teardown()
+        self._group.teardown()
         super().teardown()
 
     @classmethod
@@ -354,17 +383,3 @@ def _loss_of(output: Any) -> Optional[Tensor]:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1)
-
-
-@contextlib.contextmanager
-def _collect_logs(module: Module, logged: dict[str, list[tuple[Any, dict[str, Any]]]]) -> Iterator[None]:
-    """Inside: `module.log(name, value, **kwargs)` records into `logged` instead of logging."""
-
-    def record(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        logged.setdefault(name, []).append((value, kwargs))
-
-    module.log = record  # type: ignore[method-assign]  # an instance attribute shadows the method
-    try:
-        yield
-    finally:
-        del module.log

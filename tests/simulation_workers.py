@@ -73,11 +73,11 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
     return out
 
 
-def fit_simulated(config: Config, workers: int, dropout: float = 0.0) -> dict[str, Any]:
+def fit_simulated(config: Config, workers: int, dropout: float = 0.0, vectorize: bool = False) -> dict[str, Any]:
     """The same config on ``workers`` simulated workers: every worker's final state and the logged loss."""
     model = LoggingRegression(dropout, seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
     pl.seed_everything(SEED, verbose=False)
-    strategy = SimulatedDecentralizedStrategy(workers=workers, **config.strategy_kwargs())
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
     trainer = _trainer(strategy, config, 1)
     trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, workers))
     return {
@@ -95,10 +95,10 @@ def interleaved_loader(config: Config, workers: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=config.batch_size, shuffle=False)
 
 
-def fit_simulated_on_rank_data(config: Config, workers: int) -> torch.Tensor:
+def fit_simulated_on_rank_data(config: Config, workers: int, vectorize: bool = False) -> torch.Tensor:
     """``config`` simulated on the dense reference's per-rank data: every worker's final state, ``n × d``."""
     model = LoggingRegression(seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
-    strategy = SimulatedDecentralizedStrategy(workers=workers, **config.strategy_kwargs())
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
     _trainer(strategy, config, 1).fit(model.to(config.dtype), train_dataloaders=interleaved_loader(config, workers))
     return torch.stack([_state(module) for module in strategy.worker_modules()])
 

@@ -9,7 +9,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_decentral.simulated_workers import PerWorker
+from lightning_decentral.simulated_workers import PerWorker, StackedBatch
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 from lightning_decentral.strategy import DecentralizedStrategy
 
@@ -46,6 +46,8 @@ def decentralized(trainer: Trainer) -> Optional[Decentralized]:
 
 def worker_parts(batch: Any) -> list[Any]:
     """The batches of this process's workers: each simulated worker's, or the rank's own."""
+    if isinstance(batch, StackedBatch):
+        return list(batch.parts())
     return list(batch) if isinstance(batch, PerWorker) else [batch]
 
 

@@ -366,7 +366,7 @@ class DecentralizedStrategy(DDPStrategy):
         def make_shard(save_id: int) -> dict[str, Any]:
             return shards.make_shard(
                 save_id, self.global_rank, self.world_size, state_dict=self._live(self._module).state_dict(),
-                step=self.step, optimizers=[self._optimizer] if optimizer_key is not None else None,
+                step=self.step, optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
                 precision=self.precision.state_dict(),
             )
 

@@ -1,0 +1,240 @@
+"""The vectorized simulation: `n` workers' tensors stacked, every worker's step in a few batched calls.
+
+Worker `i`'s parameter `p` is row `i` of a stacked parameter `P` of shape `[n, *p.shape]` (each worker's
+module holds views of its rows, so evaluation, the monitors and the checkpoints read it as usual). One
+`torch.vmap` of the LightningModule's `training_step` over `P` (`torch.func.functional_call`) runs every
+worker's forward pass; one backward gives every worker's gradient; the LightningModule's own optimizer,
+whose parameters become the stacked `P`, steps every worker at once; and one update rule runs over the
+stacked flat buffers with a [`StackedMixer`][lightning_decentral.mixing.StackedMixer]. This equals `n`
+separate workers when the optimizer is elementwise (each element's update reads only that element's
+state: SGD, Adam, ...), the gradient is clipped per worker, and the step draws no random numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.nn import Module, Parameter
+from torch.optim import Optimizer
+
+from lightning_decentral.mixing import DenseMixer
+from lightning_decentral.replicas import Replica
+from lightning_decentral.rules import RULES, RuleOptions
+from lightning_decentral.schedule import StepPlan
+from lightning_decentral.simulated_workers import Logged, StackedBatch, WorkerGroup, collect_logs
+
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Rprop,
+)
+"""The optimizers whose update of an element reads only that element's gradient and state: stepping them
+over stacked parameters equals stepping one per worker."""
+
+
+def vectorization_problem(module: Module, optimizer: Optimizer) -> Optional[str]:
+    """Why `module` and `optimizer` cannot run vectorized, or `None`.
+
+    Examples:
+        >>> vectorization_problem(torch.nn.Linear(2, 1), torch.optim.LBFGS(torch.nn.Linear(2, 1).parameters()))
+        'LBFGS is not one of the elementwise optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop)'
+    """
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        names = ", ".join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)
+        return f"{type(optimizer).__name__} is not one of the elementwise optimizers ({names})"
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    if any(id(p) not in trainable for group in optimizer.param_groups for p in group["params"]):
+        return "the optimizer holds tensors that are not trainable parameters of the LightningModule"
+    return None
+
+
+def clip_rows_by_norm_(parameters: Sequence[Tensor], max_norm: float) -> None:
+    """Clip each worker's gradient to norm `max_norm`: row `i` of every `p.grad` (`[n, ...]`) is scaled by
+    `min(1, max_norm / (‖g_i‖ + 1e-6))`, `‖g_i‖` the norm of worker `i`'s whole gradient, as
+    `torch.nn.utils.clip_grad_norm_` clips one worker's.
+
+    Examples:
+        >>> p = torch.zeros(2, 2, requires_grad=True)
+        >>> p.grad = torch.tensor([[3.0, 4.0], [0.3, 0.4]])  # worker 0's norm is 5, worker 1's 0.5
+        >>> clip_rows_by_norm_([p], max_norm=1.0)
+        >>> p.grad
+        tensor([[0.6000, 0.8000],
+                [0.3000, 0.4000]])
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    n = grads[0].shape[0]
+    norms = torch.stack([torch.linalg.vector_norm(g.reshape(n, -1), dim=1) for g in grads])
+    coefficient = (max_norm / (torch.linalg.vector_norm(norms, dim=0) + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coefficient.view(n, *[1] * (g.dim() - 1)).to(g.dtype))
+
+
+class StackedWorkers(WorkerGroup):
+    """`n` workers as rows of stacked tensors (see the module docstring).
+
+    Args:
+        modules: the workers' modules, worker 0's (the LightningModule) first; their trainable parameters
+            and buffers become views of rows of stacked tensors.
+        optimizer: worker 0's optimizer: from now on it steps the stacked parameters (its param groups,
+            hyperparameters and scheduler are kept).
+        rule: the update rule's name in `RULES`.
+        mix_buffers: also mix the floating-point module buffers.
+        options: the rule's options.
+        mixer: the dense mixer of the `n` workers.
+        device: the workers' device.
+    """
+
+    def __init__(
+        self,
+        modules: list[Module],
+        optimizer: Optimizer,
+        rule: str,
+        mix_buffers: bool,
+        options: RuleOptions,
+        mixer: DenseMixer,
+        device: torch.device,
+    ) -> None:
+        super().__init__(device)
+        self.modules = list(modules)
+        self.optimizer = optimizer
+        self.names = [name for name, p in modules[0].named_parameters() if p.requires_grad]
+        self.buffer_names = [name for name, _ in modules[0].named_buffers()]
+        self.parameters = [Parameter(self._stack([dict(m.named_parameters())[name] for m in modules])) for name in self.names]
+        self.buffers = [self._stack([dict(m.named_buffers())[name] for m in modules]) for name in self.buffer_names]
+        stacked_of = {id(p): s for p, s in zip((dict(modules[0].named_parameters())[n] for n in self.names), self.parameters)}
+        for group in optimizer.param_groups:
+            group["params"] = [stacked_of[id(p)] for p in group["params"]]
+        optimizer.state.clear()
+        mixed = [b.view(-1) for b in self.buffers if b.is_floating_point()] if mix_buffers else []
+        self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], mixed)
+        self.rules = [RULES[rule](self.replica, mixer.all_workers(), optimizer, options)]
+
+    @staticmethod
+    def _stack(rows: list[Tensor]) -> Tensor:
+        """Stack `rows` and make each one a view of its row."""
+        stacked = torch.stack([row.detach() for row in rows])
+        for i, row in enumerate(rows):
+            row.data = stacked[i]
+        return stacked
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def begin_step(self, plan: StepPlan) -> None:
+        self.rules[0].begin_step(plan)
+
+    def zero_grad_others(self) -> None:
+        """Nothing: Lightning zeroes the stacked gradients with worker 0's optimizer."""
+
+    def training_steps(self, batch: StackedBatch, step: Callable[[Module, Any], Any]) -> tuple[list[Any], Logged]:
+        """One `torch.vmap` of `step` over the stacked parameters, buffers and batches."""
+        module, n = self.modules[0], len(self.modules)
+        call = _Call(module, step)
+        tensors = {f"module.{name}": t for name, t in zip(self.names + self.buffer_names, self.parameters + self.buffers)}
+        options: dict[str, dict[str, Any]] = {}
+
+        def one_worker(tensors: dict[str, Tensor], part: Any) -> tuple[Any, dict[str, Tensor]]:
+            logged: Logged = {}
+            with collect_logs(module, logged):
+                output = torch.func.functional_call(call, tensors, (part,))
+            values = {}
+            for name, entries in logged.items():
+                value, options[name] = entries[-1]
+                if not isinstance(value, (Tensor, int, float)):
+                    raise ValueError(
+                        f"training_step logs {name!r} as a {type(value).__name__}: the vectorized simulation logs "
+                        "numbers and tensors only. Log a tensor, or use vectorize=False."
+                    )
+                values[name] = torch.as_tensor(value)
+            return output, values
+
+        try:
+            outputs, values = torch.vmap(one_worker, randomness="error")(tensors, batch.stacked())
+        except RuntimeError as error:
+            if "random" not in str(error):
+                raise
+            raise ValueError(
+                "training_step draws random numbers (dropout, a random augmentation on the device, ...): the "
+                "vectorized simulation cannot give each worker its own random state. Use vectorize=False."
+            ) from error
+        rows = [apply_to_collection(outputs, Tensor, lambda t, i=i: t[i]) for i in range(n)]
+        return rows, {name: [(v, options[name]) for v in value.unbind(0)] for name, value in values.items()}
+
+    def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
+        """One backward of the workers' summed losses: row `i` of every gradient is worker `i`'s."""
+        self.rules[0].before_backward()
+        backward(torch.stack(losses).sum(), self.modules[0], self.optimizer)
+
+    def ready_others(self, clip_val: Optional[float], clip_algorithm: Optional[str]) -> None:
+        """Every row was clipped with worker 0's (per row): the gradients are final."""
+        self.rules[0].gradients_ready()
+
+    def step_others(self, result: Any) -> None:
+        """Nothing: worker 0's optimizer stepped every row."""
+
+    # -- monitors and checkpoints ------------------------------------------------------------------
+
+    def gradient_sum(self) -> list[Tensor]:
+        return [p.grad.sum(0) if p.grad is not None else torch.zeros_like(p[0]) for p in self.parameters]
+
+    def optimizer_state_of(self, rank: int) -> dict[str, Any]:
+        """Row `rank` of every per-element state tensor (momentum, Adam's moments); scalars such as `step` as they are."""
+        state = self.optimizer.state_dict()
+        shapes = self._parameter_shapes()
+        rows = {
+            key: {name: v[rank] if _per_element(v, shapes[key]) else v for name, v in values.items()}
+            for key, values in state["state"].items()
+        }
+        return {**state, "state": rows}
+
+    def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
+        """Workers 1..n-1's replicas from their shards; the stacked optimizer state from every worker's shard
+        (or the averaged state on every row)."""
+        for i, module in enumerate(self.modules[1:], start=1):
+            if resumed:
+                module.load_state_dict(resumed[i]["state_dict"])
+        states = [shard["optimizer_states"][0] for shard in resumed] or [averaged_optimizer] * len(self.modules)
+        shapes = self._parameter_shapes()
+        stacked = {
+            key: {
+                name: torch.stack([s["state"][key][name] for s in states]) if _per_element(v, shapes[key][1:]) else v
+                for name, v in values.items()
+            }
+            for key, values in states[0]["state"].items()
+        }
+        self.optimizer.load_state_dict({**states[0], "state": stacked})
+
+    def _parameter_shapes(self) -> dict[int, tuple[int, ...]]:
+        """The optimizer's `state_dict` keys (parameter indices) -> the stacked parameters' shapes."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return {index: tuple(p.shape) for index, p in enumerate(params)}
+
+
+def _per_element(value: Any, shape: tuple[int, ...]) -> bool:
+    """Whether an optimizer state entry is a tensor shaped like its parameter (`shape`): one value per element."""
+    return isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(shape)
+
+
+class _Call(Module):
+    """`call(batch) = step(module, batch)`: a module whose forward is the LightningModule's training step, for
+    `torch.func.functional_call` (its tensors are named `module.<name>`)."""
+
+    def __init__(self, module: Module, step: Callable[[Module, Any], Any]) -> None:
+        super().__init__()
+        self.module = module
+        self.step = step
+
+    def forward(self, batch: Any) -> Any:
+        return self.step(self.module, batch)
