@@ -144,11 +144,11 @@ def fit_processes_monitored(rank: int, world_size: int, config: Config, dropout:
     return {"metrics": recorder.metrics, "state": _state(model)}
 
 
-def fit_simulated_monitored(config: Config, workers: int, dropout: float) -> dict[str, Any]:
+def fit_simulated_monitored(config: Config, workers: int, dropout: float, vectorize: bool = False) -> dict[str, Any]:
     model = LoggingRegression(dropout, seed=init_seed(0), **config.optimizer_spec())
     pl.seed_everything(SEED, verbose=False)
     recorder = MetricsPerStep()
-    strategy = SimulatedDecentralizedStrategy(workers=workers, **config.strategy_kwargs())
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
     trainer = _trainer(strategy, config, 1, callbacks=[*_monitors(), recorder])
     trainer.fit(model, train_dataloaders=shared_loader(config, workers))
     return {"metrics": recorder.metrics, "states": [_state(module) for module in strategy.worker_modules()]}
@@ -164,8 +164,8 @@ def _resume_trainer(strategy: Any, devices: int, epochs: int) -> pl.Trainer:
     )
 
 
-def _resume_model(rank: int) -> LoggingRegression:
-    model = LoggingRegression(0.2, seed=init_seed(rank), **RESUME.optimizer_spec())
+def _resume_model(rank: int, dropout: float = 0.2) -> LoggingRegression:
+    model = LoggingRegression(dropout, seed=init_seed(rank), **RESUME.optimizer_spec())
     pl.seed_everything(SEED, verbose=False)
     return model
 
@@ -181,10 +181,10 @@ def resume_processes(rank: int, world_size: int, save: str = "", load: str = "")
     return _state(model)
 
 
-def resume_simulated(workers: int, save: str = "", load: str = "") -> list[torch.Tensor]:
+def resume_simulated(workers: int, save: str = "", load: str = "", vectorize: bool = False, dropout: float = 0.2) -> list[torch.Tensor]:
     """The same in the simulation: every worker's final state."""
-    model = _resume_model(0)
-    strategy = SimulatedDecentralizedStrategy(workers=workers, **RESUME.strategy_kwargs())
+    model = _resume_model(0, dropout)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **RESUME.strategy_kwargs())
     trainer = _resume_trainer(strategy, 1, 1 if save else 2)
     trainer.fit(model, train_dataloaders=shared_loader(RESUME, workers), ckpt_path=load or None)
     if save:
@@ -200,11 +200,12 @@ class NeedsAName(torch.optim.SGD):
         self.name = name
 
 
-def fit_with_optimizer(optimizer_class: type, workers: int) -> None:
+def fit_with_optimizer(optimizer_class: type, workers: int, vectorize: bool = False, dropout: float = 0.0, **kwargs: Any) -> None:
     class WithOptimizer(LoggingRegression):
         def configure_optimizers(self) -> Any:
-            return optimizer_class(self.parameters(), "mine")
+            return optimizer_class(self.parameters(), **kwargs)
 
     config = Config("optimizer", optimizer={"lr": 0.1})
-    strategy = SimulatedDecentralizedStrategy(workers=workers)
-    _trainer(strategy, config, 1).fit(WithOptimizer(seed=init_seed(0)), train_dataloaders=shared_loader(config, workers))
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize)
+    model = WithOptimizer(dropout, seed=init_seed(0))
+    _trainer(strategy, config, 1).fit(model, train_dataloaders=shared_loader(config, workers))

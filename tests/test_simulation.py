@@ -34,10 +34,11 @@ def on_processes() -> list[dict[str, Any]]:
     return run_distributed(sim.fit_processes, WORLD, configs=CONFIGS)
 
 
+@pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_simulated_workers_equal_the_ranks(config: Config, on_processes: list[dict[str, Any]], monkeypatch) -> None:
+def test_simulated_workers_equal_the_ranks(config: Config, vectorize: bool, on_processes: list[dict[str, Any]], monkeypatch) -> None:
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
-    simulated = sim.fit_simulated(config, WORLD)
+    simulated = sim.fit_simulated(config, WORLD, vectorize=vectorize)
     ranks = torch.stack([r[config.name]["state"] for r in on_processes]).double()
     workers = torch.stack(simulated["states"]).double()
     assert (ranks[0] - ranks[1]).abs().max() > 1e-4  # the replicas differ: a real test of every worker
@@ -57,11 +58,12 @@ REFERENCE_CONFIGS = [
 ]
 
 
+@pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
 @pytest.mark.parametrize("config", REFERENCE_CONFIGS, ids=lambda c: c.name)
-def test_every_rule_matches_the_dense_reference(config: Config) -> None:
+def test_every_rule_matches_the_dense_reference(config: Config, vectorize: bool) -> None:
     from tests.reference import run
 
-    simulated = sim.fit_simulated_on_rank_data(config, WORLD)
+    simulated = sim.fit_simulated_on_rank_data(config, WORLD, vectorize=vectorize)
     torch.testing.assert_close(simulated.double(), run(config, WORLD).double(), atol=1e-5, rtol=0)
 
 
@@ -111,14 +113,18 @@ def test_evaluation_runs_on_the_average_or_on_worker_zero() -> None:
         assert torch.equal(seen["after"], workers[0])  # worker 0's replica is back, bit for bit
 
 
-@pytest.mark.parametrize("config", [Config("awc", optimizer=SGD), Config("decentlam", momentum="decentlam", optimizer=SGD)],
-                         ids=lambda c: c.name)
-def test_monitors_log_what_they_log_on_processes(config: Config, monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "config, dropout, vectorize",
+    [(Config("awc", optimizer=SGD), 0.2, False), (Config("decentlam", momentum="decentlam", optimizer=SGD), 0.2, False),
+     (Config("awc", optimizer=SGD), 0.0, True)],
+    ids=["awc", "decentlam", "awc_vectorized"],
+)
+def test_monitors_log_what_they_log_on_processes(config: Config, dropout: float, vectorize: bool, monkeypatch) -> None:
     """ConsensusDistance (per layer), EffectiveLearningRate (with dropout: the forward at x̄ replays each
     worker's random state) and ConsensusControl log, step by step, the values of the 4-process run."""
-    ranks = run_distributed(sim.fit_processes_monitored, WORLD, config=config, dropout=0.2)
+    ranks = run_distributed(sim.fit_processes_monitored, WORLD, config=config, dropout=dropout)
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
-    simulated = sim.fit_simulated_monitored(config, WORLD, dropout=0.2)
+    simulated = sim.fit_simulated_monitored(config, WORLD, dropout=dropout, vectorize=vectorize)
     expected = ranks[0]["metrics"]
     assert len(simulated["metrics"]) == len(expected) == config.steps
     assert {"consensus/distance", "consensus/residual", "lr/effective_ratio", "consensus/gossip_steps"} <= set(expected[-1])
@@ -143,6 +149,12 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out["proc_from_sim"] = run_distributed(sim.resume_processes, WORLD, load=sim_ckpt)
     out["sim_from_proc"] = sim.resume_simulated(WORLD, load=proc_ckpt)
     out["sim_ckpt"] = sim_ckpt
+    vec_ckpt = str(root / "vectorized.ckpt")
+    vectorized = {"vectorize": True, "dropout": 0.0}  # the vectorized simulation draws no random numbers
+    out["vec_first"] = sim.resume_simulated(WORLD, save=vec_ckpt, **vectorized)
+    out["vec_straight"] = sim.resume_simulated(WORLD, **vectorized)
+    out["vec_from_vec"] = sim.resume_simulated(WORLD, load=vec_ckpt, **vectorized)
+    out["per_worker_from_vec"] = sim.resume_simulated(WORLD, load=vec_ckpt, dropout=0.0)
     return out
 
 
@@ -150,6 +162,14 @@ def test_simulation_resumes_its_own_checkpoint_bit_for_bit(resumed: dict[str, An
     assert (resumed["sim_first"][0] - resumed["sim_straight"][0]).abs().max() > 1e-3  # the second epoch moved
     for worker, (a, b) in enumerate(zip(resumed["sim_from_sim"], resumed["sim_straight"])):
         assert torch.equal(a, b), f"worker {worker}"
+
+
+def test_the_vectorized_simulation_resumes_bit_for_bit_and_one_worker_at_a_time(resumed: dict[str, Any]) -> None:
+    """Its shards are the per-worker simulation's (and so the processes'): either continues from them."""
+    assert (resumed["vec_first"][0] - resumed["vec_straight"][0]).abs().max() > 1e-3
+    for worker, (a, b) in enumerate(zip(resumed["vec_from_vec"], resumed["vec_straight"])):
+        assert torch.equal(a, b), f"worker {worker}"
+    torch.testing.assert_close(torch.stack(resumed["per_worker_from_vec"]), torch.stack(resumed["vec_straight"]), atol=1e-5, rtol=0)
 
 
 def test_a_simulated_checkpoint_resumes_on_processes_and_back(resumed: dict[str, Any]) -> None:
@@ -176,4 +196,15 @@ def test_the_simulated_checkpoint_holds_the_average_and_a_shard_per_worker(resum
 
 def test_an_optimizer_that_cannot_be_built_per_worker_is_refused() -> None:
     with pytest.raises(ValueError, match="its own NeedsAName.*param_groups, \\*\\*defaults"):
-        sim.fit_with_optimizer(sim.NeedsAName, WORLD)
+        sim.fit_with_optimizer(sim.NeedsAName, WORLD, name="mine")
+
+
+def test_what_cannot_run_vectorized_is_refused_naming_the_fix() -> None:
+    from lightning_decentral import SimulatedDecentralizedStrategy
+
+    with pytest.raises(ValueError, match="LBFGS is not one of the elementwise optimizers.*vectorize=False"):
+        sim.fit_with_optimizer(torch.optim.LBFGS, WORLD, vectorize=True)
+    with pytest.raises(ValueError, match="draws random numbers.*vectorize=False"):
+        sim.fit_with_optimizer(torch.optim.SGD, WORLD, vectorize=True, dropout=0.3, lr=0.1)
+    with pytest.raises(ValueError, match="True or False"):
+        SimulatedDecentralizedStrategy(workers=4, vectorize="yes")
