@@ -6,9 +6,10 @@ the same decision from the same numbers (no pickled objects travel between ranks
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -23,8 +24,41 @@ _SAME_BUILD = (
 )
 
 
+class PeerFailure(RuntimeError):
+    """A collective or an exchange that could not complete on this rank: a peer died, stopped with an error, or did
+    not answer within the process-group timeout. The message says what this rank was doing; the backend's error
+    (gloo's `Connection closed by peer`, `Timed out waiting ...`) is its `__cause__`."""
+
+
+@contextlib.contextmanager
+def peers_answer(what: str, peers: str = "a peer") -> Iterator[None]:
+    """Raise the backend's error of a collective or exchange inside the block as a
+    [`PeerFailure`][lightning_decentral.agreement.PeerFailure] that names `what` this rank was doing and `peers`.
+
+    Examples:
+        >>> with peers_answer("The all-gather of step 3"):
+        ...     raise RuntimeError("Connection closed by peer [127.0.0.1]:3736")
+        Traceback (most recent call last):
+        ...
+        lightning_decentral.agreement.PeerFailure: The all-gather of step 3 failed on this rank: a peer died, ...
+    """
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except RuntimeError as exc:  # gloo and NCCL (DistBackendError) raise this when a peer is gone or the timeout passed
+        raise PeerFailure(
+            f"{what} failed on this rank: {peers} died, stopped with an error, or did not answer within the "
+            "process-group timeout (DecentralizedStrategy(timeout=...)). The first error in the other ranks' logs is "
+            f"the cause. ({exc})"
+        ) from exc
+
+
 class Ranks:
     """Collectives over the ranks of one job, run on this rank's device.
+
+    A collective that cannot complete (a rank died, raised, or hangs past the process-group timeout) raises
+    [`PeerFailure`][lightning_decentral.agreement.PeerFailure], naming what the ranks were doing.
 
     Args:
         rank: this rank's global rank.
@@ -35,21 +69,25 @@ class Ranks:
     def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
 
-    def gather(self, values: list[int]) -> Tensor:
-        """Every rank's `values`: a `[world_size, len(values)]` int64 CPU tensor (one all-gather)."""
+    def gather(self, values: list[int], what: str = "An all-gather of the ranks' agreement") -> Tensor:
+        """Every rank's `values`: a `[world_size, len(values)]` int64 CPU tensor (one all-gather); `what` names it
+        in the error if a rank fails meanwhile."""
         local = torch.tensor(values, dtype=torch.int64, device=self.device)
         if not dist.is_initialized():
             return local[None].cpu()
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local)
+        with peers_answer(what):
+            dist.all_gather(gathered, local)
         return torch.stack(gathered).cpu()
 
-    def mean(self, tensors: list[Tensor]) -> list[Tensor]:
-        """New tensors `(1/n) Σ_i t_i`, one all-reduce per (device, dtype), each on its tensor's device."""
+    def mean(self, tensors: list[Tensor], what: str = "Averaging the replicas") -> list[Tensor]:
+        """New tensors `(1/n) Σ_i t_i`, one all-reduce per (device, dtype), each on its tensor's device; `what`
+        names it in the error if a rank fails meanwhile."""
         means: dict[int, Tensor] = {}
         for group in group_by_layout(tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)  # a copy, on the device
-            dist.all_reduce(flat)
+            with peers_answer(what):
+                dist.all_reduce(flat)
             released_by_gloo(flat)
             flat.div_(self.world_size)
             offset = 0
@@ -62,7 +100,8 @@ class Ranks:
         """Every rank's `tensors` take rank 0's values: one broadcast per (device, dtype)."""
         for group in group_by_layout(tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in group])
-            dist.broadcast(flat, src=0)
+            with peers_answer("Starting every replica from rank 0's weights", "rank 0 or another rank"):
+                dist.broadcast(flat, src=0)
             offset = 0
             with torch.no_grad():
                 for t in group:
@@ -72,20 +111,29 @@ class Ranks:
     def any(self, flag: Tensor) -> Tensor:
         """`flag` (0-dim) set where it is set on any rank: one all-reduce (max), no host sync."""
         flag = flag.to(torch.float32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        with peers_answer("Agreeing whether any rank overflowed (a skipped step)"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag > 0
 
-    def on_every_rank(self, action: Callable[[], Any], what: str) -> None:
+    def on_every_rank(self, action: Callable[[], Any], what: str, during: str = "A checkpoint save") -> None:
         """Run `action` here; then, one all-gather later, every rank knows whether every rank succeeded.
 
-        Raises this rank's own error, else a `RuntimeError` naming the ranks that failed to do `what`.
+        Raises this rank's own error, else a [`PeerFailure`][lightning_decentral.agreement.PeerFailure] if the
+        all-gather itself failed (`during` names it: a rank died, so the others' outcome is unknown), else a
+        `RuntimeError` naming the ranks that failed to do `what`.
         """
         error: Optional[BaseException] = None
         try:
             action()
         except Exception as exc:
             error = exc
-        failed = self.gather([error is not None])[:, 0].nonzero().flatten().tolist()
+        try:
+            table = self.gather([error is not None], f"{during}, agreeing that every rank could {what},")
+        except PeerFailure:
+            if error is not None:
+                raise error  # this rank's own error comes first
+            raise
+        failed = table[:, 0].nonzero().flatten().tolist()
         if error is not None:
             raise error
         if failed:

@@ -33,6 +33,9 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
+from torch import Tensor
+
+from lightning_decentral.agreement import PeerFailure
 
 META_KEY = "decentralized_shards"  # in the checkpoint file: {"save_id", "world_size"}
 
@@ -43,9 +46,9 @@ class RankGroup(Protocol):
     rank: int
     world_size: int
 
-    def gather(self, values: list[int]) -> Any: ...
+    def gather(self, values: list[int], what: str = ...) -> Any: ...
 
-    def on_every_rank(self, action: Callable[[], Any], what: str) -> None: ...
+    def on_every_rank(self, action: Callable[[], Any], what: str, during: str = ...) -> None: ...
 
 
 class ShardProblem(enum.IntEnum):
@@ -90,22 +93,70 @@ def save_with_shards(
 ) -> None:
     """Every rank writes its shard, then `write_file` writes the checkpoint file (on rank 0).
 
-    In order: agree on a random save id (rank 0's draw, recorded in `checkpoint`); each rank writes
-    `make_shard(save_id)` under a temporary name and renames it; all ranks report success (one
-    all-gather); `write_file` runs; all ranks learn it is in place; each rank deletes its shards of
-    earlier saves to this path. Interrupted anywhere, it leaves the previous checkpoint whole, or
-    shards no checkpoint file names.
+    In order (each "agree" is one all-gather):
+
+    1. agree on a random save id (rank 0's draw, recorded in `checkpoint`);
+    2. build this rank's shard `make_shard(save_id)`, and agree that every replica and optimizer state is finite
+       (then so are `x̄` and the averaged state in `checkpoint`); if not, every rank raises `FloatingPointError`
+       naming the ranks and the step, before anything is written or removed;
+    3. each rank writes its shard under a temporary name and renames it; agree that every shard is in place
+       (if a rank could not write its own, every rank deletes its shard of this save and raises);
+    4. `write_file` runs; agree that it succeeded;
+    5. each rank deletes its other shards of this path (earlier saves, saves whose file was never written).
+
+    From step 3's agreement on, no rank deletes its shard of this save, whatever fails (a rank dying while rank 0
+    writes the file): the path then holds the previous file with its shards, or this one with all of its own, and
+    the next save to the path removes the shards no file names. A rank whose agreement itself fails (a peer died
+    during it) keeps its shard too: another rank may have completed it.
     """
-    save_id = int(ranks.gather([secrets.randbits(62)])[0, 0])
+    save_id = int(ranks.gather([secrets.randbits(62)], f"Saving {filepath}, agreeing on a save id,")[0, 0])
     checkpoint[META_KEY] = {"save_id": save_id, "world_size": ranks.world_size}
+    content = make_shard(save_id)
+    during = f"Saving {filepath} at step {content['strategy']['step']}"
+    refuse_non_finite(ranks, content, filepath)
     shard = shard_path(filepath, ranks.rank, ranks.world_size, save_id)
     try:
-        ranks.on_every_rank(lambda: write_shard(make_shard(save_id), shard), "write its shard")
-        ranks.on_every_rank(write_file, "write the checkpoint file")
+        ranks.on_every_rank(lambda: write_shard(content, shard), "write its shard", during)
+    except PeerFailure:
+        raise  # whether every shard is in place is unknown here: another rank may go on to write the file
     except BaseException:
-        discard(shard)  # the earlier saves' shards stay: their checkpoint file still names them
+        discard(shard)  # not every shard was written; the earlier saves' stay: their checkpoint file names them
         raise
+    ranks.on_every_rank(write_file, "write the checkpoint file", during)
     remove_shards(filepath, ranks.rank, keep=shard)
+
+
+def refuse_non_finite(ranks: RankGroup, shard: dict[str, Any], filepath: _PATH) -> None:
+    """Raise `FloatingPointError` on every rank if a rank's `shard` holds a NaN or an Inf in its replica or its
+    optimizer state (so would `x̄` and the averaged optimizer state of the checkpoint file). One all-gather;
+    nothing is written."""
+    step = shard["strategy"]["step"]
+    own = holds_finite([shard["state_dict"], shard.get("optimizer_states")])
+    table = ranks.gather([own], f"Saving {filepath} at step {step}, checking its values,")
+    bad = [rank for rank, finite in enumerate(table[:, 0].tolist()) if not finite]
+    if bad:
+        raise FloatingPointError(
+            f"Rank(s) {bad} hold a NaN or an Inf in the replica or the optimizer state at step {step}: the checkpoint "
+            f"{filepath} is not written, and the checkpoints written before are left as they are. Training stops "
+            "on every rank. Lower the learning rate, clip the gradients (Trainer(gradient_clip_val=...)) or look for "
+            "the source with torch.autograd.detect_anomaly."
+        )
+
+
+def holds_finite(state: Any) -> bool:
+    """Whether every floating-point tensor in `state` (nested in dicts, lists and tuples) is finite.
+
+    Examples:
+        >>> holds_finite({"w": torch.ones(2), "opt": [{"m": torch.tensor([0.0, float("inf")])}], "step": 3})
+        False
+    """
+    if isinstance(state, Tensor):
+        return not state.is_floating_point() or bool(torch.isfinite(state).all())
+    if isinstance(state, dict):
+        return all(holds_finite(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return all(holds_finite(v) for v in state)
+    return True
 
 
 def make_shard(

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_decentral.agreement import peers_answer
 from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver, notify_post, notify_wait, raise_if_not_finite
 from lightning_decentral.topology import Hierarchical, Topology
 
@@ -92,7 +93,10 @@ class PendingGossip:
         self._current = self._buffers if self._out is None or self._direct else self._out
         single_p2p = self._first_round == 1 and not per_round[0].topology.is_average(step) if per_round else False
         self._before = [c.clone() for c in self._current] if self._measure and not single_p2p else None
-        self._works = self._legs[0]._post(self._current, step, tag) if self._legs else None
+        self._what = f"The gossip exchange of step {step}"
+        self._peers = f"a neighbour ({', '.join(gossip.neighbour_names(step)) or 'none'})"
+        with peers_answer(self._what, self._peers):  # a peer already gone fails the post itself
+            self._works = self._legs[0]._post(self._current, step, tag) if self._legs else None
         notify_post(self._observers, event)
 
     def wait(self) -> None:
@@ -104,15 +108,9 @@ class PendingGossip:
 
     def _complete(self) -> None:
         while self._works is not None:
-            try:
+            with peers_answer(self._what, self._peers):
                 for work in self._works:
                     work.wait()
-            except RuntimeError as exc:  # gloo and NCCL raise this when a peer is gone or the timeout passed
-                raise RuntimeError(
-                    f"The gossip exchange of step {self._step} failed on this rank: a neighbour died, stopped with "
-                    "an error, or did not answer within the process-group timeout (DecentralizedStrategy(timeout=...)). "
-                    f"The first error in the other ranks' logs is the cause. ({exc})"
-                ) from exc
             leg = self._legs[self._done]
             if self._direct and self._done == 0:
                 residuals = leg._combine(self._buffers, self._step, self._tag, self._measure, into=self._out)
@@ -130,7 +128,8 @@ class PendingGossip:
                     self.residuals = [(c - x).square().sum() for c, x in zip(self._current, self._before)]
                     self._before = None
             if self._done < len(self._legs):
-                self._works = self._legs[self._done]._post(self._current, self._step, self._tag)
+                with peers_answer(self._what, self._peers):
+                    self._works = self._legs[self._done]._post(self._current, self._step, self._tag)
                 continue
             self._works = None
             if self._out is not None and not (self._direct and len(self._legs) == 1):
@@ -300,7 +299,11 @@ class Gossip:
         a rank destroying the group closes its connections, which must not happen while a slower peer is
         still receiving its last message. Call it only after a clean run (the other ranks may be gone
         after an error, and those still waiting end through the timeout)."""
-        dist.barrier(group=self.group)
+        with peers_answer(
+            "Finishing training together (a barrier of every rank after the last step)",
+            "a rank still training (do all ranks run the same number of steps and batches?) or a rank that",
+        ):
+            dist.barrier(group=self.group)
         self.close()
         if self.group is not None:
             dist.destroy_process_group(self.group)
@@ -313,6 +316,22 @@ class Gossip:
         for subgroup in self._edge_groups.values():
             dist.destroy_process_group(subgroup)
         self._stages, self._edge_groups = [], {}
+
+    def neighbour_names(self, step: int) -> list[str]:
+        """The global ranks this rank exchanges with at step `step`, as `"rank j"` (`"every rank"` for an all-reduce).
+
+        Examples:
+            Rank 0 of a ring of 4 exchanges with `["rank 1", "rank 3"]`.
+        """
+        names: list[str] = []
+        for leg in self._legs(step):
+            if leg.topology.is_average(step):
+                return ["every rank"]
+            peers = {p for p, _ in leg.topology.in_neighbors(leg.rank, step)} | {
+                p for p, _ in leg.topology.out_neighbors(leg.rank, step)
+            }
+            names += [f"rank {leg._global[p]}" for p in sorted(peers)]
+        return names
 
     def bytes_sent(self, buffers: Sequence[Tensor], step: int) -> int:
         """Bytes this rank sends for one round of `start(buffers, step)` (all-reduce: the ring figure)."""

@@ -11,20 +11,23 @@ check, before anything runs, that every rank runs the same configuration.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.agreement import Ranks, mean_optimizer_state, peers_answer
 from lightning_decentral.replicas import AveragedModel, state_tensors
 
 
@@ -108,7 +111,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         Parameters and floating-point buffers are averaged with one all-reduce per
         (device, dtype); a nested use is free. Every rank must enter it together.
         """
-        mean = self._ranks.mean if self.world_size > 1 and self.lightning_module is not None else None
+        mean = None
+        if self.world_size > 1 and self.lightning_module is not None:
+            mean = functools.partial(self._ranks.mean, what="Averaging the replicas into x̄ (to evaluate or save)")
         with self._averaged.swapped_in(self.lightning_module, mean):
             yield
 
@@ -154,6 +159,41 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         """Runs after each stage: forget a shard not restored."""
         self._resume_shard = None
         super().teardown()
+
+    # -- Lightning's own collectives: a rank that fails meanwhile ends them with the library's error --------
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barrier; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.agreement.PeerFailure]."""
+        with self._lightning_collective("barrier"):
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        """Lightning's broadcast; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.agreement.PeerFailure]."""
+        with self._lightning_collective("broadcast"):
+            return super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """Lightning's reduce (`self.log(..., sync_dist=True)`); a rank that fails meanwhile raises
+        [`PeerFailure`][lightning_decentral.agreement.PeerFailure]."""
+        with self._lightning_collective("reduce (a metric logged with sync_dist=True?)"):
+            return super().reduce(tensor, group, reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Lightning's all-gather; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.agreement.PeerFailure]."""
+        with self._lightning_collective("all_gather"):
+            return super().all_gather(tensor, group, sync_grads)
+
+    def _lightning_collective(self, name: str) -> contextlib.AbstractContextManager:
+        when = ""
+        if self.lightning_module is not None:
+            with contextlib.suppress(RuntimeError):  # not attached to a Trainer
+                trainer = self.lightning_module.trainer
+                when = f" at step {trainer.global_step} ({trainer.state.stage})"
+        return peers_answer(f"Lightning's {name}{when}")
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

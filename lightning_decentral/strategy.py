@@ -22,6 +22,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import LightningModule, Trainer
@@ -135,6 +136,7 @@ class DecentralizedStrategy(ReplicaStrategy):
         self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
         self._observers: list[ExchangeObserver] = []
         self._measure_residuals = False
+        self._owns_default_group = False  # this run made the default process group (with its timeout)
 
     # -- public surface: the monitors, tests and benchmarks read the strategy through these ------
 
@@ -209,15 +211,28 @@ class DecentralizedStrategy(ReplicaStrategy):
             self._rule = self._build_rule()
 
     @override
+    def setup_distributed(self) -> None:
+        """Runs first in every Trainer run: join (or make) the default process group."""
+        self._owns_default_group = not (dist.is_available() and dist.is_initialized())
+        super().setup_distributed()
+
+    @override
     def configure_ddp(self) -> None:
         """Runs in `setup` when fitting, before the optimizers exist: start every replica from rank 0's
         weights (or from its own shard when resuming), pack it into flat buffers (no DDP wrapper) and
         build the gossip engine."""
         self._start_replicas()
         self._replica = Replica(self.lightning_module, self.gossip_buffers)
-        self._mixer = Gossip.on_new_group(
-            self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
-        )
+        if self._owns_default_group:
+            # The default group has this strategy's timeout and carries Lightning's per-batch broadcast (of
+            # SIGTERM). When a rank hangs, that broadcast times out first and Lightning swallows the error, but gloo
+            # has closed the connections to the silent rank: on the same group, the exchange that follows fails at
+            # once instead of waiting a second timeout.
+            self._mixer = Gossip(self.topology, dtype=self.gossip_dtype, timeout=self._timeout)
+        else:  # a group made earlier in this process, maybe with another timeout: the exchange gets one with ours
+            self._mixer = Gossip.on_new_group(
+                self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
+            )
         self._mixer.measure_residual = self._measure_residuals
         self._mixer.observers = self._observers
         self._plan = None
@@ -322,7 +337,12 @@ class DecentralizedStrategy(ReplicaStrategy):
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))
-        return run_configuration(self, self.lightning_module, precision)
+        configuration = run_configuration(self, self.lightning_module, precision)
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING:  # a rank that stops first leaves the others waiting for it
+            configuration["max_steps"] = trainer.max_steps
+            configuration["max_epochs"] = -1 if trainer.max_epochs is None else trainer.max_epochs
+        return configuration
 
     def _rule_record(self) -> dict[str, str]:
         return {"rule": rule_name(self.momentum, self.combine), "topology": repr(self.topology)}

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -249,3 +250,125 @@ def rule_change_on_resume(rank: int, world_size: int, root: str) -> dict[str, An
             "fallback warnings": _resume_warnings(caught),
         }
     return out
+
+
+def _failure(exc: BaseException) -> dict[str, str]:
+    """The error a rank ended with, and the backend's error under it (its ``__cause__``)."""
+    cause = exc.__cause__
+    return {
+        "error": f"{type(exc).__name__}: {exc}",
+        "cause": "" if cause is None else f"{type(cause).__name__}: {cause}",
+    }
+
+
+class _NaNLossOnRank(Regression):
+    """Its loss turns NaN on ``bad_rank`` at step ``bad_step``: the update of that step makes the replica NaN."""
+
+    def __init__(self, bad_rank: int, bad_step: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bad_rank, self.bad_step = bad_rank, bad_step
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
+            loss = loss * float("nan")
+        return loss
+
+
+NAN_STEP = 9  # the step whose loss turns NaN; the checkpoint of step 10 must not be written
+
+
+def nan_between_exchange_and_checkpoint(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """AWC posts x(k) before the step and checks it there: a NaN from step 9's update is in x(10) when the
+    checkpoint of step 10 is saved, before step 10 posts (and would check) it."""
+    model = _NaNLossOnRank(1, NAN_STEP, seed=init_seed(rank), **MOMENTUM_SGD)
+    callbacks = [ModelCheckpoint(root, every_n_train_steps=5, save_top_k=1, save_last=True)]
+    strategy = DecentralizedStrategy(timeout=timedelta(seconds=10))
+    trainer = trainer_for(world_size, strategy, max_steps=12, callbacks=callbacks, enable_checkpointing=True)
+    try:
+        trainer.fit(model, loader(rank, 12 * BATCH, BATCH))
+        return {"error": "no error"}
+    except (FloatingPointError, RuntimeError) as exc:
+        return _failure(exc)
+
+
+class _KillsDuringFileWrite(TorchCheckpointIO):
+    """Rank 0's checkpoint writer: at its ``when``-th file, ``kill -9`` of the rank whose pid is in ``pid_file``
+    first (the other ranks are then waiting to hear that the file is written)."""
+
+    def __init__(self, pid_file: str, when: int) -> None:
+        super().__init__()
+        self.pid_file, self.when, self.writes = pid_file, when, 0
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.writes += 1
+        if self.writes == self.when:
+            os.kill(int(Path(self.pid_file).read_text()), signal.SIGKILL)
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+
+def killed_while_rank0_writes(rank: int, world_size: int, root: str, victim: int) -> dict[str, Any]:
+    """``last.ckpt`` every step; at the second save, rank ``victim`` is killed while rank 0 writes the file."""
+    pid_file = f"{root}/pid"
+    if rank == victim:
+        Path(pid_file + ".partial").write_text(str(os.getpid()))
+        os.replace(pid_file + ".partial", pid_file)
+    plugins = [_KillsDuringFileWrite(pid_file, when=2)] if rank == 0 else []
+    callbacks = [ModelCheckpoint(root, every_n_train_steps=1, save_top_k=0, save_last=True)]
+    strategy = DecentralizedStrategy(timeout=timedelta(seconds=10))
+    trainer = trainer_for(
+        world_size, strategy, max_steps=K, callbacks=callbacks, enable_checkpointing=True, plugins=plugins
+    )
+    try:
+        trainer.fit(Regression(seed=init_seed(rank), **MOMENTUM_SGD), loader(rank, K * BATCH, BATCH))
+        return {"error": "no error"}
+    except RuntimeError as exc:
+        return _failure(exc)
+
+
+class _KilledOnValidation(Regression):
+    def on_validation_start(self) -> None:
+        if self.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_during_validation(rank: int, world_size: int) -> dict[str, Any]:
+    """Rank 1 dies as validation starts, while the others average the replicas into x̄."""
+    model = _KilledOnValidation(seed=init_seed(rank), **MOMENTUM_SGD)
+    strategy = DecentralizedStrategy(timeout=timedelta(seconds=10))
+    trainer = trainer_for(world_size, strategy, max_steps=K, limit_val_batches=1, val_check_interval=2)
+    try:
+        trainer.fit(model, loader(rank, K * BATCH, BATCH), loader(rank, BATCH, BATCH))
+        return {"error": "no error"}
+    except RuntimeError as exc:
+        return _failure(exc)
+
+
+def max_steps_disagreement(rank: int, world_size: int) -> str:
+    """Rank 1 would stop a step early and leave the others waiting for its exchange: every rank stops at setup."""
+    trainer = trainer_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=10)), max_steps=K - rank)
+    return _outcome(trainer.fit, Regression(seed=init_seed(rank), **MOMENTUM_SGD), loader(rank, K * BATCH, BATCH))
+
+
+class _StoppedOnRank(Regression):
+    """``SIGSTOP`` of its own process on ``bad_rank`` when step ``bad_step`` ends (alive, silent, connections open)."""
+
+    def __init__(self, bad_rank: int, bad_step: int, stamp: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bad_rank, self.bad_step, self.stamp = bad_rank, bad_step, stamp
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
+            Path(self.stamp).write_text(repr(time.monotonic()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def hung_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[str, Any]:
+    """Rank 1 hangs after its second step: the other ranks stop with the library's error."""
+    model = _StoppedOnRank(1, 2, stamp, seed=init_seed(rank), **MOMENTUM_SGD)
+    trainer = trainer_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=timeout)), max_steps=4 * K)
+    try:
+        trainer.fit(model, loader(rank, 4 * K * BATCH, BATCH))
+        return {"error": "no error", "stopped_at": time.monotonic()}
+    except RuntimeError as exc:
+        return {**_failure(exc), "stopped_at": time.monotonic()}

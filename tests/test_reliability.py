@@ -12,7 +12,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from lightning_decentral.checkpoint import META_KEY, read_shard, shard_directory
+from lightning_decentral.checkpoint import META_KEY, read_shard, shard_directory, shard_path
 from tests import reliability_workers as workers
 from tests.helpers import run_distributed, start_processes
 
@@ -124,8 +124,8 @@ def test_nan_stops_its_rank_before_sending_and_the_others_through_the_timeout(tw
     healthy, bad = results
     assert bad["failure"].startswith("FloatingPointError: Rank 1 holds a NaN or an Inf")
     assert "at step 3" in bad["failure"]
-    assert healthy["failure"].startswith("RuntimeError: The gossip exchange of step 3 failed")
-    assert "Timed out" in healthy["failure"]  # rank 1 was still alive: only the timeout could end the wait
+    assert healthy["failure"].startswith("PeerFailure: The gossip exchange of step 3 failed")
+    assert "GLHF" in healthy["failure"] or "Timed out" in healthy["failure"]  # gloo's text, under the library's
     assert healthy["stopped_at"] - bad["stopped_at"] < healthy["timeout"] + 60  # not the default 30 minutes
     assert torch.isfinite(healthy["replica"]).all()  # nothing reached rank 0
     (last_good,) = (root / "nan").glob("*.ckpt")  # written at step 2, before the NaN: whole and finite
@@ -197,3 +197,74 @@ def test_resuming_under_another_update_rule_warns_once(tmp_path: Path) -> None:
     assert not rank0["awc"]["rule warnings"] and not rank1["awc"]["rule warnings"]
     for r in (rank0, rank1):  # an exact resume from the shards, both times
         assert not r["atc"]["fallback warnings"] and not r["awc"]["fallback warnings"]
+
+
+def _whole(path: Path, world_size: int) -> dict[str, torch.Tensor]:
+    """The average in checkpoint ``path`` (and each rank's shard of its save, loaded): asserts both exist."""
+    checkpoint = torch.load(path, weights_only=True)
+    meta = checkpoint[META_KEY]
+    for rank in range(world_size):
+        shard = read_shard(shard_path(str(path), rank, world_size, meta["save_id"]))
+        assert (shard["save_id"], shard["rank"]) == (meta["save_id"], rank)
+        assert all(torch.isfinite(v).all() for v in shard["state_dict"].values())
+    return checkpoint["state_dict"]
+
+
+def test_a_nan_never_reaches_a_checkpoint_and_never_costs_the_last_finite_one(tmp_path: Path) -> None:
+    """AWC: step 9's NaN update sits in rank 1's replica when the checkpoint of step 10 is due, one post before the
+    exchange would catch it. The save refuses on every rank; step 5's checkpoint and last.ckpt stay whole."""
+    results = run_distributed(workers.nan_between_exchange_and_checkpoint, 2, timeout=120, root=str(tmp_path))
+    for r in results:
+        assert r["error"].startswith("FloatingPointError: Rank(s) [1] hold a NaN or an Inf"), r["error"]
+        assert f"at step {workers.NAN_STEP + 1}: the checkpoint" in r["error"]
+    assert sorted(p.name for p in tmp_path.glob("*.ckpt")) == ["epoch=0-step=5.ckpt", "last.ckpt"]
+    for name in ("epoch=0-step=5.ckpt", "last.ckpt"):
+        assert all(torch.isfinite(v).all() for v in _whole(tmp_path / name, 2).values())
+
+
+def test_a_rank_killed_while_rank_0_writes_the_file_leaves_a_checkpoint_with_all_its_shards(tmp_path: Path) -> None:
+    """Rank 2 dies once every shard of the second save is on disk, while rank 0 writes last.ckpt: the survivors stop
+    with the library's error (gloo's under it) and keep their shards, so last.ckpt names shards that exist."""
+    results = _run_until_every_rank_exits(workers.killed_while_rank0_writes, 3, bound=120, root=str(tmp_path), victim=2)
+    assert results[2] is None  # kill -9
+    for status, r in results[:2]:
+        assert status == "ok", r
+        assert r["error"].startswith("PeerFailure: Saving "), r["error"]
+        assert "at step 2, agreeing that every rank could write the checkpoint file, failed on this rank" in r["error"]
+        assert r["cause"].startswith("RuntimeError: ") and r["cause"][14:] in r["error"]  # gloo's text, kept
+    assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 2
+    _whole(tmp_path / "last.ckpt", 3)
+
+
+def test_a_rank_killed_during_validation_stops_the_others_with_the_librarys_error() -> None:
+    results = _run_until_every_rank_exits(workers.killed_during_validation, 2, bound=120)
+    status, survivor = results[0]
+    assert status == "ok", survivor
+    assert survivor["error"].startswith("PeerFailure: Averaging the replicas into x̄"), survivor["error"]
+    assert survivor["cause"].startswith("RuntimeError: ")
+
+
+def test_ranks_with_different_max_steps_stop_at_setup() -> None:
+    for message in run_distributed(workers.max_steps_disagreement, 2, timeout=120):
+        assert message.startswith("ValueError: The ranks do not run the same configuration"), message
+        assert f"rank 1 has max_steps={workers.K - 1} where rank 0 has {workers.K}" in message
+
+
+def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None:
+    """Rank 1 of 2 stops (SIGSTOP) after step 2. Lightning's broadcast at the next batch times out first and swallows its
+    error; the exchange that follows must fail at once, not wait a second timeout."""
+    timeout, stamp = 8.0, tmp_path / "stopped_at"
+    with tempfile.TemporaryDirectory() as out:
+        procs = start_processes(workers.hung_peer, 2, out, stamp=str(stamp), timeout=timeout)
+        try:
+            procs[0].join(120)
+        finally:
+            for p in procs:
+                p.kill()
+                p.join()
+        results = {0: pickle.loads((Path(out) / "0.pkl").read_bytes())}
+    for rank, (status, r) in results.items():
+        assert status == "ok", r
+        assert r["error"].startswith("PeerFailure: The gossip exchange of step 2 failed on this rank"), (rank, r)
+        assert r["cause"].startswith("RuntimeError: ")  # gloo's own error, under the library's
+        assert r["stopped_at"] - float(stamp.read_text()) < timeout + 5  # not 2 x timeout

@@ -22,16 +22,22 @@ from lightning_decentral.checkpoint import (
 
 
 class OneOfRanks:
-    """The `RankGroup` of rank `rank` of `world_size`, with the collectives of a group that always agrees."""
+    """The `RankGroup` of rank `rank` of `world_size`, with the collectives of a group that always agrees: every
+    rank gathers this rank's values, but the first gather of a save (its id) gives `save_id`."""
 
     def __init__(self, rank: int, world_size: int, save_id: int) -> None:
         self.rank, self.world_size, self.save_id = rank, world_size, save_id
 
-    def gather(self, values: list[int]) -> Any:
-        return np.array([[self.save_id]] * self.world_size)
+    def gather(self, values: list[int], what: str = "") -> Any:
+        row = [self.save_id] if "save id" in what else values
+        return np.array([row] * self.world_size)
 
-    def on_every_rank(self, action: Callable[[], Any], what: str) -> None:
+    def on_every_rank(self, action: Callable[[], Any], what: str, during: str = "") -> None:
         action()
+
+
+def _shard(save_id: int) -> dict[str, Any]:
+    return {"save_id": save_id, "state_dict": {"w": torch.ones(2)}, "strategy": {"step": 3}}
 
 
 def _save(path: Path, save_id: int, rank: int = 0, world_size: int = 2) -> str:
@@ -42,7 +48,7 @@ def _save(path: Path, save_id: int, rank: int = 0, world_size: int = 2) -> str:
         if rank == 0:
             torch.save(state, path)
 
-    save_with_shards(OneOfRanks(rank, world_size, save_id), state, str(path), lambda i: {"save_id": i}, write_file)
+    save_with_shards(OneOfRanks(rank, world_size, save_id), state, str(path), _shard, write_file)
     assert torch.load(path, weights_only=True)[META_KEY]["save_id"] == save_id
     return shard_path(str(path), rank, world_size, save_id)
 
@@ -109,7 +115,11 @@ def test_removing_a_checkpoint_removes_this_ranks_temporary_files_too(tmp_path: 
 
 
 @pytest.mark.parametrize("leftover", ["orphan", "temporary"])
-def test_a_failed_save_removes_its_shard_and_keeps_the_previous_one(tmp_path: Path, monkeypatch, leftover: str) -> None:
+def test_a_failed_save_keeps_the_previous_one_and_deletes_its_shard_only_before_every_shard_is_in_place(
+    tmp_path: Path, monkeypatch, leftover: str
+) -> None:
+    """A shard write that fails: its shard is deleted. The file's write that fails once every shard is in place:
+    no shard of that save is deleted (another rank may have seen the file written); the next save removes it."""
     path = tmp_path / "last.ckpt"
     previous = _save(path, 1)
 
@@ -125,5 +135,22 @@ def test_a_failed_save_removes_its_shard_and_keeps_the_previous_one(tmp_path: Pa
         monkeypatch.setattr(checkpoint, "write_shard", write_shard_then_fail)
         write_file = lambda: None
     with pytest.raises(OSError, match="simulated"):
-        save_with_shards(OneOfRanks(0, 2, 2), {}, str(path), lambda i: {"save_id": i}, write_file)
+        save_with_shards(OneOfRanks(0, 2, 2), {}, str(path), _shard, write_file)
+    kept = {previous} | ({shard_path(str(path), 0, 2, 2)} if leftover == "orphan" else set())
+    assert _names(shard_directory(path)) == {os.path.basename(p) for p in kept}
+    monkeypatch.undo()
+    latest = _save(path, 3)
+    assert _names(shard_directory(path)) == {os.path.basename(latest)}  # the next save cleans up
+
+
+def test_a_non_finite_replica_or_optimizer_state_writes_and_removes_nothing(tmp_path: Path) -> None:
+    """(The fake group reports this rank's values for both ranks.)"""
+    path = tmp_path / "last.ckpt"
+    previous = _save(path, 1)
+    before = path.read_bytes()
+    nan, inf = torch.tensor([float("nan")]), torch.tensor([float("inf")])
+    for bad in ({"state_dict": {"w": nan}}, {"optimizer_states": [{"state": {0: {"momentum_buffer": inf}}}]}):
+        with pytest.raises(FloatingPointError, match=r"Rank\(s\) \[0, 1\] hold a NaN or an Inf .* at step 3: the checkpoint"):
+            save_with_shards(OneOfRanks(0, 2, 2), {}, str(path), lambda i, bad=bad: {**_shard(i), **bad}, lambda: None)
+    assert path.read_bytes() == before
     assert _names(shard_directory(path)) == {os.path.basename(previous)}
