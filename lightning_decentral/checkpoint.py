@@ -135,12 +135,17 @@ def refuse_non_finite(ranks: RankGroup, shard: dict[str, Any], filepath: _PATH) 
     table = ranks.gather([own], f"Saving {filepath} at step {step}, checking its values,")
     bad = [rank for rank, finite in enumerate(table[:, 0].tolist()) if not finite]
     if bad:
-        raise FloatingPointError(
-            f"Rank(s) {bad} hold a NaN or an Inf in the replica or the optimizer state at step {step}: the checkpoint "
-            f"{filepath} is not written, and the checkpoints written before are left as they are. Training stops "
-            "on every rank. Lower the learning rate, clip the gradients (Trainer(gradient_clip_val=...)) or look for "
-            "the source with torch.autograd.detect_anomaly."
-        )
+        raise not_finite_error(bad, step, filepath)
+
+
+def not_finite_error(ranks: list[int], step: int, filepath: _PATH) -> FloatingPointError:
+    """The error of a save refused because `ranks` hold a NaN or an Inf."""
+    return FloatingPointError(
+        f"Rank(s) {ranks} hold a NaN or an Inf in the replica or the optimizer state at step {step}: the checkpoint "
+        f"{filepath} is not written, and the checkpoints written before are left as they are. Training stops "
+        "on every rank. Lower the learning rate, clip the gradients (Trainer(gradient_clip_val=...)) or look for "
+        "the source with torch.autograd.detect_anomaly."
+    )
 
 
 def holds_finite(state: Any) -> bool:

@@ -130,7 +130,8 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Every worker's shard as rank `i` of `n` writes it, then the checkpoint file (`x̄`), then the
-        workers' shards of earlier saves to this path go: the layout `DecentralizedStrategy` reads."""
+        workers' shards of earlier saves to this path go: the layout `DecentralizedStrategy` reads. A worker
+        holding a NaN or an Inf stops the save before anything is written or removed."""
         if not self._group.modules:  # not fitting: a plain checkpoint
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         save_id = secrets.randbits(62)
@@ -139,9 +140,15 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         try:
             precision = None if "optimizer_states" not in checkpoint else self.precision_plugin.state_dict()
             step = self.lightning_module.trainer.global_step
-            for rank, (module, path) in enumerate(zip(self._group.modules, paths)):
-                own = {k: v.detach() for k, v in self._averaged.own_state_dict(module).items()}
-                shards.write_shard(self._group.shard(rank, save_id, own, step, precision), path)
+            built = [
+                self._group.shard(rank, save_id, {k: v.detach() for k, v in self._averaged.own_state_dict(module).items()}, step, precision)
+                for rank, module in enumerate(self._group.modules)
+            ]
+            bad = [rank for rank, shard in enumerate(built) if not shards.holds_finite([shard["state_dict"], shard.get("optimizer_states")])]
+            if bad:  # before anything is written or removed
+                raise shards.not_finite_error(bad, step, filepath)
+            for shard, path in zip(built, paths):
+                shards.write_shard(shard, path)
             super().save_checkpoint(checkpoint, filepath, storage_options)
         except BaseException:
             for path in paths:

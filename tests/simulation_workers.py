@@ -47,12 +47,8 @@ def _trainer(strategy: Any, config: Config, devices: int, **kwargs: Any) -> pl.T
         accumulate_grad_batches=config.accumulate,
         gradient_clip_val=config.clip,
         precision="64-true" if config.dtype == torch.float64 else "32-true",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
+        **{"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
+           "num_sanity_val_steps": 0, **kwargs},
     )
 
 
@@ -209,3 +205,26 @@ def fit_with_optimizer(optimizer_class: type, workers: int, vectorize: bool = Fa
     strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize)
     model = WithOptimizer(dropout, seed=init_seed(0))
     _trainer(strategy, config, 1).fit(model, train_dataloaders=shared_loader(config, workers))
+
+
+class PoisonWorker(pl.Callback):
+    """After the optimizer step that reaches ``global_step == at``, a NaN in worker ``worker``'s replica."""
+
+    def __init__(self, worker: int, at: int) -> None:
+        self.worker, self.at = worker, at
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.at:
+            with torch.no_grad():
+                next(trainer.strategy.worker_modules()[self.worker].parameters()).view(-1)[0] = float("nan")
+
+
+def fit_simulated_into_nan(directory: str, workers: int, vectorize: bool) -> None:
+    """Checkpoints every 2 steps (``last.ckpt`` only); worker 2 turns NaN at step 6, before the save of step 6."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    config = Config("nan", optimizer={"lr": 0.05, "momentum": 0.9}, steps=8)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize)
+    checkpoints = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=0, save_last=True)
+    trainer = _trainer(strategy, config, 1, callbacks=[PoisonWorker(2, 6), checkpoints], enable_checkpointing=True)
+    trainer.fit(LoggingRegression(seed=init_seed(0), **config.optimizer_spec()), train_dataloaders=shared_loader(config, workers))

@@ -24,9 +24,12 @@ def test_simulate_smoke(tmp_path: Path) -> None:
     out = tmp_path / "simulate.json"
     _run_smoke("simulate.py", "--out", str(out))
     result = json.loads(out.read_text())
-    assert [(row["name"], row["n"]) for row in result["rows"]] == [("sim", 4), ("bare", 4), ("processes", 4), ("lightning", 1)]
+    assert [(row["name"], row["n"]) for row in result["rows"]] == [
+        ("sim", 4), ("vectorized", 4), ("bare", 4), ("processes", 4), ("lightning", 1)
+    ]
     assert all(row["median_s"] > 0 and row["first_step_s"] > 0 and row["maxrss_mb"] > 0 for row in result["rows"])
-    assert result["meta"]["bare_vs_sim_max_abs_diff"]["4"] < 1e-4  # the bare loop makes the sim's update
+    differences = result["meta"]["bare_vs_sim_max_abs_diff"]
+    assert differences["sim 4"] < 1e-4 and differences["vectorized 4"] < 1e-4  # the bare loop makes both simulations' update
 
 
 def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:

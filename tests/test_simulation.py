@@ -208,3 +208,18 @@ def test_what_cannot_run_vectorized_is_refused_naming_the_fix() -> None:
         sim.fit_with_optimizer(torch.optim.SGD, WORLD, vectorize=True, dropout=0.3, lr=0.1)
     with pytest.raises(ValueError, match="True or False"):
         SimulatedDecentralizedStrategy(workers=4, vectorize="yes")
+
+
+@pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
+def test_a_nan_in_a_worker_never_reaches_a_checkpoint(vectorize: bool, tmp_path) -> None:
+    from lightning_decentral.checkpoint import META_KEY, read_shard, shard_path
+
+    with pytest.raises(FloatingPointError, match=r"Rank\(s\) \[2\] hold a NaN.*at step 6.*not written"):
+        sim.fit_simulated_into_nan(str(tmp_path), WORLD, vectorize)
+    last = str(tmp_path / "last.ckpt")
+    checkpoint = torch.load(last, weights_only=True)
+    assert checkpoint["global_step"] == 4  # the save of step 4 is still the last one, whole and finite
+    assert all(torch.isfinite(v).all() for v in checkpoint["state_dict"].values())
+    for rank in range(WORLD):
+        shard = read_shard(shard_path(last, rank, WORLD, checkpoint[META_KEY]["save_id"]))
+        assert all(torch.isfinite(v).all() for v in shard["state_dict"].values() if v.is_floating_point())
