@@ -204,18 +204,15 @@ def _floating_state(module: Module) -> list[Tensor]:
 
 class WorkerLoaders:
     """A training DataLoader as `n` workers see it: worker `i` iterates rank `i`'s `DistributedSampler`
-    (Lightning's own, with its shuffling seed, padding and `drop_last`); each item is a
+    (Lightning's own, with its shuffling seed, padding and `drop_last`), or `sampler.for_rank(i, n)` for a
+    sampler that has it ([`DirichletSampler`][lightning_decentral.data.DirichletSampler]); each item is a
     [`PerWorker`][lightning_decentral.simulated_workers.PerWorker] of batches. `as_worker(i)` is the context in
     which worker `i` iterates (its random state)."""
 
     def __init__(self, dataloader: torch.utils.data.DataLoader, workers: int, as_worker: Callable[[int], Any]) -> None:
         shuffle = _is_dataloader_shuffled(dataloader)
         self.loaders = [
-            _update_dataloader(
-                dataloader,
-                _get_distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank),
-                mode=RunningStage.TRAINING,
-            )
+            _update_dataloader(dataloader, _rank_sampler(dataloader, shuffle, workers, rank), mode=RunningStage.TRAINING)
             for rank in range(workers)
         ]
         self.sampler = _Samplers([loader.sampler for loader in self.loaders])
@@ -238,6 +235,14 @@ class WorkerLoaders:
                     return
                 batches.append(batch)
             yield PerWorker(batches)
+
+
+def _rank_sampler(dataloader: torch.utils.data.DataLoader, shuffle: bool, workers: int, rank: int) -> Any:
+    """Rank `rank`'s sampler: `sampler.for_rank(rank, workers)` if the DataLoader's sampler has one (a
+    [`DirichletSampler`][lightning_decentral.data.DirichletSampler]), else Lightning's `DistributedSampler`."""
+    if hasattr(dataloader.sampler, "for_rank"):
+        return dataloader.sampler.for_rank(rank, workers)
+    return _get_distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank)
 
 
 class _Samplers:
