@@ -28,6 +28,7 @@ from torch import Tensor
 
 from lightning_decentral.callbacks._common import check_every, decentralized, due, max_over_ranks, warn_unless_written
 from lightning_decentral.measures import consensus_distance, gossip_residual
+from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 from lightning_decentral.strategy import DecentralizedStrategy
 from lightning_decentral.topology import Topology
@@ -204,7 +205,7 @@ class ConsensusControl(_StepEnd):
         if strategy is None:
             rank_zero_warn(_nothing_to_control(trainer))
             return
-        if strategy.gossip_steps > self.max_gossip_steps:
+        if RoundsSchedule.of(strategy.gossip_steps).most > self.max_gossip_steps:
             raise ValueError(
                 f"ConsensusControl(max_gossip_steps={self.max_gossip_steps}) is below the strategy's own "
                 f"gossip_steps={strategy.gossip_steps}: raise max_gossip_steps, or lower gossip_steps."
