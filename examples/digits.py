@@ -15,7 +15,7 @@ the end is that of the averaged model ``x̄``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torchmetrics
@@ -23,15 +23,25 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, random_split
 
+from lightning_decentral import DirichletSampler
+
 
 class DigitsDataModule(LightningDataModule):
-    """scikit-learn's 8×8 digits as 1×8×8 float images in [0, 1]; a fixed 80/20 split."""
+    """scikit-learn's 8×8 digits as 1×8×8 float images in [0, 1]; a fixed 80/20 split.
 
-    def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, seed: int = 0) -> None:
+    `dirichlet_alpha`: give each worker its own label-skewed shard of the training set
+    ([`DirichletSampler`][lightning_decentral.data.DirichletSampler], seeded by `seed`; `.inf` in YAML is
+    the IID split); `None` (the default): Lightning's `DistributedSampler` over the shuffled set.
+    """
+
+    def __init__(
+        self, batch_size: int = 32, val_fraction: float = 0.2, seed: int = 0, dirichlet_alpha: Optional[float] = None
+    ) -> None:
         super().__init__()
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.seed = seed
+        self.dirichlet_alpha = dirichlet_alpha
 
     def setup(self, stage: str) -> None:
         from sklearn.datasets import load_digits
@@ -45,7 +55,11 @@ class DigitsDataModule(LightningDataModule):
         self.train_set, self.val_set = random_split(dataset, [len(dataset) - n_val, n_val], generator=generator)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+        if self.dirichlet_alpha is None:
+            return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+        labels = self.train_set.dataset.tensors[1][self.train_set.indices]
+        sampler = DirichletSampler(self.train_set, labels, self.dirichlet_alpha, seed=self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256)

@@ -10,6 +10,7 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_decentral import fabric
+from lightning_decentral.data import DirichletSampler
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 from lightning_decentral.strategy import DecentralizedStrategy
 from lightning_decentral.topology import (
@@ -35,6 +36,7 @@ __all__ = [
     "TOPOLOGIES",
     "Complete",
     "DecentralizedStrategy",
+    "DirichletSampler",
     "Exponential",
     "GraphTopology",
     "Hierarchical",

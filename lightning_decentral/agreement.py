@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_decentral.replicas import averaged_optimizer_state, group_by_layout
+from lightning_decentral.schedule import RoundsSchedule
 
 _STRING_SLOTS = 64  # a configuration string travels as this many code points
 _SAME_BUILD = (
@@ -244,7 +245,7 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "momentum": strategy.momentum,
         "combine": strategy.combine,
         "gossip_every": strategy.gossip_every,
-        "gossip_steps": strategy.gossip_steps,
+        "gossip_steps": fitted(str(RoundsSchedule.of(strategy.gossip_steps))),
         "gossip_buffers": int(strategy.gossip_buffers),
         "eval_on": strategy.eval_on,
         "bucket bytes": int(strategy.bucket_cap_mb * 2**20),

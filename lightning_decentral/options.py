@@ -6,6 +6,7 @@ from typing import Any, Literal, Optional
 
 import torch
 
+from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.topology import TOPOLOGIES
 
 TopologyName = Literal[tuple(TOPOLOGIES)]  # type: ignore[valid-type]  # a config names one of these, checked when parsed
@@ -33,6 +34,8 @@ def check_options(
     Examples:
         >>> check_options("ring", "awc", "local", 1, 1, "average", 4.0, "bfloat16")
         torch.bfloat16
+        >>> check_options("ring", "awc", "local", 1, {"epoch": {0: 4, 5: 1}}, "average", 4.0, None) is None
+        True
         >>> check_options("ring", "acw", "local", 1, 1, "average", 4.0, None)
         Traceback (most recent call last):
         ...
@@ -44,7 +47,7 @@ def check_options(
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
         raise ValueError(f"`bucket_cap_mb` must be positive, got {bucket_cap_mb!r}.")
     _check_positive_int("gossip_every", gossip_every)
-    _check_positive_int("gossip_steps", gossip_steps)
+    RoundsSchedule.of(gossip_steps)  # an integer, or rounds by epoch or step
     if isinstance(topology, str) and topology not in TOPOLOGIES:
         raise ValueError(
             f"Unknown topology {topology!r}. Choose one of {sorted(TOPOLOGIES)}, or pass a "

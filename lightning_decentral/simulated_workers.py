@@ -384,7 +384,8 @@ class StackedBatch:
 
 class WorkerLoaders:
     """A training DataLoader as `n` workers see it: worker `i` iterates rank `i`'s `DistributedSampler`
-    (Lightning's own, with its shuffling seed, padding and `drop_last`).
+    (Lightning's own, with its shuffling seed, padding and `drop_last`), or `sampler.for_rank(i, n)` for a
+    sampler that has it ([`DirichletSampler`][lightning_decentral.data.DirichletSampler]).
 
     Each item is a [`PerWorker`][lightning_decentral.simulated_workers.PerWorker] of batches, worker `i`'s
     fetched inside `as_worker(i)` (its random state); or, `together=True`, a
@@ -398,7 +399,7 @@ class WorkerLoaders:
     ) -> None:
         shuffle = _is_dataloader_shuffled(dataloader)
         samplers = [
-            _get_distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank)
+            _rank_sampler(dataloader, shuffle, workers, rank)
             for rank in range(workers)
         ]
         self.sampler = _Samplers(samplers)
@@ -469,6 +470,14 @@ class _StepBatches:
         for step in range(len(self)):
             window = slice(step * self.batch_size, (step + 1) * self.batch_size)
             yield [index for order in orders for index in order[window]]
+
+
+def _rank_sampler(dataloader: torch.utils.data.DataLoader, shuffle: bool, workers: int, rank: int) -> Any:
+    """Rank `rank`'s sampler: `sampler.for_rank(rank, workers)` if the DataLoader's sampler has one (a
+    [`DirichletSampler`][lightning_decentral.data.DirichletSampler]), else Lightning's `DistributedSampler`."""
+    if hasattr(dataloader.sampler, "for_rank"):
+        return dataloader.sampler.for_rank(rank, workers)
+    return _get_distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank)
 
 
 class _Samplers:

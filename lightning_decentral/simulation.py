@@ -41,7 +41,7 @@ from typing_extensions import override
 from lightning_decentral.mixing import DenseMixer, ExchangeObserver
 from lightning_decentral.options import GossipDtypeName, TopologyName, check_options
 from lightning_decentral.rules import RuleOptions, rule_name
-from lightning_decentral.schedule import GossipSchedule, StepPlan
+from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
 from lightning_decentral.simulated_replicas import SimulatedReplicaStrategy
 from lightning_decentral.simulated_workers import (
     PerWorker,
@@ -91,7 +91,7 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         combine: Literal["awc", "atc"] = "awc",
         momentum: Literal["local", "decentlam"] = "local",
         gossip_every: int = 1,
-        gossip_steps: int = 1,
+        gossip_steps: Union[int, RoundsSchedule, dict[str, dict[int, int]]] = 1,
         gossip_buffers: bool = True,
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
@@ -132,8 +132,8 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         return self._schedule.topology
 
     def gossip_rounds(self, step: int) -> int:
-        """Rounds of exchange at optimizer step `step` (0: a local step)."""
-        return self._schedule.rounds(step)
+        """Rounds of exchange at optimizer step `step` of the current epoch (0: a local step)."""
+        return self._schedule.rounds(step, self._epoch())
 
     def observe(self, observer: ExchangeObserver) -> None:
         """Tell `observer` of every exchange of every worker from now on."""
@@ -344,11 +344,15 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         trainer = self.lightning_module.trainer
         self._group.ready_others(trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
 
+    def _epoch(self) -> int:
+        """The Trainer's current epoch: what a `gossip_steps` schedule by epoch reads (restored on resume)."""
+        return self.lightning_module.trainer.current_epoch
+
     def _begin_if_needed(self) -> None:
         """Begin the current optimizer step on every worker, once (the schedule decides it here)."""
         step = self.lightning_module.trainer.global_step
         if self._plan is None or self._plan.step != step:
-            self._plan = self._schedule.plan(step)
+            self._plan = self._schedule.plan(step, self._epoch())
             self._group.begin_step(self._plan)
 
     @override

@@ -42,7 +42,7 @@ from lightning_decentral.options import GossipDtypeName, TopologyName, check_opt
 from lightning_decentral.replicas import Replica
 from lightning_decentral.replicated import ReplicaStrategy
 from lightning_decentral.rules import RULES, RuleOptions, UpdateRule, rule_name
-from lightning_decentral.schedule import GossipSchedule, StepPlan
+from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
 from lightning_decentral.topology import Topology, resolve_topology
 
 if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against them
@@ -68,7 +68,9 @@ class DecentralizedStrategy(ReplicaStrategy):
         combine: `"awc"` (adapt-with-combine) or `"atc"` (adapt-then-combine); ignored by DecentLaM.
         momentum: `"local"` (the optimizer's own momentum, the first two rules) or `"decentlam"`.
         gossip_every: gossip on steps with `(k + 1) % gossip_every == 0`; local steps otherwise.
-        gossip_steps: rounds of `W(k)` per gossip step (`W(k)^gossip_steps`).
+        gossip_steps: rounds of `W(k)` per gossip step (`W(k)^gossip_steps`); or rounds that change over
+            training: a [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule], or
+            `{"epoch": {0: 4, 5: 2, 10: 1}}` (4 rounds in epochs 0–4, 2 in 5–9, then 1) or `{"step": {...}}`.
         gossip_buffers: also mix floating-point buffers (BatchNorm statistics); else keep them local.
         eval_on: `"average"` validates, tests and predicts on `x̄` (each replica is restored
             afterwards); `"local"` on each rank's own replica.
@@ -99,7 +101,7 @@ class DecentralizedStrategy(ReplicaStrategy):
         combine: Literal["awc", "atc"] = "awc",
         momentum: Literal["local", "decentlam"] = "local",
         gossip_every: int = 1,
-        gossip_steps: int = 1,
+        gossip_steps: Union[int, RoundsSchedule, dict[str, dict[int, int]]] = 1,
         gossip_buffers: bool = True,
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
@@ -151,8 +153,8 @@ class DecentralizedStrategy(ReplicaStrategy):
         return self.world_size
 
     def gossip_rounds(self, step: int) -> int:
-        """Rounds of exchange at optimizer step `step` (0: a local step, `W = I`)."""
-        return self._bound_schedule().rounds(step)
+        """Rounds of exchange at optimizer step `step` of the current epoch (0: a local step, `W = I`)."""
+        return self._bound_schedule().rounds(step, self._epoch())
 
     @property
     def flat_parameters(self) -> list[Tensor]:
@@ -312,7 +314,7 @@ class DecentralizedStrategy(ReplicaStrategy):
         rule = self._live_rule()
         step = self.lightning_module.trainer.global_step
         if self._plan is None or self._plan.step != step:
-            self._plan = self._bound_schedule().plan(step)
+            self._plan = self._bound_schedule().plan(step, self._epoch())
             rule.begin_step(self._plan)
         return rule
 
@@ -346,6 +348,10 @@ class DecentralizedStrategy(ReplicaStrategy):
 
     def _rule_record(self) -> dict[str, str]:
         return {"rule": rule_name(self.momentum, self.combine), "topology": repr(self.topology)}
+
+    def _epoch(self) -> int:
+        """The Trainer's current epoch: what a `gossip_steps` schedule by epoch reads (restored on resume)."""
+        return self.lightning_module.trainer.current_epoch
 
     def _bound_schedule(self) -> GossipSchedule:
         if self._schedule is None:

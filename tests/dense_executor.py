@@ -119,7 +119,7 @@ class DenseExecutor:
         ``after_closures(k)`` runs when every closure has run (the gradients are the clipped ``g``),
         ``after_update(k)`` when every optimizer has stepped, before ``end_step``.
         """
-        plan = self.schedule.plan(k)
+        plan = self.schedule.plan(k, epoch=k // self.config.steps_per_epoch if self.config.steps_per_epoch else 0)
         for rule in self.rules:  # 1
             rule.begin_step(plan)
         results: list[Any] = []

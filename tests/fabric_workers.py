@@ -66,11 +66,27 @@ def fit_config(rank: int, world_size: int, config: Config) -> torch.Tensor:
     model = initial_net(init_seed(rank), config.batch_norm).to(config.dtype)
     loop = _Loop(fabric, config, model, rank)
     for k in range(config.steps):
+        if config.steps_per_epoch:
+            strategy.set_epoch(k // config.steps_per_epoch)  # the loop's epoch, for a gossip_steps schedule by epoch
         loop.step(k)
     assert strategy.step == config.steps
     fabric.strategy.teardown()
     buffers = [b.reshape(-1) for b in model.buffers() if b.is_floating_point()]
     return torch.cat([flat(model)] + buffers)
+
+
+def schedule_by_epoch_without_set_epoch(rank: int, world_size: int) -> str:
+    """The error of a training forward under a gossip_steps schedule by epoch when the loop never called set_epoch."""
+    fabric = fabric_for(world_size, DecentralizedStrategy(gossip_steps={"epoch": {0: 2, 1: 1}}))
+    net = initial_net()
+    model, _ = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        model(torch.zeros(1, 5))
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        fabric.strategy.teardown()
+    return ""
 
 
 def fit_configs(rank: int, world_size: int, configs: list[Config]) -> dict[str, torch.Tensor]:

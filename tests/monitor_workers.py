@@ -116,9 +116,12 @@ def monitors(rank: int, world_size: int, log_dir: str) -> dict[str, Any]:
         _, recorder, _ = _fit(rank, world_size, DecentralizedStrategy(**kwargs), control, logger=logger)
         out[f"control-{name}"] = _record(recorder)
 
-    # The proxy between exact measurements, a target relative to ‖x̄‖, control in epoch 0 only.
+    # The proxy between exact measurements, a target relative to ‖x̄‖, control in epoch 0 only (no hand-over).
     relative = 0.9 * max(m["consensus/relative"] for m in out["ring"]["metrics"])
-    control = [ConsensusDistance(every_n_steps=3), ConsensusControl(relative, "parameters", 4, 1, every_n_steps=3)]
+    control = [
+        ConsensusDistance(every_n_steps=3),
+        ConsensusControl(relative, "parameters", 4, 1, every_n_steps=3, handover_epochs=0),
+    ]
     _, recorder, _ = _fit(rank, world_size, DecentralizedStrategy(), control, max_epochs=2, max_steps=-1)
     out["proxy"] = _record(recorder)
     out["relative_target"] = relative

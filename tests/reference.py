@@ -87,7 +87,8 @@ class Config:
     momentum: str = "local"
     optimizer: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
     gossip_every: int = 1
-    gossip_steps: int = 1
+    gossip_steps: Any = 1  # an int, or {"step": {first step: rounds}} / {"epoch": {first epoch: rounds}}
+    steps_per_epoch: Optional[int] = None  # with gossip_steps by epoch: step k is in epoch k // steps_per_epoch
     steps: int = 6
     batch_size: int = 8
     accumulate: int = 1
@@ -168,7 +169,7 @@ def run(config: Config, n: int) -> torch.Tensor:
             if config.clip is not None:
                 nn.utils.clip_grad_norm_(replica.parameters(), config.clip)
         before = torch.stack([_flat(r) for r in replicas]).double()
-        rounds = config.gossip_steps if (k + 1) % config.gossip_every == 0 else 0
+        rounds = scheduled_rounds(config, k) if (k + 1) % config.gossip_every == 0 else 0
         mix = lambda x: gossip(x, config, k, rounds)  # noqa: E731
         if config.momentum == "decentlam":
             _decentlam_gradients(replicas, optimizers, mix)
@@ -192,6 +193,15 @@ def run(config: Config, n: int) -> torch.Tensor:
             _assign(replica, vector.to(config.dtype))
             _assign_buffers(replica, buffers.to(config.dtype))
     return torch.stack([torch.cat([_flat(r), _flat_buffers(r)]) for r in replicas])
+
+
+def scheduled_rounds(config: Config, k: int) -> int:
+    """The rounds ``config.gossip_steps`` gives a gossip step ``k``: the entry of the last milestone reached."""
+    if isinstance(config.gossip_steps, int):
+        return config.gossip_steps
+    ((unit, table),) = config.gossip_steps.items()
+    at = k if unit == "step" else k // config.steps_per_epoch
+    return table[max(start for start in table if start <= at)]
 
 
 def _decentlam_gradients(replicas: list[nn.Module], optimizers: list, mix: Callable) -> None:

@@ -85,3 +85,27 @@ def test_simulated_config_trains_in_this_process(
     out = capsys.readouterr().out
     assert "Finished fit after 3 steps on 16 workers (dpsgd awc, Ring(world_size=16), simulated in one process)" in out
     assert "Validation of the averaged model x̄" in out
+
+
+def test_digits_datamodule_gives_each_worker_a_dirichlet_shard(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`dirichlet_alpha` from the command line (as from YAML): 16 simulated workers on label-skewed shards."""
+    from examples.digits import DigitsDataModule
+    from lightning_decentral import DirichletSampler
+    from lightning_decentral.cli import main
+
+    data = DigitsDataModule(dirichlet_alpha=0.1, seed=3)
+    data.setup("fit")
+    sampler = data.train_dataloader().sampler
+    assert isinstance(sampler, DirichletSampler) and sampler.alpha == 0.1 and sampler.seed == 3
+    labels = [int(data.train_set[i][1]) for i in sampler.shard.tolist()]
+    assert labels == sampler.labels[sampler.shard].tolist()  # the labels of the training split, in its order
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
+    main([
+        "fit", "--config", "examples/configs/digits_simulated.yaml", "--data.init_args.dirichlet_alpha", "0.1",
+        "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.limit_val_batches", "1",
+        "--trainer.callbacks", "[]", "--trainer.default_root_dir", str(tmp_path),
+    ])
+    assert "Finished fit after 2 steps on 16 workers" in capsys.readouterr().out

@@ -39,6 +39,8 @@ CONFIGS = [
     Config("ring-awc-accumulate-clip", optimizer=MOMENTUM, accumulate=2, clip=0.05),
     Config("one_peer-atc-batchnorm-scheduler", topology="one_peer_exponential", combine="atc", batch_norm=True, scheduler="step"),
     Config("ring-awc-adam-float64", optimizer={"name": "adam", "lr": 0.01}, dtype=torch.float64),
+    Config("exponential-atc-every2-rounds-by-epoch", topology="exponential", combine="atc", optimizer=MOMENTUM,
+           gossip_every=2, gossip_steps={"epoch": {0: 1, 1: 3}}, steps_per_epoch=2, steps=8),
     decentlam("ring-decentlam-nesterov-wd", optimizer={"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
     decentlam("ring-decentlam-small-buckets-batchnorm", optimizer=MOMENTUM, bucket_cap_mb=1e-4, batch_norm=True),
     decentlam("ring-decentlam-clip-accumulate", optimizer=MOMENTUM, clip=0.05, accumulate=2),
@@ -169,6 +171,11 @@ def test_effective_learning_rate_is_the_callbacks_formula(monitored: list[dict[s
         torch.testing.assert_close(result["lr"]["lr/effective_ratio"], ratio, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(result["lr"]["lr/effective"], ratio * MOMENTUM["lr"], atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(result["lr"]["noise/decentralized"], (local - g).norm(), atol=1e-6, rtol=1e-5)
+
+
+def test_a_schedule_by_epoch_asks_the_loop_for_set_epoch() -> None:
+    (error,) = run_distributed(fabric_workers.schedule_by_epoch_without_set_epoch, 1)
+    assert "call `fabric.strategy.set_epoch(epoch)` at the start of every epoch" in error
 
 
 def test_bad_setups_name_the_fix() -> None:

@@ -149,6 +149,7 @@ def test_plot_command_writes_pngs_from_the_runs(runs: list[dict[str, Any]], logs
         (lambda: ConsensusControl(target=1.0, reference="relative"), "reference"),
         (lambda: ConsensusControl(target=1.0, max_gossip_steps=0), "max_gossip_steps"),
         (lambda: ConsensusControl(target=1.0, until_epoch=1.5), "until_epoch"),
+        (lambda: ConsensusControl(target=1.0, handover_epochs=-1), "handover_epochs"),
     ],
 )
 def test_bad_arguments_fail_when_built(make: Any, match: str) -> None:

@@ -37,7 +37,7 @@ def fit(name: str, log_dir: Path) -> None:
     seed_everything(0)
     callbacks = [ConsensusDistance(every_n_steps=5), EffectiveLearningRate(every_n_steps=5)]
     if name == "ring-controlled":
-        callbacks.insert(0, ConsensusControl(TARGET, reference="parameters", until_epoch=5))
+        callbacks.insert(0, ConsensusControl(TARGET, reference="parameters", until_epoch=5, handover_epochs=0))
     trainer = Trainer(
         strategy=DecentralizedStrategy(topology="complete" if name == "complete" else "ring"),
         accelerator="cpu",

@@ -42,7 +42,7 @@ from lightning_decentral.rules import (
     UpdateRule,
     rule_name,
 )
-from lightning_decentral.schedule import GossipSchedule, StepPlan
+from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
 from lightning_decentral.topology import Topology, resolve_topology
 
 STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
@@ -58,6 +58,9 @@ class DecentralizedStrategy(DDPStrategy):
     (`timeout` bounds every exchange: a dead rank ends the others within it).
     `eval_on` decides what [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation]
     swaps in.
+
+    A `gossip_steps` schedule by epoch (`{"epoch": {...}}`) reads the epoch the loop gives
+    [`set_epoch`][lightning_decentral.fabric.DecentralizedStrategy.set_epoch] (Fabric has no epochs of its own).
 
     One model and one optimizer per strategy. DecentLaM sends its buckets during backward from the
     second step on, unless the first step called `fabric.clip_gradients` (then it sends them in
@@ -79,7 +82,7 @@ class DecentralizedStrategy(DDPStrategy):
         combine: Literal["awc", "atc"] = "awc",
         momentum: Literal["local", "decentlam"] = "local",
         gossip_every: int = 1,
-        gossip_steps: int = 1,
+        gossip_steps: Union[int, RoundsSchedule, dict[str, dict[int, int]]] = 1,
         gossip_buffers: bool = True,
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
@@ -93,6 +96,7 @@ class DecentralizedStrategy(DDPStrategy):
         self.gossip_every, self.gossip_steps, self.gossip_buffers = gossip_every, gossip_steps, gossip_buffers
         self.bucket_cap_mb, self.gossip_dtype = bucket_cap_mb, dtype
         self.step = 0  # k: the optimizer steps taken (saved with every checkpoint)
+        self.epoch: Optional[int] = None  # the loop's epoch, for a gossip_steps schedule by epoch (set_epoch)
         self._topology_spec = topology
         self._schedule: Optional[GossipSchedule] = None
         self._module: Optional[Module] = None
@@ -125,8 +129,13 @@ class DecentralizedStrategy(DDPStrategy):
         return self.world_size
 
     def gossip_rounds(self, step: int) -> int:
-        """Rounds of exchange at optimizer step `step` (0: a local step, `W = I`)."""
-        return self._schedule.rounds(step) if self._schedule is not None else 0
+        """Rounds of exchange at optimizer step `step` of the current epoch (0: a local step, `W = I`)."""
+        return self._schedule.rounds(step, self.epoch or 0) if self._schedule is not None else 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Tell the strategy the loop's epoch, at the start of every epoch (from the epoch a resumed loop restored):
+        required with a `gossip_steps` schedule by epoch, ignored otherwise."""
+        self.epoch = epoch
 
     def observe(self, observer: ExchangeObserver) -> None:
         """Tell `observer` of every exchange of this rank from now on (bytes, post and wait times)."""
@@ -321,7 +330,13 @@ class DecentralizedStrategy(DDPStrategy):
         rule = self._live(self._rule)
         if self._plan is None:
             self._forward_states = []  # a new optimizer step
-            self._plan = self._live(self._schedule).plan(self.step)
+            schedule = self._live(self._schedule)
+            if schedule.gossip_steps.by_epoch and self.epoch is None:
+                raise RuntimeError(
+                    f"gossip_steps={schedule.gossip_steps} changes with the epoch, which Fabric does not know: call "
+                    "`fabric.strategy.set_epoch(epoch)` at the start of every epoch of your loop."
+                )
+            self._plan = schedule.plan(self.step, self.epoch or 0)
             rule.begin_step(self._plan)
         return rule
 
