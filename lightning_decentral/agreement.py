@@ -6,16 +6,16 @@ the same decision from the same numbers (no pickled objects travel between ranks
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_decentral.failures import PeerFailure, peers_answer
 from lightning_decentral.replicas import averaged_optimizer_state, group_by_layout
 from lightning_decentral.schedule import RoundsSchedule
 
@@ -25,41 +25,11 @@ _SAME_BUILD = (
 )
 
 
-class PeerFailure(RuntimeError):
-    """A collective or an exchange that could not complete on this rank: a peer died, stopped with an error, or did
-    not answer within the process-group timeout. The message says what this rank was doing; the backend's error
-    (gloo's `Connection closed by peer`, `Timed out waiting ...`) is its `__cause__`."""
-
-
-@contextlib.contextmanager
-def peers_answer(what: str, peers: str = "a peer") -> Iterator[None]:
-    """Raise the backend's error of a collective or exchange inside the block as a
-    [`PeerFailure`][lightning_decentral.agreement.PeerFailure] that names `what` this rank was doing and `peers`.
-
-    Examples:
-        >>> with peers_answer("The all-gather of step 3"):
-        ...     raise RuntimeError("Connection closed by peer [127.0.0.1]:3736")
-        Traceback (most recent call last):
-        ...
-        lightning_decentral.agreement.PeerFailure: The all-gather of step 3 failed on this rank: a peer died, ...
-    """
-    try:
-        yield
-    except PeerFailure:
-        raise
-    except RuntimeError as exc:  # gloo and NCCL (DistBackendError) raise this when a peer is gone or the timeout passed
-        raise PeerFailure(
-            f"{what} failed on this rank: {peers} died, stopped with an error, or did not answer within the "
-            "process-group timeout (DecentralizedStrategy(timeout=...)). The first error in the other ranks' logs is "
-            f"the cause. ({exc})"
-        ) from exc
-
-
 class Ranks:
     """Collectives over the ranks of one job, run on this rank's device.
 
     A collective that cannot complete (a rank died, raised, or hangs past the process-group timeout) raises
-    [`PeerFailure`][lightning_decentral.agreement.PeerFailure], naming what the ranks were doing.
+    [`PeerFailure`][lightning_decentral.failures.PeerFailure], naming what the ranks were doing.
 
     Args:
         rank: this rank's global rank.
@@ -119,7 +89,7 @@ class Ranks:
     def on_every_rank(self, action: Callable[[], Any], what: str, during: str = "A checkpoint save") -> None:
         """Run `action` here; then, one all-gather later, every rank knows whether every rank succeeded.
 
-        Raises this rank's own error, else a [`PeerFailure`][lightning_decentral.agreement.PeerFailure] if the
+        Raises this rank's own error, else a [`PeerFailure`][lightning_decentral.failures.PeerFailure] if the
         all-gather itself failed (`during` names it: a rank died, so the others' outcome is unknown), else a
         `RuntimeError` naming the ranks that failed to do `what`.
         """
@@ -245,7 +215,8 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "momentum": strategy.momentum,
         "combine": strategy.combine,
         "gossip_every": strategy.gossip_every,
-        "gossip_steps": fitted(str(RoundsSchedule.of(strategy.gossip_steps))),
+        "gossip_steps": RoundsSchedule.of(strategy.gossip_steps).milestones[0],
+        "gossip_steps schedule": _schedule_text(RoundsSchedule.of(strategy.gossip_steps)),
         "gossip_buffers": int(strategy.gossip_buffers),
         "eval_on": strategy.eval_on,
         "bucket bytes": int(strategy.bucket_cap_mb * 2**20),
@@ -267,6 +238,11 @@ def parameter_deviations(ranks: Ranks, module: torch.nn.Module) -> list[tuple[st
     wide = [p.detach().to(torch.promote_types(p.dtype, torch.float32)) for _, p in named]
     means = ranks.mean(wide)
     return [(name, _squared_norm(w - m), _squared_norm(m)) for (name, _), w, m in zip(named, wide, means)]
+
+
+def _schedule_text(schedule: RoundsSchedule) -> str:
+    """A `gossip_steps` schedule as the ranks compare it (`""` for rounds that never change)."""
+    return fitted(str(schedule)) if len(schedule.milestones) > 1 else ""
 
 
 def mean_optimizer_state(ranks: Ranks, state: dict[str, Any]) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 
-from lightning_decentral.agreement import PeerFailure
+from lightning_decentral.failures import PeerFailure
 
 META_KEY = "decentralized_shards"  # in the checkpoint file: {"save_id", "world_size"}
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_decentral.agreement import peers_answer
+from lightning_decentral.failures import peers_answer
 from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver, notify_post, notify_wait, raise_if_not_finite
 from lightning_decentral.topology import Hierarchical, Topology
 

@@ -27,7 +27,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.agreement import Ranks, mean_optimizer_state, peers_answer
+from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.failures import peers_answer
 from lightning_decentral.replicas import AveragedModel, state_tensors
 
 
@@ -164,26 +165,26 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's barrier; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.agreement.PeerFailure]."""
+        """Lightning's barrier; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
         with self._lightning_collective("barrier"):
             super().barrier(*args, **kwargs)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        """Lightning's broadcast; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.agreement.PeerFailure]."""
+        """Lightning's broadcast; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
         with self._lightning_collective("broadcast"):
             return super().broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         """Lightning's reduce (`self.log(..., sync_dist=True)`); a rank that fails meanwhile raises
-        [`PeerFailure`][lightning_decentral.agreement.PeerFailure]."""
+        [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
         with self._lightning_collective("reduce (a metric logged with sync_dist=True?)"):
             return super().reduce(tensor, group, reduce_op)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        """Lightning's all-gather; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.agreement.PeerFailure]."""
+        """Lightning's all-gather; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
         with self._lightning_collective("all_gather"):
             return super().all_gather(tensor, group, sync_grads)
 

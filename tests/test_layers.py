@@ -15,16 +15,18 @@ LAYERS = [
     ["callbacks"],
     ["strategy", "simulation", "fabric"],
     ["replicated", "simulated_replicas"],
+    ["vectorized"],
     ["simulated_workers"],
     ["rules"],
     ["overlap"],
-    ["schedule", "options"],
-    ["replicas", "agreement", "checkpoint", "measures"],
+    ["schedule", "options", "agreement"],
+    ["replicas", "checkpoint", "measures", "data"],
     ["gossip", "mixing"],
     ["algorithms"],
     ["topology"],
+    ["failures"],
 ]
-WITHOUT_LIGHTNING = ["measures", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["failures", "data", "measures", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:

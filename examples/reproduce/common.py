@@ -134,7 +134,7 @@ def fit(cell: Cell, seed: int, processes: bool = False) -> dict[str, Any]:
         strategy: Any = DecentralizedStrategy(**cell.strategy_kwargs(), start_method="spawn")
         devices = cell.workers
     else:
-        strategy, devices = SimulatedDecentralizedStrategy(workers=cell.workers, **cell.strategy_kwargs()), 1
+        strategy, devices = SimulatedDecentralizedStrategy(workers=cell.workers, vectorize=True, **cell.strategy_kwargs()), 1
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=devices, max_epochs=cell.epochs, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
