@@ -291,10 +291,10 @@ class DenseMixer:
             before = x
             for matrix, average in stages(self.topology, step):
                 if self.dtype is None or average:
-                    x = matrix @ x
+                    x = matrix.to(x.device) @ x
                 else:
                     q = x.to(dtype).to(self.dtype).double()
-                    x = x + matrix @ q - q
+                    x = x + matrix.to(x.device) @ q - q
             if r == 0 and self.measure_residual:
                 change = x - before
         return x, change

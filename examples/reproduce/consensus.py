@@ -22,7 +22,7 @@ LR = 0.4
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = settings(parser(__doc__, seeds=3, workers=64, epochs=20).parse_args(argv))
+    args = settings(parser(__doc__, seeds=5, workers=64, epochs=20).parse_args(argv))
     sizes = [n for n in (4, 8, 16, 32, 64) if n <= args.workers]
     e = args.epochs
     cells = [Cell(f"{topology} n={n} {'IID' if alpha is None else f'α={alpha}'}", method="awc" if topology == "ring" else "sync",

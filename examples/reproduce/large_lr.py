@@ -22,7 +22,7 @@ METHODS = ("sync", "awc", "atc", "decentlam")
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = settings(parser(__doc__, seeds=3, workers=16, epochs=20).parse_args(argv))
+    args = settings(parser(__doc__, seeds=10, workers=16, epochs=30).parse_args(argv))
     rates = (0.8,) if args.smoke else (0.1, 0.4, 0.8, 1.6)
     betas = (0.9,) if args.smoke else (0.9, 0.0)
     cells = [Cell(f"{m} lr={lr} β={b}", method=m, lr=lr, momentum=b, workers=args.workers, epochs=args.epochs)
