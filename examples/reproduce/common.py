@@ -206,7 +206,7 @@ def write(args: argparse.Namespace, name: str, text: str) -> None:
 
 
 def plot(args: argparse.Namespace, name: str, curves: dict[str, list[tuple[int, float]]], ylabel: str,
-         log: bool = False, xlabel: str = "optimizer step") -> Optional[Path]:
+         log: bool = False, xlabel: str = "optimizer step", ylim: Optional[tuple[float, float]] = None) -> Optional[Path]:
     """One line per curve into `args.out / name`; `None` (and a note) without matplotlib."""
     try:
         import matplotlib
@@ -224,6 +224,8 @@ def plot(args: argparse.Namespace, name: str, curves: dict[str, list[tuple[int, 
     axes.set_ylabel(ylabel)
     if log:
         axes.set_yscale("log")
+    if ylim is not None:
+        axes.set_ylim(*ylim)
     axes.legend(fontsize=7)
     path = args.out / name
     figure.savefig(path, dpi=120, bbox_inches="tight")
@@ -231,11 +233,12 @@ def plot(args: argparse.Namespace, name: str, curves: dict[str, list[tuple[int, 
     return path
 
 
-def mean_series(results: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
-    """A monitor's series averaged over seeds, step by step (the steps every seed logged)."""
+def median_series(results: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:
+    """A monitor's series as the median over seeds, step by step (the steps every seed logged): a seed whose run
+    blows up (α_e/γ of ±10⁶ as its steps vanish) does not drown the others."""
     per_seed = [dict(r["series"].get(name, [])) for r in results]
     steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
-    return [(k, statistics.mean(s[k] for s in per_seed)) for k in steps]
+    return [(k, statistics.median(s[k] for s in per_seed)) for k in steps]
 
 
 def part_mean(points: list[tuple[int, float]], first: bool, fraction: float = 0.2) -> float:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Cell, accuracy_row, mean_series, mean_std, parser, part_mean, plot, run_cells, settings, table, write
+from common import Cell, accuracy_row, median_series, mean_std, parser, part_mean, plot, run_cells, settings, table, write
 
 LR = 0.4
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> None:
             data = "IID" if alpha is None else f"α={alpha}"
             ring, complete = results[f"ring n={n} {data}"], results[f"complete n={n} {data}"]
             gap = [c["accuracy"] - r["accuracy"] for r, c in zip(ring, complete)]
-            xi = mean_series(ring, "consensus/relative")
+            xi = median_series(ring, "consensus/relative")
             curves[f"ring n={n} {data}"] = xi
             rows.append([f"n={n} {data}", mean_std([r["accuracy"] for r in ring]),
                          mean_std([c["accuracy"] for c in complete]), mean_std(gap),
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     controlled = run_cells(control_cells, args)
     rows = [accuracy_row(cell.label, controlled[cell.label]) for cell in control_cells]
     write(args, "consensus_control.md", table(["cell", "accuracy of x̄", "diverged"], rows))
-    plot(args, "consensus_control.png", {c.label: mean_series(controlled[c.label], "consensus/relative") for c in control_cells},
+    plot(args, "consensus_control.png", {c.label: median_series(controlled[c.label], "consensus/relative") for c in control_cells},
          "Ξ / ‖x̄‖", log=True)
 
 

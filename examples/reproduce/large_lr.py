@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Cell, accuracy_row, mean_series, parser, part_mean, plot, run_cells, settings, table, write
+from common import Cell, accuracy_row, median_series, parser, part_mean, plot, run_cells, settings, table, write
 
 METHODS = ("sync", "awc", "atc", "decentlam")
 
@@ -37,12 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     ratios = run_cells(ratio_cells, args)
     rows, curves = [], {}
     for cell in ratio_cells:
-        points = mean_series(ratios[cell.label], "lr/effective_ratio")
+        points = median_series(ratios[cell.label], "lr/effective_ratio")
         curves[cell.label] = points
         early, late = part_mean(points, first=True), part_mean(points, first=False)
         rows.append([cell.label, f"{early:.3f}", f"{late:.3f}"])
     write(args, "large_lr_effective_ratio.md", table(["cell", "α_e/γ early", "α_e/γ late"], rows))
-    plot(args, "large_lr_effective_ratio.png", curves, "α_e / γ")
+    plot(args, "large_lr_effective_ratio.png", curves, "α_e / γ (median over seeds)", ylim=(-0.5, 2.0))
 
 
 if __name__ == "__main__":
