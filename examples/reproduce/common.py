@@ -94,7 +94,7 @@ class DigitsMLP(pl.LightningModule):
 
 
 def digits() -> tuple[TensorDataset, TensorDataset]:
-    """The 1,797 digits as 64 features in [0, 1]: a fixed 80/20 split (1,437 to train, 360 to validate)."""
+    """The 1,797 digits as 64 features in [0, 1]: a fixed 80/20 split (1,438 to train, 359 to validate)."""
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
