@@ -204,6 +204,17 @@ def with_shard(checkpoint: dict[str, Any], shard: dict[str, Any], precision_key:
     return restored
 
 
+def rule_record(rule: str, topology: Any) -> dict[str, str]:
+    """What a shard records of the update rule it was saved under: the entry of `RULES` and the topology's `repr`.
+
+    Examples:
+        >>> from lightning_decentral.topology import Ring
+        >>> rule_record("awc", Ring(world_size=4))
+        {'rule': 'awc', 'topology': 'Ring(world_size=4)'}
+    """
+    return {"rule": rule, "topology": repr(topology)}
+
+
 def rule_change_warning(checkpoint_path: _PATH, shard: dict[str, Any], rule: dict[str, str]) -> Optional[str]:
     """The warning of an exact resume under another update rule or topology than `shard` was saved with
     (`rule`: this run's, as [`make_shard`][lightning_decentral.checkpoint.make_shard] records it); `None` if

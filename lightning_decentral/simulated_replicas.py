@@ -87,6 +87,10 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         """Each worker's module, worker 0 (the LightningModule itself) first; empty before fit."""
         return list(self._group.modules)
 
+    def rule_record(self) -> dict[str, str]:
+        """The update rule the shards record (`{}`: nothing); resuming under another one warns."""
+        return {}
+
     @contextlib.contextmanager
     def averaged_model(self) -> Iterator[None]:
         """Replace the LightningModule's state by `x̄`, the mean of every worker's, inside the block."""
@@ -141,7 +145,10 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
             precision = None if "optimizer_states" not in checkpoint else self.precision_plugin.state_dict()
             step = self.lightning_module.trainer.global_step
             built = [
-                self._group.shard(rank, save_id, {k: v.detach() for k, v in self._averaged.own_state_dict(module).items()}, step, precision)
+                self._group.shard(
+                    rank, save_id, {k: v.detach() for k, v in self._averaged.own_state_dict(module).items()}, step, precision,
+                    self.rule_record(),
+                )
                 for rank, module in enumerate(self._group.modules)
             ]
             bad = [rank for rank, shard in enumerate(built) if not shards.holds_finite([shard["state_dict"], shard.get("optimizer_states")])]
@@ -180,6 +187,9 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
             rank_zero_warn(shards.resume_warning(checkpoint_path, problems, meta, self.workers))
             return checkpoint
         self._resume_shards = [shard for shard, _ in found]
+        changed = shards.rule_change_warning(checkpoint_path, self._resume_shards[0], self.rule_record())
+        if changed is not None:
+            rank_zero_warn(changed)
         return shards.with_shard(checkpoint, self._resume_shards[0], precision_key=type(self.precision_plugin).__qualname__)
 
     @override

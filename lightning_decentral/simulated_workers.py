@@ -168,8 +168,11 @@ class WorkerGroup:
         states = [self.optimizer_state_of(rank) for rank in range(len(self.modules))]
         return averaged_optimizer_state(states, lambda tensors: _means_across(states, tensors))
 
-    def shard(self, rank: int, save_id: int, state_dict: dict[str, Tensor], step: int, precision: Optional[dict]) -> dict[str, Any]:
-        """Worker `rank`'s shard, as rank `rank` of `n` writes it (`precision=None`: a weights-only save)."""
+    def shard(
+        self, rank: int, save_id: int, state_dict: dict[str, Tensor], step: int, precision: Optional[dict], rule: dict[str, str]
+    ) -> dict[str, Any]:
+        """Worker `rank`'s shard, as rank `rank` of `n` writes it (`precision=None`: a weights-only save; `rule`: the
+        update rule it records, see [`make_shard`][lightning_decentral.checkpoint.make_shard])."""
         cpu, cuda = self.random_states()[rank]
         # numpy's and Python's generators are the process's, shared by the workers
         rng = {**shards.rng_state(), "torch": cpu, **({"cuda": [cuda]} if cuda is not None else {})}
@@ -182,6 +185,7 @@ class WorkerGroup:
             optimizer_states=None if precision is None else [self.optimizer_state_of(rank)],
             precision=precision,
             rng=rng,
+            rule=rule,
         )
 
     def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:

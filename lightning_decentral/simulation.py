@@ -38,6 +38,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral import checkpoint as shards
 from lightning_decentral.mixing import DenseMixer, ExchangeObserver
 from lightning_decentral.options import GossipDtypeName, TopologyName, check_options
 from lightning_decentral.rules import RuleOptions, rule_name
@@ -165,6 +166,11 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
     def gradient_sum(self) -> list[Tensor]:
         """`Σ_i g_i` for each trainable parameter of the LightningModule: the workers' current gradients."""
         return self._group.gradient_sum()
+
+    @override
+    def rule_record(self) -> dict[str, str]:
+        """What the shards record of the update rule, as `DecentralizedStrategy`'s do."""
+        return shards.rule_record(rule_name(self.momentum, self.combine), self.topology)
 
     def random_states(self) -> list[tuple[Tensor, Optional[Tensor]]]:
         """Each worker's torch random state `(cpu, cuda or None)` now; worker 0's is the process's own."""

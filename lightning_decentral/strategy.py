@@ -35,6 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import parameter_deviations, run_configuration
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.mixing import ExchangeObserver
@@ -347,7 +348,7 @@ class DecentralizedStrategy(ReplicaStrategy):
         return configuration
 
     def _rule_record(self) -> dict[str, str]:
-        return {"rule": rule_name(self.momentum, self.combine), "topology": repr(self.topology)}
+        return shards.rule_record(rule_name(self.momentum, self.combine), self.topology)
 
     def _epoch(self) -> int:
         """The Trainer's current epoch: what a `gossip_steps` schedule by epoch reads (restored on resume)."""

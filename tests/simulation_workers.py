@@ -177,10 +177,12 @@ def resume_processes(rank: int, world_size: int, save: str = "", load: str = "")
     return _state(model)
 
 
-def resume_simulated(workers: int, save: str = "", load: str = "", vectorize: bool = False, dropout: float = 0.2) -> list[torch.Tensor]:
+def resume_simulated(
+    workers: int, save: str = "", load: str = "", vectorize: bool = False, dropout: float = 0.2, **strategy_kwargs: Any
+) -> list[torch.Tensor]:
     """The same in the simulation: every worker's final state."""
     model = _resume_model(0, dropout)
-    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **RESUME.strategy_kwargs())
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **{**RESUME.strategy_kwargs(), **strategy_kwargs})
     trainer = _resume_trainer(strategy, 1, 1 if save else 2)
     trainer.fit(model, train_dataloaders=shared_loader(RESUME, workers), ckpt_path=load or None)
     if save:

@@ -223,3 +223,12 @@ def test_a_nan_in_a_worker_never_reaches_a_checkpoint(vectorize: bool, tmp_path)
     for rank in range(WORLD):
         shard = read_shard(shard_path(last, rank, WORLD, checkpoint[META_KEY]["save_id"]))
         assert all(torch.isfinite(v).all() for v in shard["state_dict"].values() if v.is_floating_point())
+
+
+def test_resuming_a_simulation_under_another_update_rule_warns_once(tmp_path) -> None:
+    """Its shards record the rule as DecentralizedStrategy's do: dpsgd (AWC) into decentlam is named."""
+    checkpoint = str(tmp_path / "awc.ckpt")
+    sim.resume_simulated(WORLD, save=checkpoint, dropout=0.0)
+    with pytest.warns(UserWarning, match=r"another update rule.*rule 'awc' -> 'decentlam'") as seen:
+        sim.resume_simulated(WORLD, load=checkpoint, dropout=0.0, momentum="decentlam")
+    assert sum("another update rule" in str(w.message) for w in seen) == 1
