@@ -46,7 +46,7 @@ class Cell:
     alpha: Optional[float] = None  # Dirichlet label skew; None: IID
     control: Optional[dict[str, Any]] = None  # ConsensusControl arguments
     monitor_every: int = 0  # log Ξ and α_e/γ every this many steps (0: not at all)
-    extra: dict[str, Any] = field(default_factory=dict)
+    shifted: bool = False  # train on the digits and their four one-pixel shifts (5 × 1,438 samples)
 
     def strategy_kwargs(self) -> dict[str, Any]:
         if self.method == "sync":
@@ -60,11 +60,11 @@ class DigitsMLP(pl.LightningModule):
     """The research set-up: scikit-learn's digits, an MLP 64-128-128-10, momentum SGD, optional step decay."""
 
     def __init__(self, lr: float, momentum: float, milestones: Sequence[int] = (), batch: int = 32,
-                 alpha: Optional[float] = None, seed: int = 0) -> None:
+                 alpha: Optional[float] = None, seed: int = 0, shifted: bool = False) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
         self.lr, self.momentum, self.milestones = lr, momentum, list(milestones)
-        self.batch, self.alpha, self.seed = batch, alpha, seed
+        self.batch, self.alpha, self.seed, self.shifted = batch, alpha, seed, shifted
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -83,7 +83,7 @@ class DigitsMLP(pl.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.MultiStepLR(optimizer, self.milestones, gamma=0.1)]
 
     def train_dataloader(self) -> DataLoader:
-        train, _ = digits()
+        train, _ = digits(self.shifted)
         if self.alpha is None:
             return DataLoader(train, batch_size=self.batch, shuffle=True)
         sampler = DirichletSampler(train, train.tensors[1], self.alpha, seed=self.seed)
@@ -93,15 +93,26 @@ class DigitsMLP(pl.LightningModule):
         return DataLoader(digits()[1], batch_size=512)
 
 
-def digits() -> tuple[TensorDataset, TensorDataset]:
-    """The 1,797 digits as 64 features in [0, 1]: a fixed 80/20 split (1,438 to train, 359 to validate)."""
+def digits(shifted: bool = False) -> tuple[TensorDataset, TensorDataset]:
+    """The 1,797 digits as 64 features in [0, 1]: a fixed 80/20 split (1,438 to train, 359 to validate);
+    `shifted`: the training images also moved by one pixel up, down, left and right (zeros fill in), 7,190 to
+    train, for batches larger than the 1,438."""
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
     order = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
     x, y = torch.tensor(x, dtype=torch.float32)[order] / 16.0, torch.tensor(y)[order]
     cut = len(y) - len(y) // 5
-    return TensorDataset(x[:cut], y[:cut]), TensorDataset(x[cut:], y[cut:])
+    train_x, train_y = x[:cut], y[:cut]
+    if shifted:
+        images = train_x.view(-1, 8, 8)
+        moved = [torch.roll(images, step, dim) for dim in (1, 2) for step in (1, -1)]
+        for image, (dim, step) in zip(moved, [(1, 1), (1, -1), (2, 1), (2, -1)]):
+            edge = 0 if step == 1 else -1  # the row or column that wrapped around: blank it
+            image.select(dim, edge).zero_()
+        train_x = torch.cat([images, *moved]).view(-1, 64)
+        train_y = train_y.repeat(5)
+    return TensorDataset(train_x, train_y), TensorDataset(x[cut:], y[cut:])
 
 
 class Series(pl.Callback):
@@ -121,7 +132,7 @@ def fit(cell: Cell, seed: int, processes: bool = False) -> dict[str, Any]:
     pl.seed_everything(seed, verbose=False)
     torch.set_num_threads(1)
     batch = cell.global_batch // cell.workers
-    model = DigitsMLP(cell.lr, cell.momentum, cell.milestones, batch, cell.alpha, seed)
+    model = DigitsMLP(cell.lr, cell.momentum, cell.milestones, batch, cell.alpha, seed, cell.shifted)
     names = ["consensus/relative", "lr/effective_ratio", "consensus/gossip_steps"]
     series = Series(names)
     callbacks: list[pl.Callback] = [series]
