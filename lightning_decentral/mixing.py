@@ -305,7 +305,24 @@ class DenseMixer:
         return StackedMixer(self)
 
 
-class StackedMixer:
+class _DenseView:
+    """A [`Mixer`][lightning_decentral.mixing.Mixer] view of a [`DenseMixer`][lightning_decentral.mixing.DenseMixer]:
+    its own observers, the dense mixer's `measure_residual`."""
+
+    def __init__(self, dense: DenseMixer) -> None:
+        self.dense = dense
+        self.observers: list[ExchangeObserver] = []
+
+    @property
+    def measure_residual(self) -> bool:
+        return self.dense.measure_residual
+
+    @measure_residual.setter
+    def measure_residual(self, value: bool) -> None:
+        self.dense.measure_residual = value
+
+
+class StackedMixer(_DenseView):
     """Every worker's exchange in one call: each buffer holds the `n` workers' buffers as consecutive rows
     (a `[n, ...]` tensor, flat), and `start` applies `W(step)^rounds` to its rows at once, as
     [`DenseMixer`][lightning_decentral.mixing.DenseMixer] does for `n` separate buffers. The vectorized
@@ -324,8 +341,7 @@ class StackedMixer:
     """
 
     def __init__(self, dense: DenseMixer) -> None:
-        self.dense = dense
-        self.observers: list[ExchangeObserver] = []
+        super().__init__(dense)
         self._space: dict[int, Tensor] = {}
 
     def _workspace(self, slot: int, n: int, width: int, device: torch.device) -> Tensor:
@@ -334,14 +350,6 @@ class StackedMixer:
         if space is None or space.numel() < n * width or space.device != device:
             space = self._space[slot] = torch.empty(n * width, dtype=torch.float64, device=device)
         return space[: n * width].view(n, width)
-
-    @property
-    def measure_residual(self) -> bool:
-        return self.dense.measure_residual
-
-    @measure_residual.setter
-    def measure_residual(self, value: bool) -> None:
-        self.dense.measure_residual = value
 
     def start(
         self,
@@ -375,14 +383,7 @@ class StackedMixer:
                 x = self._workspace(0, n, sum(widths), rows[group[0]].device)
                 for part, i in zip(x.split(widths, dim=1), group):
                     part.copy_(rows[i])
-                single = stages(self.dense.topology, step)
-                if rounds == 1 and len(single) == 1 and (self.dense.dtype is None or single[0][1]) and not self.measure_residual:
-                    matrix = single[0][0] - torch.eye(n, dtype=torch.float64) if out is not None else single[0][0]
-                    mixed, change = torch.mm(matrix.to(x.device), x, out=self._workspace(1, n, x.shape[1], x.device)), None
-                else:
-                    mixed, change = self.dense.mix(x, step, rounds, rows[group[0]].dtype)
-                    if out is not None:
-                        mixed = mixed - x
+                mixed, change = self._mix(x, step, rounds, rows[group[0]].dtype, correction=out is not None)
                 for i, part in zip(group, mixed.split(widths, dim=1)):
                     (out[i].view(n, -1) if out is not None else rows[i]).copy_(part)
                 if change is not None:
@@ -390,6 +391,17 @@ class StackedMixer:
             residuals = [found[i] for i in range(len(rows))] if found else None
         notify_post(observers, event)
         return _Mixed(residuals, observers, event)
+
+    def _mix(self, x: Tensor, step: int, rounds: int, dtype: torch.dtype, correction: bool) -> tuple[Tensor, Optional[Tensor]]:
+        """[`DenseMixer.mix`][lightning_decentral.mixing.DenseMixer.mix] of `x`, or `W x − x` if `correction`. One
+        round of one full-precision `W` (the common case) is one product into work space, `(W − I) x` for the
+        correction: no tens-of-MB temporaries per step."""
+        plan = stages(self.dense.topology, step)
+        if rounds > 1 or len(plan) > 1 or self.measure_residual or not (self.dense.dtype is None or plan[0][1]):
+            mixed, change = self.dense.mix(x, step, rounds, dtype)
+            return (mixed - x if correction else mixed), change
+        matrix = plan[0][0] - torch.eye(len(x), dtype=torch.float64) if correction else plan[0][0]
+        return torch.mm(matrix.to(x.device), x, out=self._workspace(1, len(x), x.shape[1], x.device)), None
 
 
 class _Mixed:
@@ -422,20 +434,12 @@ def _raise_if_a_row_not_finite(rows: Sequence[Tensor], step: int) -> None:
         raise_if_not_finite([r[worker] for r in rows], worker, step)
 
 
-class _WorkerMixer:
+class _WorkerMixer(_DenseView):
     """Worker `rank`'s [`Mixer`][lightning_decentral.mixing.Mixer] on a shared [`DenseMixer`][lightning_decentral.mixing.DenseMixer]."""
 
     def __init__(self, dense: DenseMixer, rank: int) -> None:
-        self.dense, self.rank = dense, rank
-        self.observers: list[ExchangeObserver] = []
-
-    @property
-    def measure_residual(self) -> bool:
-        return self.dense.measure_residual
-
-    @measure_residual.setter
-    def measure_residual(self, value: bool) -> None:
-        self.dense.measure_residual = value
+        super().__init__(dense)
+        self.rank = rank
 
     def start(
         self,
