@@ -1,9 +1,11 @@
-"""The `n` workers of a simulation: their modules, optimizers, replicas, update rules and random states, what
-the monitors and checkpoints need of them, and their data (rank `i`'s share of a DataLoader).
+"""The `n` workers of a simulation: their modules, optimizers, replicas, update rules and random states, and
+what the monitors and checkpoints need of them (their data: [`simulated_data`][lightning_decentral.simulated_data]).
 
 [`SimulatedDecentralizedStrategy`][lightning_decentral.SimulatedDecentralizedStrategy] holds one
-[`SimulatedWorkers`][lightning_decentral.simulated_workers.SimulatedWorkers] and drives it from Lightning's
-hooks; worker 0's module is the LightningModule itself.
+[`WorkerGroup`][lightning_decentral.simulated_workers.WorkerGroup] (these
+[`SimulatedWorkers`][lightning_decentral.simulated_workers.SimulatedWorkers], or the vectorized
+[`StackedWorkers`][lightning_decentral.vectorized.StackedWorkers]) and drives it from Lightning's hooks; worker
+0's module is the LightningModule itself.
 """
 
 from __future__ import annotations
@@ -13,23 +15,16 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
-from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral.simulated_data import PerWorker
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.replicas import Replica, averaged_optimizer_state, state_tensors
 from lightning_decentral.rules import RULES, RuleOptions, UpdateRule
 from lightning_decentral.schedule import StepPlan
-
-
-class PerWorker(tuple):
-    """One item per simulated worker (a batch, an output), worker 0 first."""
 
 
 class WorkerGroup:
@@ -359,140 +354,3 @@ def _grad(param: Tensor) -> Tensor:
 
 def _floating_state(module: Module) -> list[Tensor]:
     return [t for t in state_tensors(module) if t.is_floating_point()]
-
-
-class StackedBatch:
-    """Every worker's batch as one collated batch: along the first dimension of each tensor, worker 0's `b`
-    samples, then worker 1's, and so on (the vectorized simulation's batches).
-
-    Examples:
-        >>> batch = StackedBatch((torch.arange(6.0), torch.zeros(6, 2)), workers=3)
-        >>> batch.parts()[1][0]
-        tensor([2., 3.])
-        >>> batch.stacked()[1].shape
-        torch.Size([3, 2, 2])
-    """
-
-    def __init__(self, batch: Any, workers: int) -> None:
-        self.batch, self.workers = batch, workers
-
-    def stacked(self) -> Any:
-        """The batch with each tensor viewed as `[n, b, ...]` (no copy)."""
-        return apply_to_collection(self.batch, Tensor, lambda t: t.view(self.workers, -1, *t.shape[1:]))
-
-    def parts(self) -> PerWorker:
-        """Each worker's batch."""
-        stacked = self.stacked()
-        return PerWorker(apply_to_collection(stacked, Tensor, lambda t, i=i: t[i]) for i in range(self.workers))
-
-
-class WorkerLoaders:
-    """A training DataLoader as `n` workers see it: worker `i` iterates rank `i`'s `DistributedSampler`
-    (Lightning's own, with its shuffling seed, padding and `drop_last`), or `sampler.for_rank(i, n)` for a
-    sampler that has it ([`DirichletSampler`][lightning_decentral.data.DirichletSampler]).
-
-    Each item is a [`PerWorker`][lightning_decentral.simulated_workers.PerWorker] of batches, worker `i`'s
-    fetched inside `as_worker(i)` (its random state); or, `together=True`, a
-    [`StackedBatch`][lightning_decentral.simulated_workers.StackedBatch]: one fetch of every worker's samples
-    of the step, collated at once (the same batches for a `collate_fn` that treats samples independently,
-    as the default one does; the dataset draws from the process's random state).
-    """
-
-    def __init__(
-        self, dataloader: torch.utils.data.DataLoader, workers: int, as_worker: Callable[[int], Any], together: bool = False
-    ) -> None:
-        shuffle = _is_dataloader_shuffled(dataloader)
-        samplers = [
-            _rank_sampler(dataloader, shuffle, workers, rank)
-            for rank in range(workers)
-        ]
-        self.sampler = _Samplers(samplers)
-        self.workers, self.together = workers, together
-        if together:
-            self.loaders = [_together(dataloader, samplers)]
-        else:
-            self.loaders = [_update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING) for sampler in samplers]
-        self._as_worker = as_worker
-
-    def __len__(self) -> int:
-        return len(self.loaders[0])
-
-    def __iter__(self) -> Iterator[Any]:
-        if self.together:
-            for batch in self.loaders[0]:
-                yield StackedBatch(batch, self.workers)
-            return
-        iterators = []
-        for rank, loader in enumerate(self.loaders):
-            with self._as_worker(rank):
-                iterators.append(iter(loader))
-        while True:
-            batches = []
-            for rank, iterator in enumerate(iterators):
-                with self._as_worker(rank):
-                    batch = next(iterator, _END)
-                if batch is _END:
-                    return
-                batches.append(batch)
-            yield PerWorker(batches)
-
-
-def _together(dataloader: torch.utils.data.DataLoader, samplers: list[Any]) -> torch.utils.data.DataLoader:
-    """A DataLoader over `dataloader`'s dataset whose batch at step `t` is every worker's batch `t`, in worker order."""
-    if dataloader.batch_size is None:
-        raise ValueError(
-            "SimulatedDecentralizedStrategy(vectorize=True) fetches every worker's batch_size samples at once, but "
-            "the training DataLoader has no batch_size (a batch_sampler?). Give it a batch_size, or use vectorize=False."
-        )
-    return torch.utils.data.DataLoader(
-        dataloader.dataset,
-        batch_sampler=_StepBatches(samplers, dataloader.batch_size, dataloader.drop_last),
-        num_workers=dataloader.num_workers,
-        collate_fn=dataloader.collate_fn,
-        pin_memory=dataloader.pin_memory,
-        timeout=dataloader.timeout,
-        worker_init_fn=dataloader.worker_init_fn,
-        multiprocessing_context=dataloader.multiprocessing_context,
-        generator=dataloader.generator,
-        prefetch_factor=dataloader.prefetch_factor,
-        persistent_workers=dataloader.persistent_workers,
-    )
-
-
-class _StepBatches:
-    """Batch sampler: at each step, worker 0's next `batch_size` indices from its sampler, then worker 1's, ..."""
-
-    def __init__(self, samplers: list[Any], batch_size: int, drop_last: bool) -> None:
-        self.samplers, self.batch_size, self.drop_last = samplers, batch_size, drop_last
-
-    def __len__(self) -> int:
-        per_worker = len(self.samplers[0])
-        return per_worker // self.batch_size if self.drop_last else -(-per_worker // self.batch_size)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        orders = [list(sampler) for sampler in self.samplers]
-        for step in range(len(self)):
-            window = slice(step * self.batch_size, (step + 1) * self.batch_size)
-            yield [index for order in orders for index in order[window]]
-
-
-def _rank_sampler(dataloader: torch.utils.data.DataLoader, shuffle: bool, workers: int, rank: int) -> Any:
-    """Rank `rank`'s sampler: `sampler.for_rank(rank, workers)` if the DataLoader's sampler has one (a
-    [`DirichletSampler`][lightning_decentral.data.DirichletSampler]), else Lightning's `DistributedSampler`."""
-    if hasattr(dataloader.sampler, "for_rank"):
-        return dataloader.sampler.for_rank(rank, workers)
-    return _get_distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank)
-
-
-class _Samplers:
-    """Lightning calls `sampler.set_epoch(epoch)` every epoch: for every worker's sampler."""
-
-    def __init__(self, samplers: list[Any]) -> None:
-        self.samplers = samplers
-
-    def set_epoch(self, epoch: int) -> None:
-        for sampler in self.samplers:
-            sampler.set_epoch(epoch)
-
-
-_END = object()

@@ -44,14 +44,8 @@ from lightning_decentral.options import GossipDtypeName, TopologyName, check_opt
 from lightning_decentral.rules import RuleOptions, rule_name
 from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
 from lightning_decentral.simulated_replicas import SimulatedReplicaStrategy
-from lightning_decentral.simulated_workers import (
-    PerWorker,
-    SimulatedWorkers,
-    StackedBatch,
-    WorkerLoaders,
-    copy_of,
-    optimizer_like,
-)
+from lightning_decentral.simulated_data import PerWorker, StackedBatch, WorkerLoaders
+from lightning_decentral.simulated_workers import SimulatedWorkers, copy_of, optimizer_like
 from lightning_decentral.topology import Topology, resolve_topology
 from lightning_decentral.vectorized import StackedWorkers, clip_rows_by_norm_, vectorization_problem
 

@@ -25,7 +25,8 @@ from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.replicas import Replica
 from lightning_decentral.rules import RULES, RuleOptions
 from lightning_decentral.schedule import StepPlan
-from lightning_decentral.simulated_workers import Logged, StackedBatch, WorkerGroup, collect_logs
+from lightning_decentral.simulated_data import StackedBatch
+from lightning_decentral.simulated_workers import Logged, WorkerGroup, collect_logs
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD,

@@ -17,6 +17,7 @@ LAYERS = [
     ["replicated", "simulated_replicas"],
     ["vectorized"],
     ["simulated_workers"],
+    ["simulated_data"],
     ["rules"],
     ["overlap"],
     ["schedule", "options", "agreement"],

@@ -9,7 +9,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_decentral.simulated_workers import PerWorker, StackedBatch
+from lightning_decentral.simulated_data import PerWorker, StackedBatch
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 from lightning_decentral.strategy import DecentralizedStrategy
 
