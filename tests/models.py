@@ -106,6 +106,20 @@ class Regression(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class BadLossOnRank(Regression):
+    """Its loss is multiplied by ``factor`` (``nan`` or ``inf``) on ``bad_rank`` at step ``bad_step``."""
+
+    def __init__(self, bad_rank: int, bad_step: int, factor: float, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.bad_rank, self.bad_step, self.factor = bad_rank, bad_step, factor
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
+            loss = loss * self.factor
+        return loss
+
+
 def flat(module: nn.Module) -> torch.Tensor:
     """All parameters of ``module`` in one vector (registration order)."""
     return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).cpu()

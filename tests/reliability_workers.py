@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_decentral import DecentralizedStrategy
 from lightning_decentral import checkpoint as checkpoint_io
 from lightning_decentral.checkpoint import shards_of_rank
-from tests.models import Regression, flat, init_seed, loader, rank_data
+from tests.models import BadLossOnRank, Regression, flat, init_seed, loader, rank_data
 from tests.workers import trainer_for
 
 K = 3  # steps per epoch; a run of 2K steps is resumed from the checkpoint of step K (an epoch boundary)
@@ -261,27 +261,13 @@ def _failure(exc: BaseException) -> dict[str, str]:
     }
 
 
-class _NaNLossOnRank(Regression):
-    """Its loss turns NaN on ``bad_rank`` at step ``bad_step``: the update of that step makes the replica NaN."""
-
-    def __init__(self, bad_rank: int, bad_step: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.bad_rank, self.bad_step = bad_rank, bad_step
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
-            loss = loss * float("nan")
-        return loss
-
-
 NAN_STEP = 9  # the step whose loss turns NaN; the checkpoint of step 10 must not be written
 
 
 def nan_between_exchange_and_checkpoint(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """AWC posts x(k) before the step and checks it there: a NaN from step 9's update is in x(10) when the
     checkpoint of step 10 is saved, before step 10 posts (and would check) it."""
-    model = _NaNLossOnRank(1, NAN_STEP, seed=init_seed(rank), **MOMENTUM_SGD)
+    model = BadLossOnRank(1, NAN_STEP, float("nan"), seed=init_seed(rank), **MOMENTUM_SGD)
     callbacks = [ModelCheckpoint(root, every_n_train_steps=5, save_top_k=1, save_last=True)]
     strategy = DecentralizedStrategy(timeout=timedelta(seconds=10))
     trainer = trainer_for(world_size, strategy, max_steps=12, callbacks=callbacks, enable_checkpointing=True)

@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_decentral import DecentralizedStrategy
 from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver
-from tests.models import Regression, init_seed, flat, loader
+from tests.models import BadLossOnRank, Regression, init_seed, flat, loader
 from tests.reference import Config
 
 
@@ -182,23 +182,9 @@ class _StepRecorder(Callback, ExchangeObserver):
         self.posted = 0
 
 
-class _InfOnRank(Regression):
-    """Produces an inf loss on one rank at one step."""
-
-    def __init__(self, bad_rank: int, bad_step: int, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.bad_rank, self.bad_step = bad_rank, bad_step
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = super().training_step(batch, batch_idx)
-        if self.global_rank == self.bad_rank and self.global_step == self.bad_step:
-            loss = loss * float("inf")
-        return loss
-
-
 def decentlam_steps(rank: int, world_size: int, config: Config, scaler: bool, bad_rank: int = -1) -> dict[str, Any]:
     """Train DecentLaM recording every step (optionally fp16 with a GradScaler and an inf on one rank)."""
-    model = _InfOnRank(bad_rank, 2, seed=init_seed(rank), **config.optimizer_spec())
+    model = BadLossOnRank(bad_rank, 2, float("inf"), seed=init_seed(rank), **config.optimizer_spec())
     recorder = _StepRecorder()
     plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))] if scaler else []
     trainer = trainer_for(
