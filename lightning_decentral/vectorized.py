@@ -200,6 +200,16 @@ class StackedWorkers(WorkerGroup):
         }
         return {**state, "state": rows}
 
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer `state_dict` with every per-element state tensor averaged over its rows (the workers)."""
+        state = self.optimizer.state_dict()
+        shapes = self._parameter_shapes()
+        averaged = {
+            key: {name: v.mean(0) if _per_element(v, shapes[key]) else v for name, v in values.items()}
+            for key, values in state["state"].items()
+        }
+        return {**state, "state": averaged}
+
     def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
         """Workers 1..n-1's replicas from their shards; the stacked optimizer state from every worker's shard
         (or the averaged state on every row)."""
