@@ -214,8 +214,10 @@ class Topology:
             product = self.mixing(step) @ product
         eigenvalues = np.linalg.eigvals(product)
         rest = np.delete(eigenvalues, np.argmin(np.abs(eigenvalues - 1.0)))
-        rho = float(np.max(np.abs(rest))) ** (1.0 / self.period)
-        return 1.0 - rho
+        largest = float(np.max(np.abs(rest)))
+        if largest < 1e-12:  # a product that averages exactly: its rounding noise (1e-19 or 1e-16, by LAPACK) is 0
+            return 1.0
+        return 1.0 - largest ** (1.0 / self.period)
 
     # -- validation ---------------------------------------------------------------
 
