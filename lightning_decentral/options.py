@@ -7,7 +7,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from lightning_decentral.schedule import RoundsSchedule
-from lightning_decentral.topology import TOPOLOGIES
+from lightning_decentral.topology import TOPOLOGIES, topology_class
 
 TopologyName = Literal[tuple(TOPOLOGIES)]  # type: ignore[valid-type]  # a config names one of these, checked when parsed
 
@@ -48,11 +48,8 @@ def check_options(
         raise ValueError(f"`bucket_cap_mb` must be positive, got {bucket_cap_mb!r}.")
     _check_positive_int("gossip_every", gossip_every)
     RoundsSchedule.of(gossip_steps)  # an integer, or rounds by epoch or step
-    if isinstance(topology, str) and topology not in TOPOLOGIES:
-        raise ValueError(
-            f"Unknown topology {topology!r}. Choose one of {sorted(TOPOLOGIES)}, or pass a "
-            "Topology, a mixing matrix or a networkx graph."
-        )
+    if isinstance(topology, str):
+        topology_class(topology)  # raises naming the choices
     return _check_gossip_dtype(gossip_dtype)
 
 

@@ -21,10 +21,11 @@ Examples:
     True
 """
 
-from lightning_decentral.topology.base import Topology
+from lightning_decentral.topology.base import TOPOLOGIES, Topology, topology_class
 from lightning_decentral.topology.builtin import Complete, Exponential, OnePeerExponential, Ring, Torus
-from lightning_decentral.topology.custom import GraphTopology, Hierarchical, MatrixTopology
-from lightning_decentral.topology.resolve import TOPOLOGIES, resolve_topology
+from lightning_decentral.topology.custom import GraphTopology, MatrixTopology
+from lightning_decentral.topology.hierarchical import Hierarchical
+from lightning_decentral.topology.resolve import resolve_topology
 
 __all__ = [
     "Topology",
@@ -38,4 +39,5 @@ __all__ = [
     "Hierarchical",
     "TOPOLOGIES",
     "resolve_topology",
+    "topology_class",
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -14,6 +14,30 @@ _MH_HINT = (
     "Metropolis-Hastings weights make any connected undirected graph doubly stochastic: "
     "pass GraphTopology(networkx_graph)."
 )
+
+
+TOPOLOGIES: dict[str, type[Topology]] = {}
+"""The topologies by name, as `DecentralizedStrategy(topology=...)` accepts them: every subclass declared with a
+name (`class Ring(Topology, name="ring")`), the built-in ones first."""
+
+
+def topology_class(name: str) -> type[Topology]:
+    """The topology registered as `name`.
+
+    Examples:
+        >>> topology_class("ring")
+        <class 'lightning_decentral.topology.builtin.Ring'>
+        >>> topology_class("rign")
+        Traceback (most recent call last):
+        ...
+        ValueError: Unknown topology 'rign'. Choose one of ['complete', 'exponential', 'hierarchical', ...
+    """
+    if name not in TOPOLOGIES:
+        raise ValueError(
+            f"Unknown topology {name!r}. Choose one of {sorted(TOPOLOGIES)}, or pass a Topology, "
+            "a mixing matrix or a networkx graph."
+        )
+    return TOPOLOGIES[name]
 
 
 class _Phase(NamedTuple):
@@ -26,7 +50,9 @@ class Topology:
     """A sequence of doubly stochastic mixing matrices `W(k)`, `k` = optimizer step.
 
     Subclasses define `_matrix(step)` for `0 <= step < period` and, if the matrices vary
-    with `k`, [`period`][lightning_decentral.topology.Topology.period].
+    with `k`, [`period`][lightning_decentral.topology.Topology.period]. A subclass declared with a
+    name, `class Pairs(Topology, name="pairs")`, is registered in
+    [`TOPOLOGIES`][lightning_decentral.topology.TOPOLOGIES]: `topology="pairs"` then selects it.
 
     Args:
         world_size: the number of ranks `n`; `None` leaves it unbound until
@@ -43,6 +69,11 @@ class Topology:
         ...
         ValueError: The mixing matrices are not connected: information from rank 0 never reaches ranks [2, 3], ...
     """
+
+    def __init_subclass__(cls, name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            TOPOLOGIES[name] = cls
 
     def __init__(self, world_size: int | None = None) -> None:
         self._world_size: int | None = None
@@ -66,6 +97,10 @@ class Topology:
 
     def _mismatch_hint(self, world_size: int) -> str:
         return f"create it with world_size={world_size}, or leave world_size unset"
+
+    def on_nodes(self, num_nodes: int) -> Topology:
+        """This topology laid out on a job of `num_nodes` nodes (most topologies ignore the nodes: `self`)."""
+        return self
 
     # -- binding ------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ def _circulant(n: int, weights: dict[int, float]) -> np.ndarray:
     return w
 
 
-class Ring(Topology):
+class Ring(Topology, name="ring"):
     """`w_ii = w_i,i±1 = 1/3` (`n = 2`: `1/2, 1/2`; `n = 1`: `[[1]]`).
 
     `rho = 1/3 + (2/3) cos(2 pi / n)` for `n >= 3`. For `n <= 3` every rank is a neighbour,
@@ -43,7 +43,7 @@ def _torus_sizes(limit: int) -> list[int]:
     return [m for m in range(4, limit + 1) if any(m % r == 0 for r in range(2, int(m**0.5) + 1))]
 
 
-class Torus(Topology):
+class Torus(Topology, name="torus"):
     """A periodic `rows x cols` grid, rank `i = a * cols + b` at `(a, b)`.
 
     `W = (I + up + down + left + right) / 5`; where two neighbours are the same rank (`rows`
@@ -107,7 +107,7 @@ class Torus(Topology):
         return f"Torus(rows={rows}, world_size={self._world_size})"
 
 
-class Exponential(Topology):
+class Exponential(Topology, name="exponential"):
     """Static exponential graph: `W[i, (i + 2^m) mod n] = W[i, i] = 1/(2 + floor(log2(n - 1)))`
     for every `m` with `2^m < n` (`n = 1`: `[[1]]`).
 
@@ -129,7 +129,7 @@ class Exponential(Topology):
         return _circulant(n, {offset: 1.0 / (1 + hops) for offset in [0] + [2**m for m in range(hops)]})
 
 
-class OnePeerExponential(Topology):
+class OnePeerExponential(Topology, name="one_peer_exponential"):
     """Time-varying one-peer exponential graph, period `tau = ceil(log2 n)`:
     `W(k)[i, i] = W(k)[i, (i + 2^(k mod tau)) mod n] = 1/2`.
 
@@ -158,7 +158,7 @@ class OnePeerExponential(Topology):
         return _circulant(n, {0: 0.5, 2**step: 0.5})
 
 
-class Complete(Topology):
+class Complete(Topology, name="complete"):
     """`W = 11ᵀ/n`: the exact average (one all-reduce), `rho = 0`.
 
     Examples:

@@ -8,19 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from lightning_decentral.topology.base import Topology
-from lightning_decentral.topology.builtin import Complete, Exponential, OnePeerExponential, Ring, Torus
-from lightning_decentral.topology.custom import GraphTopology, Hierarchical, MatrixTopology
-
-TOPOLOGIES: dict[str, type[Topology]] = {
-    "ring": Ring,
-    "torus": Torus,
-    "exponential": Exponential,
-    "one_peer_exponential": OnePeerExponential,
-    "complete": Complete,
-    "hierarchical": Hierarchical,
-}
-"""The built-in topologies by name, as `DecentralizedStrategy(topology=...)` accepts them."""
+from lightning_decentral.topology.base import Topology, topology_class
+from lightning_decentral.topology.custom import GraphTopology, MatrixTopology
 
 
 def resolve_topology(spec: Any, world_size: int, num_nodes: int = 1) -> Topology:
@@ -44,22 +33,15 @@ def resolve_topology(spec: Any, world_size: int, num_nodes: int = 1) -> Topology
         ValueError: Unknown topology 'rign'. Choose one of ['complete', 'exponential', 'hierarchical', ...
     """
     if isinstance(spec, str):
-        if spec not in TOPOLOGIES:
-            raise ValueError(
-                f"Unknown topology {spec!r}. Choose one of {sorted(TOPOLOGIES)}, or pass a Topology, "
-                "a mixing matrix or a networkx graph."
-            )
-        spec = TOPOLOGIES[spec]()
-    if isinstance(spec, Hierarchical):
-        spec = spec.on_nodes(num_nodes)
+        spec = topology_class(spec)()
     if isinstance(spec, Topology):
-        return spec.bind(world_size)
+        return spec.on_nodes(num_nodes).bind(world_size)
     networkx = sys.modules.get("networkx")  # a graph exists only if networkx was imported
     if networkx is not None and isinstance(spec, networkx.Graph):
         return GraphTopology(spec).bind(world_size)
     if isinstance(spec, (np.ndarray, Sequence)) or hasattr(spec, "__array__"):
         return MatrixTopology(spec).bind(world_size)
     raise TypeError(
-        f"Cannot make a topology from {type(spec).__name__}. Pass one of {sorted(TOPOLOGIES)}, a Topology, "
-        "a networkx graph, or a mixing matrix (numpy array, torch tensor or nested lists) or a list of them."
+        f"Cannot make a topology from {type(spec).__name__}. Pass a name of TOPOLOGIES, a Topology, a networkx "
+        "graph, or a mixing matrix (numpy array, torch tensor or nested lists) or a list of them."
     )
