@@ -202,25 +202,26 @@ def _exact(value: Any) -> str:
 
 
 def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) -> dict[str, Union[int, str]]:
-    """What every rank must agree on before the first exchange: the strategy's update-rule arguments (read
-    from its attributes), its bound topology, the precision and the model's trainable layout. Strings up
-    to 64 characters, digests of what does not fit."""
+    """What every rank must agree on before the first exchange: the strategy's update-rule arguments (its
+    [`options`][lightning_decentral.options.GossipOptions]), its bound topology, the precision and the model's
+    trainable layout. Strings up to 64 characters, digests of what does not fit."""
+    options = strategy.options
     params = [p for p in module.parameters() if p.requires_grad]
-    buffers = [b for b in module.buffers() if b.is_floating_point()] if strategy.gossip_buffers else []
+    buffers = [b for b in module.buffers() if b.is_floating_point()] if options.gossip_buffers else []
     topology = strategy.topology
     return {
         "world size": strategy.world_size,
         "topology": repr(topology),
         "mixing matrices W(0..period-1)": digest(*(topology.mixing(k).round(12).tobytes() for k in range(topology.period))),
-        "momentum": strategy.momentum,
-        "combine": strategy.combine,
-        "gossip_every": strategy.gossip_every,
-        "gossip_steps": RoundsSchedule.of(strategy.gossip_steps).milestones[0],
-        "gossip_steps schedule": _schedule_text(RoundsSchedule.of(strategy.gossip_steps)),
-        "gossip_buffers": int(strategy.gossip_buffers),
-        "eval_on": strategy.eval_on,
-        "bucket bytes": int(strategy.bucket_cap_mb * 2**20),
-        "gossip_dtype": str(strategy.gossip_dtype),
+        "momentum": options.momentum,
+        "combine": options.combine,
+        "gossip_every": options.gossip_every,
+        "gossip_steps": options.gossip_steps.milestones[0],
+        "gossip_steps schedule": _schedule_text(options.gossip_steps),
+        "gossip_buffers": int(options.gossip_buffers),
+        "eval_on": options.eval_on,
+        "bucket bytes": options.bucket_bytes,
+        "gossip_dtype": str(options.gossip_dtype),
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),

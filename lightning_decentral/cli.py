@@ -36,8 +36,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_decentral.simulation import SimulatedDecentralizedStrategy
-from lightning_decentral.strategy import DecentralizedStrategy
+from lightning_decentral.measures import Monitored
 
 
 DESCRIPTION = (
@@ -143,12 +142,12 @@ def _report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> s
     """The text printed after `fit`: what was evaluated, the metrics, where logs, checkpoints and plots are."""
     strategy = trainer.strategy
     workers = trainer.world_size
-    if isinstance(strategy, (DecentralizedStrategy, SimulatedDecentralizedStrategy)):
+    if isinstance(strategy, Monitored):
         what = "the averaged model x̄" if strategy.eval_on == "average" else "worker 0's own replica"
-        rule = "decentlam" if strategy.momentum == "decentlam" else f"dpsgd {strategy.combine}"
+        rule = "decentlam" if strategy.rule == "decentlam" else f"dpsgd {strategy.rule}"
         how = f"{rule}, {strategy.topology!r}"
         workers = strategy.num_workers
-        if isinstance(strategy, SimulatedDecentralizedStrategy):
+        if workers > trainer.world_size:  # several workers in each process
             how += ", simulated in one process"
     else:
         what, how = "the model", type(strategy).__name__

@@ -84,7 +84,7 @@ class PendingGossip:
         self._first_round = len(per_round)
         self._done = 0
         self.residuals: Optional[list[Tensor]] = None
-        self._measure = gossip.measure_residual and bool(self._legs)
+        self._measure = gossip.measure_residuals and bool(self._legs)
         # out=: a point-to-point first exchange reads the buffers directly; anything else runs on a copy in out
         self._direct = self._out is not None and bool(self._legs) and not self._legs[0].topology.is_average(step)
         if self._out is not None and not self._direct:
@@ -192,7 +192,7 @@ class Gossip:
         self._wire: dict[int, Tensor] = {}  # low precision: q per buffer index (tag + b)
         self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._timeout = timeout
-        self.measure_residual = False  # also compute ‖x_i − Σ_j w_ij x_j‖² per buffer (see PendingGossip)
+        self.measure_residuals = False  # also compute ‖x_i − Σ_j w_ij x_j‖² per buffer (see PendingGossip)
         self.observers: list[ExchangeObserver] = []  # told of every exchange (lightning_decentral.mixing)
         self._stages = self._hierarchical_stages(world) if isinstance(topology, Hierarchical) else []
         self.transport = transport

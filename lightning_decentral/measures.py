@@ -2,21 +2,80 @@
 the Fabric functions ([`fabric`][lightning_decentral.fabric]); defined on the
 [monitoring page](../monitoring.md).
 
-Each takes a strategy only through its monitoring surface (`num_workers`, `root_device`,
-`parameter_deviations()`, `gossip_rounds(step)`, `gossip_residual(step)`), which both the Trainer's and
-Fabric's `DecentralizedStrategy` and the `SimulatedDecentralizedStrategy` provide: each reports its
-process's sums over its workers, so a sum over the ranks divided by `num_workers` is the mean over every
-worker. Every rank must call them together.
+Each takes a strategy only through its monitoring surface, [`Monitored`][lightning_decentral.measures.Monitored],
+which the Trainer's and Fabric's `DecentralizedStrategy` and the `SimulatedDecentralizedStrategy` provide: each
+reports its process's sums over its workers, so a sum over the ranks divided by `num_workers` is the mean over
+every worker. Every rank must call them together.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from contextlib import AbstractContextManager
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+
+@runtime_checkable
+class Monitored(Protocol):
+    """What the monitors ([callbacks][lightning_decentral.callbacks], [Fabric functions][lightning_decentral.fabric])
+    and the command line read of a decentralized executor; each of the three executors provides it. Values are this
+    process's: its own worker's on a rank, the sum over its workers in a simulation."""
+
+    @property
+    def num_workers(self) -> int:
+        """`n`, every worker of the run."""
+
+    @property
+    def root_device(self) -> torch.device:
+        """The device this process's workers live on."""
+
+    @property
+    def topology(self) -> Any:
+        """The topology, bound to `n`."""
+
+    @property
+    def gossip_steps(self) -> Any:
+        """The rounds per gossip step, a [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule]."""
+
+    @property
+    def rule(self) -> str:
+        """The update rule: `"awc"`, `"atc"` or `"decentlam"`."""
+
+    @property
+    def eval_on(self) -> str:
+        """What evaluation sees: `"average"` (`x̄`) or `"local"`."""
+
+    def gossip_rounds(self, step: int) -> int:
+        """Rounds of `W(step)` at step `step` (0: a local step)."""
+
+    def measure_residuals(self) -> None:
+        """From now on, measure each exchange's gossip residual."""
+
+    def gossip_residual(self, step: int) -> Optional[Tensor]:
+        """`Σ ‖y_i − Σ_j w_ij y_j‖²` over this process's workers, of step `step`'s first round (`None`: not measured)."""
+
+    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
+        """Per trainable parameter: its name, `Σ ‖p_i − p̄‖²` over this process's workers, `‖p̄‖²` (a collective)."""
+
+    def extra_gossip(self, step: int, rounds: int) -> None:
+        """`x <- W(step)^rounds x` now, between steps (a collective)."""
+
+    def averaged_model(self) -> AbstractContextManager:
+        """`x̄` swapped into the module inside the block (a collective)."""
+
+    def gradient_sum(self) -> list[Tensor]:
+        """`Σ g_i` over this process's workers, per trainable parameter."""
+
+    def worker_batches(self, batch: Any) -> list[Any]:
+        """The batch of each of this process's workers, from the batch the loop holds."""
+
+    def worker_random_states(self) -> list[dict[str, Any]]:
+        """The random state each of this process's workers draws its training forward from
+        ([`random_state`][lightning_decentral.measures.random_state])."""
 
 
 def sum_over_ranks(tensor: Tensor) -> Tensor:
@@ -83,6 +142,11 @@ def ratio_and_noise(local_mean: Tensor, mean_grad: Tensor) -> tuple[Tensor, Tens
     """
     ratio = torch.dot(local_mean, mean_grad) / torch.dot(mean_grad, mean_grad)
     return ratio, torch.linalg.vector_norm(local_mean - mean_grad)
+
+
+def own_gradients(module: torch.nn.Module) -> list[Tensor]:
+    """The gradient of each trainable parameter of `module` (zeros where it has none): one worker's `g_i`."""
+    return [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.parameters() if p.requires_grad]
 
 
 def random_state(device: torch.device) -> dict[str, Any]:

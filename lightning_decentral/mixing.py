@@ -98,7 +98,7 @@ class Pending(Protocol):
     """An exchange in flight, as `Mixer.start` returns it.
 
     After `wait()`, `residuals` holds one 0-dim tensor per buffer when the mixer measured them
-    (`measure_residual`), else `None`.
+    (`measure_residuals`), else `None`.
     """
 
     residuals: Optional[list[Tensor]]
@@ -112,12 +112,12 @@ class Mixer(Protocol):
 
     Implemented by [`Gossip`][lightning_decentral.gossip.Gossip] (one process per worker) and by
     `DenseMixer.worker(i)` (all workers in one process). `observers` are told of every exchange;
-    `measure_residual` makes the first round record `‖y_i − Σ_j w_ij y_j‖²` per buffer in
+    `measure_residuals` makes the first round record `‖y_i − Σ_j w_ij y_j‖²` per buffer in
     `Pending.residuals`.
     """
 
     observers: list[ExchangeObserver]
-    measure_residual: bool
+    measure_residuals: bool
 
     def start(
         self,
@@ -223,7 +223,7 @@ class DenseMixer:
         self.topology = topology
         self.dtype = dtype
         self.observers: list[ExchangeObserver] = []
-        self.measure_residual = False
+        self.measure_residuals = False
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
 
     @property
@@ -283,7 +283,7 @@ class DenseMixer:
 
     def mix(self, x: Tensor, step: int, rounds: int, dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor]]:
         """`W(step)^rounds x` for the workers' buffers stacked as the rows of `x` (`[n, m]`, float64), in the
-        arithmetic of every exchange of this mixer; and, if `measure_residual`, the first round's change
+        arithmetic of every exchange of this mixer; and, if `measure_residuals`, the first round's change
         `Σ_j w_ij y_j − y_i` (whose squared row norms are the residuals; else `None`). `dtype` is the buffers'
         own dtype: in low precision each round sends `x` rounded to `dtype`, then to the mixer's `dtype`."""
         change = None
@@ -295,7 +295,7 @@ class DenseMixer:
                 else:
                     q = x.to(dtype).to(self.dtype).double()
                     x = x + matrix.to(x.device) @ q - q
-            if r == 0 and self.measure_residual:
+            if r == 0 and self.measure_residuals:
                 change = x - before
         return x, change
 
@@ -307,19 +307,19 @@ class DenseMixer:
 
 class _DenseView:
     """A [`Mixer`][lightning_decentral.mixing.Mixer] view of a [`DenseMixer`][lightning_decentral.mixing.DenseMixer]:
-    its own observers, the dense mixer's `measure_residual`."""
+    its own observers, the dense mixer's `measure_residuals`."""
 
     def __init__(self, dense: DenseMixer) -> None:
         self.dense = dense
         self.observers: list[ExchangeObserver] = []
 
     @property
-    def measure_residual(self) -> bool:
-        return self.dense.measure_residual
+    def measure_residuals(self) -> bool:
+        return self.dense.measure_residuals
 
-    @measure_residual.setter
-    def measure_residual(self, value: bool) -> None:
-        self.dense.measure_residual = value
+    @measure_residuals.setter
+    def measure_residuals(self, value: bool) -> None:
+        self.dense.measure_residuals = value
 
 
 class StackedMixer(_DenseView):
@@ -397,7 +397,7 @@ class StackedMixer(_DenseView):
         round of one full-precision `W` (the common case) is one product into work space, `(W − I) x` for the
         correction: no tens-of-MB temporaries per step."""
         plan = stages(self.dense.topology, step)
-        if rounds > 1 or len(plan) > 1 or self.measure_residual or not (self.dense.dtype is None or plan[0][1]):
+        if rounds > 1 or len(plan) > 1 or self.measure_residuals or not (self.dense.dtype is None or plan[0][1]):
             mixed, change = self.dense.mix(x, step, rounds, dtype)
             return (mixed - x if correction else mixed), change
         matrix = plan[0][0] - torch.eye(len(x), dtype=torch.float64) if correction else plan[0][0]

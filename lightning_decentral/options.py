@@ -1,8 +1,10 @@
-"""The update-rule arguments every executor takes, checked once, before anything runs."""
+"""The update-rule arguments every executor takes, checked once, before anything runs: [`GossipOptions`][lightning_decentral.options.GossipOptions]."""
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
 
 import torch
 
@@ -19,38 +21,68 @@ GossipDtypeName = Literal[tuple(str(d).removeprefix("torch.") for d in GOSSIP_DT
 """`gossip_dtype` by name (`"bfloat16"`, `"float16"`, `"float32"`): what a YAML config or the command line gives."""
 
 
-def check_options(
-    topology: Any,
-    combine: Any,
-    momentum: Any,
-    gossip_every: Any,
-    gossip_steps: Any,
-    eval_on: Any,
-    bucket_cap_mb: Any,
-    gossip_dtype: Any,
-) -> Optional[torch.dtype]:
-    """Raise `ValueError` naming the fix for any bad argument; return `gossip_dtype` resolved.
+def rule_name(momentum: str, combine: str) -> str:
+    """The update rule (an entry of [`RULES`][lightning_decentral.rules.RULES]) that `momentum` and `combine` select;
+    DecentLaM ignores `combine`.
 
     Examples:
-        >>> check_options("ring", "awc", "local", 1, 1, "average", 4.0, "bfloat16")
-        torch.bfloat16
-        >>> check_options("ring", "awc", "local", 1, {"epoch": {0: 4, 5: 1}}, "average", 4.0, None) is None
-        True
-        >>> check_options("ring", "acw", "local", 1, 1, "average", 4.0, None)
+        >>> rule_name("local", "atc"), rule_name("decentlam", "awc")
+        ('atc', 'decentlam')
+    """
+    return "decentlam" if momentum == "decentlam" else combine
+
+
+@dataclass(frozen=True)
+class GossipOptions:
+    """The update-rule arguments of every executor, checked when built: a bad one raises `ValueError` naming the fix.
+
+    The fields are the strategies' arguments of the same names (see
+    [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]); `gossip_steps` is kept as a
+    [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule] and `gossip_dtype` as a `torch.dtype` (or `None`).
+    The topology stays as given: it is bound to the world size by the [driver][lightning_decentral.driver.StepDriver].
+
+    Examples:
+        >>> options = GossipOptions(combine="atc", gossip_steps={"epoch": {0: 4, 5: 1}}, gossip_dtype="bfloat16")
+        >>> options.rule, options.gossip_steps.most, options.gossip_dtype, options.bucket_bytes
+        ('atc', 4, torch.bfloat16, 4194304)
+        >>> GossipOptions(combine="acw")
         Traceback (most recent call last):
         ...
         ValueError: `combine` must be one of ['awc', 'atc'], got 'acw'.
     """
-    _check_choice("combine", combine, COMBINE)
-    _check_choice("eval_on", eval_on, EVAL_ON)
-    _check_choice("momentum", momentum, MOMENTUM)
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ValueError(f"`bucket_cap_mb` must be positive, got {bucket_cap_mb!r}.")
-    _check_positive_int("gossip_every", gossip_every)
-    RoundsSchedule.of(gossip_steps)  # an integer, or rounds by epoch or step
-    if isinstance(topology, str):
-        topology_class(topology)  # raises naming the choices
-    return _check_gossip_dtype(gossip_dtype)
+
+    topology: Any = "ring"
+    combine: str = "awc"
+    momentum: str = "local"
+    gossip_every: int = 1
+    gossip_steps: Union[int, RoundsSchedule, dict] = 1
+    gossip_buffers: bool = True
+    eval_on: str = "average"
+    bucket_cap_mb: float = 4.0
+    gossip_dtype: Optional[Union[torch.dtype, str]] = None
+
+    def __post_init__(self) -> None:
+        _check_choice("combine", self.combine, COMBINE)
+        _check_choice("eval_on", self.eval_on, EVAL_ON)
+        _check_choice("momentum", self.momentum, MOMENTUM)
+        cap = self.bucket_cap_mb
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+            raise ValueError(f"`bucket_cap_mb` must be positive and finite (the MB of one bucket), got {cap!r}.")
+        _check_positive_int("gossip_every", self.gossip_every)
+        if isinstance(self.topology, str):
+            topology_class(self.topology)  # raises naming the choices
+        object.__setattr__(self, "gossip_steps", RoundsSchedule.of(self.gossip_steps))
+        object.__setattr__(self, "gossip_dtype", _check_gossip_dtype(self.gossip_dtype))
+
+    @property
+    def rule(self) -> str:
+        """The update rule `momentum` and `combine` select ([`rule_name`][lightning_decentral.options.rule_name])."""
+        return rule_name(self.momentum, self.combine)
+
+    @property
+    def bucket_bytes(self) -> int:
+        """DecentLaM's bucket size in bytes."""
+        return int(self.bucket_cap_mb * 2**20)
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

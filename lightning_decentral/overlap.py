@@ -109,7 +109,7 @@ class GradientBuckets:
         self._next = 0  # the first bucket not posted yet
         self.listening = False  # post buckets from the gradient hooks
         self.late_gradient = False  # a gradient arrived after its bucket was posted
-        self.residuals: list[Tensor] = []  # mixer.measure_residual: each bucket's ‖z_i − Σ_j w_ij z_j‖², last step
+        self.residuals: list[Tensor] = []  # mixer.measure_residuals: each bucket's ‖z_i − Σ_j w_ij z_j‖², last step
 
     @property
     def num_buckets(self) -> int:

@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -73,18 +74,19 @@ class EvaluatesOnAverage:
 class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     """`DDPStrategy` without the wrapper and the gradient all-reduce: each rank trains its own replica.
 
-    Subclasses define the update (`optimizer_step`) and `_configuration()`, the fields every rank must
-    agree on; they call `_start_replicas()` from `configure_ddp`.
+    Subclasses define the update (`optimizer_step`), `eval_on` (`"average"` evaluates `x̄`, `"local"` each rank's
+    own replica), `rule_record()` (what the shards record of the update rule) and `_configuration()`, the fields
+    every rank must agree on; they call `_start_replicas()` from `configure_ddp`.
 
     Args:
-        eval_on: `"average"` validates, tests and predicts on `x̄` (each replica is restored
-            afterwards); `"local"` on each rank's own replica.
         **kwargs: `lightning.pytorch.strategies.DDPStrategy`'s arguments.
     """
 
-    def __init__(self, eval_on: str = "average", **kwargs: Any) -> None:
+    eval_on: str
+    rule_record: Callable[[], dict[str, str]]
+
+    def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.eval_on = eval_on
         self._averaged = AveragedModel()
         self._eval_context = contextlib.ExitStack()
         self._resume_shard: Optional[dict[str, Any]] = None  # fit(ckpt_path=...): this rank's shard, until restored
@@ -252,7 +254,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         if shard is None:
             return checkpoint
         self._resume_shard = shard
-        changed = shards.rule_change_warning(checkpoint_path, shard, self._rule_record())
+        changed = shards.rule_change_warning(checkpoint_path, shard, self.rule_record())
         if changed is not None:
             rank_zero_warn(changed)
         return shards.with_shard(checkpoint, shard, precision_key=type(self.precision_plugin).__qualname__)
@@ -278,12 +280,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             step=self.lightning_module.trainer.global_step,
             optimizer_states=None if weights_only else [o.state_dict() for o in self.optimizers],
             precision=None if weights_only else self.precision_plugin.state_dict(),
-            rule=self._rule_record(),
+            rule=self.rule_record(),
         )
-
-    def _rule_record(self) -> dict[str, str]:
-        """The update rule as a shard records it (`{}`: nothing to record); a resume warns if it changed."""
-        return {}
 
     # -- every rank runs the same configuration ----------------------------------------------
 
@@ -294,6 +292,15 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     def _configuration(self) -> dict[str, Union[int, str]]:
         """What every rank must agree on (`Ranks.check_same_configuration`)."""
         raise NotImplementedError
+
+
+def backward_may_overlap(module: LightningModule) -> bool:
+    """Whether communication may start during backward: optimization is automatic, and no clipping (or module hook
+    that may edit the gradients after backward) needs every gradient first."""
+    edits_gradients = bool(module.trainer.gradient_clip_val) or any(
+        is_overridden(hook, module) for hook in ("configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step")
+    )
+    return module.automatic_optimization and not edits_gradients
 
 
 class _AveragingLauncher(_MultiProcessingLauncher):

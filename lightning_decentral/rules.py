@@ -49,8 +49,8 @@ Closure = Callable[[], Any]
 
 
 @dataclass
-class RuleOptions:
-    """What an executor tells a rule beyond its replica, mixer and optimizer (DecentLaM uses them).
+class RuleContext:
+    """What only the executor knows and a rule needs, beyond its replica, mixer and optimizer (DecentLaM uses it).
 
     Attributes:
         bucket_bytes: the size of DecentLaM's gradient buckets, its unit of overlap with backward.
@@ -79,12 +79,12 @@ class UpdateRule:
         replica: the worker's flat parameters and mixed buffers.
         mixer: the worker's mixer.
         optimizer: the worker's optimizer `U`.
-        options: see [`RuleOptions`][lightning_decentral.rules.RuleOptions].
+        context: see [`RuleContext`][lightning_decentral.rules.RuleContext].
     """
 
-    def __init__(self, replica: Replica, mixer: Mixer, optimizer: Optimizer, options: Optional[RuleOptions] = None) -> None:
+    def __init__(self, replica: Replica, mixer: Mixer, optimizer: Optimizer, context: Optional[RuleContext] = None) -> None:
         self.replica, self.mixer, self.optimizer = replica, mixer, optimizer
-        self.options = options or RuleOptions()
+        self.context = context or RuleContext()
         self.plan: Optional[StepPlan] = None  # the step begun and not yet ended
         self._residual: Optional[tuple[int, Tensor]] = None
         self._pending: Optional[Pending] = None  # an exchange in flight
@@ -125,6 +125,11 @@ class UpdateRule:
     def teardown(self) -> None:
         """The run is over (also after an error: nothing is waited for here); release hooks."""
 
+    def mix(self, step: int, rounds: int) -> None:
+        """`x <- W(step)^rounds x` for the parameters and the mixed buffers, now, between two steps (no exchange
+        in flight): extra rounds on top of the step's own ([`ConsensusControl`][lightning_decentral.callbacks.ConsensusControl])."""
+        self.mixer.start(self.replica.mixed, step, rounds).wait()
+
     def residual(self, step: int) -> Optional[Tensor]:
         """`‖y_i − Σ_j w_ij(k) y_j‖²` over the trainable parameters, of the first round of step `step`'s
         exchange of `y` (AWC: `x(k)`; ATC: `U(x(k), g)`; DecentLaM: `z`), if the mixer measured it."""
@@ -159,8 +164,8 @@ class AdaptWithCombine(UpdateRule):
     statistics in place).
     """
 
-    def __init__(self, replica: Replica, mixer: Mixer, optimizer: Optimizer, options: Optional[RuleOptions] = None) -> None:
-        super().__init__(replica, mixer, optimizer, options)
+    def __init__(self, replica: Replica, mixer: Mixer, optimizer: Optimizer, context: Optional[RuleContext] = None) -> None:
+        super().__init__(replica, mixer, optimizer, context)
         self._correction = [torch.empty_like(b) for b in replica.mixed]
         self._buffers_before = [torch.empty_like(b) for b in replica.flat_buffers]
         self._closure_ran = False
@@ -244,17 +249,17 @@ class DecentLaM(UpdateRule):
     gradient on any worker is skipped on every worker.
     """
 
-    def __init__(self, replica: Replica, mixer: Mixer, optimizer: Optimizer, options: Optional[RuleOptions] = None) -> None:
-        super().__init__(replica, mixer, optimizer, options)
-        options = self.options
+    def __init__(self, replica: Replica, mixer: Mixer, optimizer: Optimizer, context: Optional[RuleContext] = None) -> None:
+        super().__init__(replica, mixer, optimizer, context)
+        context = self.context
         if isinstance(optimizer, torch.optim.LBFGS):
             raise ValueError("DecentLaM rewrites the gradient once per step; LBFGS re-evaluates it. Use momentum SGD.")
         if type(optimizer) is not torch.optim.SGD:
-            options.warn(
+            context.warn(
                 f"DecentLaM's bias correction is derived for momentum SGD; {type(optimizer).__name__} will step "
                 "with the modified gradient, without that guarantee."
             )
-        scaler = options.grad_scaler
+        scaler = context.grad_scaler
         if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
             raise ValueError(
                 f"{type(optimizer).__name__} unscales its gradients inside step() (fused=True), after DecentLaM has "
@@ -265,7 +270,7 @@ class DecentLaM(UpdateRule):
             replica.parameters,
             optimizer,
             mixer,
-            bucket_bytes=options.bucket_bytes,
+            bucket_bytes=context.bucket_bytes,
             grad_scale=self._grad_scale,
             check_finite=scaler is None,
         )
@@ -277,7 +282,7 @@ class DecentLaM(UpdateRule):
         self.drain()  # posted for a step that never reached the optimizer (manual optimization)
         super().begin_step(plan)
         if plan.gossips:
-            self.buckets.arm(plan.step, plan.rounds, listen=self.options.overlap_backward)
+            self.buckets.arm(plan.step, plan.rounds, listen=self.context.overlap_backward)
         else:
             self.buckets.listening = False  # W = I: g̃ = g, nothing to send
 
@@ -299,10 +304,10 @@ class DecentLaM(UpdateRule):
 
         def closure_then_post() -> Any:
             result = closure()
-            if self.options.overlap_backward:  # else the pre-hook posts, after clipping
+            if self.context.overlap_backward:  # else the pre-hook posts, after clipping
                 self.buckets.post_all(self._grad_scale())
-            if self.options.grad_scaler is not None:
-                self.buckets.poison_gradients_if(self.options.any_worker(~self.buckets.gradients_finite()))
+            if self.context.grad_scaler is not None:
+                self.buckets.poison_gradients_if(self.context.any_worker(~self.buckets.gradients_finite()))
             return result
 
         self._modify_at_step = True
@@ -340,7 +345,7 @@ class DecentLaM(UpdateRule):
         self._hooks = []
 
     def _grad_scale(self) -> Any:
-        scaler = self.options.grad_scaler
+        scaler = self.context.grad_scaler
         return scaler._scale if scaler is not None else 1.0  # the scale tensor: get_scale() would sync the host
 
     def _before_update(self, optimizer: Optimizer, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -351,7 +356,7 @@ class DecentLaM(UpdateRule):
         closure = kwargs.get("closure")
         with torch.enable_grad():
             result = closure() if closure is not None else None
-        self.options.before_wait()
+        self.context.before_wait()
         self.buckets.modify_gradients()
         self._record(self.buckets.residuals)  # of z, bucket by bucket
         if closure is None:
@@ -364,15 +369,6 @@ RULES: dict[str, type[UpdateRule]] = {
     "atc": AdaptThenCombine,
     "decentlam": DecentLaM,
 }
-"""The update rules by name; [`rule_name`][lightning_decentral.rules.rule_name] picks the entry of a
+"""The update rules by name; [`rule_name`][lightning_decentral.options.rule_name] picks the entry of a
 strategy's `momentum` and `combine`."""
 
-
-def rule_name(momentum: str, combine: str) -> str:
-    """The entry of `RULES` that `momentum` and `combine` select (DecentLaM ignores `combine`).
-
-    Examples:
-        >>> rule_name("local", "atc"), rule_name("decentlam", "awc")
-        ('atc', 'decentlam')
-    """
-    return "decentlam" if momentum == "decentlam" else combine

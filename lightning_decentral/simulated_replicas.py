@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -39,13 +39,15 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
     Args:
         workers: the number of simulated workers `n`.
         mixer: their mixer, bound to `n`.
-        eval_on: `"average"` (evaluate `x̄`) or `"local"` (worker 0's replica).
         **kwargs: `SingleDeviceStrategy`'s `accelerator`, `checkpoint_io`, `precision_plugin`.
     """
 
-    def __init__(self, workers: int, mixer: DenseMixer, eval_on: str, **kwargs: Any) -> None:
+    eval_on: str  # "average" (evaluate x̄) or "local" (worker 0's replica): the subclass's
+    rule_record: Callable[[], dict[str, str]]  # what the shards record of the update rule: the subclass's
+
+    def __init__(self, workers: int, mixer: DenseMixer, **kwargs: Any) -> None:
         super().__init__(device="cpu", **kwargs)
-        self.workers, self.eval_on = workers, eval_on
+        self.workers = workers
         self._mixer = mixer
         self._group = SimulatedWorkers(mixer, torch.device("cpu"))  # rebuilt on the device at fit
         self._devices: list[torch.device] = []
@@ -86,10 +88,6 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
     def worker_modules(self) -> list[Module]:
         """Each worker's module, worker 0 (the LightningModule itself) first; empty before fit."""
         return list(self._group.modules)
-
-    def rule_record(self) -> dict[str, str]:
-        """The update rule the shards record (`{}`: nothing); resuming under another one warns."""
-        return {}
 
     @contextlib.contextmanager
     def averaged_model(self) -> Iterator[None]:

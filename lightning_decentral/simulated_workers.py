@@ -23,7 +23,7 @@ from lightning_decentral import checkpoint as shards
 from lightning_decentral.simulated_data import PerWorker
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.replicas import Replica, averaged_optimizer_state, state_tensors
-from lightning_decentral.rules import RULES, RuleOptions, UpdateRule
+from lightning_decentral.rules import RULES, RuleContext, UpdateRule
 from lightning_decentral.schedule import StepPlan
 
 
@@ -57,6 +57,11 @@ class WorkerGroup:
         logged (`name -> [(value, log kwargs)]`, one entry per worker that logged it)."""
         raise NotImplementedError
 
+    def before_backward(self) -> None:
+        """Every rule prepares its worker's backward (DecentLaM: gradients into flat buffers)."""
+        for rule in self.rules:
+            rule.before_backward()
+
     def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
         """`backward(loss, module, optimizer)` of every worker's loss (already divided for accumulation)."""
         raise NotImplementedError
@@ -84,9 +89,12 @@ class WorkerGroup:
         return closure
 
     def end_step(self) -> None:
-        """Every rule ends the step, then finishes it."""
+        """Every rule ends the step (ATC posts `U(x)`)."""
         for rule in self.rules:
             rule.end_step()
+
+    def finish_step(self) -> None:
+        """Every rule finishes the step (waits and combines)."""
         for rule in self.rules:
             rule.finish_step()
 
@@ -117,7 +125,7 @@ class WorkerGroup:
 
     # -- what the monitors read ------------------------------------------------------------------
 
-    def gossip_residual(self, step: int) -> Optional[Tensor]:
+    def residual(self, step: int) -> Optional[Tensor]:
         """`Σ_i ‖y_i − Σ_j w_ij(k) y_j‖²` of step `step`'s first round; `None` if a worker has none."""
         residuals = [rule.residual(step) for rule in self.rules]
         if not residuals or any(r is None for r in residuals):
@@ -135,12 +143,11 @@ class WorkerGroup:
             out.append((column[0][0], deviation, torch.linalg.vector_norm(mean, dtype=torch.float64).square()))
         return out
 
-    def extra_gossip(self, step: int, rounds: int) -> None:
-        """`x <- W(step)^rounds x` for every worker's parameters and mixed buffers, now."""
-        if rounds > 0:
-            pending = [rule.mixer.start(rule.replica.mixed, step, rounds) for rule in self.rules]
-            for exchange in pending:
-                exchange.wait()
+    def mix(self, step: int, rounds: int) -> None:
+        """`x <- W(step)^rounds x` for every worker's parameters and mixed buffers, now (every worker posts, then waits)."""
+        pending = [rule.mixer.start(rule.replica.mixed, step, rounds) for rule in self.rules]
+        for exchange in pending:
+            exchange.wait()
 
     def gradient_sum(self) -> list[Tensor]:
         """`Σ_i g_i` for each trainable parameter: the workers' current gradients."""
@@ -216,11 +223,11 @@ class SimulatedWorkers(WorkerGroup):
         self.mixer = mixer
         self.workers: list[SimulatedWorker] = []
 
-    def add(self, module: Module, optimizer: Optimizer, rule: str, mix_buffers: bool, options: RuleOptions) -> None:
+    def add(self, module: Module, optimizer: Optimizer, rule: str, mix_buffers: bool, context: RuleContext) -> None:
         """Worker `len(self.workers)`: `module` packed into a replica, and its update rule `RULES[rule]`."""
         replica = Replica(module, mix_buffers)
         rank = len(self.workers)
-        worker = SimulatedWorker(module, optimizer, replica, RULES[rule](replica, self.mixer.worker(rank), optimizer, options))
+        worker = SimulatedWorker(module, optimizer, replica, RULES[rule](replica, self.mixer.worker(rank), optimizer, context))
         self.workers.append(worker)
         self.modules.append(module)
         self.rules.append(worker.rule)
@@ -246,7 +253,6 @@ class SimulatedWorkers(WorkerGroup):
 
     def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
         for i, (worker, loss) in enumerate(zip(self.workers, losses)):
-            worker.rule.before_backward()
             with self.as_worker(i):
                 backward(loss, worker.module, worker.optimizer)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Literal, Optional, Union
 
@@ -32,21 +33,21 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_decentral import checkpoint as shards
-from lightning_decentral.mixing import DenseMixer, ExchangeObserver
-from lightning_decentral.options import GossipDtypeName, TopologyName, check_options
-from lightning_decentral.rules import RuleOptions, rule_name
-from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
-from lightning_decentral.simulated_replicas import SimulatedReplicaStrategy
+from lightning_decentral.driver import Driven, StepDriver, check_one_optimizer
+from lightning_decentral.mixing import DenseMixer
+from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyName
+from lightning_decentral.replicated import backward_may_overlap
+from lightning_decentral.rules import RuleContext
+from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.simulated_data import PerWorker, StackedBatch, WorkerLoaders
+from lightning_decentral.simulated_replicas import SimulatedReplicaStrategy
 from lightning_decentral.simulated_workers import SimulatedWorkers, copy_of, optimizer_like
-from lightning_decentral.topology import Topology, resolve_topology
+from lightning_decentral.topology import Topology
 from lightning_decentral.vectorized import StackedWorkers, clip_rows_by_norm_, vectorization_problem
 
 if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against them
@@ -54,7 +55,7 @@ if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against t
     import numpy as np
 
 
-class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
+class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
     """`workers` decentralized workers in one process, on one CPU or GPU: the run `DecentralizedStrategy`
     makes on `workers` processes, replica for replica (docs/simulation.md).
 
@@ -98,77 +99,43 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` must be a positive integer (the simulated workers), got {workers!r}.")
-        dtype = check_options(topology, combine, momentum, gossip_every, gossip_steps, eval_on, bucket_cap_mb, gossip_dtype)
-        schedule = GossipSchedule(resolve_topology(topology, workers), gossip_every, gossip_steps)
-        super().__init__(
-            workers,
-            DenseMixer(schedule.topology, dtype=dtype),
-            eval_on,
-            accelerator=accelerator,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
+        options = GossipOptions(
+            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype
         )
-        self.combine, self.momentum = combine, momentum
-        self.gossip_every, self.gossip_steps, self.gossip_buffers = gossip_every, gossip_steps, gossip_buffers
-        self.bucket_cap_mb, self.gossip_dtype = bucket_cap_mb, dtype
         if not isinstance(vectorize, bool):
             raise ValueError(f"`vectorize` must be True or False, got {vectorize!r}.")
+        self.driver = StepDriver(options, epoch=self._epoch)
+        self.driver.bind(workers)
+        mixer = DenseMixer(self.driver.topology, dtype=options.gossip_dtype)
+        super().__init__(
+            workers, self.driver.attach(mixer), accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+        )
         self.vectorize = vectorize
-        self._schedule = schedule
-        self._plan: Optional[StepPlan] = None
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []
 
-    # -- public surface, as DecentralizedStrategy's --------------------------------------------
-
-    @property
-    def topology(self) -> Topology:
-        """The topology, bound to `workers`."""
-        return self._schedule.topology
-
-    def gossip_rounds(self, step: int) -> int:
-        """Rounds of exchange at optimizer step `step` of the current epoch (0: a local step)."""
-        return self._schedule.rounds(step, self._epoch())
-
-    def observe(self, observer: ExchangeObserver) -> None:
-        """Tell `observer` of every exchange of every worker from now on."""
-        self._mixer.observers.append(observer)
-
-    @property
-    def num_workers(self) -> int:
-        """`n`, the simulated workers."""
-        return self.workers
-
-    def measure_residuals(self) -> None:
-        """From now on, every exchange of the parameters also measures its gossip residual."""
-        self._mixer.measure_residual = True
-
-    def gossip_residual(self, step: int) -> Optional[Tensor]:
-        """`Σ_i ‖y_i − Σ_j w_ij(k) y_j‖²` over the workers' trainable parameters, for the first round of step
-        `step` (`DecentralizedStrategy.gossip_residual` gives one rank's term); `None` if a worker has none."""
-        return self._group.gossip_residual(step)
+    # -- the monitoring surface: Driven's, and these --------------------------------------------
 
     def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
         """For each trainable parameter `p`: its name, `Σ_i ‖p_i − p̄‖²` over the workers and `‖p̄‖²`
         (float64; `DecentralizedStrategy.parameter_deviations` gives one rank's term of the sum)."""
         return self._group.parameter_deviations()
 
-    def extra_gossip(self, step: int, rounds: int) -> None:
-        """`x <- W(step)^rounds x` for every worker's parameters and mixed buffers, now (between steps)."""
-        self._group.extra_gossip(step, rounds)
-
     def gradient_sum(self) -> list[Tensor]:
         """`Σ_i g_i` for each trainable parameter of the LightningModule: the workers' current gradients."""
         return self._group.gradient_sum()
 
-    @override
-    def rule_record(self) -> dict[str, str]:
-        """What the shards record of the update rule, as `DecentralizedStrategy`'s do."""
-        return shards.rule_record(rule_name(self.momentum, self.combine), self.topology)
+    def worker_batches(self, batch: Any) -> list[Any]:
+        """Each worker's batch of the batch the training loop holds."""
+        if isinstance(batch, StackedBatch):
+            return list(batch.parts())
+        return list(batch) if isinstance(batch, PerWorker) else [batch]
 
-    def random_states(self) -> list[tuple[Tensor, Optional[Tensor]]]:
-        """Each worker's torch random state `(cpu, cuda or None)` now; worker 0's is the process's own."""
-        return self._group.random_states()
+    def worker_random_states(self) -> list[dict[str, Any]]:
+        """The torch random state each worker draws from now (worker 0's is the process's own), as
+        [`random_state`][lightning_decentral.measures.random_state] gives it."""
+        device = self.root_device
+        return [{"cpu": cpu, **({"cuda": (device, cuda)} if cuda is not None else {})} for cpu, cuda in self._group.random_states()]
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -182,22 +149,14 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ValueError("SimulatedDecentralizedStrategy needs automatic optimization; use DecentralizedStrategy.")
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"Decentralized training needs exactly one optimizer, but `configure_optimizers` returned "
-                f"{len(self.optimizers)}. Put the parameters into one optimizer with several parameter groups."
-            )
+        check_one_optimizer(self.optimizers, "`configure_optimizers` returned")
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             raise ValueError("The simulation does not run under a GradScaler (16-mixed): use precision='bf16-mixed' or '32-true'.")
-        overlap = not trainer.gradient_clip_val and not any(
-            is_overridden(hook, module)
-            for hook in ("configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step")
-        )
-        rule = rule_name(self.momentum, self.combine)
-        options = RuleOptions(
-            bucket_bytes=int(self.bucket_cap_mb * 2**20),
-            overlap_backward=overlap,
+        rule = self.rule
+        context = RuleContext(
+            bucket_bytes=self.options.bucket_bytes,
+            overlap_backward=backward_may_overlap(module),
             warn=rank_zero_warn,
             before_wait=self._ready_other_workers,
         )
@@ -208,13 +167,14 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
             problem = vectorization_problem(module, self.optimizers[0])
             if problem:
                 raise ValueError(f"SimulatedDecentralizedStrategy(vectorize=True) cannot run this module: {problem}. Use vectorize=False.")
-            self._group = StackedWorkers(modules, self.optimizers[0], rule, self.gossip_buffers, options, self._mixer, self.root_device)
-            return
-        self._group = SimulatedWorkers(self._mixer, self.root_device)
-        quiet = RuleOptions(options.bucket_bytes, overlap_backward=overlap, warn=lambda message: None)
-        for rank, worker_module in enumerate(modules):
-            optimizer = self.optimizers[0] if rank == 0 else optimizer_like(self.optimizers[0], copy_of(module, worker_module))
-            self._group.add(worker_module, optimizer, rule, self.gossip_buffers, options if rank == 0 else quiet)
+            self._group = StackedWorkers(modules, self.optimizers[0], rule, self.gossip_buffers, context, self._mixer, self.root_device)
+        else:
+            self._group = SimulatedWorkers(self._mixer, self.root_device)
+            quiet = dataclasses.replace(context, warn=_quiet)
+            for rank, worker_module in enumerate(modules):
+                optimizer = self.optimizers[0] if rank == 0 else optimizer_like(self.optimizers[0], copy_of(module, worker_module))
+                self._group.add(worker_module, optimizer, rule, self.gossip_buffers, context if rank == 0 else quiet)
+        self.driver.run(self._group)
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -239,7 +199,7 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Before each training batch: every worker begins the optimizer step (AWC posts `x(k)`)."""
         super().on_train_batch_start(batch, batch_idx)
-        self._begin_if_needed()
+        self.driver.begin(self.lightning_module.trainer.global_step)
 
     @override
     def training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -269,6 +229,7 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
         """Each worker's backward of its own loss (scaled as Lightning scales the returned one)."""
         self.pre_backward(closure_loss)
+        self._group.before_backward()
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
 
@@ -302,24 +263,23 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         precision); its closure runs every worker's forward and backward. The other workers are clipped and
         told their gradients are final before worker 0 waits for an exchange (DecentLaM) or steps, then step.
         """
-        self._begin_if_needed()
-        closure = self._group.wrap_closure(closure)
-        results: list[Any] = []
+        lightning_step = super().optimizer_step
         self._others_ready = False
 
-        def every_worker(closure: Callable[[], Any] = closure) -> Any:
-            results.append(closure())  # every worker's forward and backward, then every rule's wrapper
-            return results[0]
+        def run(closure: Callable[[], Any]) -> Any:
+            results: list[Any] = []
 
-        try:
+            def every_worker() -> Any:
+                results.append(closure())  # every worker's forward and backward, then every rule's wrapper
+                return results[0]
+
             with self._clipping_per_worker():
-                output = super().optimizer_step(optimizer, every_worker, model, **kwargs)
+                output = lightning_step(optimizer, every_worker, model, **kwargs)
             self._ready_other_workers()
             self._group.step_others(results[0])
-        finally:
-            self._plan = None
-        self._group.end_step()
-        return output
+            return output
+
+        return self.driver.optimizer_step(self.lightning_module.trainer.global_step, run, closure)
 
     @contextlib.contextmanager
     def _clipping_per_worker(self) -> Iterator[None]:
@@ -348,24 +308,16 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
         """The Trainer's current epoch: what a `gossip_steps` schedule by epoch reads (restored on resume)."""
         return self.lightning_module.trainer.current_epoch
 
-    def _begin_if_needed(self) -> None:
-        """Begin the current optimizer step on every worker, once (the schedule decides it here)."""
-        step = self.lightning_module.trainer.global_step
-        if self._plan is None or self._plan.step != step:
-            self._plan = self._schedule.plan(step, self._epoch())
-            self._group.begin_step(self._plan)
-
     @override
     def on_train_end(self) -> None:
         """After the last training batch: finish anything still in flight."""
-        self._group.drain()
-        self._plan = None
+        self.driver.drain()
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
         """After the stage: release the rules' hooks."""
-        self._group.teardown()
+        self.driver.teardown()
         super().teardown()
 
     @classmethod
@@ -379,6 +331,10 @@ class SimulatedDecentralizedStrategy(SimulatedReplicaStrategy):
             )
 
 
+
+
+def _quiet(message: str) -> None:
+    """Workers 1..n-1 warn nothing: worker 0 warns once for all."""
 
 
 def _loss_of(output: Any) -> Optional[Tensor]:

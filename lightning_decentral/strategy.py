@@ -29,29 +29,28 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import parameter_deviations, run_configuration
+from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.gossip import Gossip
-from lightning_decentral.mixing import ExchangeObserver
-from lightning_decentral.options import GossipDtypeName, TopologyName, check_options, register_strategies
+from lightning_decentral.measures import own_gradients
+from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyName, register_strategies
 from lightning_decentral.replicas import Replica
-from lightning_decentral.replicated import ReplicaStrategy
-from lightning_decentral.rules import RULES, RuleOptions, UpdateRule, rule_name
-from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
-from lightning_decentral.topology import Topology, resolve_topology
+from lightning_decentral.replicated import ReplicaStrategy, backward_may_overlap
+from lightning_decentral.rules import RuleContext
+from lightning_decentral.schedule import RoundsSchedule
+from lightning_decentral.topology import Topology
 
 if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against them
     import networkx
     import numpy as np
 
 
-class DecentralizedStrategy(ReplicaStrategy):
+class DecentralizedStrategy(Driven, ReplicaStrategy):
     """Decentralized data-parallel training: each rank keeps its own replica and gossips it.
 
     Update rules (docs/algorithms.md), with `U` the user's optimizer:
@@ -116,9 +115,7 @@ class DecentralizedStrategy(ReplicaStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        dtype = check_options(topology, combine, momentum, gossip_every, gossip_steps, eval_on, bucket_cap_mb, gossip_dtype)
         super().__init__(
-            eval_on=eval_on,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -128,59 +125,20 @@ class DecentralizedStrategy(ReplicaStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.combine, self.momentum = combine, momentum
-        self.gossip_every, self.gossip_steps, self.gossip_buffers = gossip_every, gossip_steps, gossip_buffers
-        self.bucket_cap_mb, self.gossip_dtype = bucket_cap_mb, dtype
-        self._topology_spec = topology
-        self._schedule: Optional[GossipSchedule] = None  # bound to the world size with the launcher
+        options = GossipOptions(
+            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype
+        )
+        self.driver = StepDriver(options, epoch=self._epoch)  # bound to the world size with the launcher
         self._replica: Optional[Replica] = None
         self._mixer: Optional[Gossip] = None
-        self._rule: Optional[UpdateRule] = None
-        self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
-        self._observers: list[ExchangeObserver] = []
-        self._measure_residuals = False
         self._owns_default_group = False  # this run made the default process group (with its timeout)
 
-    # -- public surface: the monitors, tests and benchmarks read the strategy through these ------
-
-    @property
-    def topology(self) -> Topology:
-        """The topology, bound to the world size (available once the Trainer is built)."""
-        return self._bound_schedule().topology
-
-    @property
-    def num_workers(self) -> int:
-        """`n`: one worker per rank."""
-        return self.world_size
-
-    def gossip_rounds(self, step: int) -> int:
-        """Rounds of exchange at optimizer step `step` of the current epoch (0: a local step, `W = I`)."""
-        return self._bound_schedule().rounds(step, self._epoch())
+    # -- public surface: the monitors, tests and benchmarks read the strategy through these (and Driven's) ------
 
     @property
     def flat_parameters(self) -> list[Tensor]:
         """The flat buffers the trainable parameters are views of (one per device and dtype)."""
         return self._replica.flat_parameters if self._replica is not None else []
-
-    def observe(self, observer: ExchangeObserver) -> None:
-        """Tell `observer` of every exchange of this rank from now on (bytes, post and wait times)."""
-        self._observers.append(observer)
-
-    def measure_residuals(self) -> None:
-        """From now on, every exchange of the parameters also measures its gossip residual
-        ([`gossip_residual`][lightning_decentral.DecentralizedStrategy.gossip_residual])."""
-        self._measure_residuals = True
-        if self._mixer is not None:
-            self._mixer.measure_residual = True
-
-    def gossip_residual(self, step: int) -> Optional[Tensor]:
-        """`‖y_i − Σ_j w_ij(k) y_j‖²` summed over this rank's trainable parameters, for the first round of
-        the exchange of step `k = step`: `y = x(k)` (AWC), `U(x(k), g)` (ATC), `z = x(k) − γ g` (DecentLaM).
-
-        A 0-dim float64 tensor on this rank's device, not synchronized; `None` if step `step` exchanged
-        nothing or [`measure_residuals`][lightning_decentral.DecentralizedStrategy.measure_residuals] was not called.
-        """
-        return self._rule.residual(step) if self._rule is not None else None
 
     def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
         """For each trainable parameter `p`: its name, `‖p_i − p̄‖²` on this rank and `‖p̄‖²`.
@@ -190,11 +148,9 @@ class DecentralizedStrategy(ReplicaStrategy):
         """
         return parameter_deviations(self._ranks, self.lightning_module)
 
-    def extra_gossip(self, step: int, rounds: int) -> None:
-        """`x <- W(step)^rounds x` for the parameters and the mixed buffers, now, on top of the step's own
-        gossip. Call it between optimizer steps (no exchange in flight), on every rank with the same arguments."""
-        if rounds > 0 and self._mixer is not None and self._replica is not None:
-            self._mixer.start(self._replica.mixed, step, rounds).wait()
+    def gradient_sum(self) -> list[Tensor]:
+        """This rank's gradient of each trainable parameter (zeros where it has none)."""
+        return own_gradients(self.lightning_module)
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -202,8 +158,7 @@ class DecentralizedStrategy(ReplicaStrategy):
     def _configure_launcher(self) -> None:
         """Runs when the Trainer is built, before any process starts: bind the topology (bad ones fail here)."""
         super()._configure_launcher()
-        topology = resolve_topology(self._topology_spec, self.num_nodes * self.num_processes, self.num_nodes)
-        self._schedule = GossipSchedule(topology, self.gossip_every, self.gossip_steps)
+        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -211,7 +166,16 @@ class DecentralizedStrategy(ReplicaStrategy):
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
         if trainer.state.fn == TrainerFn.FITTING:
             self._ranks.check_same_optimizers(self.optimizers)
-            self._rule = self._build_rule()
+            scaler = getattr(self.precision_plugin, "scaler", None)
+            context = RuleContext(
+                bucket_bytes=self.options.bucket_bytes,
+                grad_scaler=scaler if scaler is not None and scaler.is_enabled() else None,
+                any_worker=self._ranks.any,
+                overlap_backward=backward_may_overlap(self.lightning_module),
+                warn=rank_zero_warn,
+            )
+            assert self._replica is not None and self._mixer is not None
+            self.driver.build_rule(self._replica, self._mixer, self.optimizers, context)
 
     @override
     def setup_distributed(self) -> None:
@@ -236,37 +200,6 @@ class DecentralizedStrategy(ReplicaStrategy):
             self._mixer = Gossip.on_new_group(
                 self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
             )
-        self._mixer.measure_residual = self._measure_residuals
-        self._mixer.observers = self._observers
-        self._plan = None
-
-    def _build_rule(self) -> UpdateRule:
-        if len(self.optimizers) != 1:
-            raise ValueError(
-                f"DecentralizedStrategy mixes the whole model once per optimizer step and needs exactly one "
-                f"optimizer, but `configure_optimizers` returned {len(self.optimizers)}. Put the parameters "
-                "into one optimizer with several parameter groups."
-            )
-        assert self._replica is not None and self._mixer is not None
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        options = RuleOptions(
-            bucket_bytes=int(self.bucket_cap_mb * 2**20),
-            grad_scaler=scaler if scaler is not None and scaler.is_enabled() else None,
-            any_worker=self._ranks.any,
-            overlap_backward=self._can_overlap_backward(),
-            warn=rank_zero_warn,
-        )
-        return RULES[rule_name(self.momentum, self.combine)](self._replica, self._mixer, self.optimizers[0], options)
-
-    def _can_overlap_backward(self) -> bool:
-        """Whether communication may start during backward: no clipping (or module hook that may edit the
-        gradients after backward) needs every gradient first, and optimization is automatic."""
-        module = self.lightning_module
-        edits_gradients = bool(module.trainer.gradient_clip_val) or any(
-            is_overridden(hook, module)
-            for hook in ("configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step")
-        )
-        return module.automatic_optimization and not edits_gradients
 
     # -- one optimizer step -----------------------------------------------------------------
 
@@ -275,20 +208,21 @@ class DecentralizedStrategy(ReplicaStrategy):
         """Before each training batch: begin its optimizer step (AWC posts `x(k)` here)."""
         super().on_train_batch_start(batch, batch_idx)
         if batch_idx == 0:
-            self._live_replica().check_trainable_unchanged(self.lightning_module)
-        self._begin_step()
+            assert self._replica is not None, "the replicas are packed when fit starts"
+            self._replica.check_trainable_unchanged(self.lightning_module)
+        self.driver.begin(self.lightning_module.trainer.global_step)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Before each backward pass (DecentLaM: gradients go into flat buffers)."""
         super().pre_backward(closure_loss)
-        self._live_rule().before_backward()
+        self.driver.begin(self.lightning_module.trainer.global_step).before_backward()
 
     @override
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """Around the backward of accumulated micro-batches (DecentLaM posts no bucket there)."""
-        with self._live_rule().no_backward_sync():
+        with self.driver.begin(self.lightning_module.trainer.global_step).no_backward_sync():
             yield
 
     @override
@@ -300,39 +234,23 @@ class DecentralizedStrategy(ReplicaStrategy):
         **kwargs: Any,
     ) -> Any:
         """Runs once per optimizer step, in place of `optimizer.step(closure)`: the closure and `U` with
-        the rule's exchange around them, then `end_step` and `finish_step`."""
-        rule = self._begin_step()  # already begun, unless manual optimization skipped the batch start
-        try:
-            output = super().optimizer_step(optimizer, rule.wrap_closure(closure), model, **kwargs)
-        finally:
-            self._plan = None
-        rule.end_step()
-        rule.finish_step()
-        return output
-
-    def _begin_step(self) -> UpdateRule:
-        """The rule, with the current optimizer step begun (once per step: the schedule decides it here)."""
-        rule = self._live_rule()
-        step = self.lightning_module.trainer.global_step
-        if self._plan is None or self._plan.step != step:
-            self._plan = self._bound_schedule().plan(step, self._epoch())
-            rule.begin_step(self._plan)
-        return rule
+        the rule's exchange around them, then `end_step` and `finish_step` (a step is begun here unless the
+        batch start began it: manual optimization may skip it)."""
+        step = super().optimizer_step
+        return self.driver.optimizer_step(
+            self.lightning_module.trainer.global_step, lambda wrapped: step(optimizer, wrapped, model, **kwargs), closure
+        )
 
     @override
     def on_train_end(self) -> None:
         """After the last training batch: finish anything still in flight."""
-        if self._rule is not None:
-            self._rule.drain()
-        self._plan = None
+        self.driver.drain()
         super().on_train_end()
 
     @override
     def teardown(self) -> None:
         """After the stage: release the rule's hooks; after a clean fit, leave the gossip groups together."""
-        if self._rule is not None:
-            self._rule.teardown()
-        self._rule = None
+        self.driver.teardown()
         if self._mixer is not None and not self._failed:
             self._mixer.leave()  # every rank together; after an error the others may be gone
         self._mixer = None  # and its receive buffers
@@ -347,25 +265,9 @@ class DecentralizedStrategy(ReplicaStrategy):
             configuration["max_epochs"] = -1 if trainer.max_epochs is None else trainer.max_epochs
         return configuration
 
-    def _rule_record(self) -> dict[str, str]:
-        return shards.rule_record(rule_name(self.momentum, self.combine), self.topology)
-
     def _epoch(self) -> int:
         """The Trainer's current epoch: what a `gossip_steps` schedule by epoch reads (restored on resume)."""
         return self.lightning_module.trainer.current_epoch
-
-    def _bound_schedule(self) -> GossipSchedule:
-        if self._schedule is None:
-            raise RuntimeError("The topology is bound to the world size when the Trainer is created.")
-        return self._schedule
-
-    def _live_replica(self) -> Replica:
-        assert self._replica is not None, "the replicas are packed when fit starts"
-        return self._replica
-
-    def _live_rule(self) -> UpdateRule:
-        assert self._rule is not None, "the update rule is built when fit starts"
-        return self._rule
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

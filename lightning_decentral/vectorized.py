@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.replicas import Replica
-from lightning_decentral.rules import RULES, RuleOptions
+from lightning_decentral.rules import RULES, RuleContext
 from lightning_decentral.schedule import StepPlan
 from lightning_decentral.simulated_data import StackedBatch
 from lightning_decentral.simulated_workers import Logged, WorkerGroup, collect_logs
@@ -93,7 +93,7 @@ class StackedWorkers(WorkerGroup):
             hyperparameters and scheduler are kept).
         rule: the update rule's name in `RULES`.
         mix_buffers: also mix the floating-point module buffers.
-        options: the rule's options.
+        context: the rule's context.
         mixer: the dense mixer of the `n` workers.
         device: the workers' device.
     """
@@ -104,7 +104,7 @@ class StackedWorkers(WorkerGroup):
         optimizer: Optimizer,
         rule: str,
         mix_buffers: bool,
-        options: RuleOptions,
+        context: RuleContext,
         mixer: DenseMixer,
         device: torch.device,
     ) -> None:
@@ -121,7 +121,7 @@ class StackedWorkers(WorkerGroup):
         optimizer.state.clear()
         mixed = [b.view(-1) for b in self.buffers if b.is_floating_point()] if mix_buffers else []
         self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], mixed)
-        self.rules = [RULES[rule](self.replica, mixer.all_workers(), optimizer, options)]
+        self.rules = [RULES[rule](self.replica, mixer.all_workers(), optimizer, context)]
 
     @staticmethod
     def _stack(rows: list[Tensor]) -> Tensor:
@@ -175,7 +175,6 @@ class StackedWorkers(WorkerGroup):
 
     def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
         """One backward of the workers' summed losses: row `i` of every gradient is worker `i`'s."""
-        self.rules[0].before_backward()
         backward(torch.stack(losses).sum(), self.modules[0], self.optimizer)
 
     def ready_others(self, clip_val: Optional[float], clip_algorithm: Optional[str]) -> None:

@@ -40,7 +40,8 @@ from torch import nn
 
 from lightning_decentral.mixing import DenseMixer, ExchangeObserver
 from lightning_decentral.replicas import Replica
-from lightning_decentral.rules import RULES, RuleOptions, UpdateRule, rule_name
+from lightning_decentral.options import rule_name
+from lightning_decentral.rules import RULES, RuleContext, UpdateRule
 from lightning_decentral.schedule import GossipSchedule
 from lightning_decentral.topology import resolve_topology
 from tests.models import init_seed, initial_net, make_optimizer, make_scheduler, rank_data
@@ -53,12 +54,12 @@ class DenseExecutor:
     Args:
         config: the run (the same object ``tests.reference.run`` takes).
         n: the number of workers.
-        measure_residual: set ``mixer.measure_residual``.
+        measure_residuals: set ``mixer.measure_residuals``.
         observers: added to the dense mixer's observers (they see every worker's exchanges).
     """
 
     def __init__(
-        self, config: Config, n: int, measure_residual: bool = False, observers: Sequence[ExchangeObserver] = ()
+        self, config: Config, n: int, measure_residuals: bool = False, observers: Sequence[ExchangeObserver] = ()
     ) -> None:
         self.config, self.n = config, n
         start = initial_net(init_seed(0), config.batch_norm).to(config.dtype)  # rank 0's initial weights
@@ -69,18 +70,18 @@ class DenseExecutor:
         self.data = [rank_data(i, config.samples, config.dtype) for i in range(n)]
         topology = resolve_topology(config.topology, n)
         self.mixer = DenseMixer(topology, dtype=config.gossip_dtype)
-        self.mixer.measure_residual = measure_residual
+        self.mixer.measure_residuals = measure_residuals
         self.mixer.observers.extend(observers)
         self.schedule = GossipSchedule(topology, config.gossip_every, config.gossip_steps)
         self.warnings: list[str] = []
-        self.options = RuleOptions(
+        self.context = RuleContext(
             bucket_bytes=int(config.bucket_cap_mb * 2**20),
             overlap_backward=config.clip is None,  # as DecentralizedStrategy: clipping needs every gradient first
             warn=self.warnings.append,
         )
         cls = RULES[rule_name(config.momentum, config.combine)]
         self.rules: list[UpdateRule] = [
-            cls(replica, self.mixer.worker(i), optimizer, self.options)
+            cls(replica, self.mixer.worker(i), optimizer, self.context)
             for i, (replica, optimizer) in enumerate(zip(self.replicas, self.optimizers))
         ]
 

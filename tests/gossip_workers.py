@@ -24,10 +24,10 @@ def exchange(rank: int, world_size: int, topology: str, step: int, rounds: int) 
     generator = torch.Generator().manual_seed(rank)
     before = [torch.randn(10, generator=generator, dtype=torch.float64), torch.randn(3, generator=generator, dtype=torch.float64)]
     measured = [b.clone() for b in before]
-    gossip.measure_residual = True
+    gossip.measure_residuals = True
     pending = gossip.start(measured, step, rounds)
     pending.wait()
-    gossip.measure_residual = False
+    gossip.measure_residuals = False
     plain = [b.clone() for b in before]
     unmeasured = gossip.start(plain, step, rounds)
     unmeasured.wait()

@@ -63,7 +63,7 @@ def engine_checks(rank: int, world_size: int) -> dict[str, Any]:
         for name, transport in TRANSPORTED:
             topology = resolve_topology(name, world_size)
             gossip = Gossip(topology, dtype=BF16, transport=transport)
-            gossip.measure_residual = True
+            gossip.measure_residuals = True
             mixed = x.clone()
             sent_bytes.clear()
             pending = gossip.start([mixed], step=0)

@@ -18,6 +18,7 @@ LAYERS = [
     ["vectorized"],
     ["simulated_workers"],
     ["simulated_data"],
+    ["driver"],
     ["rules"],
     ["overlap"],
     ["schedule", "options", "agreement"],
@@ -27,7 +28,7 @@ LAYERS = [
     ["topology"],
     ["failures"],
 ]
-WITHOUT_LIGHTNING = ["failures", "data", "measures", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["failures", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:

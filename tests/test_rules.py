@@ -123,7 +123,7 @@ def _dense_residuals(y: torch.Tensor, config: Config, n: int, step: int) -> torc
 def test_the_residual_is_that_of_the_dense_mixing(config: Config) -> None:
     """AWC: of ``y = x(k)``; ATC: of ``y = U(x(k), g)``; DecentLaM: of ``z = x(k) − γ g`` (the first
     round; over the trainable parameters only, not the mixed module buffers)."""
-    executor = DenseExecutor(config, N, measure_residual=True)
+    executor = DenseExecutor(config, N, measure_residuals=True)
     exchanged: dict[int, torch.Tensor] = {}
 
     def before(k: int) -> None:

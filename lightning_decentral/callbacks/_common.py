@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from lightning_decentral.simulated_data import PerWorker, StackedBatch
-from lightning_decentral.simulation import SimulatedDecentralizedStrategy
-from lightning_decentral.strategy import DecentralizedStrategy
-
-Decentralized = Union[DecentralizedStrategy, SimulatedDecentralizedStrategy]
+from lightning_decentral.measures import Monitored
 
 
 def check_every(every_n_steps: Any) -> int:
@@ -34,21 +30,14 @@ def due(step: int, every_n_steps: int) -> bool:
     return (step + 1) % every_n_steps == 0
 
 
-def decentralized(trainer: Trainer) -> Optional[Decentralized]:
+def decentralized(trainer: Trainer) -> Optional[Monitored]:
     """The trainer's decentralized strategy (on processes or simulated) with more than one worker, else
     `None` (the replicas are one model). Its monitoring values are this process's sums over its workers:
     a sum over the ranks, divided by `num_workers`, gives the mean over every worker."""
     strategy = trainer.strategy
-    if isinstance(strategy, (DecentralizedStrategy, SimulatedDecentralizedStrategy)) and strategy.num_workers > 1:
+    if isinstance(strategy, Monitored) and strategy.num_workers > 1:
         return strategy
     return None
-
-
-def worker_parts(batch: Any) -> list[Any]:
-    """The batches of this process's workers: each simulated worker's, or the rank's own."""
-    if isinstance(batch, StackedBatch):
-        return list(batch.parts())
-    return list(batch) if isinstance(batch, PerWorker) else [batch]
 
 
 def max_over_ranks(tensor: Tensor) -> Tensor:

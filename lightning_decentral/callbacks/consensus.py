@@ -28,9 +28,7 @@ from torch import Tensor
 
 from lightning_decentral.callbacks._common import check_every, decentralized, due, max_over_ranks, warn_unless_written
 from lightning_decentral.measures import consensus_distance, gossip_residual
-from lightning_decentral.schedule import RoundsSchedule
-from lightning_decentral.simulation import SimulatedDecentralizedStrategy
-from lightning_decentral.strategy import DecentralizedStrategy
+from lightning_decentral.measures import Monitored
 from lightning_decentral.topology import Topology
 
 _REFERENCES = ("absolute", "parameters")
@@ -231,7 +229,7 @@ class ConsensusControl(_StepEnd):
         if strategy is None:
             rank_zero_warn(_nothing_to_control(trainer))
             return
-        own = RoundsSchedule.of(strategy.gossip_steps).most
+        own = strategy.gossip_steps.most
         if self.max_gossip_steps is None:
             self.rounds_cap = max(own, default_max_gossip_steps(strategy.topology))
         elif own > self.max_gossip_steps:
@@ -448,7 +446,7 @@ def _nothing_to_control(trainer: Trainer) -> str:
     """Why `ConsensusControl` does nothing under this Trainer, and what would give it replicas to control."""
     strategy = trainer.strategy
     name = type(strategy).__name__
-    if isinstance(strategy, (DecentralizedStrategy, SimulatedDecentralizedStrategy)):
+    if isinstance(strategy, Monitored):
         return (
             f"ConsensusControl has nothing to control: {name} runs one worker, whose replica is the model "
             "(Ξ = 0). Train on more workers: devices > 1 (or num_nodes > 1), or n workers simulated on one "

@@ -19,9 +19,8 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_decentral.callbacks._common import check_every, decentralized, due, warn_unless_written, worker_parts
+from lightning_decentral.callbacks._common import check_every, decentralized, due, warn_unless_written
 from lightning_decentral.measures import effective_ratio, random_state, set_random_state
-from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 
 
 class EffectiveLearningRate(Callback):
@@ -83,8 +82,8 @@ class EffectiveLearningRate(Callback):
             self._step, self._batches = step, []
         strategy = decentralized(trainer)
         if due(step, self.every_n_steps) and strategy is not None:
-            states = _worker_random_states(strategy)
-            self._batches += [(part, batch_idx, state) for part, state in zip(worker_parts(batch), states)]
+            states = strategy.worker_random_states()
+            self._batches += [(part, batch_idx, state) for part, state in zip(strategy.worker_batches(batch), states)]
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         step = trainer.global_step
@@ -106,12 +105,10 @@ class EffectiveLearningRate(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batches: list[tuple[Any, int, dict[str, Any]]]
     ) -> tuple[Tensor, Tensor]:
         """`(⟨ḡ_loc, g(x̄)⟩ / ‖g(x̄)‖², ‖ḡ_loc − g(x̄)‖)`, equal on every rank."""
-        strategy = trainer.strategy
+        strategy = decentralized(trainer)
+        assert strategy is not None
         params = [p for p in pl_module.parameters() if p.requires_grad]
-        if isinstance(strategy, SimulatedDecentralizedStrategy):  # Σ_i g_i over the simulated workers
-            local = strategy.gradient_sum()
-        else:
-            local = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        local = strategy.gradient_sum()  # Σ_i g_i over this process's workers
         with _untouched(pl_module, strategy.root_device), strategy.averaged_model():
             at_mean = _gradients(trainer, pl_module, params, batches)
         return effective_ratio(strategy, local, at_mean)
@@ -165,13 +162,3 @@ def _untouched(pl_module: LightningModule, device: torch.device) -> Iterator[Non
 
 def _drop(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-def _worker_random_states(strategy: Any) -> list[dict[str, Any]]:
-    """The random state each of this process's workers starts its training forward from."""
-    if not isinstance(strategy, SimulatedDecentralizedStrategy):
-        return [random_state(strategy.root_device)]
-    device = strategy.root_device
-    return [
-        {"cpu": cpu, **({"cuda": (device, cuda)} if cuda is not None else {})} for cpu, cuda in strategy.random_states()
-    ]

@@ -30,7 +30,7 @@ def consensus_metrics(strategy: DecentralizedStrategy, per_layer: bool = False) 
     Call it between optimizer steps on every rank; the values are equal on every rank.
     """
     metrics: dict[str, Tensor] = {}
-    if strategy.step > 0 and strategy.measures_residuals:
+    if strategy.step > 0 and strategy.driver.residuals_measured:
         residual = gossip_residual(strategy, strategy.step - 1)
         if residual is not None:
             metrics["consensus/residual"] = residual

@@ -6,9 +6,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -20,42 +24,27 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.agreement import (
-    Ranks,
-    mean_optimizer_state,
-    parameter_deviations,
-    run_configuration,
-)
+from lightning_decentral.agreement import Ranks, mean_optimizer_state, parameter_deviations, run_configuration
+from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
 from lightning_decentral.gossip import Gossip
-from lightning_decentral.measures import random_state
-from lightning_decentral.mixing import ExchangeObserver
-from lightning_decentral.options import (
-    GossipDtypeName,
-    check_options,
-    register_strategies,
-)
+from lightning_decentral.measures import own_gradients, random_state
+from lightning_decentral.options import GossipDtypeName, GossipOptions, register_strategies
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
-from lightning_decentral.rules import (
-    RULES,
-    DecentLaM,
-    RuleOptions,
-    UpdateRule,
-    rule_name,
-)
-from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
-from lightning_decentral.topology import Topology, resolve_topology
+from lightning_decentral.rules import RuleContext
+from lightning_decentral.schedule import RoundsSchedule
 
 STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
 
 
-class DecentralizedStrategy(DDPStrategy):
+class DecentralizedStrategy(Driven, DDPStrategy):
     """Fabric's decentralized data-parallel strategy: each rank keeps its own replica and gossips it.
 
     The update rules and their arguments are those of the Trainer's
     [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] (`topology`, `combine`,
     `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
-    `gossip_dtype`); the keyword arguments `**kwargs` are `lightning.fabric.strategies.DDPStrategy`'s
-    (`timeout` bounds every exchange: a dead rank ends the others within it).
+    `gossip_dtype`); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`,
+    `precision`, `process_group_backend`, `timeout`, `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s
+    (`timeout` bounds every exchange: a dead rank ends the others within it); any other name is a `TypeError`.
     `eval_on` decides what [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation]
     swaps in.
 
@@ -87,59 +76,49 @@ class DecentralizedStrategy(DDPStrategy):
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
-        **kwargs: Any,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        dtype = check_options(topology, combine, momentum, gossip_every, gossip_steps, eval_on, bucket_cap_mb, gossip_dtype)
-        super().__init__(**kwargs)  # accelerator, cluster_environment, precision, timeout, start_method, ...
+        options = GossipOptions(
+            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
         self._backward_sync_control = _RuleBackwardSync(self)
-        self.combine, self.momentum, self.eval_on = combine, momentum, eval_on
-        self.gossip_every, self.gossip_steps, self.gossip_buffers = gossip_every, gossip_steps, gossip_buffers
-        self.bucket_cap_mb, self.gossip_dtype = bucket_cap_mb, dtype
+        self.driver = StepDriver(options, epoch=self._epoch)  # bound to the world size with the launcher
         self.step = 0  # k: the optimizer steps taken (saved with every checkpoint)
         self.epoch: Optional[int] = None  # the loop's epoch, for a gossip_steps schedule by epoch (set_epoch)
-        self._topology_spec = topology
-        self._schedule: Optional[GossipSchedule] = None
         self._module: Optional[Module] = None
         self._optimizer: Optional[Optimizer] = None
         self._replica: Optional[Replica] = None
         self._mixer: Optional[Gossip] = None
-        self._rule: Optional[UpdateRule] = None
-        self._options = RuleOptions(overlap_backward=False)  # DecentLaM: learnt on the first step
-        self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
+        self._context = RuleContext(overlap_backward=False)  # DecentLaM: learnt on the first step
         self._clipping = False  # fabric.clip_gradients ran
         self._averaged = AveragedModel()
         self._averaging = 0  # depth of averaged_model()
-        self._observers: list[ExchangeObserver] = []
-        self._measure_residuals = False
         self._hooks: list[Any] = []
         self._forward_states: list[dict[str, Any]] = []  # the random state of each training forward of step k
 
-    # -- the monitoring surface (as the Trainer strategy's) -----------------------------------
-
-    @property
-    def topology(self) -> Topology:
-        """The topology, bound to the world size (available once Fabric is built)."""
-        if self._schedule is None:
-            raise RuntimeError("The topology is bound to the world size when Fabric is created.")
-        return self._schedule.topology
-
-    @property
-    def num_workers(self) -> int:
-        """`n`: one worker per rank."""
-        return self.world_size
-
-    def gossip_rounds(self, step: int) -> int:
-        """Rounds of exchange at optimizer step `step` of the current epoch (0: a local step, `W = I`)."""
-        return self._schedule.rounds(step, self.epoch or 0) if self._schedule is not None else 0
+    # -- the monitoring surface (Driven's, and these) ---------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
         """Tell the strategy the loop's epoch, at the start of every epoch (from the epoch a resumed loop restored):
         required with a `gossip_steps` schedule by epoch, ignored otherwise."""
         self.epoch = epoch
-
-    def observe(self, observer: ExchangeObserver) -> None:
-        """Tell `observer` of every exchange of this rank from now on (bytes, post and wait times)."""
-        self._observers.append(observer)
 
     @property
     def module(self) -> Module:
@@ -147,28 +126,17 @@ class DecentralizedStrategy(DDPStrategy):
         return self._live(self._module)
 
     @property
-    def measures_residuals(self) -> bool:
-        """Whether `measure_residuals()` ran: each exchange then measures its gossip residual."""
-        return self._measure_residuals
-
-    @property
     def grad_scaler(self) -> Optional[torch.amp.GradScaler]:
         """The enabled GradScaler of fp16 mixed precision, once set up; else `None`."""
-        return self._options.grad_scaler
-
-    def measure_residuals(self) -> None:
-        """From now on, every exchange of the parameters also measures its gossip residual."""
-        self._measure_residuals = True
-        if self._mixer is not None:
-            self._mixer.measure_residual = True
-
-    def gossip_residual(self, step: int) -> Optional[Tensor]:
-        """This rank's `‖y_i − Σ_j w_ij(k) y_j‖²` of step `step`'s first round, if measured."""
-        return self._rule.residual(step) if self._rule is not None else None
+        return self._context.grad_scaler
 
     def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
         """For each trainable parameter: its name, `‖p_i − p̄‖²` here and `‖p̄‖²` (every rank together)."""
         return parameter_deviations(self._ranks, self._live(self._module))
+
+    def gradient_sum(self) -> list[Tensor]:
+        """This rank's gradient of each trainable parameter (zeros where it has none)."""
+        return own_gradients(self._live(self._module))
 
     def record_random_state(self) -> None:
         """Record the random state a training forward starts from (the CPU generator's and, on a GPU, this
@@ -209,20 +177,14 @@ class DecentralizedStrategy(DDPStrategy):
     def _configure_launcher(self) -> None:
         """Runs when Fabric is built, before any process starts: bind the topology (bad ones fail here)."""
         super()._configure_launcher()
-        topology = resolve_topology(self._topology_spec, self.num_nodes * self.num_processes, self.num_nodes)
-        self._schedule = GossipSchedule(topology, self.gossip_every, self.gossip_steps)
+        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)
 
     @override
     def setup_module_and_optimizers(
         self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
     ) -> tuple[Module, list[Optimizer], Optional[Any]]:
         """Runs in `fabric.setup(model, optimizer)`: the replica, then the update rule."""
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"DecentralizedStrategy mixes the whole model once per optimizer step and needs exactly one "
-                f"optimizer, but `fabric.setup` got {len(optimizers)}. Put the parameters into one optimizer "
-                "with several parameter groups."
-            )
+        check_one_optimizer(optimizers, "`fabric.setup` got")
         module = self.setup_module(module)
         return module, [self.setup_optimizer(optimizers[0])], scheduler
 
@@ -244,8 +206,6 @@ class DecentralizedStrategy(DDPStrategy):
         self._mixer = Gossip.on_new_group(
             self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
         )
-        self._mixer.measure_residual = self._measure_residuals
-        self._mixer.observers = self._observers
         self._module = module
         self._hooks = [module.register_forward_pre_hook(self._before_forward)]
         return module
@@ -253,18 +213,17 @@ class DecentralizedStrategy(DDPStrategy):
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Runs in `fabric.setup` or `fabric.setup_optimizers`: build the update rule around `optimizer`."""
-        if self._rule is not None:
+        if self.driver.runner is not None:
             raise ValueError(
                 "DecentralizedStrategy needs exactly one optimizer; a second was set up. Put the parameters "
                 "into one optimizer with several parameter groups."
             )
-        replica, mixer = self._live(self._replica), self._live(self._mixer)
         scaler = getattr(self.precision, "scaler", None)
-        self._options.bucket_bytes = int(self.bucket_cap_mb * 2**20)
-        self._options.grad_scaler = scaler if scaler is not None and scaler.is_enabled() else None
-        self._options.any_worker = self._ranks.any
-        self._options.warn = rank_zero_warn
-        self._rule = RULES[rule_name(self.momentum, self.combine)](replica, mixer, optimizer, self._options)
+        self._context.bucket_bytes = self.options.bucket_bytes
+        self._context.grad_scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self._context.any_worker = self._ranks.any
+        self._context.warn = rank_zero_warn
+        self.driver.build_rule(self._live(self._replica), self._live(self._mixer), [optimizer], self._context)
         self._optimizer = optimizer
         return optimizer
 
@@ -280,7 +239,7 @@ class DecentralizedStrategy(DDPStrategy):
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
         """Runs in `fabric.backward`: the rule prepares the backward (DecentLaM: flat gradients)."""
-        if self._rule is not None:
+        if self.driver.runner is not None:
             self._begin_step().before_backward()
         super().backward(tensor, module, *args, **kwargs)
 
@@ -288,20 +247,19 @@ class DecentralizedStrategy(DDPStrategy):
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """Runs in `optimizer.step()`: the rule's wait (AWC) or posts (DecentLaM) after the backward that
         already ran, `U`, then `end_step` and `finish_step`; `k` advances."""
-        rule = self._begin_step()
+        self._begin_step()
         closure = kwargs.pop("closure", None)
-        try:
+        step = super().optimizer_step
+
+        def run(wrapped: Callable[[], Any]) -> Any:
             if closure is None:  # forward and backward ran in the user's loop
-                rule.wrap_closure(_nothing)()
-                output = super().optimizer_step(optimizer, **kwargs)
-            else:
-                output = super().optimizer_step(optimizer, closure=rule.wrap_closure(closure), **kwargs)
-        finally:
-            self._plan = None
-        rule.end_step()
-        rule.finish_step()
+                wrapped()
+                return step(optimizer, **kwargs)
+            return step(optimizer, closure=wrapped, **kwargs)
+
+        output = self.driver.optimizer_step(self.step, run, closure or _nothing)
         self.step += 1
-        self._options.overlap_backward = not self._clipping
+        self._context.overlap_backward = not self._clipping
         return output
 
     @override
@@ -317,7 +275,7 @@ class DecentralizedStrategy(DDPStrategy):
         return super().clip_gradients_value(module, optimizer, clip_val)
 
     def _before_clipping(self) -> None:
-        if self._options.overlap_backward and isinstance(self._rule, DecentLaM):
+        if self._context.overlap_backward and self.rule == "decentlam":
             raise RuntimeError(
                 f"fabric.clip_gradients ran at step {self.step}, after DecentLaM had sent buckets of unclipped "
                 "gradients during backward. Clip from the first optimizer step on (DecentLaM then sends after "
@@ -325,34 +283,35 @@ class DecentralizedStrategy(DDPStrategy):
             )
         self._clipping = True
 
-    def _begin_step(self) -> UpdateRule:
+    def _begin_step(self) -> StepRunner:
         """The rule, with step `k` begun (once per step: the schedule decides it here)."""
-        rule = self._live(self._rule)
-        if self._plan is None:
+        if not self.driver.begun:
             self._forward_states = []  # a new optimizer step
-            schedule = self._live(self._schedule)
-            if schedule.gossip_steps.by_epoch and self.epoch is None:
+        return self.driver.begin(self.step)
+
+    def _epoch(self) -> int:
+        """The loop's epoch (`set_epoch`); required by a `gossip_steps` schedule by epoch."""
+        if self.epoch is None:
+            if self.gossip_steps.by_epoch:
                 raise RuntimeError(
-                    f"gossip_steps={schedule.gossip_steps} changes with the epoch, which Fabric does not know: call "
+                    f"gossip_steps={self.gossip_steps} changes with the epoch, which Fabric does not know: call "
                     "`fabric.strategy.set_epoch(epoch)` at the start of every epoch of your loop."
                 )
-            self._plan = schedule.plan(self.step, self.epoch or 0)
-            rule.begin_step(self._plan)
-        return rule
+            return 0
+        return self.epoch
 
     @override
     def teardown(self) -> None:
         """Runs when the run is over (`fabric.strategy.teardown()`): finish any exchange, release the rule's
         hooks and leave the gossip group together."""
-        if self._rule is not None:
-            self._rule.drain()
-            self._rule.teardown()
+        self.driver.drain()
+        self.driver.teardown()
         for hook in self._hooks:
             hook.remove()
         if self._mixer is not None:
             self._mixer.leave()
-        self._rule = self._mixer = self._replica = self._module = self._optimizer = None
-        self._plan, self._hooks, self._forward_states = None, [], []
+        self._mixer = self._replica = self._module = self._optimizer = None
+        self._hooks, self._forward_states = [], []
         super().teardown()
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -382,7 +341,7 @@ class DecentralizedStrategy(DDPStrategy):
             return shards.make_shard(
                 save_id, self.global_rank, self.world_size, state_dict=self._live(self._module).state_dict(),
                 step=self.step, optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
-                precision=self.precision.state_dict(),
+                precision=self.precision.state_dict(), rule=self.rule_record(),
             )
 
         def write_file() -> None:
@@ -411,13 +370,15 @@ class DecentralizedStrategy(DDPStrategy):
         shard = shards.load_own_shard(self._ranks, path, meta, rank_zero_warn)
         if shard is None:
             return remainder
+        changed = shards.rule_change_warning(path, shard, self.rule_record())
+        if changed is not None:
+            rank_zero_warn(changed)
+        shards.resume_rank_state(shard, self.step)  # the shard's step must be the file's
         self._live(self._module).load_state_dict(shard["state_dict"], strict=strict)
         if optimizer_key is not None and "optimizer_states" in shard:
             self._live(self._optimizer).load_state_dict(shard["optimizer_states"][0])
         if shard.get("precision"):
             self.precision.load_state_dict(shard["precision"])
-        self.step = shard["strategy"]["step"]
-        shards.resume_rank_state(shard, self.step)
         return remainder
 
     def _keys(self, state: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:

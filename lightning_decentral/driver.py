@@ -1,0 +1,343 @@
+"""What every executor does around an update rule, written once: [`StepDriver`][lightning_decentral.driver.StepDriver].
+
+The three executors (the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy],
+Fabric's [`DecentralizedStrategy`][lightning_decentral.fabric.DecentralizedStrategy] and the
+[`SimulatedDecentralizedStrategy`][lightning_decentral.SimulatedDecentralizedStrategy]) each hold one driver
+and tell it only what they alone know: the world size, the epoch, the optimizer step, the rule's context
+(grad scaler, whether backward may overlap, how to warn, how to reach every worker). The driver binds the
+topology, holds the one gossip schedule, plans each step once, builds the rule, runs the step's lifecycle,
+and keeps the monitoring surface ([`Driven`][lightning_decentral.driver.Driven]):
+
+```text
+driver.bind(world_size, num_nodes)                  topology and schedule, checked
+driver.build_rule(replica, mixer, optimizers, ...)  RULES[options.rule](...)   (or driver.run(workers))
+driver.begin(k)                                     plan = schedule.plan(k, epoch); runner.begin_step(plan)
+driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
+driver.drain(); driver.teardown()                   at the end of training; when the run is over
+```
+
+Lightning-free: a single process drives the same lifecycle over a
+[`DenseMixer`][lightning_decentral.mixing.DenseMixer] (see `tests/dense_executor.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Optional, Protocol
+
+from torch import Tensor
+
+from lightning_decentral import checkpoint as shards
+from lightning_decentral.measures import random_state
+from lightning_decentral.mixing import ExchangeObserver, Mixer
+from lightning_decentral.options import GossipOptions
+from lightning_decentral.replicas import Replica
+from lightning_decentral.rules import RULES, Closure, RuleContext, UpdateRule
+from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
+from lightning_decentral.topology import Topology, resolve_topology
+
+
+class StepRunner(Protocol):
+    """What the driver runs at each step: one worker's [`UpdateRule`][lightning_decentral.rules.UpdateRule] (a
+    process), or every simulated worker at once (a [`WorkerGroup`][lightning_decentral.simulation.WorkerGroup])."""
+
+    def begin_step(self, plan: StepPlan) -> None: ...
+
+    def before_backward(self) -> None: ...
+
+    def no_backward_sync(self) -> AbstractContextManager: ...
+
+    def wrap_closure(self, closure: Closure) -> Closure: ...
+
+    def end_step(self) -> None: ...
+
+    def finish_step(self) -> None: ...
+
+    def drain(self) -> None: ...
+
+    def teardown(self) -> None: ...
+
+    def residual(self, step: int) -> Optional[Tensor]: ...
+
+    def mix(self, step: int, rounds: int) -> None: ...
+
+
+class StepDriver:
+    """One executor's update rule and everything around it (see the module docstring).
+
+    Args:
+        options: the checked update-rule arguments.
+        epoch: the executor's current epoch (what a `gossip_steps` schedule by epoch reads).
+
+    Examples:
+        Two workers in one process, each driven as a rank would be (the simulation runs them together):
+
+        >>> import torch
+        >>> from lightning_decentral.mixing import DenseMixer
+        >>> driver = StepDriver(GossipOptions(topology="complete", combine="atc"))
+        >>> driver.bind(world_size=2)
+        >>> mixer = DenseMixer(driver.topology)
+        >>> models = [torch.nn.Linear(1, 1, bias=False) for _ in range(2)]
+        >>> rules = [
+        ...     driver.build_rule(Replica(m, False), mixer.worker(i), [torch.optim.SGD(m.parameters(), lr=0.5)])
+        ...     for i, m in enumerate(models)
+        ... ]
+        >>> driver.plan(0), driver.rule_record()
+        (StepPlan(step=0, rounds=1), {'rule': 'atc', 'topology': 'Complete(world_size=2)'})
+    """
+
+    def __init__(self, options: GossipOptions, epoch: Optional[Callable[[], int]] = None) -> None:
+        self.options = options
+        self.schedule: Optional[GossipSchedule] = None
+        self.runner: Optional[StepRunner] = None
+        self.observers: list[ExchangeObserver] = []  # every attached mixer tells them of its exchanges
+        self.residuals_measured = False  # measure_residuals() was called
+        self._epoch = epoch
+        self._mixers: list[Mixer] = []
+        self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
+
+    # -- binding ------------------------------------------------------------------------------
+
+    def bind(self, world_size: int, num_nodes: int = 1) -> None:
+        """Bind the topology to `world_size` workers on `num_nodes` nodes and build the schedule (a topology that
+        does not fit raises here, before any process starts)."""
+        topology = resolve_topology(self.options.topology, world_size, num_nodes)
+        self.schedule = GossipSchedule(topology, self.options.gossip_every, self.options.gossip_steps)
+
+    @property
+    def topology(self) -> Topology:
+        """The topology, bound to the world size."""
+        return self._schedule().topology
+
+    @property
+    def num_workers(self) -> int:
+        """`n`, the workers the topology is bound to."""
+        return self.topology.world_size
+
+    def epoch(self) -> int:
+        """The executor's current epoch (0 if it has none)."""
+        return self._epoch() if self._epoch is not None else 0
+
+    def rounds(self, step: int) -> int:
+        """Rounds of `W(step)` at optimizer step `step` of the current epoch (0: a local step)."""
+        return self._schedule().rounds(step, self.epoch())
+
+    def plan(self, step: int) -> StepPlan:
+        """The plan of optimizer step `step` in the current epoch."""
+        return self._schedule().plan(step, self.epoch())
+
+    # -- building -----------------------------------------------------------------------------
+
+    def attach(self, mixer: Mixer) -> Mixer:
+        """Give `mixer` the observers and the residual measurement asked for so far (and later)."""
+        mixer.observers = self.observers
+        mixer.measure_residuals = self.residuals_measured
+        self._mixers.append(mixer)
+        return mixer
+
+    def build_rule(
+        self,
+        replica: Replica,
+        mixer: Mixer,
+        optimizers: list[Any],
+        context: Optional[RuleContext] = None,
+        source: str = "`configure_optimizers` returned",
+    ) -> UpdateRule:
+        """The rule the options select, over `replica`, `mixer` and the one optimizer; from now on the runner."""
+        check_one_optimizer(optimizers, source)
+        rule = RULES[self.options.rule](replica, self.attach(mixer), optimizers[0], context)
+        self.run(rule)
+        return rule
+
+    def run(self, runner: StepRunner) -> None:
+        """Drive `runner` from now on (the simulation's worker group; `build_rule` calls it for a rule)."""
+        self.runner, self._plan = runner, None
+
+    # -- one step -----------------------------------------------------------------------------
+
+    @property
+    def begun(self) -> bool:
+        """Whether a step is begun and not yet stepped."""
+        return self._plan is not None
+
+    def begin(self, step: int) -> StepRunner:
+        """The runner, with optimizer step `step` begun: planned once, whoever calls first (AWC posts `x(k)` here)."""
+        runner = self._live()
+        if self._plan is None or self._plan.step != step:
+            self._plan = self.plan(step)
+            runner.begin_step(self._plan)
+        return runner
+
+    def optimizer_step(self, step: int, run: Callable[[Closure], Any], closure: Closure) -> Any:
+        """Step `step`: `run(wrapped)` with the closure the rule wraps (the executor's `optimizer.step(...)`,
+        which runs it: forward and backward), then the rule's `end_step` and `finish_step`. Returns `run`'s output."""
+        runner = self.begin(step)
+        try:
+            output = run(runner.wrap_closure(closure))
+        finally:
+            self._plan = None
+        runner.end_step()
+        runner.finish_step()
+        return output
+
+    def drain(self) -> None:
+        """Finish anything in flight (the end of training, or a step that never reached the optimizer)."""
+        if self.runner is not None:
+            self.runner.drain()
+        self._plan = None
+
+    def teardown(self) -> None:
+        """The run is over: release the rule's hooks and forget it and its mixers."""
+        if self.runner is not None:
+            self.runner.teardown()
+        self.runner, self._plan, self._mixers = None, None, []
+
+    # -- the monitoring surface ---------------------------------------------------------------
+
+    def observe(self, observer: ExchangeObserver) -> None:
+        """Tell `observer` of every exchange from now on."""
+        self.observers.append(observer)
+
+    def measure_residuals(self) -> None:
+        """From now on every exchange of the parameters also measures its gossip residual."""
+        self.residuals_measured = True
+        for mixer in self._mixers:
+            mixer.measure_residuals = True
+
+    def residual(self, step: int) -> Optional[Tensor]:
+        """The runner's gossip residual of step `step`, if measured."""
+        return self.runner.residual(step) if self.runner is not None else None
+
+    def extra_gossip(self, step: int, rounds: int) -> None:
+        """`x <- W(step)^rounds x` now, between steps (nothing when `rounds == 0` or before fit)."""
+        if rounds > 0 and self.runner is not None:
+            self.runner.mix(step, rounds)
+
+    def rule_record(self) -> dict[str, str]:
+        """What a shard records of the rule ([`rule_record`][lightning_decentral.checkpoint.rule_record])."""
+        return shards.rule_record(self.options.rule, self.topology)
+
+    def _schedule(self) -> GossipSchedule:
+        if self.schedule is None:
+            raise RuntimeError("The topology is bound to the world size when the Trainer (or Fabric) is created.")
+        return self.schedule
+
+    def _live(self) -> StepRunner:
+        if self.runner is None:
+            raise RuntimeError("The update rule is built when training starts (fit, or fabric.setup).")
+        return self.runner
+
+
+def check_one_optimizer(optimizers: list[Any], source: str) -> None:
+    """Raise unless there is exactly one optimizer (`source` says where they came from)."""
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"Decentralized training mixes the whole model once per optimizer step and needs exactly one optimizer, "
+            f"but {source} {len(optimizers)}. Put the parameters into one optimizer with several parameter groups."
+        )
+
+
+class Driven:
+    """The monitoring surface and the update-rule arguments every executor shares, read from its `driver`
+    ([`Monitored`][lightning_decentral.measures.Monitored] is what the monitors read)."""
+
+    driver: StepDriver
+    root_device: Any
+
+    @property
+    def options(self) -> GossipOptions:
+        """The checked update-rule arguments."""
+        return self.driver.options
+
+    @property
+    def combine(self) -> str:
+        """`"awc"` or `"atc"`."""
+        return self.driver.options.combine
+
+    @property
+    def momentum(self) -> str:
+        """`"local"` or `"decentlam"`."""
+        return self.driver.options.momentum
+
+    @property
+    def rule(self) -> str:
+        """The update rule: `"awc"`, `"atc"` or `"decentlam"`."""
+        return self.driver.options.rule
+
+    @property
+    def gossip_every(self) -> int:
+        """Gossip on the steps `k` with `(k + 1) % gossip_every == 0`."""
+        return self.driver.options.gossip_every
+
+    @property
+    def gossip_steps(self) -> RoundsSchedule:
+        """The rounds of `W(k)` per gossip step."""
+        return self.driver.options.gossip_steps
+
+    @property
+    def gossip_buffers(self) -> bool:
+        """Whether floating-point module buffers are mixed."""
+        return self.driver.options.gossip_buffers
+
+    @property
+    def eval_on(self) -> str:
+        """`"average"` (evaluate `x̄`) or `"local"`."""
+        return self.driver.options.eval_on
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """DecentLaM's bucket size in MB."""
+        return self.driver.options.bucket_cap_mb
+
+    @property
+    def gossip_dtype(self) -> Any:
+        """The precision neighbour messages travel in (`None`: the parameters' own)."""
+        return self.driver.options.gossip_dtype
+
+    @property
+    def topology(self) -> Topology:
+        """The topology, bound to the world size (available once the Trainer or Fabric is built)."""
+        return self.driver.topology
+
+    @property
+    def num_workers(self) -> int:
+        """`n`, the workers (ranks, or simulated workers)."""
+        return self.driver.num_workers
+
+    def gossip_rounds(self, step: int) -> int:
+        """Rounds of exchange at optimizer step `step` of the current epoch (0: a local step, `W = I`)."""
+        return self.driver.rounds(step)
+
+    def observe(self, observer: ExchangeObserver) -> None:
+        """Tell `observer` of every exchange of this process from now on (bytes, post and wait times)."""
+        self.driver.observe(observer)
+
+    def measure_residuals(self) -> None:
+        """From now on, every exchange of the parameters also measures its gossip residual
+        ([`gossip_residual`][lightning_decentral.driver.Driven.gossip_residual])."""
+        self.driver.measure_residuals()
+
+    def gossip_residual(self, step: int) -> Optional[Tensor]:
+        """`Σ_i ‖y_i − Σ_j w_ij(k) y_j‖²` over this process's workers (a rank: its own term) and trainable
+        parameters, for the first round of the exchange of step `k = step`: `y = x(k)` (AWC), `U(x(k), g)` (ATC),
+        `z = x(k) − γ g` (DecentLaM). A 0-dim float64 tensor, not synchronized; `None` if step `step` exchanged
+        nothing or [`measure_residuals`][lightning_decentral.driver.Driven.measure_residuals] was not called."""
+        return self.driver.residual(step)
+
+    def extra_gossip(self, step: int, rounds: int) -> None:
+        """`x <- W(step)^rounds x` for the parameters and the mixed buffers, now, on top of the step's own gossip.
+        Call it between optimizer steps (no exchange in flight), on every rank with the same arguments."""
+        self.driver.extra_gossip(step, rounds)
+
+    def rule_record(self) -> dict[str, str]:
+        """The update rule and topology the shards record; a resume under another one warns."""
+        return self.driver.rule_record()
+
+    def worker_batches(self, batch: Any) -> list[Any]:
+        """The batch of each of this process's workers: a rank's own."""
+        return [batch]
+
+    def worker_random_states(self) -> list[dict[str, Any]]:
+        """The random state this rank's training forward draws from."""
+        return [random_state(self.root_device)]
