@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_decentral import fabric
 from lightning_decentral.data import DirichletSampler
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
-from lightning_decentral.strategy import DecentralizedStrategy
+from lightning_decentral.trainer import DecentralizedStrategy
 from lightning_decentral.topology import (
     TOPOLOGIES,
     Complete,

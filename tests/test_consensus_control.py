@@ -12,7 +12,7 @@ import pytest
 
 from lightning_decentral import SimulatedDecentralizedStrategy
 from lightning_decentral.callbacks import ConsensusControl, ConsensusDistance
-from lightning_decentral.callbacks.consensus import default_max_gossip_steps
+from lightning_decentral.callbacks.control import default_max_gossip_steps
 from lightning_decentral.topology import Ring
 from tests.models import init_seed
 from tests.reference import Config

@@ -14,7 +14,8 @@ monitoring surface (`measure_residuals`, `gossip_residual`, `parameter_deviation
 other strategy.
 """
 
-from lightning_decentral.callbacks.consensus import ConsensusControl, ConsensusDistance
+from lightning_decentral.callbacks.consensus import ConsensusDistance
+from lightning_decentral.callbacks.control import ConsensusControl
 from lightning_decentral.callbacks.effective_lr import EffectiveLearningRate
 
 __all__ = ["ConsensusControl", "ConsensusDistance", "EffectiveLearningRate"]

@@ -1,11 +1,11 @@
-"""What the monitors share: which steps they act on, and sums over ranks."""
+"""What the monitors share: which steps they act on, the step that just ended, and sums over ranks."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
 import torch.distributed as dist
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
@@ -55,3 +55,19 @@ def warn_unless_written(every_n_steps: int, trainer: Trainer, name: str) -> None
             f"{name}(every_n_steps={every_n_steps}) measures at steps that Lightning does not write to the loggers "
             f"(log_every_n_steps={log_every}): make every_n_steps a multiple of Trainer(log_every_n_steps=...)."
         )
+
+
+class StepEnd(Callback):
+    """Tells which optimizer step ended, once per step, from `on_train_batch_end` of the batch that stepped."""
+
+    _seen_step = 0
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._seen_step = trainer.global_step  # a resumed fit starts counting here
+
+    def _ended_step(self, trainer: Trainer) -> Optional[int]:
+        """The optimizer step `k` that ended since the last call, else `None` (accumulating)."""
+        if trainer.global_step == self._seen_step:
+            return None
+        self._seen_step = trainer.global_step
+        return trainer.global_step - 1

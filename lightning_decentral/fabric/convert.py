@@ -8,7 +8,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.fabric.strategy import STEP_KEY
+from lightning_decentral.fabric.checkpoints import STEP_KEY
 
 # -- Fabric checkpoint -> Trainer checkpoint ----------------------------------------------------
 

@@ -40,7 +40,7 @@ from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyName, register_strategies
 from lightning_decentral.replicas import Replica
-from lightning_decentral.replicated import ReplicaStrategy, backward_may_overlap
+from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.topology import Topology

@@ -1,6 +1,6 @@
 """The data of `n` simulated workers: rank `i`'s share of a training DataLoader for worker `i`, one worker at a
-time ([`PerWorker`][lightning_decentral.simulated_data.PerWorker] batches) or all at once
-([`StackedBatch`][lightning_decentral.simulated_data.StackedBatch])."""
+time ([`PerWorker`][lightning_decentral.simulation.data.PerWorker] batches) or all at once
+([`StackedBatch`][lightning_decentral.simulation.data.StackedBatch])."""
 
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ class WorkerLoaders:
     (Lightning's own, with its shuffling seed, padding and `drop_last`), or `sampler.for_rank(i, n)` for a
     sampler that has it ([`DirichletSampler`][lightning_decentral.data.DirichletSampler]).
 
-    Each item is a [`PerWorker`][lightning_decentral.simulated_data.PerWorker] of batches, worker `i`'s
+    Each item is a [`PerWorker`][lightning_decentral.simulation.data.PerWorker] of batches, worker `i`'s
     fetched inside `as_worker(i)` (its random state); or, `together=True`, a
-    [`StackedBatch`][lightning_decentral.simulated_data.StackedBatch]: one fetch of every worker's samples
+    [`StackedBatch`][lightning_decentral.simulation.data.StackedBatch]: one fetch of every worker's samples
     of the step, collated at once (the same batches for a `collate_fn` that treats samples independently,
     as the default one does; the dataset draws from the process's random state).
     """

@@ -1,10 +1,10 @@
 """The `n` workers of a simulation: their modules, optimizers, replicas, update rules and random states, and
-what the monitors and checkpoints need of them (their data: [`simulated_data`][lightning_decentral.simulated_data]).
+what the monitors and checkpoints need of them (their data: [`simulated_data`][lightning_decentral.simulation.data]).
 
 [`SimulatedDecentralizedStrategy`][lightning_decentral.SimulatedDecentralizedStrategy] holds one
-[`WorkerGroup`][lightning_decentral.simulated_workers.WorkerGroup] (these
-[`SimulatedWorkers`][lightning_decentral.simulated_workers.SimulatedWorkers], or the vectorized
-[`StackedWorkers`][lightning_decentral.vectorized.StackedWorkers]) and drives it from Lightning's hooks; worker
+[`WorkerGroup`][lightning_decentral.simulation.workers.WorkerGroup] (these
+[`SimulatedWorkers`][lightning_decentral.simulation.workers.SimulatedWorkers], or the vectorized
+[`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers]) and drives it from Lightning's hooks; worker
 0's module is the LightningModule itself.
 """
 
@@ -20,7 +20,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.simulated_data import PerWorker
+from lightning_decentral.simulation.data import PerWorker
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.replicas import Replica, averaged_optimizer_state, state_tensors
 from lightning_decentral.rules import RULES, RuleContext, UpdateRule
@@ -32,8 +32,8 @@ class WorkerGroup:
     through the methods below, phase by phase; the monitors and the checkpoints read the workers' modules
     (worker `i`'s module holds its replica) and optimizer states.
 
-    [`SimulatedWorkers`][lightning_decentral.simulated_workers.SimulatedWorkers] keeps every worker apart;
-    [`StackedWorkers`][lightning_decentral.vectorized.StackedWorkers] keeps worker `i`'s tensors as row `i` of
+    [`SimulatedWorkers`][lightning_decentral.simulation.workers.SimulatedWorkers] keeps every worker apart;
+    [`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers] keeps worker `i`'s tensors as row `i` of
     stacked ones and runs them together.
     """
 

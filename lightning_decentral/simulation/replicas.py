@@ -5,7 +5,7 @@ clear error for more), the re-seed every rank does at set-up, worker random stat
 training, evaluation on `x̄`, and checkpoints that hold `x̄` with one shard per worker in
 `DecentralizedStrategy`'s layout ([`checkpoint`][lightning_decentral.checkpoint]), so that a run moves
 between the simulation and `n` processes. The workers themselves are a
-[`SimulatedWorkers`][lightning_decentral.simulated_workers.SimulatedWorkers].
+[`SimulatedWorkers`][lightning_decentral.simulation.workers.SimulatedWorkers].
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.mixing import DenseMixer
-from lightning_decentral.replicated import EvaluatesOnAverage
+from lightning_decentral.trainer.replicated import EvaluatesOnAverage
 from lightning_decentral.replicas import AveragedModel
-from lightning_decentral.simulated_workers import SimulatedWorkers
+from lightning_decentral.simulation.workers import SimulatedWorkers
 
 
 class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):

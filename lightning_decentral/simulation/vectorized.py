@@ -21,12 +21,12 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 
-from lightning_decentral.mixing import DenseMixer
+from lightning_decentral.mixing import DenseMixer, StackedMixer
 from lightning_decentral.replicas import Replica
 from lightning_decentral.rules import RULES, RuleContext
 from lightning_decentral.schedule import StepPlan
-from lightning_decentral.simulated_data import StackedBatch
-from lightning_decentral.simulated_workers import Logged, WorkerGroup, collect_logs
+from lightning_decentral.simulation.data import StackedBatch
+from lightning_decentral.simulation.workers import Logged, WorkerGroup, collect_logs
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD,
@@ -121,7 +121,7 @@ class StackedWorkers(WorkerGroup):
         optimizer.state.clear()
         mixed = [b.view(-1) for b in self.buffers if b.is_floating_point()] if mix_buffers else []
         self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], mixed)
-        self.rules = [RULES[rule](self.replica, mixer.all_workers(), optimizer, context)]
+        self.rules = [RULES[rule](self.replica, StackedMixer(mixer), optimizer, context)]
 
     @staticmethod
     def _stack(rows: list[Tensor]) -> Tensor:

@@ -14,7 +14,7 @@ closure                every worker: training_step on its batch, backward   Dece
                        every worker: rule.end_step(); then rule.finish_step()
 ```
 
-With `vectorize=True` the workers are a [`StackedWorkers`][lightning_decentral.vectorized.StackedWorkers]:
+With `vectorize=True` the workers are a [`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers]:
 each line above is one batched call for every worker (one `torch.vmap` of `training_step`, one backward, one
 optimizer step, one rule), with the same result.
 """
@@ -41,14 +41,14 @@ from typing_extensions import override
 from lightning_decentral.driver import Driven, StepDriver, check_one_optimizer
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyName
-from lightning_decentral.replicated import backward_may_overlap
+from lightning_decentral.trainer.replicated import backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
-from lightning_decentral.simulated_data import PerWorker, StackedBatch, WorkerLoaders
-from lightning_decentral.simulated_replicas import SimulatedReplicaStrategy
-from lightning_decentral.simulated_workers import SimulatedWorkers, copy_of, optimizer_like
+from lightning_decentral.simulation.data import PerWorker, StackedBatch, WorkerLoaders
+from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy
+from lightning_decentral.simulation.workers import SimulatedWorkers, copy_of, optimizer_like
 from lightning_decentral.topology import Topology
-from lightning_decentral.vectorized import StackedWorkers, clip_rows_by_norm_, vectorization_problem
+from lightning_decentral.simulation.vectorized import StackedWorkers, clip_rows_by_norm_, vectorization_problem
 
 if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against them
     import networkx

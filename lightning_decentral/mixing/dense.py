@@ -1,0 +1,226 @@
+"""All `n` workers' exchanges in one process: [`DenseMixer`][lightning_decentral.mixing.DenseMixer]."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from lightning_decentral.mixing.protocol import (
+    ExchangeEvent,
+    ExchangeObserver,
+    notify_post,
+    notify_wait,
+    raise_if_not_finite,
+)
+from lightning_decentral.topology import Hierarchical, Topology
+
+
+def stages(topology: Topology, step: int) -> list[tuple[Tensor, bool]]:
+    """The exchanges of one round at `step`, in order, each `(W, exact average)`, `W` float64.
+
+    `[W(step)]`, or for a [`Hierarchical`][lightning_decentral.topology.Hierarchical] topology with `m`
+    ranks per node `[I_N ⊗ W_in, W_out ⊗ I_m]` (identity factors left out), as the gossip engine runs them.
+    """
+    if topology.is_identity(step):
+        return []
+    if not isinstance(topology, Hierarchical) or topology.is_average(step):
+        return [(torch.from_numpy(topology.mixing(step).copy()), topology.is_average(step))]
+    m, nodes = topology.node_size, topology.num_nodes
+    parts = (
+        (topology.inner_topology, lambda w: torch.kron(torch.eye(nodes, dtype=w.dtype), w)),
+        (topology.outer_topology, lambda w: torch.kron(w, torch.eye(m, dtype=w.dtype))),
+    )
+    return [
+        (widen(torch.from_numpy(part.mixing(step).copy())), part.is_average(step))
+        for part, widen in parts
+        if not part.is_identity(step)
+    ]
+
+
+class DenseMixer:
+    """All `n` workers' exchanges in one process: `W(step)` applied to their stacked buffers.
+
+    Each worker talks to its own view, `mixer.worker(i)`, exactly as rank `i` talks to a
+    [`Gossip`][lightning_decentral.gossip.Gossip]. An exchange is computed when the first worker waits
+    for it, so every worker must `start` it before any waits (a single-process executor runs the
+    workers phase by phase). In low precision (`dtype`) a round is `x <- x + W q − q` with `q`
+    the buffers rounded to `dtype`; exact averages stay in full precision, as on processes.
+
+    Args:
+        topology: a topology bound to `n` workers.
+        dtype: the precision messages travel in; `None`: the buffers' own.
+
+    Examples:
+        >>> from lightning_decentral.topology import Ring
+        >>> mixer = DenseMixer(Ring(world_size=3))
+        >>> x = [torch.tensor([3.0 * i]) for i in range(3)]
+        >>> pending = [mixer.worker(i).start([x[i]], step=0) for i in range(3)]
+        >>> for p in pending: p.wait()
+        >>> [round(v.item(), 4) for v in x]   # W = 11ᵀ/3 on a ring of 3: everyone holds the mean
+        [3.0, 3.0, 3.0]
+    """
+
+    def __init__(self, topology: Topology, dtype: Optional[torch.dtype] = None) -> None:
+        self.topology = topology
+        self.dtype = dtype
+        self.observers: list[ExchangeObserver] = []
+        self.measure_residuals = False
+        self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
+
+    @property
+    def in_flight(self) -> int:
+        """How many exchanges some worker has started and none has waited for yet."""
+        return len(self._posted)
+
+    def worker(self, rank: int) -> _WorkerMixer:
+        """The [`Mixer`][lightning_decentral.mixing.Mixer] worker `rank` uses."""
+        if not 0 <= rank < self.topology.world_size:
+            raise ValueError(f"rank must be in [0, {self.topology.world_size}), got {rank}.")
+        return _WorkerMixer(self, rank)
+
+    def bytes_sent(self, buffers: Sequence[Tensor], rank: int, step: int) -> int:
+        """Bytes rank `rank` would send for one round on processes (an exact average: the ring all-reduce figure)."""
+        total = 0
+        for matrix, average in stages(self.topology, step):
+            size = sum(b.numel() * b.element_size() for b in buffers)
+            if average:
+                n = self.topology.world_size
+                total += size * 2 * (n - 1) // n
+            else:
+                wire = sum(b.numel() * (self.dtype or b.dtype).itemsize for b in buffers)
+                column = matrix[:, rank]
+                total += wire * int(((column > 0) & (torch.arange(len(column)) != rank)).sum())
+        return total
+
+    def _post(self, pending: _DensePending) -> None:
+        posted = self._posted.setdefault((pending.step, pending.tag), {})
+        if pending.rank in posted:
+            raise RuntimeError(f"Worker {pending.rank} started exchange (step {pending.step}, tag {pending.tag}) twice.")
+        posted[pending.rank] = pending
+
+    def _complete(self, step: int, tag: int) -> None:
+        """Mix the exchange `(step, tag)` of every worker at once."""
+        posted = self._posted.pop((step, tag), {})
+        n = self.topology.world_size
+        missing = sorted(set(range(n)) - posted.keys())
+        if missing:
+            raise RuntimeError(
+                f"Workers {missing} have not started exchange (step {step}, tag {tag}) yet: with a DenseMixer every "
+                "worker starts an exchange before any worker waits for it."
+            )
+        order = [posted[i] for i in range(n)]
+        for index in range(len(order[0].buffers)):
+            x = torch.stack([p.buffers[index].detach().reshape(-1) for p in order]).double()
+            mixed, change = self.mix(x, step, order[0].rounds, order[0].buffers[index].dtype)
+            residuals = change.square().sum(1) if change is not None else [None] * n
+            for worker, row, original, residual in zip(order, mixed, x, residuals):
+                target = worker.out[index] if worker.out is not None else worker.buffers[index]
+                value = row - original if worker.out is not None else row
+                target.copy_(value.view_as(target).to(target.dtype))
+                if residual is not None:
+                    worker.residuals = (worker.residuals or []) + [residual]
+        for worker in order:
+            worker.done = True
+
+    def mix(self, x: Tensor, step: int, rounds: int, dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor]]:
+        """`W(step)^rounds x` for the workers' buffers stacked as the rows of `x` (`[n, m]`, float64), in the
+        arithmetic of every exchange of this mixer; and, if `measure_residuals`, the first round's change
+        `Σ_j w_ij y_j − y_i` (whose squared row norms are the residuals; else `None`). `dtype` is the buffers'
+        own dtype: in low precision each round sends `x` rounded to `dtype`, then to the mixer's `dtype`."""
+        change = None
+        for r in range(rounds):
+            before = x
+            for matrix, average in stages(self.topology, step):
+                if self.dtype is None or average:
+                    x = matrix.to(x.device) @ x
+                else:
+                    q = x.to(dtype).to(self.dtype).double()
+                    x = x + matrix.to(x.device) @ q - q
+            if r == 0 and self.measure_residuals:
+                change = x - before
+        return x, change
+
+
+class DenseView:
+    """A [`Mixer`][lightning_decentral.mixing.Mixer] view of a [`DenseMixer`][lightning_decentral.mixing.DenseMixer]:
+    its own observers, the dense mixer's `measure_residuals`."""
+
+    def __init__(self, dense: DenseMixer) -> None:
+        self.dense = dense
+        self.observers: list[ExchangeObserver] = []
+
+    @property
+    def measure_residuals(self) -> bool:
+        return self.dense.measure_residuals
+
+    @measure_residuals.setter
+    def measure_residuals(self, value: bool) -> None:
+        self.dense.measure_residuals = value
+
+
+class _WorkerMixer(DenseView):
+    """Worker `rank`'s [`Mixer`][lightning_decentral.mixing.Mixer] on a shared [`DenseMixer`][lightning_decentral.mixing.DenseMixer]."""
+
+    def __init__(self, dense: DenseMixer, rank: int) -> None:
+        super().__init__(dense)
+        self.rank = rank
+
+    def start(
+        self,
+        buffers: Sequence[Tensor],
+        step: int,
+        rounds: int = 1,
+        tag: int = 0,
+        out: Optional[Sequence[Tensor]] = None,
+        check_finite: bool = True,
+    ) -> _DensePending:
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        observers = self.observers + self.dense.observers
+        event = None
+        if observers:
+            event = ExchangeEvent(step, tag, rounds, rounds * self.dense.bytes_sent(buffers, self.rank, step), time.perf_counter())
+        if check_finite:
+            raise_if_not_finite(buffers, self.rank, step)
+        pending = _DensePending(self.dense, self.rank, list(buffers), step, rounds, tag, out, observers, event)
+        if not stages(self.dense.topology, step):  # W = I: nothing moves
+            for o in out or []:
+                o.zero_()
+            pending.done = True
+        else:
+            self.dense._post(pending)
+        notify_post(observers, event)
+        return pending
+
+
+class _DensePending:
+    def __init__(
+        self,
+        dense: DenseMixer,
+        rank: int,
+        buffers: list[Tensor],
+        step: int,
+        rounds: int,
+        tag: int,
+        out: Optional[Sequence[Tensor]],
+        observers: list[ExchangeObserver],
+        event: Optional[ExchangeEvent],
+    ) -> None:
+        self.dense, self.rank, self.buffers, self.step, self.rounds, self.tag = dense, rank, buffers, step, rounds, tag
+        self.out = None if out is None else list(out)
+        self.observers, self.event = observers, event
+        self.residuals: Optional[list[Tensor]] = None
+        self.done = False
+        self._reported = False
+
+    def wait(self) -> None:
+        started = time.perf_counter()
+        if not self.done:
+            self.dense._complete(self.step, self.tag)
+        if not self._reported:
+            self._reported = True
+            notify_wait(self.observers, self.event, started)

@@ -1,0 +1,153 @@
+"""The mixer protocol the update rules call, and the one public way to watch its exchanges."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ExchangeEvent:
+    """One exchange as this worker saw it; times are `time.perf_counter()` seconds.
+
+    Attributes:
+        step: the optimizer step whose `W(step)` was applied.
+        tag: the exchange's tag (DecentLaM: the bucket index; the mixed module buffers come last).
+        rounds: rounds of `W(step)`.
+        bytes_sent: bytes this worker sends, all rounds together.
+        post_started: when `start` was called.
+        posted: when `start` returned (round one in flight).
+        wait_started: when `wait` was called, `None` before.
+        waited: when `wait` returned (the buffers are mixed), `None` before.
+    """
+
+    step: int
+    tag: int
+    rounds: int
+    bytes_sent: int
+    post_started: float
+    posted: float = 0.0
+    wait_started: Optional[float] = None
+    waited: Optional[float] = None
+
+
+class ExchangeObserver:
+    """Told of every exchange of a mixer; override either method.
+
+    Add one with `mixer.observers.append(observer)`, or, in a Trainer, with
+    [`DecentralizedStrategy.observe`][lightning_decentral.DecentralizedStrategy.observe] (this rank's
+    exchanges from then on). The methods run on the thread that calls `start` and `wait`, so they
+    add to the step time: keep them cheap. Observers must not touch the buffers in flight.
+
+    Examples:
+        Count the bytes one step of a ring of 4 sends (each worker: 4 float32 values to each of
+        its 2 neighbours):
+
+        >>> from lightning_decentral.mixing import DenseMixer
+        >>> from lightning_decentral.topology import Ring
+        >>> class Bytes(ExchangeObserver):
+        ...     def __init__(self):
+        ...         self.sent, self.waited = 0, 0
+        ...     def on_post(self, event):
+        ...         self.sent += event.bytes_sent
+        ...     def on_wait(self, event):
+        ...         self.waited += 1
+        >>> mixer, count = DenseMixer(Ring(world_size=4)), Bytes()
+        >>> mixer.observers.append(count)
+        >>> pending = [mixer.worker(i).start([torch.zeros(4)], step=0) for i in range(4)]
+        >>> for p in pending:
+        ...     p.wait()
+        >>> count.sent, count.waited
+        (128, 4)
+    """
+
+    def on_post(self, event: ExchangeEvent) -> None:
+        """`start` has posted the exchange (`event.posted` is set)."""
+
+    def on_wait(self, event: ExchangeEvent) -> None:
+        """`wait` has finished it (`event.waited` is set)."""
+
+
+class Pending(Protocol):
+    """An exchange in flight, as `Mixer.start` returns it.
+
+    After `wait()`, `residuals` holds one 0-dim tensor per buffer when the mixer measured them
+    (`measure_residuals`), else `None`.
+    """
+
+    residuals: Optional[list[Tensor]]
+
+    def wait(self) -> None:
+        """Finish the exchange and combine."""
+
+
+class Mixer(Protocol):
+    """`x <- W(step)^rounds x` on one worker's flat buffers (see the module docstring).
+
+    Implemented by [`Gossip`][lightning_decentral.gossip.Gossip] (one process per worker) and by
+    `DenseMixer.worker(i)` (all workers in one process). `observers` are told of every exchange;
+    `measure_residuals` makes the first round record `‖y_i − Σ_j w_ij y_j‖²` per buffer in
+    `Pending.residuals`.
+    """
+
+    observers: list[ExchangeObserver]
+    measure_residuals: bool
+
+    def start(
+        self,
+        buffers: Sequence[Tensor],
+        step: int,
+        rounds: int = 1,
+        tag: int = 0,
+        out: Optional[Sequence[Tensor]] = None,
+        check_finite: bool = True,
+    ) -> Pending:
+        """Post round one of `rounds`; the buffers must not be written until `wait()` returns.
+
+        Exchanges in flight at the same time need distinct `tag`s. With `out`, the buffers are only
+        read and `out` receives `W^r x − x`. `check_finite`: raise `FloatingPointError` before anything
+        is sent if a buffer holds a NaN or an Inf.
+        """
+
+
+def raise_if_not_finite(buffers: Sequence[Tensor], rank: int, step: int) -> None:
+    """Raise `FloatingPointError` if a buffer holds a NaN or an Inf, before it reaches a neighbour.
+
+    One reduction per flat buffer (a sum, accumulated in at least float32 so that finite values
+    do not overflow; a NaN or Inf anywhere makes it non-finite) and one host sync for them all.
+
+    Examples:
+        >>> raise_if_not_finite([torch.tensor([1.0, float("nan")])], rank=2, step=7)
+        Traceback (most recent call last):
+        ...
+        FloatingPointError: Rank 2 holds a NaN or an Inf in what it was about to send to its neighbours at step 7; ...
+    """
+    sums = torch.stack([b.sum(dtype=torch.promote_types(b.dtype, torch.float32)).double() for b in buffers])
+    if not bool(torch.isfinite(sums).all()):
+        raise FloatingPointError(
+            f"Rank {rank} holds a NaN or an Inf in what it was about to send to its neighbours at step {step}; "
+            "training stops here, before the values spread (the other ranks stop within the process-group "
+            "timeout, and the checkpoints written before this step are intact). Lower the learning rate, clip "
+            "the gradients (Trainer(gradient_clip_val=...)) or look for the source with torch.autograd.detect_anomaly."
+        )
+
+
+def notify_post(observers: Sequence[ExchangeObserver], event: Optional[ExchangeEvent]) -> None:
+    """Stamp `event.posted` and tell `observers` (nothing when there is no event)."""
+    if event is not None:
+        event.posted = time.perf_counter()
+        for observer in observers:
+            observer.on_post(event)
+
+
+def notify_wait(observers: Sequence[ExchangeObserver], event: Optional[ExchangeEvent], started: float) -> None:
+    """Stamp `event.wait_started` and `event.waited` and tell `observers`."""
+    if event is not None:
+        event.wait_started, event.waited = started, time.perf_counter()
+        for observer in observers:
+            observer.on_wait(event)
