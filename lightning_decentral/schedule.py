@@ -143,8 +143,8 @@ def _int_key(key: Any) -> Any:
 
 
 class GossipSchedule:
-    """Rounds of `W(k)` on the steps with `(k + 1) % gossip_every == 0` (`gossip_steps`, or what its
-    [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule] gives at that step and epoch), none on
+    """Rounds of `W(k)` on the steps with `(k + 1) % gossip_every == 0` (what the strategy's `gossip_steps`, a
+    [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule], gives at that step and epoch), none on
     the others.
 
     A step whose `W(k)` is the identity is local too.
@@ -152,7 +152,7 @@ class GossipSchedule:
     Args:
         topology: a topology bound to the world size.
         gossip_every: gossip on every this many steps (1: every step).
-        gossip_steps: rounds of `W(k)` on a step that gossips: an integer, a `RoundsSchedule` or its
+        rounds: rounds of `W(k)` on a step that gossips: an integer, a `RoundsSchedule` or its
             dictionary form (`{"epoch": {0: 4, 5: 2}}`).
 
     Raises:
@@ -161,20 +161,20 @@ class GossipSchedule:
 
     Examples:
         >>> from lightning_decentral.topology import Ring
-        >>> schedule = GossipSchedule(Ring(world_size=4), gossip_every=2, gossip_steps=3)
+        >>> schedule = GossipSchedule(Ring(world_size=4), gossip_every=2, rounds=3)
         >>> [schedule.rounds(k) for k in range(4)]
         [0, 3, 0, 3]
         >>> schedule.plan(1)
         StepPlan(step=1, rounds=3)
-        >>> by_epoch = GossipSchedule(Ring(world_size=4), gossip_steps={"epoch": {0: 4, 2: 1}})
+        >>> by_epoch = GossipSchedule(Ring(world_size=4), rounds={"epoch": {0: 4, 2: 1}})
         >>> by_epoch.plan(7, epoch=1), by_epoch.plan(8, epoch=2)
         (StepPlan(step=7, rounds=4), StepPlan(step=8, rounds=1))
     """
 
-    def __init__(self, topology: Topology, gossip_every: int = 1, gossip_steps: Union[int, RoundsSchedule, dict] = 1) -> None:
+    def __init__(self, topology: Topology, gossip_every: int = 1, rounds: Union[int, RoundsSchedule, dict] = 1) -> None:
         self.topology = topology
         self.gossip_every = gossip_every
-        self.gossip_steps = RoundsSchedule.of(gossip_steps)
+        self.rounds_per_gossip = RoundsSchedule.of(rounds)
         if gossip_every > 1 and topology.period > 1:  # only the phases (k + 1) % p == 0 mix
             cycle = math.lcm(gossip_every, topology.period)
             topology.check_connected(
@@ -188,7 +188,7 @@ class GossipSchedule:
         """Rounds of `W(step)` at optimizer step `step`, in epoch `epoch` (0: a local step)."""
         if (step + 1) % self.gossip_every or self.topology.is_identity(step):
             return 0
-        return self.gossip_steps.rounds(step, epoch)
+        return self.rounds_per_gossip.rounds(step, epoch)
 
     def plan(self, step: int, epoch: int = 0) -> StepPlan:
         """The plan of optimizer step `step`, in epoch `epoch` (read only by a schedule by epoch)."""

@@ -230,3 +230,27 @@ def fit_simulated_into_nan(directory: str, workers: int, vectorize: bool) -> Non
     checkpoints = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=0, save_last=True)
     trainer = _trainer(strategy, config, 1, callbacks=[PoisonWorker(2, 6), checkpoints], enable_checkpointing=True)
     trainer.fit(LoggingRegression(seed=init_seed(0), **config.optimizer_spec()), train_dataloaders=shared_loader(config, workers))
+
+
+class WithTemperature(LoggingRegression):
+    """A learnable 0-dim temperature scales the output: a parameter whose every optimizer state entry is 0-dim too."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.temperature = nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.temperature
+
+
+def resume_with_temperature(workers: int, save: str = "", load: str = "", vectorize: bool = True) -> list[torch.Tensor]:
+    """``resume_simulated`` of a module with a 0-dim parameter, under Adam (its ``step`` is a 0-dim tensor as well)."""
+    config = Config("temperature", optimizer={"name": "adam", "lr": 0.01}, steps=4)
+    model = WithTemperature(seed=init_seed(0), **config.optimizer_spec())
+    pl.seed_everything(SEED, verbose=False)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
+    trainer = _resume_trainer(strategy, 1, 1 if save else 2)
+    trainer.fit(model, train_dataloaders=shared_loader(config, workers), ckpt_path=load or None)
+    if save:
+        trainer.save_checkpoint(save)
+    return [_state(module) for module in strategy.worker_modules()]

@@ -48,7 +48,7 @@ def test_a_bad_schedule_is_refused_before_anything_runs(spec, match: str) -> Non
 def test_the_dictionary_form_as_yaml_gives_it_and_the_schedule_object_are_one_schedule() -> None:
     from_yaml = RoundsSchedule.of({"epoch": {"0": 4, "5": 2}})  # keys as strings (JSON)
     assert from_yaml == RoundsSchedule({0: 4, 5: 2}) == RoundsSchedule.of({"epoch": {5: 2, 0: 4}})
-    schedule = GossipSchedule(Ring(world_size=4), gossip_every=2, gossip_steps={"step": {0: 3, 4: 1}})
+    schedule = GossipSchedule(Ring(world_size=4), gossip_every=2, rounds={"step": {0: 3, 4: 1}})
     assert [schedule.rounds(k) for k in range(8)] == [0, 3, 0, 3, 0, 1, 0, 1]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -232,3 +233,29 @@ def test_resuming_a_simulation_under_another_update_rule_warns_once(tmp_path) ->
     with pytest.warns(UserWarning, match=r"another update rule.*rule 'awc' -> 'decentlam'") as seen:
         sim.resume_simulated(WORLD, load=checkpoint, dropout=0.0, momentum="decentlam")
     assert sum("another update rule" in str(w.message) for w in seen) == 1
+
+
+def test_the_vectorized_simulation_resumes_a_zero_dim_parameter_bit_for_bit(tmp_path) -> None:
+    """A learnable temperature under Adam: its moments and its step are all 0-dim, and only the moments are per worker."""
+    checkpoint = str(tmp_path / "temperature.ckpt")
+    first = sim.resume_with_temperature(WORLD, save=checkpoint)
+    straight = sim.resume_with_temperature(WORLD)
+    resumed = sim.resume_with_temperature(WORLD, load=checkpoint)
+    assert (first[0] - straight[0]).abs().max() > 1e-4
+    for worker, (a, b) in enumerate(zip(resumed, straight)):
+        assert torch.equal(a, b), f"worker {worker}"
+
+
+def test_a_vectorized_shard_holds_only_its_own_worker(tmp_path) -> None:
+    """Each worker's tensors are rows of stacked ones; its shard must not carry every worker's storage."""
+    from lightning_decentral.checkpoint import shard_directory
+
+    workers = 16
+    sizes = {}
+    for vectorize in (False, True):
+        path = str(tmp_path / f"vectorize_{vectorize}.ckpt")
+        sim.resume_simulated(workers, save=path, vectorize=vectorize, dropout=0.0)
+        shards = sorted(Path(shard_directory(path)).iterdir())
+        assert len(shards) == workers
+        sizes[vectorize] = sum(f.stat().st_size for f in shards)
+    assert sizes[True] == pytest.approx(sizes[False], rel=0.05), sizes

@@ -189,12 +189,21 @@ class StackedWorkers(WorkerGroup):
     def gradient_sum(self) -> list[Tensor]:
         return [p.grad.sum(0) if p.grad is not None else torch.zeros_like(p[0]) for p in self.parameters]
 
+    def shard(
+        self, rank: int, save_id: int, state_dict: dict[str, Tensor], step: int, precision: Optional[dict], rule: dict[str, str]
+    ) -> dict[str, Any]:
+        """Worker `rank`'s shard with copies of its rows: a row is a view of every worker's storage, which
+        `torch.save` would write whole (a shard `n` times too large)."""
+        own = {name: t.clone() for name, t in state_dict.items()}
+        return super().shard(rank, save_id, own, step, precision, rule)
+
     def optimizer_state_of(self, rank: int) -> dict[str, Any]:
-        """Row `rank` of every per-element state tensor (momentum, Adam's moments); scalars such as `step` as they are."""
+        """Row `rank` of every per-element state tensor (momentum, Adam's moments), copied; scalars such as `step`
+        as they are."""
         state = self.optimizer.state_dict()
         shapes = self._parameter_shapes()
         rows = {
-            key: {name: v[rank] if _per_element(v, shapes[key]) else v for name, v in values.items()}
+            key: {name: v[rank].clone() if _per_element(name, v, shapes[key]) else v for name, v in values.items()}
             for key, values in state["state"].items()
         }
         return {**state, "state": rows}
@@ -204,7 +213,7 @@ class StackedWorkers(WorkerGroup):
         state = self.optimizer.state_dict()
         shapes = self._parameter_shapes()
         averaged = {
-            key: {name: v.mean(0) if _per_element(v, shapes[key]) else v for name, v in values.items()}
+            key: {name: v.mean(0) if _per_element(name, v, shapes[key]) else v for name, v in values.items()}
             for key, values in state["state"].items()
         }
         return {**state, "state": averaged}
@@ -219,7 +228,7 @@ class StackedWorkers(WorkerGroup):
         shapes = self._parameter_shapes()
         stacked = {
             key: {
-                name: torch.stack([s["state"][key][name] for s in states]) if _per_element(v, shapes[key][1:]) else v
+                name: torch.stack([s["state"][key][name] for s in states]) if _per_element(name, v, shapes[key][1:]) else v
                 for name, v in values.items()
             }
             for key, values in states[0]["state"].items()
@@ -232,9 +241,16 @@ class StackedWorkers(WorkerGroup):
         return {index: tuple(p.shape) for index, p in enumerate(params)}
 
 
-def _per_element(value: Any, shape: tuple[int, ...]) -> bool:
-    """Whether an optimizer state entry is a tensor shaped like its parameter (`shape`): one value per element."""
-    return isinstance(value, Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(shape)
+def _per_element(name: str, value: Any, shape: tuple[int, ...]) -> bool:
+    """Whether the optimizer state entry `name` holds one value per element of its parameter (`shape`): a tensor of
+    that shape other than `step`, the step count every torch optimizer keeps as one shared scalar (a 0-dim
+    parameter's moments are 0-dim too: the name tells them apart).
+
+    Examples:
+        >>> _per_element("exp_avg", torch.zeros(()), ()), _per_element("step", torch.zeros(()), ())
+        (True, False)
+    """
+    return isinstance(value, Tensor) and name != "step" and tuple(value.shape) == tuple(shape)
 
 
 class _Call(Module):
