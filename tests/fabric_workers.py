@@ -342,3 +342,20 @@ def nan_on_one_rank(rank: int, world_size: int) -> str:
     except (FloatingPointError, RuntimeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def load_under(rank: int, world_size: int, config: Config, checkpoint: str, **strategy_kwargs: Any) -> dict[str, Any]:
+    """``fabric.load`` of ``checkpoint`` by a strategy of ``config`` with ``strategy_kwargs`` changed: the warnings it
+    gave, or the error it raised."""
+    strategy = DecentralizedStrategy(**{**config.strategy_kwargs(), **strategy_kwargs})
+    fabric = fabric_for(world_size, strategy)
+    loop = _Loop(fabric, config, initial_net(init_seed(rank)), rank)
+    error = ""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            fabric.load(checkpoint, {"model": loop.model, "optimizer": loop.optimizer})
+        except RuntimeError as exc:
+            error = str(exc)
+    fabric.strategy.teardown()
+    return {"warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)], "error": error}

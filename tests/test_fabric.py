@@ -302,3 +302,32 @@ def test_a_nan_on_one_rank_stops_before_it_reaches_a_neighbour() -> None:
     assert messages[1].startswith("FloatingPointError") and "Rank 1" in messages[1] and "step 3" in messages[1], messages[1]
     assert messages[0] != "no error"
     assert time.monotonic() - start < 100
+
+
+def test_a_misspelled_argument_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="gossip_step"):
+        fabric.DecentralizedStrategy(gossip_step=4)
+
+
+def test_resuming_under_another_update_rule_warns_once(resumed: dict) -> None:
+    _, root = resumed["awc"]
+    loaded = run_distributed(fabric_workers.load_under, WORLD, config=RESUME["awc"], checkpoint=str(root / "half.ckpt"), combine="atc")
+    assert [len(result["warnings"]) for result in loaded] == [1] + [0] * (WORLD - 1)
+    assert "another update rule" in loaded[0]["warnings"][0] and "'awc' -> 'atc'" in loaded[0]["warnings"][0]
+    assert not any(result["error"] for result in loaded)
+
+
+def test_a_shard_of_another_step_than_its_file_is_refused(resumed: dict, tmp_path: Path) -> None:
+    """The file says step k + 1, every shard k: no rank resumes a replica from another step than the loop's."""
+    import shutil
+
+    _, root = resumed["awc"]
+    tampered = tmp_path / "half.ckpt"
+    shutil.copytree(shard_directory(root / "half.ckpt"), shard_directory(tampered))
+    checkpoint = torch.load(root / "half.ckpt", weights_only=True)
+    checkpoint[fabric.STEP_KEY] += 1
+    torch.save(checkpoint, tampered)
+    loaded = run_distributed(fabric_workers.load_under, WORLD, config=RESUME["awc"], checkpoint=str(tampered))
+    saved = RESUME["awc"].steps // 2
+    for result in loaded:
+        assert f"saved at step {saved} but the checkpoint's loops are at {saved + 1}" in result["error"], result
