@@ -40,7 +40,7 @@ class ExchangeObserver:
     """Told of every exchange of a mixer; override either method.
 
     Add one with `mixer.observers.append(observer)`, or, in a Trainer, with
-    [`DecentralizedStrategy.observe`][lightning_decentral.DecentralizedStrategy.observe] (this rank's
+    [`strategy.observe`][lightning_decentral.driver.Driven.observe] (this rank's
     exchanges from then on). The methods run on the thread that calls `start` and `wait`, so they
     add to the step time: keep them cheap. Observers must not touch the buffers in flight.
 

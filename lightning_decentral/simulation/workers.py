@@ -1,5 +1,5 @@
 """The `n` workers of a simulation: their modules, optimizers, replicas, update rules and random states, and
-what the monitors and checkpoints need of them (their data: [`simulated_data`][lightning_decentral.simulation.data]).
+what the monitors and checkpoints need of them (their data: [`simulation.data`][lightning_decentral.simulation.data]).
 
 [`SimulatedDecentralizedStrategy`][lightning_decentral.SimulatedDecentralizedStrategy] holds one
 [`WorkerGroup`][lightning_decentral.simulation.workers.WorkerGroup] (these
