@@ -219,8 +219,8 @@ class StepDriver:
         return shards.rule_record(self.options.rule, self.topology)
 
     def _schedule(self) -> GossipSchedule:
-        if self.schedule is None:
-            raise RuntimeError("The topology is bound to the world size when the Trainer (or Fabric) is created.")
+        if self.schedule is None:  # an AttributeError: there is no topology yet (so hasattr and Protocol checks say no)
+            raise AttributeError("The topology is bound to the world size when the Trainer (or Fabric) is created.")
         return self.schedule
 
     def _live(self) -> StepRunner:

@@ -77,3 +77,25 @@ def test_update_rules_and_below_import_nothing_from_lightning() -> None:
         for path in _modules()[module]:
             lightning = {name for name in _imports(path) if name.split(".")[0] in ("lightning", "pytorch_lightning")}
             assert not lightning, f"{path.name} imports {sorted(lightning)}"
+
+
+def test_every_executor_satisfies_the_monitoring_protocol() -> None:
+    """The callbacks and the command line read executors through `Monitored` only (they import none of them)."""
+    from lightning.fabric import Fabric
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy, fabric
+    from lightning_decentral.measures import Monitored
+
+    trainer = Trainer(strategy=DecentralizedStrategy(), accelerator="cpu", devices=2, logger=False)
+    simulated = Trainer(strategy=SimulatedDecentralizedStrategy(workers=3), accelerator="cpu", devices=1, logger=False)
+    fabric_run = Fabric(strategy=fabric.DecentralizedStrategy(), accelerator="cpu", devices=2)
+    for strategy in (trainer.strategy, simulated.strategy, fabric_run.strategy):
+        assert isinstance(strategy, Monitored), type(strategy).__name__
+    assert (trainer.strategy.num_workers, simulated.strategy.num_workers, fabric_run.strategy.num_workers) == (2, 3, 2)
+    assert not isinstance(DDPStrategy(), Monitored)
+    assert not isinstance(DecentralizedStrategy(), Monitored)  # no topology before the Trainer binds it
+    for module in [*PACKAGE.joinpath("callbacks").glob("*.py"), PACKAGE / "cli.py"]:
+        imported = {name.split(".")[1] for name in _imports(module) if name.startswith("lightning_decentral.")}
+        assert not imported & {"trainer", "simulation", "fabric"}, module.name
