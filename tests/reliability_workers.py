@@ -358,3 +358,31 @@ def hung_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[st
         return {"error": "no error", "stopped_at": time.monotonic()}
     except RuntimeError as exc:
         return {**_failure(exc), "stopped_at": time.monotonic()}
+
+
+class _OneRankJob:
+    """The collectives of a job of one rank: every agreement is its own."""
+
+    rank, world_size = 0, 1
+
+    def gather(self, values: list[int], what: str = "") -> torch.Tensor:
+        return torch.tensor([values])
+
+    def on_every_rank(self, action: Any, what: str, during: str = "") -> None:
+        action()
+
+
+def save_beside_another_job(job: int, jobs: int, path: str, saves: int) -> dict[str, Any]:
+    """One of ``jobs`` jobs of one rank each, saving a checkpoint with its shard to the same ``path`` ``saves`` times:
+    the error that stopped it, if any."""
+    content = {"state_dict": {"w": torch.full((2**16,), float(job))}, "strategy": {"step": 0}}
+    state: dict[str, Any] = {"job": job}
+    try:
+        for _ in range(saves):
+            checkpoint_io.save_with_shards(
+                _OneRankJob(), state, path, make_shard=lambda save_id: {**content, "save_id": save_id, "rank": 0},
+                write_file=lambda: TorchCheckpointIO().save_checkpoint(state, path),
+            )
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None}

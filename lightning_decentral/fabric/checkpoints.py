@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.files import with_atomic_writes
 
 STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
 
@@ -60,7 +61,8 @@ class ShardedCheckpoints:
 
         def write_file() -> None:
             if self.is_global_zero:
-                self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+                io = with_atomic_writes(self.checkpoint_io)  # unless a CheckpointIO of your own writes it
+                io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
 
         shards.save_with_shards(self._ranks, converted, path, make_shard=make_shard, write_file=write_file)
 

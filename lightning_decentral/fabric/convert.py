@@ -9,6 +9,7 @@ from lightning.fabric.utilities.types import _PATH
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.fabric.checkpoints import STEP_KEY
+from lightning_decentral.files import atomic_write
 
 # -- Fabric checkpoint -> Trainer checkpoint ----------------------------------------------------
 
@@ -48,7 +49,6 @@ def to_trainer_checkpoint(
     import warnings
 
     import lightning
-    from lightning.fabric.utilities.cloud_io import get_filesystem
     from lightning.pytorch.loops.progress import (
         _OptimizationProgress,
         _Progress,
@@ -92,10 +92,7 @@ def to_trainer_checkpoint(
             shard["state_dict"] = {prefix + name: value for name, value in shard["state_dict"].items()}
             shards.write_shard(shard, shards.shard_path(trainer_path, rank, meta["world_size"], meta["save_id"]))
         checkpoint[shards.META_KEY] = meta
-    fs = get_filesystem(trainer_path)
-    with fs.open(f"{trainer_path}.tmp", "wb") as f:
-        torch.save(checkpoint, f)
-    fs.mv(f"{trainer_path}.tmp", str(trainer_path))
+    atomic_write(trainer_path, lambda f: torch.save(checkpoint, f))
     dropped = sorted(str(key) for key in saved if key not in (model_key, optimizer_key, STEP_KEY, shards.META_KEY))
     warnings.warn(
         f"{trainer_path}: the Trainer resumes the model, the optimizer and every rank's shard at global_step {step}, "

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.trainer.replicated import EvaluatesOnAverage
 from lightning_decentral.replicas import AveragedModel
@@ -154,7 +155,7 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
                 raise shards.not_finite_error(bad, step, filepath)
             for shard, path in zip(built, paths):
                 shards.write_shard(shard, path)
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+            with_atomic_writes(self.checkpoint_io).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         except BaseException:
             for path in paths:
                 shards.discard(path)

@@ -30,6 +30,7 @@ from typing_extensions import override
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.failures import peers_answer
+from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 
 
@@ -217,14 +218,15 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Runs when a checkpoint is saved, on every rank: each writes its shard, then rank 0 the checkpoint
-        file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards])."""
-        write_file = super().save_checkpoint  # writes on global rank 0 only
+        file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]), atomically unless a
+        `CheckpointIO` of your own writes it ([`with_atomic_writes`][lightning_decentral.files.with_atomic_writes])."""
+
+        def write_file() -> None:
+            if self.is_global_zero:
+                with_atomic_writes(self.checkpoint_io).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
         shards.save_with_shards(
-            self._ranks,
-            checkpoint,
-            filepath,
-            make_shard=lambda save_id: self._shard(checkpoint, save_id),
-            write_file=lambda: write_file(checkpoint, filepath, storage_options),
+            self._ranks, checkpoint, filepath, make_shard=lambda save_id: self._shard(checkpoint, save_id), write_file=write_file
         )
 
     @override
