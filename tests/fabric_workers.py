@@ -16,7 +16,7 @@ from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_decentral.fabric import DecentralizedStrategy, consensus_metrics, effective_lr_metrics
+from lightning_decentral.fabric import DecentralizedStrategy, consensus_metrics, effective_lr_metrics, under_prefix
 from tests.models import Regression, flat, init_seed, initial_net, loader, make_optimizer, make_scheduler
 from tests.reference import Config
 
@@ -133,17 +133,28 @@ def resume_from_average(rank: int, world_size: int, config: Config, checkpoint: 
     return out
 
 
-def from_trainer(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
-    """Load a Trainer's checkpoint (its model and this rank's shard) into a Fabric loop's module."""
+def from_trainer(rank: int, world_size: int, checkpoint: str, inner: bool = False) -> dict[str, Any]:
+    """Load a Trainer's checkpoint (its model and this rank's shard) into a Fabric loop's module: the LightningModule
+    itself, or (``inner``) the ``nn.Sequential`` it held as ``self.net``, first as is (nothing matches), then
+    ``under_prefix(net, "net.")``."""
     strategy = DecentralizedStrategy()
     fabric = fabric_for(world_size, strategy)
-    model = Regression(seed=init_seed(rank) + 3)
+    model = initial_net(init_seed(rank) + 3) if inner else Regression(seed=init_seed(rank) + 3)
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    out: dict[str, Any] = {}
+    if inner:
+        before = flat(model)
+        try:
+            fabric.load(checkpoint, {"state_dict": model}, strict=False)
+            out["as_is"] = "no error"
+        except KeyError as error:
+            out["as_is"] = str(error)
+        out["untouched"] = torch.equal(flat(model), before) and strategy.step == 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        remainder = fabric.load(checkpoint, {"state_dict": model}, strict=False)
-    out = {"replica": flat(model), "step": strategy.step, "global_step": remainder.get("global_step"),
-           "warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)]}
+        remainder = fabric.load(checkpoint, {"state_dict": under_prefix(model, "net.") if inner else model}, strict=False)
+    out.update(replica=flat(model), step=strategy.step, global_step=remainder.get("global_step"),
+               warnings=[str(w.message) for w in caught if "Resuming" in str(w.message) or "left" in str(w.message)])
     fabric.strategy.teardown()
     return out
 

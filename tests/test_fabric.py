@@ -119,13 +119,22 @@ def test_other_world_size_resumes_from_the_average_with_one_warning(resumed: dic
 
 
 def test_a_trainer_checkpoint_loads_into_fabric_with_its_shards(tmp_path: Path) -> None:
+    """The LightningModule itself, and the ``nn.Sequential`` it held as ``self.net``: as is, no key matches and the
+    load fails naming them and the prefix, restoring nothing (before, it loaded nothing and set the step to 6);
+    ``under_prefix(net, "net.")`` loads every rank's own replica."""
     path = str(tmp_path / "trainer.ckpt")
     trained = run_distributed(workers.evaluate_and_checkpoint, WORLD, path=path, eval_on="average")
-    loaded = run_distributed(fabric_workers.from_trainer, WORLD, checkpoint=path)
-    for rank, result in enumerate(loaded):
-        assert torch.equal(result["replica"], trained[rank]["replica"]), f"rank {rank}"  # its own replica, not x̄
-        assert result["step"] == result["global_step"] == 6
-        assert not result["warnings"]
+    for inner in (False, True):
+        loaded = run_distributed(fabric_workers.from_trainer, WORLD, checkpoint=path, inner=inner)
+        for rank, result in enumerate(loaded):
+            assert torch.equal(result["replica"], trained[rank]["replica"]), f"rank {rank}"  # its own replica, not x̄
+            assert result["step"] == result["global_step"] == 6
+            assert not result["warnings"]
+            if inner:
+                assert "The checkpoint holds none of the model's weights" in result["as_is"], result["as_is"]
+                assert "['0.weight', '0.bias', '2.weight'] ..." in result["as_is"]
+                assert "under_prefix(model, 'net.')" in result["as_is"]
+                assert result["untouched"]
 
 
 @pytest.fixture(scope="module")
