@@ -12,7 +12,6 @@ from typing import Any, Optional, Union
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import is_wrapped
-import torch
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -54,6 +53,7 @@ def under_prefix(module: Module, prefix: str) -> PrefixedModule:
     the load fails naming the weights it misses; `fabric.strategy.step` becomes the checkpoint's `global_step`.
 
     Examples:
+        >>> import torch
         >>> net = torch.nn.Linear(2, 1)
         >>> sorted(under_prefix(net, "net.").state_dict())
         ['net.bias', 'net.weight']
