@@ -370,3 +370,32 @@ def load_under(rank: int, world_size: int, config: Config, checkpoint: str, **st
             error = str(exc)
     fabric.strategy.teardown()
     return {"warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)], "error": error}
+
+
+def save_between_forward_and_backward(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """`fabric.save`, `averaged_model()` and `fabric.load` between a training forward and its `fabric.backward`:
+    the error each raises; then the step goes on, and a save after `optimizer.step()` works."""
+    config = Config("mid-step", optimizer={"lr": 0.05, "momentum": 0.9})
+    strategy = DecentralizedStrategy()
+    fabric = fabric_for(world_size, strategy)
+    loop = _Loop(fabric, config, initial_net(init_seed(rank)), rank)
+    state = {"model": loop.model, "optimizer": loop.optimizer}
+    fabric.save(f"{root}/before.ckpt", state)
+    loss = loop.loss(loop.batches[0])
+    out: dict[str, Any] = {}
+    for name, action in (
+        ("save", lambda: fabric.save(f"{root}/mid.ckpt", state)),
+        ("averaged_model", lambda: strategy.averaged_model().__enter__()),
+        ("load", lambda: fabric.load(f"{root}/before.ckpt", state)),
+    ):
+        try:
+            action()
+            out[name] = "no error"
+        except RuntimeError as error:
+            out[name] = str(error)
+    fabric.backward(loss)
+    loop.optimizer.step()
+    fabric.save(f"{root}/after.ckpt", state)
+    out["step"] = strategy.step
+    fabric.strategy.teardown()
+    return out

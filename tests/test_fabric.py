@@ -340,3 +340,14 @@ def test_a_shard_of_another_step_than_its_file_is_refused(resumed: dict, tmp_pat
     saved = RESUME["awc"].steps // 2
     for result in loaded:
         assert f"saved at step {saved} but the checkpoint's loops are at {saved + 1}" in result["error"], result
+
+
+def test_save_average_and_load_between_forward_and_backward_raise_naming_where_to_call_them(tmp_path: Path) -> None:
+    """Before, `fabric.save` there swapped x̄ into the parameters the backward needed: both ranks died with autograd's
+    "modified by an inplace operation"."""
+    for result in run_distributed(fabric_workers.save_between_forward_and_backward, 2, timeout=120, root=str(tmp_path)):
+        for name, call in (("save", "fabric.save"), ("averaged_model", "averaged_model()"), ("load", "fabric.load")):
+            assert result[name].startswith(f"{call} ran at step 0 between the training forward and `fabric.backward`"), result
+            assert "after `fabric.backward` or `optimizer.step()`" in result[name]
+        assert result["step"] == 1
+    assert not (tmp_path / "mid.ckpt").exists() and (tmp_path / "after.ckpt").exists()

@@ -106,6 +106,7 @@ class ShardedCheckpoints:
     _optimizer: Optional[Optimizer]
     _ranks: Ranks
     averaged_model: Callable[[], AbstractContextManager]
+    check_outside_the_graph: Callable[[str], None]
     rule_record: Callable[[], dict[str, str]]
 
     def save_checkpoint(
@@ -121,6 +122,7 @@ class ShardedCheckpoints:
         module_key, optimizer_key = self._keys(state)
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
+        self.check_outside_the_graph("fabric.save")
         with self.averaged_model():
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
             converted[module_key] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in converted[module_key].items()}
@@ -156,6 +158,8 @@ class ShardedCheckpoints:
         The model is found in `state` by identity, or as [`under_prefix(model, ...)`][lightning_decentral.fabric.under_prefix];
         a checkpoint that holds none of its weights is an error naming the keys, before anything is restored."""
         module_key, optimizer_key = self._keys(state) if isinstance(state, dict) else (None, None)
+        if module_key is not None:
+            self.check_outside_the_graph("fabric.load")
         remainder = super().load_checkpoint(path, state, strict, weights_only)
         if module_key is None:
             return remainder

@@ -110,6 +110,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         self._averaging = 0  # depth of averaged_model()
         self._hooks: list[Any] = []
         self._forward_states: list[dict[str, Any]] = []  # the random state of each training forward of step k
+        self._graph_pending = False  # a training forward ran and its backward has not: the parameters are in use
 
     # -- the monitoring surface (Driven's, and these) ---------------------------------------------
 
@@ -154,9 +155,12 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
     def averaged_model(self) -> Iterator[None]:
         """Replace this rank's replica by `x̄ = (1/n) Σ_i x_i` inside the block, then restore it exactly.
 
-        Every rank must enter it together, between optimizer steps; a nested use is free.
+        Every rank must enter it together, between optimizer steps (or after `fabric.backward`); a nested use is
+        free. Between a training forward and its backward it raises: the backward needs the replica's values.
         """
         module = self._live(self._module)
+        if not self._averaging:
+            self.check_outside_the_graph("averaged_model()")
         self._averaging += 1
         try:
             with self._averaged.swapped_in(module, self._ranks.mean if self.world_size > 1 else None):
@@ -233,6 +237,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         if module.training and torch.is_grad_enabled() and not self._averaging:
             self._begin_step()
             self.record_random_state()
+            self._graph_pending = True
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
@@ -240,6 +245,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         if self.driver.runner is not None:
             self._begin_step().before_backward()
         super().backward(tensor, module, *args, **kwargs)
+        self._graph_pending = False
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -257,6 +263,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
 
         output = self.driver.optimizer_step(self.step, run, closure or _nothing)
         self.step += 1
+        self._graph_pending = False
         self._context.overlap_backward = not self._clipping
         return output
 
@@ -280,6 +287,16 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
                 "the clipping), or not at all."
             )
         self._clipping = True
+
+    def check_outside_the_graph(self, what: str) -> None:
+        """Raise naming `what` (`"fabric.save"`, ...) and where to call it, if a training forward ran and its backward
+        has not: `what` would write into, or swap `x̄` into, the parameters the backward pass needs."""
+        if self._graph_pending:
+            raise RuntimeError(
+                f"{what} ran at step {self.step} between the training forward and `fabric.backward`: the backward needs "
+                "the parameters as the forward used them. Call fabric.save, fabric.load and averaged_model() after "
+                "`fabric.backward` or `optimizer.step()`, before the next training forward."
+            )
 
     def _begin_step(self) -> StepRunner:
         """The rule, with step `k` begun (once per step: the schedule decides it here)."""
@@ -309,7 +326,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         if self._mixer is not None:
             self._mixer.leave()
         self._mixer = self._replica = self._module = self._optimizer = None
-        self._hooks, self._forward_states = [], []
+        self._hooks, self._forward_states, self._graph_pending = [], [], False
         super().teardown()
 
     # -- helpers ------------------------------------------------------------------------------
