@@ -254,3 +254,35 @@ def resume_with_temperature(workers: int, save: str = "", load: str = "", vector
     if save:
         trainer.save_checkpoint(save)
     return [_state(module) for module in strategy.worker_modules()]
+
+
+class FreezesBatchNorm(LoggingRegression):
+    """Puts its BatchNorm in eval mode (running statistics frozen) at every training batch from step 2 on, and halves
+    its learning rate from step 3 on in its own `optimizer_step`: hooks each replica runs on its own."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_step >= 2:
+            self.net[1].eval()
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if self.global_step == 3:
+            for group in optimizer.param_groups:
+                group["lr"] /= 2
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+
+def fit_processes_with_hooks(rank: int, world_size: int, config: Config) -> torch.Tensor:
+    """``config`` on gloo processes with `FreezesBatchNorm`: this rank's final state."""
+    model = FreezesBatchNorm(seed=init_seed(rank), batch_norm=True, **config.optimizer_spec())
+    pl.seed_everything(SEED, verbose=False)
+    _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size).fit(model, shared_loader(config, world_size))
+    return _state(model)
+
+
+def fit_simulated_with_hooks(config: Config, workers: int, vectorize: bool) -> list[torch.Tensor]:
+    """The same in the simulation: every worker's final state."""
+    model = FreezesBatchNorm(seed=init_seed(0), batch_norm=True, **config.optimizer_spec())
+    pl.seed_everything(SEED, verbose=False)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
+    _trainer(strategy, config, 1).fit(model, train_dataloaders=shared_loader(config, workers))
+    return [_state(module) for module in strategy.worker_modules()]

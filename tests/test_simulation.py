@@ -259,3 +259,14 @@ def test_a_vectorized_shard_holds_only_its_own_worker(tmp_path) -> None:
         assert len(shards) == workers
         sizes[vectorize] = sum(f.stat().st_size for f in shards)
     assert sizes[True] == pytest.approx(sizes[False], rel=0.05), sizes
+
+
+def test_the_modules_hooks_run_on_every_worker_as_on_every_rank(monkeypatch) -> None:
+    """A module that freezes its BatchNorm in `on_train_batch_start` and lowers its learning rate in `optimizer_step`:
+    before, the per-worker path froze worker 0 only (and workers 1..n-1 took the new rate a step late)."""
+    config = Config("hooks", optimizer=SGD, batch_norm=True, steps=6)
+    ranks = torch.stack(run_distributed(sim.fit_processes_with_hooks, WORLD, config=config))
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    for vectorize in (False, True):
+        workers = torch.stack(sim.fit_simulated_with_hooks(config, WORLD, vectorize))
+        torch.testing.assert_close(workers, ranks, atol=1e-5, rtol=0, msg=f"vectorize={vectorize}")

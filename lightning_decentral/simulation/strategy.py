@@ -45,6 +45,7 @@ from lightning_decentral.trainer.replicated import backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.simulation.data import PerWorker, StackedBatch, WorkerLoaders
+from lightning_decentral.simulation.hooks import WorkerHooks
 from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy
 from lightning_decentral.simulation.workers import SimulatedWorkers, copy_of, optimizer_like
 from lightning_decentral.topology import Topology
@@ -112,7 +113,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         )
         self.vectorize = vectorize
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
-        self._losses: list[Tensor] = []
+        self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
+        self._outputs: list[Any] = []  # each worker's training_step output of this batch
+        self._hooks: Optional[WorkerHooks] = None  # the module's hooks on every worker (per-worker path)
 
     # -- the monitoring surface: Driven's, and these --------------------------------------------
 
@@ -174,6 +177,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             for rank, worker_module in enumerate(modules):
                 optimizer = self.optimizers[0] if rank == 0 else optimizer_like(self.optimizers[0], copy_of(module, worker_module))
                 self._group.add(worker_module, optimizer, rule, self.gossip_buffers, context if rank == 0 else quiet)
+            self._hooks = WorkerHooks(self._group, losses=lambda: self._losses, outputs=lambda: self._outputs)
+            self._hooks.install()
         self.driver.run(self._group)
 
     @override
@@ -218,6 +223,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
                 self.lightning_module.log(name, mean, **values[0][1])
             else:  # a Metric object, or logged by some workers only: worker 0's
                 self.lightning_module.log(name, values[0][0], **values[0][1])
+        self._outputs = outputs
         self._losses = [_loss_of(output) for output in outputs]
         if any(loss is None for loss in self._losses):
             raise ValueError("A worker's training_step returned no loss: every simulated worker must step together.")
@@ -230,13 +236,14 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         """Each worker's backward of its own loss (scaled as Lightning scales the returned one)."""
         self.pre_backward(closure_loss)
         self._group.before_backward()
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        self._losses = [loss / accumulate for loss in self._losses]
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)  # on_before_backward
 
         def backward(loss: Tensor, module: Module, worker_optimizer: Optional[Optimizer]) -> None:
             self.precision_plugin.backward(loss, module, worker_optimizer, *args, **kwargs)
 
-        self._group.backward([loss / accumulate for loss in self._losses], backward)
+        self._group.backward(self._losses, backward)
         self._losses = []
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
@@ -316,8 +323,11 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
 
     @override
     def teardown(self) -> None:
-        """After the stage: release the rules' hooks."""
+        """After the stage: release the rules' hooks and worker 0's own module hooks."""
         self.driver.teardown()
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
         super().teardown()
 
     @classmethod
