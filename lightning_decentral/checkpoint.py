@@ -139,13 +139,13 @@ def refuse_non_finite(ranks: RankGroup, shard: dict[str, Any], filepath: _PATH) 
         raise not_finite_error(bad, step, filepath)
 
 
-def not_finite_error(ranks: list[int], step: int, filepath: _PATH) -> FloatingPointError:
-    """The error of a save refused because `ranks` hold a NaN or an Inf."""
+def not_finite_error(ranks: list[int], step: int, filepath: _PATH, who: str = "Rank(s)") -> FloatingPointError:
+    """The error of a save refused because `ranks` (`who`: `"Worker(s)"` in a simulation) hold a NaN or an Inf."""
     return FloatingPointError(
-        f"Rank(s) {ranks} hold a NaN or an Inf in the replica or the optimizer state at step {step}: the checkpoint "
+        f"{who} {ranks} hold a NaN or an Inf in the replica or the optimizer state at step {step}: the checkpoint "
         f"{filepath} is not written, and the checkpoints written before are left as they are. Training stops "
-        "on every rank. Lower the learning rate, clip the gradients (Trainer(gradient_clip_val=...)) or look for "
-        "the source with torch.autograd.detect_anomaly."
+        "here. Lower the learning rate, clip the gradients (Trainer(gradient_clip_val=...), or "
+        "fabric.clip_gradients in a Fabric loop) or look for the source with torch.autograd.detect_anomaly."
     )
 
 

@@ -309,7 +309,10 @@ def test_a_nan_on_one_rank_stops_before_it_reaches_a_neighbour() -> None:
     start = time.monotonic()
     messages = run_distributed(fabric_workers.nan_on_one_rank, 2, timeout=120)
     assert messages[1].startswith("FloatingPointError") and "Rank 1" in messages[1] and "step 3" in messages[1], messages[1]
+    assert "fabric.clip_gradients(model, optimizer, max_norm=...)" in messages[1] and "Trainer(" not in messages[1]
     assert messages[0] != "no error"
+    # two ranks: the exchange is an all-reduce (W = 11ᵀ/2); before, the error named "a neighbour (every rank)"
+    assert "another rank (this exchange is an all-reduce of every rank)" in messages[0], messages[0]
     assert time.monotonic() - start < 100
 
 

@@ -215,7 +215,7 @@ def test_what_cannot_run_vectorized_is_refused_naming_the_fix() -> None:
 def test_a_nan_in_a_worker_never_reaches_a_checkpoint(vectorize: bool, tmp_path) -> None:
     from lightning_decentral.checkpoint import META_KEY, read_shard, shard_path
 
-    with pytest.raises(FloatingPointError, match=r"Rank\(s\) \[2\] hold a NaN.*at step 6.*not written"):
+    with pytest.raises(FloatingPointError, match=r"^Worker\(s\) \[2\] hold a NaN.*at step 6.*not written"):
         sim.fit_simulated_into_nan(str(tmp_path), WORLD, vectorize)
     last = str(tmp_path / "last.ckpt")
     checkpoint = torch.load(last, weights_only=True)
@@ -270,3 +270,19 @@ def test_the_modules_hooks_run_on_every_worker_as_on_every_rank(monkeypatch) -> 
     for vectorize in (False, True):
         workers = torch.stack(sim.fit_simulated_with_hooks(config, WORLD, vectorize))
         torch.testing.assert_close(workers, ranks, atol=1e-5, rtol=0, msg=f"vectorize={vectorize}")
+
+
+def test_a_nan_stops_the_simulation_naming_the_worker_without_speaking_of_ranks_or_timeouts() -> None:
+    """Before, the simulation said "Rank 2 ... the other ranks stop within the process-group timeout"."""
+    from lightning_decentral.mixing import DenseMixer, StackedMixer
+    from lightning_decentral.topology import Ring
+
+    mixer = DenseMixer(Ring(world_size=4))
+    rows = torch.zeros(4, 3)
+    rows[2, 1] = float("nan")
+    for start in (lambda: mixer.worker(2).start([rows[2]], step=5), lambda: StackedMixer(mixer).start([rows.view(-1)], step=5)):
+        with pytest.raises(FloatingPointError) as raised:
+            start()
+        message = str(raised.value)
+        assert message.startswith("Worker 2 holds a NaN or an Inf in what it was about to send to its neighbours at step 5")
+        assert "the simulation stops with it" in message and "rank" not in message.lower() and "timeout" not in message

@@ -27,6 +27,7 @@ from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import own_gradients, random_state
+from lightning_decentral.mixing import FABRIC
 from lightning_decentral.options import GossipDtypeName, GossipOptions, register_strategies
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext
@@ -208,6 +209,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         self._mixer = Gossip.on_new_group(
             self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
         )
+        self._mixer.phrasing = FABRIC
         self._module = module
         self._hooks = [module.register_forward_pre_hook(self._before_forward)]
         return module

@@ -152,7 +152,7 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
             ]
             bad = [rank for rank, shard in enumerate(built) if not shards.holds_finite([shard["state_dict"], shard.get("optimizer_states")])]
             if bad:  # before anything is written or removed
-                raise shards.not_finite_error(bad, step, filepath)
+                raise shards.not_finite_error(bad, step, filepath, who="Worker(s)")
             for shard, path in zip(built, paths):
                 shards.write_shard(shard, path)
             with_atomic_writes(self.checkpoint_io).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
