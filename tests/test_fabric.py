@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -354,3 +355,44 @@ def test_save_average_and_load_between_forward_and_backward_raise_naming_where_t
             assert "after `fabric.backward` or `optimizer.step()`" in result[name]
         assert result["step"] == 1
     assert not (tmp_path / "mid.ckpt").exists() and (tmp_path / "after.ckpt").exists()
+
+
+def _fabric_checkpoint(path: Path, world_size: int = 3) -> None:
+    """A checkpoint as `fabric.save` writes it on `world_size` ranks: the file, and rank `r`'s shard holding net `r`."""
+    from lightning_decentral import checkpoint
+
+    optimizer = torch.optim.SGD(initial_net(0).parameters(), lr=0.1).state_dict()
+    meta = {"save_id": 5, "world_size": world_size}
+    torch.save({"model": initial_net(0).state_dict(), "optimizer": optimizer, fabric.STEP_KEY: 3, META_KEY: meta}, path)
+    for rank in range(world_size):
+        shard = checkpoint.make_shard(5, rank, world_size, initial_net(rank).state_dict(), 3, [optimizer], {})
+        checkpoint.write_shard(shard, checkpoint.shard_path(str(path), rank, world_size, 5))
+
+
+def test_to_trainer_checkpoint_with_a_shard_missing_falls_back_to_the_average_or_converts_a_nodes_own_ranks(
+    tmp_path: Path,
+) -> None:
+    """Before, a missing shard raised a raw FileNotFoundError after the shards before it were written (orphans)."""
+    from lightning_decentral.checkpoint import read_shard, shard_path
+
+    source, target = tmp_path / "fabric.ckpt", tmp_path / "trainer.ckpt"
+    _fabric_checkpoint(source)
+    Path(shard_path(str(source), 1, 3, 5)).unlink()  # on another node, or lost
+    with pytest.warns(UserWarning, match=r"rank 1: the shard is missing.*resumes from the average x̄.*`ranks=`"):
+        fabric.to_trainer_checkpoint(source, target, prefix="net.")
+    converted = torch.load(target, weights_only=True)
+    assert META_KEY not in converted and not Path(shard_directory(target)).exists()  # no orphan shard
+    assert torch.equal(converted["state_dict"]["net.0.weight"], initial_net(0)[0].weight)
+
+    with pytest.raises(FileNotFoundError, match=r"ranks \[1, 2\].*rank 1: the shard is missing. Nothing was written"):
+        fabric.to_trainer_checkpoint(source, tmp_path / "node1.ckpt", ranks=[1, 2])
+    assert not list(tmp_path.glob("node1.ckpt*"))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the conversion does not carry over
+        fabric.to_trainer_checkpoint(source, tmp_path / "node0.ckpt", prefix="net.", ranks=[0, 2])  # this node's ranks
+    assert torch.load(tmp_path / "node0.ckpt", weights_only=True)[META_KEY] == {"save_id": 5, "world_size": 3}
+    for rank in (0, 2):
+        shard = read_shard(shard_path(str(tmp_path / "node0.ckpt"), rank, 3, 5))
+        assert torch.equal(shard["state_dict"]["net.0.weight"], initial_net(rank)[0].weight)
+    assert not Path(shard_path(str(tmp_path / "node0.ckpt"), 1, 3, 5)).exists()
