@@ -9,9 +9,15 @@ from typing import Any, Literal, Optional, Union
 import torch
 
 from lightning_decentral.schedule import RoundsSchedule
-from lightning_decentral.topology import TOPOLOGIES, topology_class
+from lightning_decentral.topology import TOPOLOGIES, Topology, topology_class
 
-TopologyName = Literal[tuple(TOPOLOGIES)]  # type: ignore[valid-type]  # a config names one of these, checked when parsed
+TopologyName = Literal[tuple(TOPOLOGIES)]  # type: ignore[valid-type]
+"""A built-in topology by name."""
+
+TopologyArgument = Union[TopologyName, Topology, list[list[float]], list[list[list[float]]], str]
+"""What a strategy's `topology` takes in a config: a name, a `Topology` (by `class_path`), a mixing matrix, or a list of
+them for a time-varying topology (another string is checked when the strategy is built: an unknown name is refused
+naming the choices). Python code may also pass a numpy array, a tensor or a `networkx` graph."""
 
 COMBINE = ("awc", "atc")
 EVAL_ON = ("average", "local")

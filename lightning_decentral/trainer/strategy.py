@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -38,16 +38,12 @@ from lightning_decentral.agreement import parameter_deviations, run_configuratio
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import own_gradients
-from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyName, register_strategies
+from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
 from lightning_decentral.replicas import Replica
 from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
-from lightning_decentral.topology import Topology
 
-if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against them
-    import networkx
-    import numpy as np
 
 
 class DecentralizedStrategy(Driven, ReplicaStrategy):
@@ -95,9 +91,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
 
     def __init__(
         self,
-        topology: Union[
-            TopologyName, Topology, list[list[float]], list[list[list[float]]], np.ndarray, Tensor, networkx.Graph
-        ] = "ring",
+        topology: TopologyArgument = "ring",
         combine: Literal["awc", "atc"] = "awc",
         momentum: Literal["local", "decentlam"] = "local",
         gossip_every: int = 1,
