@@ -399,3 +399,22 @@ def save_between_forward_and_backward(rank: int, world_size: int, root: str) -> 
     out["step"] = strategy.step
     fabric.strategy.teardown()
     return out
+
+
+def load_on_rank_zero_only(rank: int, world_size: int, root: str, pg_timeout: float) -> dict[str, Any]:
+    """Rank 0 was launched with the flag that makes it resume (`fabric.load`), rank 1 without: rank 1 trains."""
+    config = Config("skip-load", optimizer={"lr": 0.05, "momentum": 0.9})
+    fabric = fabric_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=pg_timeout)))
+    loop = _Loop(fabric, config, initial_net(init_seed(rank)), rank)
+    state = {"model": loop.model, "optimizer": loop.optimizer}
+    fabric.save(f"{root}/first.ckpt", state)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            fabric.load(f"{root}/first.ckpt", state)
+        for k in range(3):
+            loop.step(k)
+        error = "no error"
+    except RuntimeError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "seconds": time.monotonic() - start}

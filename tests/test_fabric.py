@@ -396,3 +396,16 @@ def test_to_trainer_checkpoint_with_a_shard_missing_falls_back_to_the_average_or
         shard = read_shard(shard_path(str(tmp_path / "node0.ckpt"), rank, 3, 5))
         assert torch.equal(shard["state_dict"]["net.0.weight"], initial_net(rank)[0].weight)
     assert not Path(shard_path(str(tmp_path / "node0.ckpt"), 1, 3, 5)).exists()
+
+
+def test_a_rank_that_skips_a_load_stops_every_rank_at_once_naming_what_each_does(tmp_path: Path) -> None:
+    """Before, rank 0 waited in the load's all-gather and rank 1 in its exchange until the timeout (30 minutes)."""
+    timeout = 60.0
+    loader, trainer = run_distributed(fabric_workers.load_on_rank_zero_only, 2, timeout=120, root=str(tmp_path), pg_timeout=timeout)
+    assert loader["error"].startswith(
+        f"Disagreement: The ranks are not doing the same thing: rank 0 is in fabric.load('{tmp_path}/first.ckpt') "
+        "while rank 1 is in optimizer step 0."
+    ), loader["error"]
+    assert "call it on every rank (not under `if global_rank == 0`)" in loader["error"]
+    assert trainer["error"].startswith("PeerFailure: The gossip exchange of step 0 failed"), trainer["error"]
+    assert loader["seconds"] < timeout and trainer["seconds"] < timeout  # neither waited for the timeout

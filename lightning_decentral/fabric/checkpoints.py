@@ -105,8 +105,9 @@ class ShardedCheckpoints:
     _module: Optional[Module]
     _optimizer: Optional[Optimizer]
     _ranks: Ranks
-    averaged_model: Callable[[], AbstractContextManager]
+    averaged_model: Callable[..., AbstractContextManager]
     check_outside_the_graph: Callable[[str], None]
+    agree: Callable[[str], None]
     rule_record: Callable[[], dict[str, str]]
 
     def save_checkpoint(
@@ -123,7 +124,8 @@ class ShardedCheckpoints:
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
         self.check_outside_the_graph("fabric.save")
-        with self.averaged_model():
+        self.agree(f"fabric.save({str(path)!r})")
+        with self.averaged_model(agree=False):  # agreed above: the averaging's all-reduce is the save's first collective
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
             converted[module_key] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in converted[module_key].items()}
         if optimizer_key is not None:
@@ -160,6 +162,7 @@ class ShardedCheckpoints:
         module_key, optimizer_key = self._keys(state) if isinstance(state, dict) else (None, None)
         if module_key is not None:
             self.check_outside_the_graph("fabric.load")
+            self.agree(f"fabric.load({str(path)!r})")
         remainder = super().load_checkpoint(path, state, strict, weights_only)
         if module_key is None:
             return remainder

@@ -12,7 +12,6 @@ from typing import Any, Literal, Optional, Union
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -22,13 +21,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_decentral.agreement import Ranks, parameter_deviations, run_configuration
+from lightning_decentral.agreement import Activities, Ranks, parameter_deviations, run_configuration
 from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import own_gradients, random_state
 from lightning_decentral.mixing import FABRIC
-from lightning_decentral.options import GossipDtypeName, GossipOptions, register_strategies
+from lightning_decentral.options import DEFAULT_TIMEOUT, GossipDtypeName, GossipOptions, register_strategies
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
@@ -81,7 +80,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         options = GossipOptions(
@@ -112,6 +111,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         self._hooks: list[Any] = []
         self._forward_states: list[dict[str, Any]] = []  # the random state of each training forward of step k
         self._graph_pending = False  # a training forward ran and its backward has not: the parameters are in use
+        self._activities: Optional[Activities] = None  # what each rank does: ranks that disagree stop at once
 
     # -- the monitoring surface (Driven's, and these) ---------------------------------------------
 
@@ -153,15 +153,20 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         return list(self._forward_states)
 
     @contextlib.contextmanager
-    def averaged_model(self) -> Iterator[None]:
+    def averaged_model(self, agree: bool = True) -> Iterator[None]:
         """Replace this rank's replica by `x̄ = (1/n) Σ_i x_i` inside the block, then restore it exactly.
 
         Every rank must enter it together, between optimizer steps (or after `fabric.backward`); a nested use is
-        free. Between a training forward and its backward it raises: the backward needs the replica's values.
+        free. Between a training forward and its backward it raises: the backward needs the replica's values. With
+        `agree`, a rank that does something else meanwhile stops every rank at once, naming it
+        ([`agree`][lightning_decentral.fabric.DecentralizedStrategy.agree]); `fabric.save`, which agreed already,
+        averages without.
         """
         module = self._live(self._module)
         if not self._averaging:
             self.check_outside_the_graph("averaged_model()")
+            if agree and self.world_size > 1:
+                self.agree("averaged_model()")
         self._averaging += 1
         try:
             with self._averaged.swapped_in(module, self._ranks.mean if self.world_size > 1 else None):
@@ -204,6 +209,8 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
             raise ValueError("DecentralizedStrategy gossips one model: set up one module per Fabric.")
         precision = str(getattr(self.precision, "precision", type(self.precision).__name__))
         self._ranks.check_same_configuration(run_configuration(self, module, precision))
+        self._activities = Activities.of_group(self._ranks, self._timeout)
+        self._activities.start("fabric.setup")
         self._ranks.broadcast_from_rank_zero(list(state_tensors(module)))
         self._replica = Replica(module, self.gossip_buffers)
         self._mixer = Gossip.on_new_group(
@@ -300,10 +307,19 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
                 "`fabric.backward` or `optimizer.step()`, before the next training forward."
             )
 
+    def agree(self, what: str) -> None:
+        """Right before a collective every rank must enter together: stop at once, naming what each rank does, if
+        another rank does something else ([`Activities`][lightning_decentral.agreement.Activities]); a no-op before
+        set-up. Nothing else may be agreed or begun before that collective."""
+        if self._activities is not None:
+            self._activities.agree(what)
+
     def _begin_step(self) -> StepRunner:
         """The rule, with step `k` begun (once per step: the schedule decides it here)."""
         if not self.driver.begun:
             self._forward_states = []  # a new optimizer step
+            if self._activities is not None:
+                self._activities.start(f"optimizer step {self.step}")
         return self.driver.begin(self.step)
 
     def _epoch(self) -> int:
@@ -328,7 +344,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         if self._mixer is not None:
             self._mixer.leave()
         self._mixer = self._replica = self._module = self._optimizer = None
-        self._hooks, self._forward_states, self._graph_pending = [], [], False
+        self._hooks, self._forward_states, self._graph_pending, self._activities = [], [], False, None
         super().teardown()
 
     # -- helpers ------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -38,7 +37,7 @@ from lightning_decentral.agreement import parameter_deviations, run_configuratio
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import own_gradients
-from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
+from lightning_decentral.options import DEFAULT_TIMEOUT, GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
 from lightning_decentral.replicas import Replica
 from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
 from lightning_decentral.rules import RuleContext
@@ -106,7 +105,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
@@ -204,7 +203,10 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         if batch_idx == 0:
             assert self._replica is not None, "the replicas are packed when fit starts"
             self._replica.check_trainable_unchanged(self.lightning_module)
-        self.driver.begin(self.lightning_module.trainer.global_step)
+        step = self.lightning_module.trainer.global_step
+        if self.activities is not None:
+            self.activities.start(f"training batch {batch_idx} (optimizer step {step})")
+        self.driver.begin(step)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
