@@ -284,6 +284,7 @@ def test_a_rank_that_saves_alone_stops_every_rank_within_the_timeout_naming_what
         "PeerFailure: a checkpoint save (trainer.save_checkpoint or a checkpoint callback) waited 10."
     )
     assert saver["error"].startswith((at_once, after_the_timeout)), saver["error"]
+    assert "rank 1" in saver["error"] and "training batch" in saver["error"]  # what rank 1 does, named
     assert other["error"].startswith("PeerFailure: The gossip exchange of step 2 failed"), other["error"]
     assert saver["seconds"] < timeout + 5 and other["seconds"] < timeout + 10
     assert not (tmp_path / "alone.ckpt").exists()
