@@ -42,7 +42,9 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
     `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
     `gossip_dtype`); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`,
     `precision`, `process_group_backend`, `timeout`, `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s
-    (`timeout` bounds every exchange: a dead rank ends the others within it); any other name is a `TypeError`.
+    (`timeout`, 5 minutes unless given, bounds every exchange: a dead or silent rank ends the others within it, and
+    ranks that call different collectives, `fabric.load` on one and a step on another, stop at once); any other
+    name is a `TypeError`.
     `eval_on` decides what [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation]
     swaps in.
 

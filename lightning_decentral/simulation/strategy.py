@@ -61,11 +61,22 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
     """`workers` decentralized workers in one process, on one CPU or GPU: the run `DecentralizedStrategy`
     makes on `workers` processes, replica for replica (docs/simulation.md).
 
-    The update-rule arguments are [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]'s.
-    Use it with `devices=1`; the DataLoader's `batch_size` is the per-worker batch, as on processes.
+    The update-rule arguments are [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]'s (the details
+    are there). Use it with `devices=1`; the DataLoader's `batch_size` is the per-worker batch, as on processes.
 
     Args:
         workers: the number of simulated workers `n`.
+        topology: a name (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`, `"complete"`,
+            `"hierarchical"`), a `Topology` by `class_path`, or a mixing matrix, bound to `workers`.
+        combine: `"awc"` (adapt-with-combine: gossip overlaps the step) or `"atc"` (adapt-then-combine).
+        momentum: `"local"` (the optimizer's own momentum) or `"decentlam"` (DecentLaM's update).
+        gossip_every: gossip on steps with `(k + 1) % gossip_every == 0`; local steps otherwise.
+        gossip_steps: rounds of `W(k)` per gossip step, or a schedule such as `{"epoch": {0: 4, 5: 1}}`.
+        gossip_buffers: also mix floating-point buffers (BatchNorm statistics); else each worker keeps its own.
+        eval_on: `"average"`: validate, test and predict on `x̄`; `"local"`: on worker 0's replica.
+        bucket_cap_mb: DecentLaM's bucket size in MB (as on processes; it changes nothing here but the grouping).
+        gossip_dtype: round what the workers exchange to `"bfloat16"` or `"float16"` as the processes would send it
+            (`None`: full precision).
         vectorize: `"auto"` (the default): stack the workers when stacking gives the per-worker result (an
             elementwise optimizer, no dropout layer, no hook that sees one worker's batch or gradients, a DataLoader
             with a `batch_size`; see [`stacking_problem`][lightning_decentral.simulation.vectorized.stacking_problem]),
@@ -73,6 +84,10 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             parameters, one `torch.vmap` of `training_step`, one optimizer step for all; 2-3 times faster at
             `n = 16-64`), refusing what it cannot run (a non-elementwise optimizer; random numbers in
             `training_step` stop the first step). `False`: one worker at a time, for any module.
+        accelerator: Lightning's accelerator (the Trainer's `accelerator=` sets it).
+        checkpoint_io: writes and reads the checkpoint file (default: an
+            [`AtomicCheckpointIO`][lightning_decentral.files.AtomicCheckpointIO], whole or not at all).
+        precision_plugin: Lightning's precision plugin (the Trainer's `precision=` sets it).
 
     Example:
         ```python

@@ -57,9 +57,10 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
       `x_i(k+1) = U(x_i(k), g̃_i)`; each bucket of `z` is exchanged as soon as its gradients exist.
 
     Args:
-        topology: a name from `TOPOLOGIES` (`"ring"`, `"torus"`, `"exponential"`,
-            `"one_peer_exponential"`, `"complete"`), a [`Topology`][lightning_decentral.topology.Topology],
-            a mixing matrix or a `networkx` graph.
+        topology: a name from `TOPOLOGIES` (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`,
+            `"complete"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology] (in a config by
+            `class_path`, e.g. `lightning_decentral.Torus` with `init_args: {rows: 2}`) or a mixing matrix (a list of
+            them: one per step of a period); in Python also a numpy array, a tensor or a `networkx` graph.
         combine: `"awc"` (adapt-with-combine) or `"atc"` (adapt-then-combine); ignored by DecentLaM.
         momentum: `"local"` (the optimizer's own momentum, the first two rules) or `"decentlam"`.
         gossip_every: gossip on steps with `(k + 1) % gossip_every == 0`; local steps otherwise.
@@ -74,8 +75,18 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             `torch.float16`, or their names; `None`: the parameters' own). Replicas and optimizer state
             stay in full precision; the exchange keeps `x̄` exactly and feeds the rounding error back
             (`x_i <- x_i + Σ_j w_ij q_j − q_i`). All-reduces (`complete`) stay in full precision.
-
-    The remaining arguments are `lightning.pytorch.strategies.DDPStrategy`'s.
+        accelerator: Lightning's accelerator (the Trainer's `accelerator=` sets it).
+        parallel_devices: the devices of this node's ranks (the Trainer's `devices=` sets them).
+        cluster_environment: how the ranks find each other (SLURM, TorchElastic, ...: detected when `None`).
+        checkpoint_io: writes and reads the checkpoint file (default: an
+            [`AtomicCheckpointIO`][lightning_decentral.files.AtomicCheckpointIO], whole or not at all).
+        precision_plugin: Lightning's precision plugin (the Trainer's `precision=` sets it).
+        process_group_backend: `"gloo"` or `"nccl"` (default: NCCL on GPUs, gloo on the CPU).
+        timeout: how long a rank waits for a silent peer (the rendezvous, a collective, an exchange) before it stops
+            with an error naming it; default 5 minutes (`DEFAULT_TIMEOUT`). Ranks that run different collectives
+            stop at once.
+        start_method: how the ranks are launched: `"popen"` (a script per rank), `"spawn"`, `"fork"`,
+            `"forkserver"`.
 
     Examples:
         ```python
