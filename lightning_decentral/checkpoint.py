@@ -36,6 +36,7 @@ from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 
 from lightning_decentral.failures import PeerFailure
+from lightning_decentral.files import adopt, atomic_write, disown, owned, removable_temporary, temporary_name
 
 META_KEY = "decentralized_shards"  # in the checkpoint file: {"save_id", "world_size"}
 
@@ -138,13 +139,13 @@ def refuse_non_finite(ranks: RankGroup, shard: dict[str, Any], filepath: _PATH) 
         raise not_finite_error(bad, step, filepath)
 
 
-def not_finite_error(ranks: list[int], step: int, filepath: _PATH) -> FloatingPointError:
-    """The error of a save refused because `ranks` hold a NaN or an Inf."""
+def not_finite_error(ranks: list[int], step: int, filepath: _PATH, who: str = "Rank(s)") -> FloatingPointError:
+    """The error of a save refused because `ranks` (`who`: `"Worker(s)"` in a simulation) hold a NaN or an Inf."""
     return FloatingPointError(
-        f"Rank(s) {ranks} hold a NaN or an Inf in the replica or the optimizer state at step {step}: the checkpoint "
+        f"{who} {ranks} hold a NaN or an Inf in the replica or the optimizer state at step {step}: the checkpoint "
         f"{filepath} is not written, and the checkpoints written before are left as they are. Training stops "
-        "on every rank. Lower the learning rate, clip the gradients (Trainer(gradient_clip_val=...)) or look for "
-        "the source with torch.autograd.detect_anomaly."
+        "here. Lower the learning rate, clip the gradients (Trainer(gradient_clip_val=...), or "
+        "fabric.clip_gradients in a Fabric loop) or look for the source with torch.autograd.detect_anomaly."
     )
 
 
@@ -260,14 +261,16 @@ def read_own_shard(
     if meta["world_size"] != world_size:
         return None, ShardProblem.OTHER_WORLD_SIZE
     source = resolve(checkpoint_path)
+    path = shard_path(source, rank, world_size, meta["save_id"])
     try:
-        shard = read_shard(shard_path(source, rank, world_size, meta["save_id"]))
+        shard = read_shard(path)
     except FileNotFoundError:
         return None, ShardProblem.OTHER_SAVE if shards_of_rank(source, rank) else ShardProblem.MISSING
     except Exception:  # truncated or foreign content
         return None, ShardProblem.UNREADABLE
     if (shard.get("save_id"), shard.get("rank")) != (meta["save_id"], rank):
         return None, ShardProblem.OTHER_SAVE
+    adopt(path)  # resumed from: the next save of this process supersedes it
     return shard, ShardProblem.NONE
 
 
@@ -321,19 +324,15 @@ def _prefix(rank: int) -> str:
 
 
 def write_shard(shard: dict[str, Any], path: str) -> None:
-    """`torch.save` to `path + ".tmp"`, then rename to `path`: a reader sees all of it or nothing."""
-    fs = get_filesystem(path)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    partial = path + ".tmp"
-    with fs.open(partial, "wb") as f:
-        torch.save(shard, f)
-    fs.mv(partial, path)
+    """`torch.save` to `path` atomically ([`atomic_write`][lightning_decentral.files.atomic_write]): a reader sees
+    all of it or nothing, and a full disk or a kill leaves no damaged shard."""
+    atomic_write(path, lambda f: torch.save(shard, f))
 
 
 def discard(path: str) -> None:
-    """Remove the shard `path` and its temporary file, where they exist (a save that failed)."""
+    """Remove the shard `path` and this process's temporary file of it, where they exist (a save that failed)."""
     fs = get_filesystem(path)
-    for leftover in (path, path + ".tmp"):
+    for leftover in (path, temporary_name(path)):
         _remove(fs, leftover)
 
 
@@ -350,24 +349,29 @@ def shards_of_rank(checkpoint_path: _PATH, rank: int) -> list[str]:
 
 
 def temporary_files_of_rank(checkpoint_path: _PATH, rank: int) -> list[str]:
-    """This rank's temporary shard files for `checkpoint_path` (writes that never finished), of any save."""
+    """This rank's temporary shard files for `checkpoint_path` (writes in progress, or that never finished), of any
+    save and writer."""
     fs = get_filesystem(checkpoint_path)
-    return sorted(fs.glob(f"{shard_directory(checkpoint_path)}/{_prefix(rank)}-of-*.pt.tmp"))
+    return sorted(fs.glob(f"{shard_directory(checkpoint_path)}/{_prefix(rank)}-of-*.pt*.tmp"))
 
 
 def remove_shards(checkpoint_path: _PATH, rank: int, keep: Optional[str] = None) -> None:
-    """Delete this rank's shards and temporary files of `checkpoint_path` but the file `keep`; the
-    directory too once empty.
+    """Delete this rank's shards of `checkpoint_path` that this process wrote or resumed from, but the file `keep`,
+    and the temporary files this process or a dead one left; the directory too once empty.
 
-    After a save, `keep` is its shard: every other file of this rank there belongs to no checkpoint
-    (an earlier save, a save whose checkpoint file was never written, a write killed midway). Safe to
-    repeat or to race: a file or directory already gone (another job saving to the same path removed
-    it) is no error.
+    After a save, `keep` is its shard: the other shards this process wrote there belong to no checkpoint (an
+    earlier save, a save whose checkpoint file was never written). A file of another process stays, unless it is a
+    temporary file whose writer is provably gone ([`removable_temporary`][lightning_decentral.files.removable_temporary]):
+    another job saving to the same path keeps its shards, also those it is writing. Safe to repeat or to race: a
+    file or directory already gone is no error.
     """
     fs = get_filesystem(checkpoint_path)
     kept = None if keep is None else os.path.basename(keep)
-    for path in [*shards_of_rank(checkpoint_path, rank), *temporary_files_of_rank(checkpoint_path, rank)]:
-        if os.path.basename(path) != kept:
+    for path in shards_of_rank(checkpoint_path, rank):
+        if os.path.basename(path) != kept and owned(path):
+            _remove(fs, path)
+    for path in temporary_files_of_rank(checkpoint_path, rank):
+        if removable_temporary(path):
             _remove(fs, path)
     directory = shard_directory(checkpoint_path)
     try:
@@ -383,6 +387,7 @@ def _remove(fs: Any, path: str) -> None:
         fs.rm(path)
     except FileNotFoundError:
         pass
+    disown(path)
 
 
 def rng_state() -> dict[str, Any]:

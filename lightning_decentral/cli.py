@@ -26,6 +26,7 @@ and checkpoints are, and the plots [`plot_runs`][lightning_decentral.plot.plot_r
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -33,6 +34,7 @@ from typing import Any, Optional
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -79,14 +81,37 @@ class DecentralizedCLI(LightningCLI):
         kwargs["description"] = f"{description} {STRATEGY_HELP}"
         return super().init_parser(**kwargs)
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse the command line; a strategy is built through `_build_strategy`, which keeps its error."""
+        parser.add_instantiator(self._build_strategy, Strategy, subclasses=True)
+        super().parse_arguments(parser, args)
+
+    def _build_strategy(self, strategy_class: type, *args: Any, **kwargs: Any) -> Strategy:
+        """`strategy_class(*args, **kwargs)`; a refusal is kept, as `trainer.strategy.init_args.<option>: message`
+        (the first argument the message names), to be shown first."""
+        try:
+            return strategy_class(*args, **kwargs)
+        except (ValueError, TypeError) as error:
+            text = str(error)
+            named = [(text.find(name), name) for name in kwargs if re.search(rf"\b{name}\b", text)]
+            path = "trainer.strategy.init_args" + (f".{min(named)[1]}" if named else "")
+            self._refused = f"{path}: {text}"
+            raise
+
     def instantiate_classes(self) -> None:
         """Create model, data and Trainer; an error in a constructor (a bad value in the config, a
         topology that does not fit the world size) exits like a parse error: the message, no traceback
-        (`JSONARGPARSE_DEBUG=1` raises it instead)."""
+        (`JSONARGPARSE_DEBUG=true` raises it instead). A strategy's own error comes first, on one line with the
+        option's path, before the parser's account of it."""
+        self._refused: Optional[str] = None
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, MisconfigurationException) as error:
-            self._parser(self.subcommand).error(f"The configuration could not be instantiated: {error}", error)
+            message = f"The configuration could not be instantiated: {error}"
+            if self._refused is None or os.environ.get("JSONARGPARSE_DEBUG", "").lower() in ("1", "true", "yes"):
+                self._parser(self.subcommand).error(message, error)
+            sys.stderr.write(f"error: {self._refused}\n\nThe parser's account of it:\n{message}\n")
+            sys.exit(2)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)

@@ -10,6 +10,7 @@ processes and for simulated worker `i` alike.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -165,14 +166,28 @@ class DirichletSampler(DistributedSampler):
 
 
 def _check_alpha(alpha: Any) -> float:
+    """`alpha` as a float: a positive real number of any kind (Python's, a numpy scalar, a one-element tensor)."""
     if alpha is None:
         return math.inf
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+    if isinstance(alpha, torch.Tensor) and alpha.numel() == 1 and not alpha.is_complex():
+        alpha = alpha.item()
+    number = isinstance(alpha, (numbers.Real, np.floating, np.integer)) and not isinstance(alpha, (bool, np.bool_))
+    if not number or not float(alpha) > 0:
         raise ValueError(f"`alpha` must be a positive number (or None / inf for the IID split), got {alpha!r}.")
     return float(alpha)
 
 
 def _as_array(labels: Any) -> np.ndarray:
+    """`labels` as int64 class indices; labels that are not whole numbers are an error (they would be cut)."""
     if isinstance(labels, torch.Tensor):
         labels = labels.detach().cpu().numpy()
-    return np.asarray(labels, dtype=np.int64).reshape(-1)
+    values = np.asarray(labels).reshape(-1)
+    if values.dtype.kind not in "iub":
+        whole = np.isfinite(values) & (values == np.round(values)) if values.dtype.kind == "f" else np.zeros(len(values), bool)
+        if not whole.all():
+            raise ValueError(
+                f"`labels` must be whole class indices (integers, or floats holding whole numbers), got "
+                f"{values[~whole][:3].tolist()} among the {values.dtype} labels: pass the class of each sample "
+                "(e.g. `targets.long()`)."
+            )
+    return values.astype(np.int64)

@@ -14,6 +14,11 @@ class PeerFailure(RuntimeError):
     (gloo's `Connection closed by peer`, `Timed out waiting ...`) is its `__cause__`."""
 
 
+class Disagreement(RuntimeError):
+    """The ranks were about to run different collectives (a checkpoint load on one, an optimizer step on another):
+    raised at once, naming what each rank does ([`Activities`][lightning_decentral.agreement.Activities])."""
+
+
 @contextlib.contextmanager
 def peers_answer(what: str, peers: str = "a peer") -> Iterator[None]:
     """Raise the backend's error of a collective or exchange inside the block as a

@@ -16,7 +16,7 @@ from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_decentral.fabric import DecentralizedStrategy, consensus_metrics, effective_lr_metrics
+from lightning_decentral.fabric import DecentralizedStrategy, consensus_metrics, effective_lr_metrics, under_prefix
 from tests.models import Regression, flat, init_seed, initial_net, loader, make_optimizer, make_scheduler
 from tests.reference import Config
 
@@ -133,17 +133,28 @@ def resume_from_average(rank: int, world_size: int, config: Config, checkpoint: 
     return out
 
 
-def from_trainer(rank: int, world_size: int, checkpoint: str) -> dict[str, Any]:
-    """Load a Trainer's checkpoint (its model and this rank's shard) into a Fabric loop's module."""
+def from_trainer(rank: int, world_size: int, checkpoint: str, inner: bool = False) -> dict[str, Any]:
+    """Load a Trainer's checkpoint (its model and this rank's shard) into a Fabric loop's module: the LightningModule
+    itself, or (``inner``) the ``nn.Sequential`` it held as ``self.net``, first as is (nothing matches), then
+    ``under_prefix(net, "net.")``."""
     strategy = DecentralizedStrategy()
     fabric = fabric_for(world_size, strategy)
-    model = Regression(seed=init_seed(rank) + 3)
+    model = initial_net(init_seed(rank) + 3) if inner else Regression(seed=init_seed(rank) + 3)
     model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    out: dict[str, Any] = {}
+    if inner:
+        before = flat(model)
+        try:
+            fabric.load(checkpoint, {"state_dict": model}, strict=False)
+            out["as_is"] = "no error"
+        except KeyError as error:
+            out["as_is"] = str(error)
+        out["untouched"] = torch.equal(flat(model), before) and strategy.step == 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        remainder = fabric.load(checkpoint, {"state_dict": model}, strict=False)
-    out = {"replica": flat(model), "step": strategy.step, "global_step": remainder.get("global_step"),
-           "warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)]}
+        remainder = fabric.load(checkpoint, {"state_dict": under_prefix(model, "net.") if inner else model}, strict=False)
+    out.update(replica=flat(model), step=strategy.step, global_step=remainder.get("global_step"),
+               warnings=[str(w.message) for w in caught if "Resuming" in str(w.message) or "left" in str(w.message)])
     fabric.strategy.teardown()
     return out
 
@@ -359,3 +370,51 @@ def load_under(rank: int, world_size: int, config: Config, checkpoint: str, **st
             error = str(exc)
     fabric.strategy.teardown()
     return {"warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)], "error": error}
+
+
+def save_between_forward_and_backward(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """`fabric.save`, `averaged_model()` and `fabric.load` between a training forward and its `fabric.backward`:
+    the error each raises; then the step goes on, and a save after `optimizer.step()` works."""
+    config = Config("mid-step", optimizer={"lr": 0.05, "momentum": 0.9})
+    strategy = DecentralizedStrategy()
+    fabric = fabric_for(world_size, strategy)
+    loop = _Loop(fabric, config, initial_net(init_seed(rank)), rank)
+    state = {"model": loop.model, "optimizer": loop.optimizer}
+    fabric.save(f"{root}/before.ckpt", state)
+    loss = loop.loss(loop.batches[0])
+    out: dict[str, Any] = {}
+    for name, action in (
+        ("save", lambda: fabric.save(f"{root}/mid.ckpt", state)),
+        ("averaged_model", lambda: strategy.averaged_model().__enter__()),
+        ("load", lambda: fabric.load(f"{root}/before.ckpt", state)),
+    ):
+        try:
+            action()
+            out[name] = "no error"
+        except RuntimeError as error:
+            out[name] = str(error)
+    fabric.backward(loss)
+    loop.optimizer.step()
+    fabric.save(f"{root}/after.ckpt", state)
+    out["step"] = strategy.step
+    fabric.strategy.teardown()
+    return out
+
+
+def load_on_rank_zero_only(rank: int, world_size: int, root: str, pg_timeout: float) -> dict[str, Any]:
+    """Rank 0 was launched with the flag that makes it resume (`fabric.load`), rank 1 without: rank 1 trains."""
+    config = Config("skip-load", optimizer={"lr": 0.05, "momentum": 0.9})
+    fabric = fabric_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=pg_timeout)))
+    loop = _Loop(fabric, config, initial_net(init_seed(rank)), rank)
+    state = {"model": loop.model, "optimizer": loop.optimizer}
+    fabric.save(f"{root}/first.ckpt", state)
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            fabric.load(f"{root}/first.ckpt", state)
+        for k in range(3):
+            loop.step(k)
+        error = "no error"
+    except RuntimeError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "seconds": time.monotonic() - start}

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import TorchCheckpointIO
+import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -358,3 +359,55 @@ def hung_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[st
         return {"error": "no error", "stopped_at": time.monotonic()}
     except RuntimeError as exc:
         return {**_failure(exc), "stopped_at": time.monotonic()}
+
+
+class _OneRankJob:
+    """The collectives of a job of one rank: every agreement is its own."""
+
+    rank, world_size = 0, 1
+
+    def gather(self, values: list[int], what: str = "") -> torch.Tensor:
+        return torch.tensor([values])
+
+    def on_every_rank(self, action: Any, what: str, during: str = "") -> None:
+        action()
+
+
+def save_beside_another_job(job: int, jobs: int, path: str, saves: int) -> dict[str, Any]:
+    """One of ``jobs`` jobs of one rank each, saving a checkpoint with its shard to the same ``path`` ``saves`` times:
+    the error that stopped it, if any."""
+    content = {"state_dict": {"w": torch.full((2**16,), float(job))}, "strategy": {"step": 0}}
+    state: dict[str, Any] = {"job": job}
+    try:
+        for _ in range(saves):
+            checkpoint_io.save_with_shards(
+                _OneRankJob(), state, path, make_shard=lambda save_id: {**content, "save_id": save_id, "rank": 0},
+                write_file=lambda: TorchCheckpointIO().save_checkpoint(state, path),
+            )
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None}
+
+
+class _SavesOnRankZeroOnly(pl.Callback):
+    """`if trainer.is_global_zero: trainer.save_checkpoint(...)` after step 2: a collective on one rank."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.global_step == 2 and trainer.is_global_zero:
+            trainer.save_checkpoint(self.path)
+
+
+def save_on_rank_zero_only(rank: int, world_size: int, root: str, pg_timeout: float) -> dict[str, Any]:
+    model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
+    strategy = DecentralizedStrategy(timeout=timedelta(seconds=pg_timeout))
+    trainer = trainer_for(world_size, strategy, max_steps=2 * K, callbacks=[_SavesOnRankZeroOnly(f"{root}/alone.ckpt")])
+    start = time.monotonic()
+    try:
+        trainer.fit(model, loader(rank, K * BATCH, BATCH))
+        error = "no error"
+    except RuntimeError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "seconds": time.monotonic() - start}

@@ -69,9 +69,11 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
     return out
 
 
-def fit_simulated(config: Config, workers: int, dropout: float = 0.0, vectorize: bool = False) -> dict[str, Any]:
+def fit_simulated(
+    config: Config, workers: int, dropout: float = 0.0, vectorize: Any = False, module: type = LoggingRegression
+) -> dict[str, Any]:
     """The same config on ``workers`` simulated workers: every worker's final state and the logged loss."""
-    model = LoggingRegression(dropout, seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
+    model = module(dropout, seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
     pl.seed_everything(SEED, verbose=False)
     strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
     trainer = _trainer(strategy, config, 1)
@@ -198,7 +200,15 @@ class NeedsAName(torch.optim.SGD):
         self.name = name
 
 
-def fit_with_optimizer(optimizer_class: type, workers: int, vectorize: bool = False, dropout: float = 0.0, **kwargs: Any) -> None:
+class SubclassedSGD(torch.optim.SGD):
+    """SGD under another class: not known to be elementwise."""
+
+
+def fit_with_optimizer(
+    optimizer_class: type, workers: int, vectorize: Any = False, dropout: float = 0.0, **kwargs: Any
+) -> list[torch.Tensor]:
+    """A few steps with ``optimizer_class(params, **kwargs)``: every worker's final state."""
+
     class WithOptimizer(LoggingRegression):
         def configure_optimizers(self) -> Any:
             return optimizer_class(self.parameters(), **kwargs)
@@ -206,7 +216,9 @@ def fit_with_optimizer(optimizer_class: type, workers: int, vectorize: bool = Fa
     config = Config("optimizer", optimizer={"lr": 0.1})
     strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize)
     model = WithOptimizer(dropout, seed=init_seed(0))
+    pl.seed_everything(SEED, verbose=False)
     _trainer(strategy, config, 1).fit(model, train_dataloaders=shared_loader(config, workers))
+    return [_state(module) for module in strategy.worker_modules()]
 
 
 class PoisonWorker(pl.Callback):
@@ -253,4 +265,45 @@ def resume_with_temperature(workers: int, save: str = "", load: str = "", vector
     trainer.fit(model, train_dataloaders=shared_loader(config, workers), ckpt_path=load or None)
     if save:
         trainer.save_checkpoint(save)
+    return [_state(module) for module in strategy.worker_modules()]
+
+
+class ReadsItsLoss(LoggingRegression):
+    """Keeps its last loss as a Python float (`.item()`): a training_step that cannot run under torch.vmap."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.last_loss = loss.item()
+        return loss
+
+
+class FreezesBatchNorm(LoggingRegression):
+    """Puts its BatchNorm in eval mode (running statistics frozen) at every training batch from step 2 on, and halves
+    its learning rate from step 3 on in its own `optimizer_step`: hooks each replica runs on its own."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_step >= 2:
+            self.net[1].eval()
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if self.global_step == 3:
+            for group in optimizer.param_groups:
+                group["lr"] /= 2
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+
+
+def fit_processes_with_hooks(rank: int, world_size: int, config: Config) -> torch.Tensor:
+    """``config`` on gloo processes with `FreezesBatchNorm`: this rank's final state."""
+    model = FreezesBatchNorm(seed=init_seed(rank), batch_norm=True, **config.optimizer_spec())
+    pl.seed_everything(SEED, verbose=False)
+    _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size).fit(model, shared_loader(config, world_size))
+    return _state(model)
+
+
+def fit_simulated_with_hooks(config: Config, workers: int, vectorize: Any) -> list[torch.Tensor]:
+    """The same in the simulation: every worker's final state."""
+    model = FreezesBatchNorm(seed=init_seed(0), batch_norm=True, **config.optimizer_spec())
+    pl.seed_everything(SEED, verbose=False)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
+    _trainer(strategy, config, 1).fit(model, train_dataloaders=shared_loader(config, workers))
     return [_state(module) for module in strategy.worker_modules()]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from lightning_decentral import DirichletSampler
 from lightning_decentral.data import dirichlet_shards
@@ -83,6 +84,22 @@ def test_bad_arguments_name_the_fix() -> None:
         DirichletSampler(range(10), LABELS, 1.0, num_replicas=2, rank=0)
     with pytest.raises(ValueError, match="raise `alpha`, or use fewer workers"):
         dirichlet_shards(np.zeros(20, dtype=int), 15, alpha=0.01)
+
+
+def test_alpha_of_any_real_kind_is_taken_and_labels_that_are_not_whole_are_refused() -> None:
+    """Before, `np.float32(0.5)` and `torch.tensor(0.5)` were "not a positive number", and float labels were cut."""
+    expected = dirichlet_shards(LABELS, 4, 0.5, seed=1)
+    for alpha in (np.float32(0.5), np.float64(0.5), torch.tensor(0.5), torch.tensor([0.5])):
+        assert all(np.array_equal(a, b) for a, b in zip(dirichlet_shards(LABELS, 4, alpha, seed=1), expected)), alpha
+    assert DirichletSampler(range(600), LABELS, np.float32(0.5), num_replicas=4, rank=1, seed=1).alpha == 0.5
+    for alpha in (np.float32(0.0), torch.tensor(-1.0), torch.tensor([0.5, 1.0]), np.bool_(True), "0.5"):
+        with pytest.raises(ValueError, match="`alpha` must be a positive number"):
+            dirichlet_shards(LABELS, 4, alpha)
+    whole = [float(c) for c in LABELS]  # floats that hold class indices: the same split
+    assert all(np.array_equal(a, b) for a, b in zip(dirichlet_shards(whole, 4, 0.5, seed=1), expected))
+    for labels in ([0.0, 1.5, 2.0, 0.0], torch.tensor([0.2, 0.7]), ["cat", "dog"]):
+        with pytest.raises(ValueError, match="`labels` must be whole class indices"):
+            dirichlet_shards(labels, 2, 1.0)
 
 
 def test_simulated_worker_i_and_rank_i_train_on_the_same_samples(monkeypatch) -> None:

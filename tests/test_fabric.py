@@ -7,6 +7,7 @@ from __future__ import annotations
 import pickle
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -119,13 +120,22 @@ def test_other_world_size_resumes_from_the_average_with_one_warning(resumed: dic
 
 
 def test_a_trainer_checkpoint_loads_into_fabric_with_its_shards(tmp_path: Path) -> None:
+    """The LightningModule itself, and the ``nn.Sequential`` it held as ``self.net``: as is, no key matches and the
+    load fails naming them and the prefix, restoring nothing (before, it loaded nothing and set the step to 6);
+    ``under_prefix(net, "net.")`` loads every rank's own replica."""
     path = str(tmp_path / "trainer.ckpt")
     trained = run_distributed(workers.evaluate_and_checkpoint, WORLD, path=path, eval_on="average")
-    loaded = run_distributed(fabric_workers.from_trainer, WORLD, checkpoint=path)
-    for rank, result in enumerate(loaded):
-        assert torch.equal(result["replica"], trained[rank]["replica"]), f"rank {rank}"  # its own replica, not x̄
-        assert result["step"] == result["global_step"] == 6
-        assert not result["warnings"]
+    for inner in (False, True):
+        loaded = run_distributed(fabric_workers.from_trainer, WORLD, checkpoint=path, inner=inner)
+        for rank, result in enumerate(loaded):
+            assert torch.equal(result["replica"], trained[rank]["replica"]), f"rank {rank}"  # its own replica, not x̄
+            assert result["step"] == result["global_step"] == 6
+            assert not result["warnings"]
+            if inner:
+                assert "The checkpoint holds none of the model's weights" in result["as_is"], result["as_is"]
+                assert "['0.weight', '0.bias', '2.weight'] ..." in result["as_is"]
+                assert "under_prefix(model, 'net.')" in result["as_is"]
+                assert result["untouched"]
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +310,10 @@ def test_a_nan_on_one_rank_stops_before_it_reaches_a_neighbour() -> None:
     start = time.monotonic()
     messages = run_distributed(fabric_workers.nan_on_one_rank, 2, timeout=120)
     assert messages[1].startswith("FloatingPointError") and "Rank 1" in messages[1] and "step 3" in messages[1], messages[1]
+    assert "fabric.clip_gradients(model, optimizer, max_norm=...)" in messages[1] and "Trainer(" not in messages[1]
     assert messages[0] != "no error"
+    # two ranks: the exchange is an all-reduce (W = 11ᵀ/2); before, the error named "a neighbour (every rank)"
+    assert "another rank (this exchange is an all-reduce of every rank)" in messages[0], messages[0]
     assert time.monotonic() - start < 100
 
 
@@ -331,3 +344,68 @@ def test_a_shard_of_another_step_than_its_file_is_refused(resumed: dict, tmp_pat
     saved = RESUME["awc"].steps // 2
     for result in loaded:
         assert f"saved at step {saved} but the checkpoint's loops are at {saved + 1}" in result["error"], result
+
+
+def test_save_average_and_load_between_forward_and_backward_raise_naming_where_to_call_them(tmp_path: Path) -> None:
+    """Before, `fabric.save` there swapped x̄ into the parameters the backward needed: both ranks died with autograd's
+    "modified by an inplace operation"."""
+    for result in run_distributed(fabric_workers.save_between_forward_and_backward, 2, timeout=120, root=str(tmp_path)):
+        for name, call in (("save", "fabric.save"), ("averaged_model", "averaged_model()"), ("load", "fabric.load")):
+            assert result[name].startswith(f"{call} ran at step 0 between the training forward and `fabric.backward`"), result
+            assert "after `fabric.backward` or `optimizer.step()`" in result[name]
+        assert result["step"] == 1
+    assert not (tmp_path / "mid.ckpt").exists() and (tmp_path / "after.ckpt").exists()
+
+
+def _fabric_checkpoint(path: Path, world_size: int = 3) -> None:
+    """A checkpoint as `fabric.save` writes it on `world_size` ranks: the file, and rank `r`'s shard holding net `r`."""
+    from lightning_decentral import checkpoint
+
+    optimizer = torch.optim.SGD(initial_net(0).parameters(), lr=0.1).state_dict()
+    meta = {"save_id": 5, "world_size": world_size}
+    torch.save({"model": initial_net(0).state_dict(), "optimizer": optimizer, fabric.STEP_KEY: 3, META_KEY: meta}, path)
+    for rank in range(world_size):
+        shard = checkpoint.make_shard(5, rank, world_size, initial_net(rank).state_dict(), 3, [optimizer], {})
+        checkpoint.write_shard(shard, checkpoint.shard_path(str(path), rank, world_size, 5))
+
+
+def test_to_trainer_checkpoint_with_a_shard_missing_falls_back_to_the_average_or_converts_a_nodes_own_ranks(
+    tmp_path: Path,
+) -> None:
+    """Before, a missing shard raised a raw FileNotFoundError after the shards before it were written (orphans)."""
+    from lightning_decentral.checkpoint import read_shard, shard_path
+
+    source, target = tmp_path / "fabric.ckpt", tmp_path / "trainer.ckpt"
+    _fabric_checkpoint(source)
+    Path(shard_path(str(source), 1, 3, 5)).unlink()  # on another node, or lost
+    with pytest.warns(UserWarning, match=r"rank 1: the shard is missing.*resumes from the average x̄.*`ranks=`"):
+        fabric.to_trainer_checkpoint(source, target, prefix="net.")
+    converted = torch.load(target, weights_only=True)
+    assert META_KEY not in converted and not Path(shard_directory(target)).exists()  # no orphan shard
+    assert torch.equal(converted["state_dict"]["net.0.weight"], initial_net(0)[0].weight)
+
+    with pytest.raises(FileNotFoundError, match=r"ranks \[1, 2\].*rank 1: the shard is missing. Nothing was written"):
+        fabric.to_trainer_checkpoint(source, tmp_path / "node1.ckpt", ranks=[1, 2])
+    assert not list(tmp_path.glob("node1.ckpt*"))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # what the conversion does not carry over
+        fabric.to_trainer_checkpoint(source, tmp_path / "node0.ckpt", prefix="net.", ranks=[0, 2])  # this node's ranks
+    assert torch.load(tmp_path / "node0.ckpt", weights_only=True)[META_KEY] == {"save_id": 5, "world_size": 3}
+    for rank in (0, 2):
+        shard = read_shard(shard_path(str(tmp_path / "node0.ckpt"), rank, 3, 5))
+        assert torch.equal(shard["state_dict"]["net.0.weight"], initial_net(rank)[0].weight)
+    assert not Path(shard_path(str(tmp_path / "node0.ckpt"), 1, 3, 5)).exists()
+
+
+def test_a_rank_that_skips_a_load_stops_every_rank_at_once_naming_what_each_does(tmp_path: Path) -> None:
+    """Before, rank 0 waited in the load's all-gather and rank 1 in its exchange until the timeout (30 minutes)."""
+    timeout = 60.0
+    loader, trainer = run_distributed(fabric_workers.load_on_rank_zero_only, 2, timeout=120, root=str(tmp_path), pg_timeout=timeout)
+    assert loader["error"].startswith(
+        f"Disagreement: The ranks are not doing the same thing: rank 0 is in fabric.load('{tmp_path}/first.ckpt') "
+        "while rank 1 is in optimizer step 0."
+    ), loader["error"]
+    assert "call it on every rank (not under `if global_rank == 0`)" in loader["error"]
+    assert trainer["error"].startswith("PeerFailure: The gossip exchange of step 0 failed"), trainer["error"]
+    assert loader["seconds"] < timeout and trainer["seconds"] < timeout  # neither waited for the timeout

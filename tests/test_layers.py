@@ -20,6 +20,7 @@ LAYERS = [
     ["overlap"],
     ["schedule", "options", "agreement"],
     ["replicas", "checkpoint", "measures", "data"],
+    ["files"],
     ["gossip", "mixing"],
     ["algorithms"],
     ["topology"],

@@ -268,3 +268,50 @@ def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None
         assert r["error"].startswith("PeerFailure: The gossip exchange of step 2 failed on this rank"), (rank, r)
         assert r["cause"].startswith("RuntimeError: ")  # gloo's own error, under the library's
         assert r["stopped_at"] - float(stamp.read_text()) < timeout + 5  # not 2 x timeout
+
+
+def test_a_rank_that_saves_alone_stops_every_rank_within_the_timeout_naming_what_each_does(tmp_path: Path) -> None:
+    """`if trainer.is_global_zero: trainer.save_checkpoint(...)`: rank 0 waits to average x̄ for the file, rank 1 goes on
+    to its next batch. Before, nothing named it. Rank 0 names rank 1's activity: at once if rank 1 began its next batch,
+    else (rank 1 waits in Lightning's per-batch broadcast of rank 0's SIGTERM flag) after the timeout."""
+    timeout = 10.0
+    saver, other = run_distributed(workers.save_on_rank_zero_only, 2, timeout=120, root=str(tmp_path), pg_timeout=timeout)
+    at_once = (
+        "Disagreement: The ranks are not doing the same thing: rank 0 is in a checkpoint save (trainer.save_checkpoint "
+        "or a checkpoint callback) while rank 1 is in training batch 2 (optimizer step 2)."
+    )
+    after_the_timeout = (
+        "PeerFailure: a checkpoint save (trainer.save_checkpoint or a checkpoint callback) waited 10."
+    )
+    assert saver["error"].startswith((at_once, after_the_timeout)), saver["error"]
+    assert "rank 1" in saver["error"] and "training batch" in saver["error"]  # what rank 1 does, named
+    assert other["error"].startswith("PeerFailure: The gossip exchange of step 2 failed"), other["error"]
+    assert saver["seconds"] < timeout + 5 and other["seconds"] < timeout + 10
+    assert not (tmp_path / "alone.ckpt").exists()
+
+
+def test_ranks_that_agree_pass_and_a_rank_that_never_begins_is_named_after_the_timeout() -> None:
+    """`Activities` over an in-memory store, the ranks as threads of this process."""
+    import threading
+
+    import torch.distributed as dist
+
+    from lightning_decentral.agreement import Activities
+    from lightning_decentral.failures import PeerFailure
+
+    store, warned = dist.HashStore(), []
+    ranks = [Activities(store, rank, 3, timeout=0.5, warn_after=0.2, warn=warned.append) for rank in range(3)]
+    together = [threading.Thread(target=ranks[r].agree, args=("fabric.save('a.ckpt')",)) for r in range(3)]
+    for thread in together:
+        thread.start()
+    for thread in together:
+        thread.join(5)
+    assert not any(thread.is_alive() for thread in together) and [r.count for r in ranks] == [1, 1, 1]
+
+    for rank in ranks:
+        rank.start("optimizer step 0")
+    ranks[2].start("fabric.load('b.ckpt')")  # as its agree() publishes it; rank 1 never begins the load
+    with pytest.raises(PeerFailure) as raised:
+        ranks[0].agree("fabric.load('b.ckpt')")
+    assert re.search(r"fabric.load\('b.ckpt'\) waited 0\.\d s \(the timeout\) on rank 0 for rank 1 \(optimizer step 0\) to begin", str(raised.value))
+    assert len(warned) == 1 and re.search(r"Rank 0 has waited 0\.\d s in fabric.load\('b.ckpt'\) for rank 1 \(optimizer step 0\)", warned[0])

@@ -26,6 +26,8 @@ def test_smoke_run_prints_and_writes_its_tables(script: str, tables: list[str], 
         capture_output=True, text=True, timeout=280, check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    progress = [line for line in done.stdout.splitlines() if line.startswith("[") and " s] " in line]
+    assert progress and all(": accuracy of x̄ " in line and "α_e" not in line for line in progress), progress
     for name in tables:
         text = (tmp_path / name).read_text()
         lines = text.splitlines()
@@ -34,3 +36,19 @@ def test_smoke_run_prints_and_writes_its_tables(script: str, tables: list[str], 
     if script == "decentlam":  # the bias check: DecentLaM's fixed point is closer to the optimum than DmSGD's
         rows = dict(line.strip("| ").split(" | ") for line in (tmp_path / "decentlam_bias.md").read_text().splitlines()[2:])
         assert float(rows["decentlam"]) < float(rows["atc"])
+
+
+def test_a_curve_of_one_point_shows_and_a_target_is_a_line() -> None:
+    """Before, `--smoke`'s DecentLaM accuracy plot (one batch size: one point per curve) was empty, and
+    consensus_control.png had no line for the target."""
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "examples" / "reproduce"))
+    try:
+        from common import draw
+    finally:
+        sys.path.remove(str(ROOT / "examples" / "reproduce"))
+    figure = draw({"awc": [(256, 0.9)], "atc": [(256, 0.8)]}, "accuracy", markers=True, levels={"target 0.05": 0.05})
+    (axes,) = figure.axes
+    curves = {line.get_label(): line for line in axes.get_lines()}
+    assert curves["awc"].get_marker() == "o" and list(curves["awc"].get_xdata()) == [256]
+    assert list(curves["target 0.05"].get_ydata()) == [0.05, 0.05] and curves["target 0.05"].get_linestyle() == "--"

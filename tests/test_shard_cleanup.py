@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from lightning_decentral.checkpoint import (
     shard_directory,
     shard_path,
 )
+from lightning_decentral.files import temporary_name
 
 
 class OneOfRanks:
@@ -86,29 +88,38 @@ def test_a_shard_of_this_save_removed_meanwhile_is_no_error(tmp_path: Path, monk
     assert _names(shard_directory(path)) == {os.path.basename(kept)}
 
 
-def test_a_save_leaves_only_its_shard_of_this_rank(tmp_path: Path) -> None:
-    """A shard write killed midway left a ``.pt.tmp``; a rank 0 killed before the file left an orphan shard:
-    the next save to the path removes both, and touches neither other ranks' files nor other checkpoints'."""
+def test_a_save_leaves_only_its_shard_of_this_rank_and_what_no_other_process_may_still_need(tmp_path: Path) -> None:
+    """A shard write killed midway left a temporary file; a save of this process failed before its file: the next
+    save to the path removes both. Files of another process stay (its writes in progress, its shards), and so do
+    other ranks' files and other checkpoints' shards."""
     path, other = tmp_path / "last.ckpt", tmp_path / "epoch=0-step=3.ckpt"
     other_shard = _save(other, 7)
     directory = shard_directory(path)
     os.makedirs(directory)
-    killed_write = shard_path(str(path), 0, 2, 11) + ".tmp"  # killed midway through torch.save
-    orphan = shard_path(str(path), 0, 2, 12)  # written, then rank 0 died before writing the file
-    other_world = shard_path(str(path), 0, 4, 13) + ".tmp"  # an earlier run of 4 ranks
-    foreign = [shard_path(str(path), 1, 2, 12), shard_path(str(path), 1, 2, 11) + ".tmp"]  # rank 1's own business
-    for leftover in (killed_write, orphan, other_world, *foreign):
+    killed_write = temporary_name(shard_path(str(path), 0, 2, 11), pid=_ended())  # its writer is gone
+    checkpoint.write_shard(_shard(12), shard_path(str(path), 0, 2, 12))  # this process's: the file was never written
+    live_write = temporary_name(shard_path(str(path), 0, 2, 13), pid=os.getppid())  # another job writing now
+    other_job = shard_path(str(path), 0, 2, 14)  # another process's shard: its file may be about to name it
+    unknown = shard_path(str(path), 0, 4, 15) + ".tmp"  # an older version's temporary name: its writer is unknown
+    foreign = [shard_path(str(path), 1, 2, 12), temporary_name(shard_path(str(path), 1, 2, 11), pid=_ended())]  # rank 1's
+    for leftover in (killed_write, live_write, other_job, unknown, *foreign):
         Path(leftover).write_bytes(b"partial")
 
-    kept = _save(path, 14)
-    assert _names(directory) == {os.path.basename(p) for p in (kept, *foreign)}
+    kept = _save(path, 16)
+    assert _names(directory) == {os.path.basename(p) for p in (kept, live_write, other_job, unknown, *foreign)}
     assert _names(shard_directory(other)) == {os.path.basename(other_shard)}  # another checkpoint's shards stay
+
+
+def _ended() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 def test_removing_a_checkpoint_removes_this_ranks_temporary_files_too(tmp_path: Path) -> None:
     path = tmp_path / "epoch=0-step=3.ckpt"
     _save(path, 1)
-    Path(shard_path(str(path), 0, 2, 2) + ".tmp").write_bytes(b"partial")
+    Path(temporary_name(shard_path(str(path), 0, 2, 2))).write_bytes(b"partial")  # this process's failed write
     os.remove(path)  # rank 0 removed the file (`ModelCheckpoint` pushed it out of the top k)
     remove_shards(str(path), 0)
     assert not os.path.exists(shard_directory(path))
@@ -127,7 +138,7 @@ def test_a_failed_save_keeps_the_previous_one_and_deletes_its_shard_only_before_
         raise OSError("No space left on device (simulated)")
 
     def write_shard_then_fail(shard: dict, target: str) -> None:
-        Path(target + (".tmp" if leftover == "temporary" else "")).write_bytes(b"partial")
+        Path(temporary_name(target) if leftover == "temporary" else target).write_bytes(b"partial")
         raise OSError("No space left on device (simulated)")
 
     write_file: Callable[[], None] = disk_full  # the shard is in place, the file fails
@@ -154,3 +165,15 @@ def test_a_non_finite_replica_or_optimizer_state_writes_and_removes_nothing(tmp_
             save_with_shards(OneOfRanks(0, 2, 2), {}, str(path), lambda i, bad=bad: {**_shard(i), **bad}, lambda: None)
     assert path.read_bytes() == before
     assert _names(shard_directory(path)) == {os.path.basename(previous)}
+
+
+def test_two_jobs_saving_to_one_path_never_delete_each_others_files(tmp_path: Path) -> None:
+    """Before, a job's cleanup deleted the other's shard while it was being written (`FileNotFoundError`)."""
+    from tests import reliability_workers
+    from tests.helpers import run_distributed
+
+    path = tmp_path / "last.ckpt"
+    results = run_distributed(reliability_workers.save_beside_another_job, 2, timeout=120, path=str(path), saves=40)
+    assert [r["error"] for r in results] == [None, None]
+    meta = torch.load(path, weights_only=True)[META_KEY]  # whichever job saved last: its shard is there
+    assert checkpoint.read_shard(shard_path(str(path), 0, 1, meta["save_id"]))["save_id"] == meta["save_id"]

@@ -207,7 +207,7 @@ def test_what_cannot_run_vectorized_is_refused_naming_the_fix() -> None:
         sim.fit_with_optimizer(torch.optim.LBFGS, WORLD, vectorize=True)
     with pytest.raises(ValueError, match="draws random numbers.*vectorize=False"):
         sim.fit_with_optimizer(torch.optim.SGD, WORLD, vectorize=True, dropout=0.3, lr=0.1)
-    with pytest.raises(ValueError, match="True or False"):
+    with pytest.raises(ValueError, match="True, False or .auto."):
         SimulatedDecentralizedStrategy(workers=4, vectorize="yes")
 
 
@@ -215,7 +215,7 @@ def test_what_cannot_run_vectorized_is_refused_naming_the_fix() -> None:
 def test_a_nan_in_a_worker_never_reaches_a_checkpoint(vectorize: bool, tmp_path) -> None:
     from lightning_decentral.checkpoint import META_KEY, read_shard, shard_path
 
-    with pytest.raises(FloatingPointError, match=r"Rank\(s\) \[2\] hold a NaN.*at step 6.*not written"):
+    with pytest.raises(FloatingPointError, match=r"^Worker\(s\) \[2\] hold a NaN.*at step 6.*not written"):
         sim.fit_simulated_into_nan(str(tmp_path), WORLD, vectorize)
     last = str(tmp_path / "last.ckpt")
     checkpoint = torch.load(last, weights_only=True)
@@ -259,3 +259,85 @@ def test_a_vectorized_shard_holds_only_its_own_worker(tmp_path) -> None:
         assert len(shards) == workers
         sizes[vectorize] = sum(f.stat().st_size for f in shards)
     assert sizes[True] == pytest.approx(sizes[False], rel=0.05), sizes
+
+
+def test_the_modules_hooks_run_on_every_worker_as_on_every_rank(monkeypatch) -> None:
+    """A module that freezes its BatchNorm in `on_train_batch_start` and lowers its learning rate in `optimizer_step`:
+    before, the per-worker path froze worker 0 only (and workers 1..n-1 took the new rate a step late)."""
+    config = Config("hooks", optimizer=SGD, batch_norm=True, steps=6)
+    ranks = torch.stack(run_distributed(sim.fit_processes_with_hooks, WORLD, config=config))
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    for vectorize in (False, True):
+        workers = torch.stack(sim.fit_simulated_with_hooks(config, WORLD, vectorize))
+        torch.testing.assert_close(workers, ranks, atol=1e-5, rtol=0, msg=f"vectorize={vectorize}")
+
+
+def test_a_nan_stops_the_simulation_naming_the_worker_without_speaking_of_ranks_or_timeouts() -> None:
+    """Before, the simulation said "Rank 2 ... the other ranks stop within the process-group timeout"."""
+    from lightning_decentral.mixing import DenseMixer, StackedMixer
+    from lightning_decentral.topology import Ring
+
+    mixer = DenseMixer(Ring(world_size=4))
+    rows = torch.zeros(4, 3)
+    rows[2, 1] = float("nan")
+    for start in (lambda: mixer.worker(2).start([rows[2]], step=5), lambda: StackedMixer(mixer).start([rows.view(-1)], step=5)):
+        with pytest.raises(FloatingPointError) as raised:
+            start()
+        message = str(raised.value)
+        assert message.startswith("Worker 2 holds a NaN or an Inf in what it was about to send to its neighbours at step 5")
+        assert "the simulation stops with it" in message and "rank" not in message.lower() and "timeout" not in message
+
+
+@pytest.fixture
+def lightning_info(caplog: pytest.LogCaptureFixture):
+    """The messages Lightning's logger gives at INFO (it does not propagate to the root logger)."""
+    import logging
+
+    logger = logging.getLogger("lightning.pytorch")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="lightning.pytorch")
+    yield lambda: [r.getMessage() for r in caplog.records if "vectorize='auto'" in r.getMessage()]
+    logger.removeHandler(caplog.handler)
+
+
+def test_vectorize_auto_is_the_default_and_stacks_what_stacking_runs_exactly(lightning_info, monkeypatch) -> None:
+    from lightning_decentral import SimulatedDecentralizedStrategy
+
+    assert SimulatedDecentralizedStrategy(workers=4).vectorize == "auto"
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    config = Config("auto", optimizer=SGD, scheduler="step")
+    auto = sim.fit_simulated(config, WORLD, vectorize="auto")
+    (line,) = set(lightning_info())  # one line (Lightning's logger may hand it to the capture twice)
+    assert "the stacked path" in line and "SGD is elementwise" in line
+    stacked = sim.fit_simulated(config, WORLD, vectorize=True)
+    assert all(torch.equal(a, s) for a, s in zip(auto["states"], stacked["states"]))  # the same path: bit for bit
+
+
+@pytest.mark.parametrize("case", ["dropout", "hook", "optimizer", "item"])
+def test_vectorize_auto_keeps_the_workers_apart_naming_why(case: str, lightning_info, monkeypatch) -> None:
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    config = Config("apart", optimizer=SGD, batch_norm=case == "hook", steps=4)
+    if case == "dropout":
+        auto, apart = (sim.fit_simulated(config, WORLD, dropout=0.2, vectorize=v)["states"] for v in ("auto", False))
+        reason = "its Dropout 'dropout' draws random numbers"
+    elif case == "hook":
+        auto, apart = (sim.fit_simulated_with_hooks(config, WORLD, vectorize=v) for v in ("auto", False))
+        reason = "it overrides on_train_batch_start, which sees one worker's batch"
+    elif case == "optimizer":
+        auto, apart = (sim.fit_with_optimizer(sim.SubclassedSGD, WORLD, vectorize=v, lr=0.1) for v in ("auto", False))
+        reason = "SubclassedSGD is not one of the elementwise optimizers"
+    else:  # found by trying the first batch under torch.vmap: the workers are taken apart again before it steps
+        auto, apart = (sim.fit_simulated(config, WORLD, vectorize=v, module=sim.ReadsItsLoss)["states"] for v in ("auto", False))
+        reason = "training_step cannot run under torch.vmap (RuntimeError: vmap: It looks like you're calling .item()"
+    (line,) = set(lightning_info())
+    assert line.startswith("SimulatedDecentralizedStrategy(vectorize='auto'): the per-worker path") and reason in line, line
+    assert len(auto) == WORLD and all(torch.equal(a, b) for a, b in zip(auto, apart))
+
+
+def test_stacking_needs_a_dataloader_with_a_batch_size() -> None:
+    from lightning_decentral.simulation.vectorized import stacking_problem
+
+    net = torch.nn.Linear(2, 1)
+    assert stacking_problem(net, torch.optim.SGD(net.parameters(), lr=0.1), batch_size=None) == (
+        "the training DataLoader has no batch_size (a batch_sampler?)"
+    )

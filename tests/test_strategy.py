@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -200,3 +202,13 @@ def test_gossip_every_that_skips_phases_of_a_time_varying_topology_is_refused() 
 def test_unfreezing_during_fit_stops_every_rank_with_the_fix() -> None:
     messages = run_distributed(workers.unfreeze_during_fit, 2)
     assert all("trainable parameters changed during fit" in m and "before fit" in m for m in messages)
+
+
+@pytest.mark.parametrize("cap", [float("inf"), float("nan"), 0.0, -1.0, "4"])
+def test_a_bucket_cap_that_is_not_a_positive_finite_number_is_refused_by_every_executor(cap: Any) -> None:
+    """Before, `bucket_cap_mb=float("inf")` passed the constructor and failed in fit with a raw OverflowError."""
+    from lightning_decentral import SimulatedDecentralizedStrategy, fabric
+
+    for executor in (DecentralizedStrategy, fabric.DecentralizedStrategy, SimulatedDecentralizedStrategy):
+        with pytest.raises(ValueError, match=r"`bucket_cap_mb` must be positive and finite \(the MB of one bucket\)"):
+            executor(bucket_cap_mb=cap)

@@ -200,7 +200,7 @@ def run_cells(cells: Sequence[Cell], args: argparse.Namespace) -> dict[str, list
     for cell in cells:
         results[cell.label] = [fit(cell, seed, args.processes) for seed in range(args.seeds)]
         accuracies = [r["accuracy"] for r in results[cell.label]]
-        print(f"[{time.perf_counter() - started:7.1f} s] {cell.label}: {mean_std(accuracies)}", flush=True)
+        print(f"[{time.perf_counter() - started:7.1f} s] {cell.label}: accuracy of x̄ {mean_std(accuracies)}", flush=True)
     return results
 
 
@@ -216,9 +216,8 @@ def write(args: argparse.Namespace, name: str, text: str) -> None:
     (args.out / name).write_text(text + "\n")
 
 
-def plot(args: argparse.Namespace, name: str, curves: dict[str, list[tuple[int, float]]], ylabel: str,
-         log: bool = False, xlabel: str = "optimizer step", ylim: Optional[tuple[float, float]] = None) -> Optional[Path]:
-    """One line per curve into `args.out / name`; `None` (and a note) without matplotlib."""
+def plot(args: argparse.Namespace, name: str, curves: dict[str, list[tuple[int, float]]], ylabel: str, **options: Any) -> Optional[Path]:
+    """`draw(curves, ylabel, **options)` into `args.out / name`; `None` (and a note) without matplotlib."""
     try:
         import matplotlib
 
@@ -227,10 +226,25 @@ def plot(args: argparse.Namespace, name: str, curves: dict[str, list[tuple[int, 
     except ImportError:
         print(f"(no matplotlib: {name} not drawn; pip install 'lightning-decentral[plot]')")
         return None
+    figure = draw(curves, ylabel, **options)
+    path = args.out / name
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return path
+
+
+def draw(curves: dict[str, list[tuple[int, float]]], ylabel: str, log: bool = False, xlabel: str = "optimizer step",
+         ylim: Optional[tuple[float, float]] = None, markers: bool = False, levels: Optional[dict[str, float]] = None) -> Any:
+    """A matplotlib figure with one line per curve (`markers`: a dot at each point, so that a curve of one point
+    shows) and a dashed horizontal line per entry of `levels` (label: value)."""
+    import matplotlib.pyplot as plt
+
     figure, axes = plt.subplots(figsize=(6, 4))
     for label, points in curves.items():
         if points:
-            axes.plot([p[0] for p in points], [p[1] for p in points], label=label)
+            axes.plot([p[0] for p in points], [p[1] for p in points], label=label, marker="o" if markers else None)
+    for label, value in (levels or {}).items():
+        axes.axhline(value, color="black", linestyle="--", linewidth=1, label=label)
     axes.set_xlabel(xlabel)
     axes.set_ylabel(ylabel)
     if log:
@@ -238,10 +252,7 @@ def plot(args: argparse.Namespace, name: str, curves: dict[str, list[tuple[int, 
     if ylim is not None:
         axes.set_ylim(*ylim)
     axes.legend(fontsize=7)
-    path = args.out / name
-    figure.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(figure)
-    return path
+    return figure
 
 
 def median_series(results: list[dict[str, Any]], name: str) -> list[tuple[int, float]]:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = [accuracy_row(cell.label, controlled[cell.label]) for cell in control_cells]
     write(args, "consensus_control.md", table(["cell", "accuracy of x̄", "diverged"], rows))
     plot(args, "consensus_control.png", {c.label: median_series(controlled[c.label], "consensus/relative") for c in control_cells},
-         "Ξ / ‖x̄‖", log=True)
+         "Ξ / ‖x̄‖", log=True, levels={f"target Ξ/‖x̄‖ = {target:.4f}": target})
 
 
 if __name__ == "__main__":

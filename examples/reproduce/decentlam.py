@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
                 for c in cells if c.method == m and (mode in c.label or c.global_batch == 256)]
             for m in METHODS
         }
-        plot(args, f"decentlam_accuracy_{mode}.png", curves, f"accuracy of x̄, γ {mode} (mean over seeds)", xlabel="global batch")
+        plot(args, f"decentlam_accuracy_{mode}.png", curves, f"accuracy of x̄, γ {mode} (mean over seeds)", xlabel="global batch",
+             markers=True)
     bias = [[m, f"{fixed_point_error(m, steps=200 if args.smoke else 3000):.4f}"] for m in ("awc", "atc", "decentlam")]
     write(args, "decentlam_bias.md", table(["rule (β = 0.9, ring of 16)", "RMS distance to mean(b)"], bias))
 

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # α_e/γ where D-PSGD trains: adapt-then-combine, β = 0.9, at the smallest rate and at 0.8 (where synchronous SGD
     # breaks down and ATC does not; at 1.6 most runs diverge and their ratio says little)
-    ratio_cells = [Cell(f"atc lr={lr} (α_e/γ)", method="atc", lr=lr, workers=args.workers, epochs=args.epochs,
+    ratio_cells = [Cell(f"atc lr={lr} β=0.9, monitored", method="atc", lr=lr, workers=args.workers, epochs=args.epochs,
                         monitor_every=1) for lr in (rates[0] if not args.smoke else 0.1, 0.8)]
     ratios = run_cells(ratio_cells, args)
     rows, curves = [], {}

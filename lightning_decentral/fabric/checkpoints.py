@@ -1,5 +1,7 @@
 """Fabric checkpoints of this package's strategy: `x̄` and the averaged optimizer state in the file, one shard per
-rank beside it ([`checkpoint`][lightning_decentral.checkpoint]), the optimizer step `k` under `STEP_KEY`."""
+rank beside it ([`checkpoint`][lightning_decentral.checkpoint]), the optimizer step `k` under `STEP_KEY`; and a model
+as a LightningModule holds it ([`under_prefix`][lightning_decentral.fabric.under_prefix]), to load a Trainer's
+checkpoint."""
 
 from __future__ import annotations
 
@@ -9,14 +11,89 @@ from typing import Any, Optional, Union
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.files import with_atomic_writes
 
 STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
+
+
+class PrefixedModule:
+    """`module` as a LightningModule holds it, under an attribute: every name of its state dict starts with `prefix`
+    (`"net."` for `self.net`). Built by [`under_prefix`][lightning_decentral.fabric.under_prefix]."""
+
+    def __init__(self, module: Module, prefix: str) -> None:
+        self.module, self.prefix = module, prefix
+
+    def state_dict(self) -> dict[str, Any]:
+        """The module's state dict, each name prefixed."""
+        return {self.prefix + name: value for name, value in self.module.state_dict().items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Load the entries of `state_dict` whose names start with the prefix into the module (others are the
+        LightningModule's other attributes: left); every weight of the module must be there (`strict`)."""
+        own = {name[len(self.prefix) :]: value for name, value in state_dict.items() if name.startswith(self.prefix)}
+        load_every_weight(self.module, own, strict, found=list(state_dict))
+
+
+def under_prefix(module: Module, prefix: str) -> PrefixedModule:
+    """`module`'s state under the names a LightningModule that holds it as an attribute gives it, for
+    `fabric.load` of a Trainer checkpoint (whose `state_dict` is the LightningModule's):
+
+    ```python
+    fabric.load("trainer.ckpt", {"state_dict": under_prefix(model, "net.")})  # the LightningModule had self.net = model
+    ```
+
+    Every weight of `model` is loaded from `net.<name>` (`x̄`, then this rank's own replica from its shard), or
+    the load fails naming the weights it misses; `fabric.strategy.step` becomes the checkpoint's `global_step`.
+
+    Examples:
+        >>> import torch
+        >>> net = torch.nn.Linear(2, 1)
+        >>> sorted(under_prefix(net, "net.").state_dict())
+        ['net.bias', 'net.weight']
+    """
+    return PrefixedModule(module.module if is_wrapped(module) else module, prefix)  # the module fabric.setup wrapped
+
+
+def load_every_weight(module: Module, state_dict: dict[str, Any], strict: bool, found: Optional[list[str]] = None) -> None:
+    """`module.load_state_dict(state_dict, strict)`, but an error naming the keys when not one of the module's
+    names is in `state_dict` (nothing would load; `found`: the names the file holds, default `state_dict`'s), and a
+    warning naming the weights a non-strict load leaves as they were."""
+    expected = list(module.state_dict())
+    found = list(state_dict) if found is None else found
+    missing = [name for name in expected if name not in state_dict]
+    if expected and len(missing) == len(expected):
+        raise KeyError(_nothing_matches(expected, found))
+    result = module.load_state_dict(state_dict, strict=strict)
+    if result is not None and result.missing_keys:
+        rank_zero_warn(
+            f"fabric.load(strict=False) left {len(result.missing_keys)} of the model's {len(expected)} entries as they "
+            f"were (not in the checkpoint): {result.missing_keys[:5]}{' ...' if len(result.missing_keys) > 5 else ''}"
+        )
+
+
+def _nothing_matches(expected: list[str], found: list[str]) -> str:
+    """The error of a load that would restore none of the model's weights, with the prefix that fits, if one does."""
+    prefixes = {name[: -len(expected[0])] for name in found if name.endswith("." + expected[0])}
+    fits = sorted(p for p in prefixes if all(p + name in found for name in expected))
+    advice = (
+        f"The checkpoint holds them under the prefix {fits[0]!r} (a LightningModule that held this model as "
+        f"`self.{fits[0][:-1]}`): load with `fabric.load(path, {{'state_dict': under_prefix(model, {fits[0]!r})}})` "
+        "(`from lightning_decentral.fabric import under_prefix`)."
+        if fits
+        else "Load the entry that holds this model's state dict, or map its names with `under_prefix(model, prefix)`."
+    )
+    return (
+        f"The checkpoint holds none of the model's weights, so nothing would load: the model has {expected[:3]}"
+        f"{' ...' if len(expected) > 3 else ''} and the checkpoint {found[:3]}{' ...' if len(found) > 3 else ''}. "
+        + advice
+    )
 
 
 class ShardedCheckpoints:
@@ -28,7 +105,9 @@ class ShardedCheckpoints:
     _module: Optional[Module]
     _optimizer: Optional[Optimizer]
     _ranks: Ranks
-    averaged_model: Callable[[], AbstractContextManager]
+    averaged_model: Callable[..., AbstractContextManager]
+    check_outside_the_graph: Callable[[str], None]
+    agree: Callable[[str], None]
     rule_record: Callable[[], dict[str, str]]
 
     def save_checkpoint(
@@ -44,7 +123,9 @@ class ShardedCheckpoints:
         module_key, optimizer_key = self._keys(state)
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
-        with self.averaged_model():
+        self.check_outside_the_graph("fabric.save")
+        self.agree(f"fabric.save({str(path)!r})")
+        with self.averaged_model(agree=False):  # agreed above: the averaging's all-reduce is the save's first collective
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
             converted[module_key] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in converted[module_key].items()}
         if optimizer_key is not None:
@@ -53,14 +134,15 @@ class ShardedCheckpoints:
 
         def make_shard(save_id: int) -> dict[str, Any]:
             return shards.make_shard(
-                save_id, self.global_rank, self.world_size, state_dict=self._live(self._module).state_dict(),
+                save_id, self.global_rank, self.world_size, state_dict=state[module_key].state_dict(),
                 step=self.step, optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
                 precision=self.precision.state_dict(), rule=self.rule_record(),
             )
 
         def write_file() -> None:
             if self.is_global_zero:
-                self.checkpoint_io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+                io = with_atomic_writes(self.checkpoint_io)  # unless a CheckpointIO of your own writes it
+                io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
 
         shards.save_with_shards(self._ranks, converted, path, make_shard=make_shard, write_file=write_file)
 
@@ -73,8 +155,14 @@ class ShardedCheckpoints:
     ) -> dict[str, Any]:
         """Runs in `fabric.load`, on every rank: restore `x̄` and the averaged optimizer state; then, if every
         rank finds its shard of the same save at the same world size, its own replica, optimizer, precision
-        and RNG state (exact resume); else rank 0 warns once, saying why. `k` is restored too."""
+        and RNG state (exact resume); else rank 0 warns once, saying why. `k` is restored too.
+
+        The model is found in `state` by identity, or as [`under_prefix(model, ...)`][lightning_decentral.fabric.under_prefix];
+        a checkpoint that holds none of its weights is an error naming the keys, before anything is restored."""
         module_key, optimizer_key = self._keys(state) if isinstance(state, dict) else (None, None)
+        if module_key is not None:
+            self.check_outside_the_graph("fabric.load")
+            self.agree(f"fabric.load({str(path)!r})")
         remainder = super().load_checkpoint(path, state, strict, weights_only)
         if module_key is None:
             return remainder
@@ -87,14 +175,29 @@ class ShardedCheckpoints:
         if changed is not None:
             rank_zero_warn(changed)
         shards.resume_rank_state(shard, self.step)  # the shard's step must be the file's
-        self._live(self._module).load_state_dict(shard["state_dict"], strict=strict)
+        target = state[module_key]
+        if isinstance(target, PrefixedModule):
+            target.load_state_dict(shard["state_dict"], strict=strict)
+        else:
+            self.load_module_state_dict(target, shard["state_dict"], strict=strict)
         if optimizer_key is not None and "optimizer_states" in shard:
             self._live(self._optimizer).load_state_dict(shard["optimizer_states"][0])
         if shard.get("precision"):
             self.precision.load_state_dict(shard["precision"])
         return remainder
 
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Runs in `fabric.load` for a module: its state, or an error naming the keys when the checkpoint holds none
+        of its weights ([`load_every_weight`][lightning_decentral.fabric.checkpoints.load_every_weight])."""
+        load_every_weight(module, state_dict, strict)
+
     def _keys(self, state: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
-        """The keys under which `state` holds this strategy's module and optimizer."""
-        found = lambda target: next((k for k, v in state.items() if target is not None and v is target), None)  # noqa: E731
+        """The keys under which `state` holds this strategy's module (itself, or under a prefix) and optimizer."""
+
+        def found(target: Any) -> Optional[str]:
+            for key, value in state.items():
+                if target is not None and (value is target or isinstance(value, PrefixedModule) and value.module is target):
+                    return key
+            return None
+
         return found(self._module), found(self._optimizer)

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from collections.abc import Iterable
+from typing import Any, Optional
 
 import torch
 from lightning.fabric.utilities.types import _PATH
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.fabric.checkpoints import STEP_KEY
+from lightning_decentral.files import atomic_write
 
 # -- Fabric checkpoint -> Trainer checkpoint ----------------------------------------------------
 
 
 def to_trainer_checkpoint(
-    fabric_path: _PATH, trainer_path: _PATH, model_key: str = "model", optimizer_key: str = "optimizer", prefix: str = ""
+    fabric_path: _PATH,
+    trainer_path: _PATH,
+    model_key: str = "model",
+    optimizer_key: str = "optimizer",
+    prefix: str = "",
+    ranks: Optional[Iterable[int]] = None,
 ) -> None:
     """Convert a checkpoint `fabric.save` wrote under this strategy into one `trainer.fit(model, ckpt_path=trainer_path)`
     resumes from, with the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy], shards
@@ -25,6 +33,13 @@ def to_trainer_checkpoint(
     rewritten beside `trainer_path` under the same save id. On the same world size every rank's replica
     then resumes from its own Fabric replica bit for bit; on another, every replica starts from `x̄`
     with one warning (as for any checkpoint).
+
+    Shards on several nodes (no shared filesystem): run it on each node with `ranks=` the ranks whose shards
+    that node holds; each writes the same checkpoint file and its own ranks' shards, where the Trainer's ranks on
+    that node read them. Without `ranks`, every rank's shard must be readable here: if one is missing or cut short,
+    it writes the checkpoint without shards (every replica then resumes from `x̄`, the Trainer says so) and warns
+    naming the ranks; with `ranks`, such a shard is an error naming it. Either way nothing is written before every
+    shard it needs is read.
 
     What is not, with a warning naming it: the position in the data (the Trainer starts epoch 0 from the
     first batch, with `global_step = k`), learning-rate schedulers and every other entry of the Fabric
@@ -37,6 +52,7 @@ def to_trainer_checkpoint(
         optimizer_key: the key of the optimizer in the saved `state` (needed: `fit` restores an optimizer).
         prefix: put before every parameter name: the attribute under which the LightningModule holds the
             Fabric model, e.g. `"net."` for a module whose `self.net` is that model.
+        ranks: convert only these ranks' shards (those on this node); `None`: every rank's.
 
     Examples:
         ```python
@@ -45,10 +61,7 @@ def to_trainer_checkpoint(
         trainer.fit(lightning_module, ckpt_path="trainer.ckpt")  # same world size: every replica resumes
         ```
     """
-    import warnings
-
     import lightning
-    from lightning.fabric.utilities.cloud_io import get_filesystem
     from lightning.pytorch.loops.progress import (
         _OptimizationProgress,
         _Progress,
@@ -86,16 +99,20 @@ def to_trainer_checkpoint(
         "lr_schedulers": [],
     }
     meta = saved.get(shards.META_KEY)
-    if meta is not None:
-        for rank in range(meta["world_size"]):
-            shard = shards.read_shard(shards.shard_path(fabric_path, rank, meta["world_size"], meta["save_id"]))
+    found = _read_shards(fabric_path, meta, ranks) if meta is not None else {}
+    written: list[str] = []
+    try:
+        for rank, shard in found.items():
             shard["state_dict"] = {prefix + name: value for name, value in shard["state_dict"].items()}
-            shards.write_shard(shard, shards.shard_path(trainer_path, rank, meta["world_size"], meta["save_id"]))
+            written.append(shards.shard_path(trainer_path, rank, meta["world_size"], meta["save_id"]))
+            shards.write_shard(shard, written[-1])
+    except BaseException:
+        for path in written:
+            shards.discard(path)  # no shard without its checkpoint file
+        raise
+    if found:
         checkpoint[shards.META_KEY] = meta
-    fs = get_filesystem(trainer_path)
-    with fs.open(f"{trainer_path}.tmp", "wb") as f:
-        torch.save(checkpoint, f)
-    fs.mv(f"{trainer_path}.tmp", str(trainer_path))
+    atomic_write(trainer_path, lambda f: torch.save(checkpoint, f))
     dropped = sorted(str(key) for key in saved if key not in (model_key, optimizer_key, STEP_KEY, shards.META_KEY))
     warnings.warn(
         f"{trainer_path}: the Trainer resumes the model, the optimizer and every rank's shard at global_step {step}, "
@@ -103,3 +120,34 @@ def to_trainer_checkpoint(
         f"learning-rate scheduler; not carried over from {fabric_path}: {dropped or 'nothing else'}.",
         stacklevel=2,
     )
+
+
+def _read_shards(fabric_path: _PATH, meta: dict[str, int], ranks: Optional[Iterable[int]]) -> dict[int, dict[str, Any]]:
+    """The shards of `ranks` (`None`: every rank) of the save `meta` names, by rank. Without `ranks`, a shard that
+    cannot be read makes it `{}` with a warning (the Trainer then resumes every replica from `x̄`); with `ranks`, an
+    error naming it."""
+    world_size = meta["world_size"]
+    wanted = range(world_size) if ranks is None else sorted(set(ranks))
+    outside = [rank for rank in wanted if not 0 <= rank < world_size]
+    if outside:
+        raise ValueError(f"`ranks` {outside} are not ranks of {fabric_path}, which {world_size} ranks saved.")
+    found, problems = {}, {}
+    for rank in wanted:
+        shard, problem = shards.read_own_shard(fabric_path, meta, rank, world_size)
+        if shard is None:
+            problems[rank] = problem.describe()
+        else:
+            found[rank] = shard
+    if not problems:
+        return found
+    where = f"in {shards.shard_directory(shards.resolve(fabric_path))}"
+    named = "; ".join(f"rank {rank}: {problem}" for rank, problem in problems.items())
+    if ranks is not None:
+        raise FileNotFoundError(f"Cannot convert the shards of ranks {wanted} {where}: {named}. Nothing was written.")
+    warnings.warn(
+        f"{fabric_path}: not every rank's shard can be read {where} ({named}): the Trainer checkpoint is written "
+        "without shards, so every replica resumes from the average x̄. If the other shards are on other nodes, run "
+        "to_trainer_checkpoint on each node with `ranks=` the ranks whose shards it holds.",
+        stacklevel=3,
+    )
+    return {}

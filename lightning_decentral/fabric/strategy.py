@@ -12,7 +12,6 @@ from typing import Any, Literal, Optional, Union
 import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -22,12 +21,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_decentral.agreement import Ranks, parameter_deviations, run_configuration
+from lightning_decentral.agreement import Activities, Ranks, parameter_deviations, run_configuration
 from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import own_gradients, random_state
-from lightning_decentral.options import GossipDtypeName, GossipOptions, register_strategies
+from lightning_decentral.mixing import FABRIC
+from lightning_decentral.options import DEFAULT_TIMEOUT, GossipDtypeName, GossipOptions, register_strategies
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
@@ -42,7 +42,9 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
     `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
     `gossip_dtype`); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`,
     `precision`, `process_group_backend`, `timeout`, `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s
-    (`timeout` bounds every exchange: a dead rank ends the others within it); any other name is a `TypeError`.
+    (`timeout`, 5 minutes unless given, bounds every exchange: a dead or silent rank ends the others within it, and
+    ranks that call different collectives, `fabric.load` on one and a step on another, stop at once); any other
+    name is a `TypeError`.
     `eval_on` decides what [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation]
     swaps in.
 
@@ -80,7 +82,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         options = GossipOptions(
@@ -110,6 +112,8 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         self._averaging = 0  # depth of averaged_model()
         self._hooks: list[Any] = []
         self._forward_states: list[dict[str, Any]] = []  # the random state of each training forward of step k
+        self._graph_pending = False  # a training forward ran and its backward has not: the parameters are in use
+        self._activities: Optional[Activities] = None  # what each rank does: ranks that disagree stop at once
 
     # -- the monitoring surface (Driven's, and these) ---------------------------------------------
 
@@ -151,12 +155,20 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         return list(self._forward_states)
 
     @contextlib.contextmanager
-    def averaged_model(self) -> Iterator[None]:
+    def averaged_model(self, agree: bool = True) -> Iterator[None]:
         """Replace this rank's replica by `x̄ = (1/n) Σ_i x_i` inside the block, then restore it exactly.
 
-        Every rank must enter it together, between optimizer steps; a nested use is free.
+        Every rank must enter it together, between optimizer steps (or after `fabric.backward`); a nested use is
+        free. Between a training forward and its backward it raises: the backward needs the replica's values. With
+        `agree`, a rank that does something else meanwhile stops every rank at once, naming it
+        ([`agree`][lightning_decentral.fabric.DecentralizedStrategy.agree]); `fabric.save`, which agreed already,
+        averages without.
         """
         module = self._live(self._module)
+        if not self._averaging:
+            self.check_outside_the_graph("averaged_model()")
+            if agree and self.world_size > 1:
+                self.agree("averaged_model()")
         self._averaging += 1
         try:
             with self._averaged.swapped_in(module, self._ranks.mean if self.world_size > 1 else None):
@@ -199,11 +211,14 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
             raise ValueError("DecentralizedStrategy gossips one model: set up one module per Fabric.")
         precision = str(getattr(self.precision, "precision", type(self.precision).__name__))
         self._ranks.check_same_configuration(run_configuration(self, module, precision))
+        self._activities = Activities.of_group(self._ranks, self._timeout)
+        self._activities.start("fabric.setup")
         self._ranks.broadcast_from_rank_zero(list(state_tensors(module)))
         self._replica = Replica(module, self.gossip_buffers)
         self._mixer = Gossip.on_new_group(
             self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
         )
+        self._mixer.phrasing = FABRIC
         self._module = module
         self._hooks = [module.register_forward_pre_hook(self._before_forward)]
         return module
@@ -233,6 +248,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         if module.training and torch.is_grad_enabled() and not self._averaging:
             self._begin_step()
             self.record_random_state()
+            self._graph_pending = True
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
@@ -240,6 +256,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         if self.driver.runner is not None:
             self._begin_step().before_backward()
         super().backward(tensor, module, *args, **kwargs)
+        self._graph_pending = False
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
@@ -257,6 +274,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
 
         output = self.driver.optimizer_step(self.step, run, closure or _nothing)
         self.step += 1
+        self._graph_pending = False
         self._context.overlap_backward = not self._clipping
         return output
 
@@ -281,10 +299,29 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
             )
         self._clipping = True
 
+    def check_outside_the_graph(self, what: str) -> None:
+        """Raise naming `what` (`"fabric.save"`, ...) and where to call it, if a training forward ran and its backward
+        has not: `what` would write into, or swap `x̄` into, the parameters the backward pass needs."""
+        if self._graph_pending:
+            raise RuntimeError(
+                f"{what} ran at step {self.step} between the training forward and `fabric.backward`: the backward needs "
+                "the parameters as the forward used them. Call fabric.save, fabric.load and averaged_model() after "
+                "`fabric.backward` or `optimizer.step()`, before the next training forward."
+            )
+
+    def agree(self, what: str) -> None:
+        """Right before a collective every rank must enter together: stop at once, naming what each rank does, if
+        another rank does something else ([`Activities`][lightning_decentral.agreement.Activities]); a no-op before
+        set-up. Nothing else may be agreed or begun before that collective."""
+        if self._activities is not None:
+            self._activities.agree(what)
+
     def _begin_step(self) -> StepRunner:
         """The rule, with step `k` begun (once per step: the schedule decides it here)."""
         if not self.driver.begun:
             self._forward_states = []  # a new optimizer step
+            if self._activities is not None:
+                self._activities.start(f"optimizer step {self.step}")
         return self.driver.begin(self.step)
 
     def _epoch(self) -> int:
@@ -309,7 +346,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         if self._mixer is not None:
             self._mixer.leave()
         self._mixer = self._replica = self._module = self._optimizer = None
-        self._hooks, self._forward_states = [], []
+        self._hooks, self._forward_states, self._graph_pending, self._activities = [], [], False, None
         super().teardown()
 
     # -- helpers ------------------------------------------------------------------------------

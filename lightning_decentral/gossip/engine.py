@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_decentral.failures import peers_answer
-from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver, notify_post, notify_wait, raise_if_not_finite
+from lightning_decentral.mixing import TRAINER, ExchangeEvent, ExchangeObserver, notify_post, notify_wait, raise_if_not_finite
 from lightning_decentral.topology import Hierarchical, Topology
 
 _TRANSPORTS = (None, "p2p", "broadcast")
@@ -57,7 +57,10 @@ class PendingGossip:
         single_p2p = self._first_round == 1 and not per_round[0].topology.is_average(step) if per_round else False
         self._before = [c.clone() for c in self._current] if self._measure and not single_p2p else None
         self._what = f"The gossip exchange of step {step}"
-        self._peers = f"a neighbour ({', '.join(gossip.neighbour_names(step)) or 'none'})"
+        names = gossip.neighbour_names(step)
+        self._peers = "another rank (this exchange is an all-reduce of every rank)" if names == ["every rank"] else (
+            f"a neighbour ({', '.join(names) or 'none'})"
+        )
         with peers_answer(self._what, self._peers):  # a peer already gone fails the post itself
             self._works = self._legs[0]._post(self._current, step, tag) if self._legs else None
         notify_post(self._observers, event)
@@ -155,6 +158,7 @@ class Gossip:
         self._wire: dict[int, Tensor] = {}  # low precision: q per buffer index (tag + b)
         self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._timeout = timeout
+        self.phrasing = TRAINER  # how a NaN error speaks of the executor (Fabric's says FABRIC)
         self.measure_residuals = False  # also compute ‖x_i − Σ_j w_ij x_j‖² per buffer (see PendingGossip)
         self.observers: list[ExchangeObserver] = []  # told of every exchange (lightning_decentral.mixing)
         self._stages = self._hierarchical_stages(world) if isinstance(topology, Hierarchical) else []
@@ -238,7 +242,7 @@ class Gossip:
         elif self.topology.is_average(step):
             rounds = 1  # W is a projection: W^r = W
         if rounds and check_finite:
-            raise_if_not_finite(buffers, self.rank, step)
+            raise_if_not_finite(buffers, self.rank, step, self.phrasing)
         return PendingGossip(self, buffers, step, rounds, tag, out, event)
 
     @classmethod

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_decentral.mixing.protocol import (
+    SIMULATION,
     ExchangeEvent,
     ExchangeObserver,
     notify_post,
@@ -67,6 +68,7 @@ class DenseMixer:
     def __init__(self, topology: Topology, dtype: Optional[torch.dtype] = None) -> None:
         self.topology = topology
         self.dtype = dtype
+        self.phrasing = SIMULATION  # how a NaN error speaks of the workers
         self.observers: list[ExchangeObserver] = []
         self.measure_residuals = False
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
@@ -185,7 +187,7 @@ class _WorkerMixer(DenseView):
         if observers:
             event = ExchangeEvent(step, tag, rounds, rounds * self.dense.bytes_sent(buffers, self.rank, step), time.perf_counter())
         if check_finite:
-            raise_if_not_finite(buffers, self.rank, step)
+            raise_if_not_finite(buffers, self.rank, step, self.dense.phrasing)
         pending = _DensePending(self.dense, self.rank, list(buffers), step, rounds, tag, out, observers, event)
         if not stages(self.dense.topology, step):  # W = I: nothing moves
             for o in out or []:

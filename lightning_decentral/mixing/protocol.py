@@ -115,8 +115,24 @@ class Mixer(Protocol):
         """
 
 
-def raise_if_not_finite(buffers: Sequence[Tensor], rank: int, step: int) -> None:
-    """Raise `FloatingPointError` if a buffer holds a NaN or an Inf, before it reaches a neighbour.
+@dataclass(frozen=True)
+class Phrasing:
+    """How an error of a mixer speaks of its executor: `worker` (`"Rank"`, `"Worker"`), what becomes of the `others`,
+    and how to `clip` the gradients there."""
+
+    worker: str
+    others: str
+    clip: str
+
+
+TRAINER = Phrasing("Rank", "the other ranks stop within the process-group timeout", "Trainer(gradient_clip_val=...)")
+FABRIC = Phrasing("Rank", "the other ranks stop within the process-group timeout", "fabric.clip_gradients(model, optimizer, max_norm=...)")
+SIMULATION = Phrasing("Worker", "the simulation stops with it", "Trainer(gradient_clip_val=...)")
+
+
+def raise_if_not_finite(buffers: Sequence[Tensor], rank: int, step: int, phrasing: Phrasing = TRAINER) -> None:
+    """Raise `FloatingPointError` if a buffer holds a NaN or an Inf, before it reaches a neighbour; the message
+    speaks of worker `rank` as `phrasing` says.
 
     One reduction per flat buffer (a sum, accumulated in at least float32 so that finite values
     do not overflow; a NaN or Inf anywhere makes it non-finite) and one host sync for them all.
@@ -126,14 +142,18 @@ def raise_if_not_finite(buffers: Sequence[Tensor], rank: int, step: int) -> None
         Traceback (most recent call last):
         ...
         FloatingPointError: Rank 2 holds a NaN or an Inf in what it was about to send to its neighbours at step 7; ...
+        >>> raise_if_not_finite([torch.tensor([float("inf")])], rank=2, step=7, phrasing=SIMULATION)
+        Traceback (most recent call last):
+        ...
+        FloatingPointError: Worker 2 holds a NaN or an Inf ... (the simulation stops with it, and the checkpoints ...
     """
     sums = torch.stack([b.sum(dtype=torch.promote_types(b.dtype, torch.float32)).double() for b in buffers])
     if not bool(torch.isfinite(sums).all()):
         raise FloatingPointError(
-            f"Rank {rank} holds a NaN or an Inf in what it was about to send to its neighbours at step {step}; "
-            "training stops here, before the values spread (the other ranks stop within the process-group "
-            "timeout, and the checkpoints written before this step are intact). Lower the learning rate, clip "
-            "the gradients (Trainer(gradient_clip_val=...)) or look for the source with torch.autograd.detect_anomaly."
+            f"{phrasing.worker} {rank} holds a NaN or an Inf in what it was about to send to its neighbours at step "
+            f"{step}; training stops here, before the values spread ({phrasing.others}, and the checkpoints written "
+            f"before this step are intact). Lower the learning rate, clip the gradients ({phrasing.clip}) or look "
+            "for the source with torch.autograd.detect_anomaly."
         )
 
 

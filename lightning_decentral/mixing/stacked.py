@@ -10,7 +10,14 @@ import torch
 from torch import Tensor
 
 from lightning_decentral.mixing.dense import DenseMixer, DenseView, stages
-from lightning_decentral.mixing.protocol import ExchangeEvent, ExchangeObserver, notify_post, notify_wait, raise_if_not_finite
+from lightning_decentral.mixing.protocol import (
+    ExchangeEvent,
+    ExchangeObserver,
+    Phrasing,
+    notify_post,
+    notify_wait,
+    raise_if_not_finite,
+)
 
 
 class StackedMixer(DenseView):
@@ -61,7 +68,7 @@ class StackedMixer(DenseView):
             sent = sum(self.dense.bytes_sent([r[0] for r in rows], rank, step) for rank in range(n))
             event = ExchangeEvent(step, tag, rounds, rounds * sent, time.perf_counter())
         if check_finite:
-            _raise_if_a_row_not_finite(rows, step)
+            _raise_if_a_row_not_finite(rows, step, self.dense.phrasing)
         residuals: Optional[list[Tensor]] = None
         if not stages(self.dense.topology, step):  # W = I: nothing moves
             for o in out or []:
@@ -116,10 +123,10 @@ def _same_dtype(indices: Iterable[int], dtype_of: Callable[[int], torch.dtype]) 
     return list(groups.values())
 
 
-def _raise_if_a_row_not_finite(rows: Sequence[Tensor], step: int) -> None:
+def _raise_if_a_row_not_finite(rows: Sequence[Tensor], step: int, phrasing: Phrasing) -> None:
     """`raise_if_not_finite` for stacked workers (`[n, m]` rows), naming the first worker whose row is not finite."""
     sums = torch.stack([r.sum(1, dtype=torch.promote_types(r.dtype, torch.float32)).double() for r in rows]).sum(0)
     bad = torch.nonzero(~torch.isfinite(sums))
     if len(bad):
         worker = int(bad[0])
-        raise_if_not_finite([r[worker] for r in rows], worker, step)
+        raise_if_not_finite([r[worker] for r in rows], worker, step, phrasing)

@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.trainer.replicated import EvaluatesOnAverage
 from lightning_decentral.replicas import AveragedModel
@@ -151,10 +152,10 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
             ]
             bad = [rank for rank, shard in enumerate(built) if not shards.holds_finite([shard["state_dict"], shard.get("optimizer_states")])]
             if bad:  # before anything is written or removed
-                raise shards.not_finite_error(bad, step, filepath)
+                raise shards.not_finite_error(bad, step, filepath, who="Worker(s)")
             for shard, path in zip(built, paths):
                 shards.write_shard(shard, path)
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+            with_atomic_writes(self.checkpoint_io).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         except BaseException:
             for path in paths:
                 shards.discard(path)

@@ -25,14 +25,14 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -40,34 +40,54 @@ from typing_extensions import override
 
 from lightning_decentral.driver import Driven, StepDriver, check_one_optimizer
 from lightning_decentral.mixing import DenseMixer
-from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyName
+from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument
 from lightning_decentral.trainer.replicated import backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.simulation.data import PerWorker, StackedBatch, WorkerLoaders
+from lightning_decentral.simulation.hooks import WorkerHooks
 from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy
-from lightning_decentral.simulation.workers import SimulatedWorkers, copy_of, optimizer_like
-from lightning_decentral.topology import Topology
-from lightning_decentral.simulation.vectorized import StackedWorkers, clip_rows_by_norm_, vectorization_problem
+from lightning_decentral.simulation.workers import Logged, SimulatedWorkers, copy_of, optimizer_like
+from lightning_decentral.simulation.vectorized import (
+    StackedWorkers,
+    rows_clipped_apart,
+    stacking_problem,
+    vectorization_problem,
+)
 
-if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against them
-    import networkx
-    import numpy as np
 
 
 class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
     """`workers` decentralized workers in one process, on one CPU or GPU: the run `DecentralizedStrategy`
     makes on `workers` processes, replica for replica (docs/simulation.md).
 
-    The update-rule arguments are [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]'s.
-    Use it with `devices=1`; the DataLoader's `batch_size` is the per-worker batch, as on processes.
+    The update-rule arguments are [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]'s (the details
+    are there). Use it with `devices=1`; the DataLoader's `batch_size` is the per-worker batch, as on processes.
 
     Args:
         workers: the number of simulated workers `n`.
-        vectorize: run the workers together (stacked parameters, one `torch.vmap` of `training_step`, one
-            optimizer step for all; several times faster at large `n`), which needs an elementwise optimizer
-            (SGD, Adam, ...), a `training_step` without random numbers (no dropout), batches of tensors,
-            and logged values that are numbers or tensors. `False`: one worker at a time, for any module.
+        topology: a name (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`, `"complete"`,
+            `"hierarchical"`), a `Topology` by `class_path`, or a mixing matrix, bound to `workers`.
+        combine: `"awc"` (adapt-with-combine: gossip overlaps the step) or `"atc"` (adapt-then-combine).
+        momentum: `"local"` (the optimizer's own momentum) or `"decentlam"` (DecentLaM's update).
+        gossip_every: gossip on steps with `(k + 1) % gossip_every == 0`; local steps otherwise.
+        gossip_steps: rounds of `W(k)` per gossip step, or a schedule such as `{"epoch": {0: 4, 5: 1}}`.
+        gossip_buffers: also mix floating-point buffers (BatchNorm statistics); else each worker keeps its own.
+        eval_on: `"average"`: validate, test and predict on `x̄`; `"local"`: on worker 0's replica.
+        bucket_cap_mb: DecentLaM's bucket size in MB (as on processes; it changes nothing here but the grouping).
+        gossip_dtype: round what the workers exchange to `"bfloat16"` or `"float16"` as the processes would send it
+            (`None`: full precision).
+        vectorize: `"auto"` (the default): stack the workers when stacking gives the per-worker result (an
+            elementwise optimizer, no dropout layer, no hook that sees one worker's batch or gradients, a DataLoader
+            with a `batch_size`; see [`stacking_problem`][lightning_decentral.simulation.vectorized.stacking_problem]),
+            else keep them apart; one info line says which and why. `True`: run the workers together (stacked
+            parameters, one `torch.vmap` of `training_step`, one optimizer step for all; 2-3 times faster at
+            `n = 16-64`), refusing what it cannot run (a non-elementwise optimizer; random numbers in
+            `training_step` stop the first step). `False`: one worker at a time, for any module.
+        accelerator: Lightning's accelerator (the Trainer's `accelerator=` sets it).
+        checkpoint_io: writes and reads the checkpoint file (default: an
+            [`AtomicCheckpointIO`][lightning_decentral.files.AtomicCheckpointIO], whole or not at all).
+        precision_plugin: Lightning's precision plugin (the Trainer's `precision=` sets it).
 
     Example:
         ```python
@@ -81,9 +101,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
     def __init__(
         self,
         workers: int = 8,
-        topology: Union[
-            TopologyName, Topology, list[list[float]], list[list[list[float]]], np.ndarray, Tensor, networkx.Graph
-        ] = "ring",
+        topology: TopologyArgument = "ring",
         combine: Literal["awc", "atc"] = "awc",
         momentum: Literal["local", "decentlam"] = "local",
         gossip_every: int = 1,
@@ -92,7 +110,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
-        vectorize: bool = False,
+        vectorize: Union[bool, Literal["auto"]] = "auto",
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
@@ -102,8 +120,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         options = GossipOptions(
             topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype
         )
-        if not isinstance(vectorize, bool):
-            raise ValueError(f"`vectorize` must be True or False, got {vectorize!r}.")
+        if not isinstance(vectorize, bool) and vectorize != "auto":
+            raise ValueError(f"`vectorize` must be True, False or 'auto', got {vectorize!r}.")
         self.driver = StepDriver(options, epoch=self._epoch)
         self.driver.bind(workers)
         mixer = DenseMixer(self.driver.topology, dtype=options.gossip_dtype)
@@ -112,7 +130,12 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         )
         self.vectorize = vectorize
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
-        self._losses: list[Tensor] = []
+        self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
+        self._outputs: list[Any] = []  # each worker's training_step output of this batch
+        self._hooks: Optional[WorkerHooks] = None  # the module's hooks on every worker (per-worker path)
+        self._context: Optional[RuleContext] = None  # the rules' context, kept to stack the workers later
+        self._undecided = False  # vectorize="auto": the path is chosen at the first training DataLoader
+        self._trial = False  # vectorize="auto" chose to stack: the first batch tries training_step under vmap
 
     # -- the monitoring surface: Driven's, and these --------------------------------------------
 
@@ -163,26 +186,78 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         modules = [module] + [copy.deepcopy(module) for _ in range(self.workers - 1)]
         for copied in modules[1:]:  # a LightningModule leaves its Trainer out of copies: attach it
             copied.trainer = trainer
-        if self.vectorize:
+        self._context = context
+        if self.vectorize is True:
             problem = vectorization_problem(module, self.optimizers[0])
             if problem:
                 raise ValueError(f"SimulatedDecentralizedStrategy(vectorize=True) cannot run this module: {problem}. Use vectorize=False.")
             self._group = StackedWorkers(modules, self.optimizers[0], rule, self.gossip_buffers, context, self._mixer, self.root_device)
-        else:
-            self._group = SimulatedWorkers(self._mixer, self.root_device)
-            quiet = dataclasses.replace(context, warn=_quiet)
-            for rank, worker_module in enumerate(modules):
-                optimizer = self.optimizers[0] if rank == 0 else optimizer_like(self.optimizers[0], copy_of(module, worker_module))
-                self._group.add(worker_module, optimizer, rule, self.gossip_buffers, context if rank == 0 else quiet)
+        else:  # "auto" stacks them, if it can, when it sees the training DataLoader
+            self._group = self._workers_apart(modules, context)
+            self._undecided = self.vectorize == "auto"
         self.driver.run(self._group)
+
+    def _workers_apart(self, modules: list[Module], context: RuleContext) -> SimulatedWorkers:
+        """The per-worker path: each worker's own optimizer (worker 0's is Lightning's), replica and rule, and the
+        module's hooks on every worker."""
+        group = SimulatedWorkers(self._mixer, self.root_device)
+        quiet = dataclasses.replace(context, warn=_quiet)
+        for rank, worker_module in enumerate(modules):
+            optimizer = self.optimizers[0] if rank == 0 else optimizer_like(self.optimizers[0], copy_of(modules[0], worker_module))
+            group.add(worker_module, optimizer, self.rule, self.gossip_buffers, context if rank == 0 else quiet)
+        self._hooks = WorkerHooks(group, losses=lambda: self._losses, outputs=lambda: self._outputs)
+        self._hooks.install()
+        return group
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        """The training DataLoader becomes one per worker, each with rank `i`'s `DistributedSampler`."""
+        """The training DataLoader becomes one per worker, each with rank `i`'s `DistributedSampler` (stacked: one
+        for all). With `vectorize="auto"`, the first one decides the path."""
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader
-        return WorkerLoaders(dataloader, self.workers, self._group.as_worker, together=self.vectorize)
+        if self._undecided:
+            self._choose_path(dataloader)
+        together = isinstance(self._group, StackedWorkers)
+        return WorkerLoaders(dataloader, self.workers, self._group.as_worker, together=together)
+
+    def _choose_path(self, dataloader: torch.utils.data.DataLoader) -> None:
+        """`vectorize="auto"`, before the first step: stack the workers if that gives the per-worker result, and say
+        which path runs and why (one info line)."""
+        self._undecided = False
+        optimizer = self.optimizers[0]
+        problem = stacking_problem(self.lightning_module, optimizer, dataloader.batch_size)
+        if self.workers == 1:
+            problem = "there is one worker: nothing to stack"
+        if problem is not None:
+            return _say_path(f"the per-worker path, one worker at a time, because {problem}")
+        assert self._hooks is not None and self._context is not None
+        self._hooks.remove()
+        self._hooks = None
+        self._group = StackedWorkers.from_workers(self._group, optimizer, self.rule, self.gossip_buffers, self._context, self._mixer)
+        self.driver.run(self._group)
+        self._trial = True  # the first batch tries training_step under torch.vmap
+
+    def _try_stacked(self, batch: Any, batch_idx: int) -> None:
+        """`vectorize="auto"`, at the first batch: keep the stacked path if `training_step` runs under `torch.vmap`
+        (a trial on a copy of the module, without gradients), else keep the workers apart; say which."""
+        self._trial = False
+        assert isinstance(self._group, StackedWorkers) and self._context is not None
+        problem = self._group.trial(batch, lambda module, part: module.training_step(part, batch_idx))
+        if problem is None:
+            optimizer = type(self.optimizers[0]).__name__
+            return _say_path(
+                f"the stacked path, every worker in one batched call ({optimizer} is elementwise, no layer draws random "
+                "numbers, no hook sees one worker's batch or gradients, training_step runs under torch.vmap)"
+            )
+        stacked = self._group
+        states = stacked.unstack()
+        self._group = self._workers_apart(stacked.modules, self._context)
+        for worker, state in zip(self._group.workers, states):
+            worker.optimizer.load_state_dict(state)
+        self._group.start_random_states()
+        self.driver.run(self._group)
+        _say_path(f"the per-worker path, one worker at a time, because {problem}")
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -199,6 +274,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Before each training batch: every worker begins the optimizer step (AWC posts `x(k)`)."""
         super().on_train_batch_start(batch, batch_idx)
+        if self._trial:
+            self._try_stacked(batch, batch_idx)
         self.driver.begin(self.lightning_module.trainer.global_step)
 
     @override
@@ -210,14 +287,12 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         trainer = self.lightning_module.trainer
         if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
             self._group.zero_grad_others()  # Lightning zeroes worker 0's gradients, as on every rank
+        if isinstance(batch, StackedBatch) and not isinstance(self._group, StackedWorkers):
+            batch = batch.parts()  # the stacked path's loader, and the workers kept apart after its first batch
         with self.precision_plugin.train_step_context():
             outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
-        for name, values in logged.items():
-            if len(values) == self.workers and all(_is_number(v) for v, _ in values):
-                mean = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.root_device) for v, _ in values]).mean()
-                self.lightning_module.log(name, mean, **values[0][1])
-            else:  # a Metric object, or logged by some workers only: worker 0's
-                self.lightning_module.log(name, values[0][0], **values[0][1])
+        _log_over_workers(self.lightning_module, logged, self.workers)
+        self._outputs = outputs
         self._losses = [_loss_of(output) for output in outputs]
         if any(loss is None for loss in self._losses):
             raise ValueError("A worker's training_step returned no loss: every simulated worker must step together.")
@@ -230,13 +305,14 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         """Each worker's backward of its own loss (scaled as Lightning scales the returned one)."""
         self.pre_backward(closure_loss)
         self._group.before_backward()
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         accumulate = self.lightning_module.trainer.accumulate_grad_batches
+        self._losses = [loss / accumulate for loss in self._losses]
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)  # on_before_backward
 
         def backward(loss: Tensor, module: Module, worker_optimizer: Optional[Optimizer]) -> None:
             self.precision_plugin.backward(loss, module, worker_optimizer, *args, **kwargs)
 
-        self._group.backward([loss / accumulate for loss in self._losses], backward)
+        self._group.backward(self._losses, backward)
         self._losses = []
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
@@ -273,27 +349,14 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
                 results.append(closure())  # every worker's forward and backward, then every rule's wrapper
                 return results[0]
 
-            with self._clipping_per_worker():
+            rows = self._group if isinstance(self._group, StackedWorkers) else None
+            with rows_clipped_apart(self.precision_plugin, rows):
                 output = lightning_step(optimizer, every_worker, model, **kwargs)
             self._ready_other_workers()
             self._group.step_others(results[0])
             return output
 
         return self.driver.optimizer_step(self.lightning_module.trainer.global_step, run, closure)
-
-    @contextlib.contextmanager
-    def _clipping_per_worker(self) -> Iterator[None]:
-        """Vectorized: Lightning's clipping by norm of the stacked gradients clips each worker's row."""
-        if not isinstance(self._group, StackedWorkers):
-            yield
-            return
-        self.precision_plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_rows_by_norm_(  # type: ignore[method-assign]
-            self.precision_plugin.main_params(optimizer), clip_val
-        )
-        try:
-            yield
-        finally:
-            del self.precision_plugin.clip_grad_by_norm
 
     def _ready_other_workers(self) -> None:
         """Once per step, after worker 0's `on_before_optimizer_step` and clipping: clip workers 1..n-1 (their
@@ -316,8 +379,11 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
 
     @override
     def teardown(self) -> None:
-        """After the stage: release the rules' hooks."""
+        """After the stage: release the rules' hooks and worker 0's own module hooks."""
         self.driver.teardown()
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
         super().teardown()
 
     @classmethod
@@ -341,5 +407,21 @@ def _loss_of(output: Any) -> Optional[Tensor]:
     return output["loss"] if isinstance(output, dict) else output
 
 
+def _log_over_workers(module: LightningModule, logged: Logged, workers: int) -> None:
+    """Log what the workers' `training_step`s logged: a number every worker logged as the mean over the workers (what
+    `sync_dist=True` gives on `n` ranks); anything else (a Metric object, a value some workers log) as worker 0's."""
+    for name, values in logged.items():
+        if len(values) == workers and all(_is_number(v) for v, _ in values):
+            mean = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(module.device) for v, _ in values]).mean()
+            module.log(name, mean, **values[0][1])
+        else:
+            module.log(name, values[0][0], **values[0][1])
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1)
+
+
+def _say_path(which: str) -> None:
+    """The one info line of `vectorize="auto"`."""
+    rank_zero_info(f"SimulatedDecentralizedStrategy(vectorize='auto'): {which}. vectorize=True or False chooses.")

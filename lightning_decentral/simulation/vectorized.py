@@ -12,10 +12,13 @@ state: SGD, Adam, ...), the gradient is clipped per worker, and the step draws n
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module, Parameter
@@ -60,6 +63,42 @@ def vectorization_problem(module: Module, optimizer: Optimizer) -> Optional[str]
     return None
 
 
+RANDOM_LAYERS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+                 torch.nn.FeatureAlphaDropout)
+"""Layers that draw random numbers in training (with `p > 0`); so do layers with a float `dropout` attribute above 0
+(`nn.MultiheadAttention`)."""
+
+HOOKS_OF_ONE_WORKER = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
+                       "on_before_optimizer_step", "configure_gradient_clipping")
+"""LightningModule hooks that see one worker's batch, loss or gradients on processes (and on the per-worker path),
+but every worker's at once when stacked."""
+
+
+def stacking_problem(module: Module, optimizer: Optimizer, batch_size: Optional[int] = 1) -> Optional[str]:
+    """Why `vectorize="auto"` keeps the workers apart, or `None` when stacking them gives the per-worker result:
+    [`vectorization_problem`][lightning_decentral.simulation.vectorized.vectorization_problem], a layer that draws
+    random numbers, a hook of `HOOKS_OF_ONE_WORKER`, or a training DataLoader without a `batch_size`.
+
+    Examples:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
+        >>> stacking_problem(net, torch.optim.SGD(net.parameters(), lr=0.1))
+        "its Dropout '1' draws random numbers (each worker needs its own random state)"
+    """
+    problem = vectorization_problem(module, optimizer)
+    if problem is not None:
+        return problem
+    for name, layer in module.named_modules():
+        p = getattr(layer, "p", 0.0) if isinstance(layer, RANDOM_LAYERS) else getattr(layer, "dropout", 0.0)
+        if isinstance(p, float) and p > 0:
+            return f"its {type(layer).__name__} {name!r} draws random numbers (each worker needs its own random state)"
+    hooks = [hook for hook in HOOKS_OF_ONE_WORKER if is_overridden(hook, module, parent=LightningModule)]
+    if hooks:
+        return f"it overrides {hooks[0]}, which sees one worker's batch, loss or gradients"
+    if batch_size is None:
+        return "the training DataLoader has no batch_size (a batch_sampler?)"
+    return None
+
+
 def clip_rows_by_norm_(parameters: Sequence[Tensor], max_norm: float) -> None:
     """Clip each worker's gradient to norm `max_norm`: row `i` of every `p.grad` (`[n, ...]`) is scaled by
     `min(1, max_norm / (‖g_i‖ + 1e-6))`, `‖g_i‖` the norm of worker `i`'s whole gradient, as
@@ -81,6 +120,21 @@ def clip_rows_by_norm_(parameters: Sequence[Tensor], max_norm: float) -> None:
     coefficient = (max_norm / (torch.linalg.vector_norm(norms, dim=0) + 1e-6)).clamp(max=1.0)
     for g in grads:
         g.mul_(coefficient.view(n, *[1] * (g.dim() - 1)).to(g.dtype))
+
+
+@contextlib.contextmanager
+def rows_clipped_apart(precision: Any, stacked: Optional[StackedWorkers]) -> Iterator[None]:
+    """Inside, Lightning's clipping by norm (the precision plugin's `clip_grad_by_norm`) clips each worker's row of
+    the stacked gradients by its own norm ([`clip_rows_by_norm_`][lightning_decentral.simulation.vectorized.clip_rows_by_norm_]);
+    nothing changes when the workers are not `stacked`."""
+    if stacked is None:
+        yield
+        return
+    precision.clip_grad_by_norm = lambda optimizer, clip_val: clip_rows_by_norm_(precision.main_params(optimizer), clip_val)
+    try:
+        yield
+    finally:
+        del precision.clip_grad_by_norm
 
 
 class StackedWorkers(WorkerGroup):
@@ -123,6 +177,18 @@ class StackedWorkers(WorkerGroup):
         self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], mixed)
         self.rules = [RULES[rule](self.replica, StackedMixer(mixer), optimizer, context)]
 
+    @classmethod
+    def from_workers(
+        cls, workers: WorkerGroup, optimizer: Optimizer, rule: str, mix_buffers: bool, context: RuleContext, mixer: DenseMixer
+    ) -> StackedWorkers:
+        """The workers of `workers` (kept apart, not stepped yet), stacked, with their optimizer states (a resume
+        restored them); `workers` is torn down. `optimizer` is worker 0's."""
+        states = [workers.optimizer_state_of(rank) for rank in range(len(workers.modules))]
+        workers.teardown()
+        stacked = cls(workers.modules, optimizer, rule, mix_buffers, context, mixer, workers.device)
+        stacked.load_optimizer_states(states)
+        return stacked
+
     @staticmethod
     def _stack(rows: list[Tensor]) -> Tensor:
         """Stack `rows` and make each one a view of its row."""
@@ -139,9 +205,12 @@ class StackedWorkers(WorkerGroup):
     def zero_grad_others(self) -> None:
         """Nothing: Lightning zeroes the stacked gradients with worker 0's optimizer."""
 
-    def training_steps(self, batch: StackedBatch, step: Callable[[Module, Any], Any]) -> tuple[list[Any], Logged]:
-        """One `torch.vmap` of `step` over the stacked parameters, buffers and batches."""
-        module, n = self.modules[0], len(self.modules)
+    def training_steps(
+        self, batch: StackedBatch, step: Callable[[Module, Any], Any], module: Optional[Module] = None
+    ) -> tuple[list[Any], Logged]:
+        """One `torch.vmap` of `step` over the stacked parameters, buffers and batches (`step` of `module`, default
+        worker 0's: the LightningModule)."""
+        module, n = module or self.modules[0], len(self.modules)
         call = _Call(module, step)
         tensors = {f"module.{name}": t for name, t in zip(self.names + self.buffer_names, self.parameters + self.buffers)}
         options: dict[str, dict[str, Any]] = {}
@@ -172,6 +241,47 @@ class StackedWorkers(WorkerGroup):
             ) from error
         rows = [apply_to_collection(outputs, Tensor, lambda t, i=i: t[i]) for i in range(n)]
         return rows, {name: [(v, options[name]) for v in value.unbind(0)] for name, value in values.items()}
+
+    def trial(self, batch: StackedBatch, step: Callable[[Module, Any], Any]) -> Optional[str]:
+        """Why `step` cannot run stacked, or `None`: one `training_steps` of `batch` without gradients, on the last
+        worker's module (a copy of the LightningModule: whatever the trial changes of a module lands there).
+
+        Examples:
+            >>> from lightning_decentral.topology import Complete
+            >>> nets = [torch.nn.Linear(2, 1) for _ in range(2)]
+            >>> workers = StackedWorkers(nets, torch.optim.SGD(nets[0].parameters(), lr=0.1), "atc", False,
+            ...                          RuleContext(), DenseMixer(Complete(world_size=2)), torch.device("cpu"))
+            >>> batch = StackedBatch(torch.ones(4, 2), workers=2)
+            >>> workers.trial(batch, lambda net, x: net(x).sum()) is None
+            True
+            >>> print(workers.trial(batch, lambda net, x: net(x).sum().item()))
+            training_step cannot run under torch.vmap (RuntimeError: vmap: It looks like you're calling .item() ...)
+        """
+        try:
+            with torch.no_grad():
+                self.training_steps(batch, step, module=self.modules[-1])
+        except Exception as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            return f"training_step cannot run under torch.vmap ({type(error).__name__}: {first[:60]} ...)"
+        return None
+
+    def unstack(self) -> list[dict[str, Any]]:
+        """Undo the stacking (before the first step): every worker's module holds tensors of its own again (copies of
+        its rows), worker 0's optimizer its module's parameters, with no state; the rules are torn down. Returns each
+        worker's optimizer `state_dict`."""
+        states = [self.optimizer_state_of(rank) for rank in range(len(self.modules))]
+        self.teardown()
+        for module in self.modules:
+            named = dict(module.named_parameters())
+            named.update(module.named_buffers())
+            for name in self.names + self.buffer_names:
+                named[name].data = named[name].data.clone()
+        own = dict(self.modules[0].named_parameters())
+        original = {id(stacked): own[name] for name, stacked in zip(self.names, self.parameters)}
+        for group in self.optimizer.param_groups:
+            group["params"] = [original[id(p)] for p in group["params"]]
+        self.optimizer.state.clear()
+        return states
 
     def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
         """One backward of the workers' summed losses: row `i` of every gradient is worker `i`'s."""
@@ -224,7 +334,10 @@ class StackedWorkers(WorkerGroup):
         for i, module in enumerate(self.modules[1:], start=1):
             if resumed:
                 module.load_state_dict(resumed[i]["state_dict"])
-        states = [shard["optimizer_states"][0] for shard in resumed] or [averaged_optimizer] * len(self.modules)
+        self.load_optimizer_states([shard["optimizer_states"][0] for shard in resumed] or [averaged_optimizer] * len(self.modules))
+
+    def load_optimizer_states(self, states: list[dict[str, Any]]) -> None:
+        """The stacked optimizer state from each worker's optimizer `state_dict` (per-element entries stacked as rows)."""
         shapes = self._parameter_shapes()
         stacked = {
             key: {

@@ -233,11 +233,16 @@ class SimulatedWorkers(WorkerGroup):
         self.rules.append(worker.rule)
 
     def begin_step(self, plan: StepPlan) -> None:
-        leader = self.workers[0].optimizer.param_groups
+        self._follow_worker_zero()
         for worker in self.workers:
+            worker.rule.begin_step(plan)
+
+    def _follow_worker_zero(self) -> None:
+        """Every worker's optimizer takes worker 0's hyperparameters (its scheduler's, its `optimizer_step` hook's)."""
+        leader = self.workers[0].optimizer.param_groups
+        for worker in self.workers[1:]:
             for group, lead in zip(worker.optimizer.param_groups, leader):
                 group.update({k: v for k, v in lead.items() if k != "params"})
-            worker.rule.begin_step(plan)
 
     def zero_grad_others(self) -> None:
         for worker in self.workers[1:]:
@@ -262,6 +267,7 @@ class SimulatedWorkers(WorkerGroup):
             worker.rule.gradients_ready()
 
     def step_others(self, result: Any) -> None:
+        self._follow_worker_zero()  # as worker 0 steps: a LightningModule's optimizer_step may have changed them
         for i, worker in enumerate(self.workers[1:], start=1):
             with self.as_worker(i):
                 worker.optimizer.step(closure=lambda: result)

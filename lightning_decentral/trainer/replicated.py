@@ -28,8 +28,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.agreement import Activities, Ranks, mean_optimizer_state
 from lightning_decentral.failures import peers_answer
+from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 
 
@@ -92,6 +93,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self._resume_shard: Optional[dict[str, Any]] = None  # fit(ckpt_path=...): this rank's shard, until restored
         self._failed = False  # an exception ended the run: no collective at teardown
         self._checkpoint_agreed = False  # this fit's ranks checked they resume from the same checkpoint
+        self.activities: Optional[Activities] = None  # what each rank does: ranks that disagree stop at once
 
     @override
     def setup_environment(self) -> None:
@@ -139,6 +141,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._ranks.check_same_configuration(self._configuration())
+        self.activities = Activities.of_group(self._ranks, self._timeout)
         self.setup_precision_plugin()
 
     def _start_replicas(self) -> None:
@@ -146,6 +149,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         unless resuming."""
         self._agree_on_checkpoint(None)  # a no-op on ranks that already agreed in load_checkpoint
         self._ranks.check_same_configuration(self._configuration())
+        self.activities = Activities.of_group(self._ranks, self._timeout)
         if self._resume_shard is None:
             self._ranks.broadcast_from_rank_zero(list(state_tensors(self.lightning_module)))
         self._failed = False
@@ -209,22 +213,26 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Runs when a checkpoint is saved, on every rank: `x̄`'s state dict, so any rank's checkpoint loads
-        into a plain module."""
+        """Runs when a checkpoint is saved, on every rank, first: `x̄`'s state dict, so any rank's checkpoint loads
+        into a plain module. A rank that saves alone (`if trainer.is_global_zero: trainer.save_checkpoint(...)`)
+        stops at once, naming what the others do."""
+        if self.activities is not None:
+            self.activities.agree("a checkpoint save (trainer.save_checkpoint or a checkpoint callback)")
         with self.averaged_model():
             return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Runs when a checkpoint is saved, on every rank: each writes its shard, then rank 0 the checkpoint
-        file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards])."""
-        write_file = super().save_checkpoint  # writes on global rank 0 only
+        file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]), atomically unless a
+        `CheckpointIO` of your own writes it ([`with_atomic_writes`][lightning_decentral.files.with_atomic_writes])."""
+
+        def write_file() -> None:
+            if self.is_global_zero:
+                with_atomic_writes(self.checkpoint_io).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
         shards.save_with_shards(
-            self._ranks,
-            checkpoint,
-            filepath,
-            make_shard=lambda save_id: self._shard(checkpoint, save_id),
-            write_file=lambda: write_file(checkpoint, filepath, storage_options),
+            self._ranks, checkpoint, filepath, make_shard=lambda save_id: self._shard(checkpoint, save_id), write_file=write_file
         )
 
     @override

@@ -19,12 +19,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -38,16 +37,12 @@ from lightning_decentral.agreement import parameter_deviations, run_configuratio
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import own_gradients
-from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyName, register_strategies
+from lightning_decentral.options import DEFAULT_TIMEOUT, GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
 from lightning_decentral.replicas import Replica
 from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
-from lightning_decentral.topology import Topology
 
-if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against them
-    import networkx
-    import numpy as np
 
 
 class DecentralizedStrategy(Driven, ReplicaStrategy):
@@ -62,9 +57,10 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
       `x_i(k+1) = U(x_i(k), g̃_i)`; each bucket of `z` is exchanged as soon as its gradients exist.
 
     Args:
-        topology: a name from `TOPOLOGIES` (`"ring"`, `"torus"`, `"exponential"`,
-            `"one_peer_exponential"`, `"complete"`), a [`Topology`][lightning_decentral.topology.Topology],
-            a mixing matrix or a `networkx` graph.
+        topology: a name from `TOPOLOGIES` (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`,
+            `"complete"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology] (in a config by
+            `class_path`, e.g. `lightning_decentral.Torus` with `init_args: {rows: 2}`) or a mixing matrix (a list of
+            them: one per step of a period); in Python also a numpy array, a tensor or a `networkx` graph.
         combine: `"awc"` (adapt-with-combine) or `"atc"` (adapt-then-combine); ignored by DecentLaM.
         momentum: `"local"` (the optimizer's own momentum, the first two rules) or `"decentlam"`.
         gossip_every: gossip on steps with `(k + 1) % gossip_every == 0`; local steps otherwise.
@@ -79,8 +75,18 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             `torch.float16`, or their names; `None`: the parameters' own). Replicas and optimizer state
             stay in full precision; the exchange keeps `x̄` exactly and feeds the rounding error back
             (`x_i <- x_i + Σ_j w_ij q_j − q_i`). All-reduces (`complete`) stay in full precision.
-
-    The remaining arguments are `lightning.pytorch.strategies.DDPStrategy`'s.
+        accelerator: Lightning's accelerator (the Trainer's `accelerator=` sets it).
+        parallel_devices: the devices of this node's ranks (the Trainer's `devices=` sets them).
+        cluster_environment: how the ranks find each other (SLURM, TorchElastic, ...: detected when `None`).
+        checkpoint_io: writes and reads the checkpoint file (default: an
+            [`AtomicCheckpointIO`][lightning_decentral.files.AtomicCheckpointIO], whole or not at all).
+        precision_plugin: Lightning's precision plugin (the Trainer's `precision=` sets it).
+        process_group_backend: `"gloo"` or `"nccl"` (default: NCCL on GPUs, gloo on the CPU).
+        timeout: how long a rank waits for a silent peer (the rendezvous, a collective, an exchange) before it stops
+            with an error naming it; default 5 minutes (`DEFAULT_TIMEOUT`). Ranks that run different collectives
+            stop at once.
+        start_method: how the ranks are launched: `"popen"` (a script per rank), `"spawn"`, `"fork"`,
+            `"forkserver"`.
 
     Examples:
         ```python
@@ -95,9 +101,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
 
     def __init__(
         self,
-        topology: Union[
-            TopologyName, Topology, list[list[float]], list[list[list[float]]], np.ndarray, Tensor, networkx.Graph
-        ] = "ring",
+        topology: TopologyArgument = "ring",
         combine: Literal["awc", "atc"] = "awc",
         momentum: Literal["local", "decentlam"] = "local",
         gossip_every: int = 1,
@@ -112,7 +116,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
@@ -210,7 +214,10 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         if batch_idx == 0:
             assert self._replica is not None, "the replicas are packed when fit starts"
             self._replica.check_trainable_unchanged(self.lightning_module)
-        self.driver.begin(self.lightning_module.trainer.global_step)
+        step = self.lightning_module.trainer.global_step
+        if self.activities is not None:
+            self.activities.start(f"training batch {batch_idx} (optimizer step {step})")
+        self.driver.begin(step)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
