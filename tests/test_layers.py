@@ -18,14 +18,14 @@ LAYERS = [
     ["driver"],
     ["rules"],
     ["overlap"],
-    ["schedule", "options", "agreement"],
+    ["schedule", "options", "agreement", "stop"],
     ["replicas", "checkpoint", "measures", "data"],
     ["gossip", "mixing"],
     ["algorithms"],
     ["topology"],
     ["failures"],
 ]
-WITHOUT_LIGHTNING = ["failures", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["stop", "failures", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:
