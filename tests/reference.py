@@ -105,10 +105,11 @@ class Config:
     staleness: int = 0
     delays: Optional[Callable[[int, int, int, int], int]] = None  # (worker, neighbour, step, staleness) -> d
     restarts: tuple[int, ...] = ()  # steps a run resumed at: a neighbour's earlier steps are not used after them
+    epoch_steps: Optional[int] = None  # the data of this many steps, again every epoch (None: new data every step)
 
     @property
     def samples(self) -> int:
-        return self.steps * self.accumulate * self.batch_size
+        return (self.epoch_steps or self.steps) * self.accumulate * self.batch_size
 
     def optimizer_spec(self) -> dict[str, Any]:
         """The keyword arguments of ``tests.models.Regression`` that choose the optimizer."""
@@ -171,7 +172,8 @@ def run(config: Config, n: int) -> torch.Tensor:
         for i, (replica, optimizer) in enumerate(zip(replicas, optimizers)):
             optimizer.zero_grad()
             for a in range(config.accumulate):
-                rows = slice((k * config.accumulate + a) * config.batch_size, (k * config.accumulate + a + 1) * config.batch_size)
+                b = (k % config.epoch_steps if config.epoch_steps else k) * config.accumulate + a
+                rows = slice(b * config.batch_size, (b + 1) * config.batch_size)
                 x, y = data[i][0][rows], data[i][1][rows]
                 (nn.functional.mse_loss(replica(x), y) / config.accumulate).backward()
             if config.clip is not None:
