@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
+from lightning_decentral import SimulatedDecentralizedStrategy
 from lightning_decentral.mixing import RandomDelays
 from lightning_decentral.options import GossipOptions
 from tests import reference, straggler_workers, workers
