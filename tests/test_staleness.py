@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from lightning_decentral import SimulatedDecentralizedStrategy
-from lightning_decentral.mixing import RandomDelays
+from lightning_decentral.mixing import RandomDelays, check_stale_topology
+from lightning_decentral.topology import Hierarchical
 from lightning_decentral.options import GossipOptions
 from tests import reference, straggler_workers, workers
 from tests.dense_executor import DenseExecutor
@@ -51,10 +52,11 @@ def test_what_staleness_cannot_run_is_refused_naming_the_fix(kwargs: dict, messa
         GossipOptions(**kwargs)
 
 
-@pytest.mark.parametrize("topology", ["one_peer_exponential", "complete"])
-def test_a_topology_staleness_cannot_run_is_refused_when_the_trainer_is_built(topology: str) -> None:
-    with pytest.raises(ValueError, match="needs a static topology exchanged point to point"):
-        SimulatedDecentralizedStrategy(workers=4, topology=topology, staleness=1)
+def test_a_topology_staleness_cannot_run_is_refused_when_the_trainer_is_built() -> None:
+    with pytest.raises(ValueError, match="needs one static W .* OnePeerExponential"):
+        SimulatedDecentralizedStrategy(workers=4, topology="one_peer_exponential", staleness=1)
+    with pytest.raises(ValueError, match="needs one static W .* has two levels"):
+        check_stale_topology(Hierarchical("ring", "ring", 2).bind(4), staleness=1)
     with pytest.raises(ValueError, match="use staleness=0 with it"):
         SimulatedDecentralizedStrategy(workers=4, staleness=1).extra_gossip(0, 1)
 
@@ -67,6 +69,7 @@ DENSE = [
     Config("awc-exponential-s1-one-behind-adam", topology="exponential", staleness=1, delays=one_behind,
            optimizer={"name": "adam", "lr": 0.01}, steps=6),
     Config("awc-s2-no-delays", staleness=2, optimizer=MOMENTUM, steps=6),
+    Config("atc-complete-s2-random", topology="complete", combine="atc", staleness=2, delays=RandomDelays(3), steps=6),
 ]
 
 

@@ -57,23 +57,20 @@ class RandomDelays:
 
 def check_stale_topology(topology: Topology, staleness: int) -> None:
     """Raise `ValueError` naming the fix unless `staleness=staleness` can run on `topology`: one static `W` (period
-    1) exchanged point to point (not an all-reduce, not the two levels of a hierarchical topology).
+    1), exchanged point to point with each neighbour (not the two levels of a hierarchical topology).
 
     Examples:
-        >>> from lightning_decentral.topology import Complete, Ring
-        >>> check_stale_topology(Ring(world_size=4), staleness=2)
-        >>> check_stale_topology(Complete(world_size=4), staleness=2)
+        >>> from lightning_decentral.topology import Complete, OnePeerExponential
+        >>> check_stale_topology(Complete(world_size=4), staleness=2)  # point to point with the 3 others
+        >>> check_stale_topology(OnePeerExponential(world_size=4), staleness=2)
         Traceback (most recent call last):
         ...
-        ValueError: staleness=2 needs a static topology exchanged point to point (ring, torus, exponential, a matrix or a graph); Complete(world_size=4) ...
+        ValueError: staleness=2 needs one static W (ring, torus, exponential, complete, a matrix or a graph); OnePeerExponential(world_size=4) ...
     """
-    if staleness == 0:
-        return
-    if topology.period != 1 or isinstance(topology, Hierarchical) or topology.is_average(0) or topology.is_identity(0):
+    if staleness and (topology.period != 1 or isinstance(topology, Hierarchical)):
         raise ValueError(
-            f"staleness={staleness} needs a static topology exchanged point to point (ring, torus, exponential, a "
-            f"matrix or a graph); {topology!r} changes with the step, is exact averaging or has two levels. Choose "
-            "such a topology, or staleness=0."
+            f"staleness={staleness} needs one static W (ring, torus, exponential, complete, a matrix or a graph); "
+            f"{topology!r} changes with the step or has two levels. Choose such a topology, or staleness=0."
         )
 
 
