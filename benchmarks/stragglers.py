@@ -3,6 +3,7 @@ and the accuracy bounded staleness costs, over seeds, in the simulation.
 
     python benchmarks/stragglers.py                      # 4 cases x 3 launches, 4 ranks, 100 steps of 20 ms each
     python benchmarks/stragglers.py --accuracy           # x̄'s digits accuracy over 5 seeds, s = 0, 1, 2 (simulation)
+    python benchmarks/stragglers.py --drift              # how far stale gossip moves x̄ (pure averaging, no gradient)
     python benchmarks/stragglers.py --smoke              # 2 ranks, 6 steps of AWC s=1 and DDP; 1 epoch of s = 0, 1
     python benchmarks/stragglers.py --cases random_100 --repeats 1 --out table.md --out results.json
 
@@ -28,6 +29,10 @@ and ATC, ``staleness`` 0, 1, 2 with ``delays=RandomDelays(seed)`` (each neighbou
 uniform in ``0..s``, drawn per worker, neighbour and step: staler than the newest rule on processes), ``--epochs``
 epochs, momentum SGD with a cosine schedule; mean and standard deviation of ``x̄``'s validation accuracy over
 ``--seeds`` seeds (model initialization, data order and delays).
+
+Drift (``--drift``): pure gossip, no gradient, of rows ``x(0) ~ N(0, I)`` (``--ranks`` and 16 workers, 64 values
+each) under ``DelayedMixing`` with ``RandomDelays(seed)``, 200 steps: the distance from the value the rows agree on
+to ``x̄(0)``, relative to the initial spread ``sqrt((1/n) Σ_i ‖x_i(0) − x̄(0)‖²)``; mean and largest over the seeds.
 """
 
 from __future__ import annotations
@@ -252,6 +257,30 @@ def accuracy(args: argparse.Namespace, rules: tuple[tuple[str, int], ...] = ACCU
     return {"rows": rows, "table": "\n".join([header, *lines])}
 
 
+def drift(args: argparse.Namespace) -> dict[str, Any]:
+    """Stale pure averaging: how far from `x̄(0)` the rows agree (see the module docstring)."""
+    import torch
+
+    from lightning_decentral.mixing import DelayedMixing, RandomDelays
+    from lightning_decentral.topology import Ring
+
+    rows = []
+    for n in sorted({args.ranks, 16}):
+        for staleness in (1, 2):
+            moved = []
+            for seed in range(args.seeds):
+                x = torch.randn(n, 64, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+                spread = (x - x.mean(0)).square().sum(1).mean().sqrt()
+                mixing, start = DelayedMixing(Ring(world_size=n), staleness, RandomDelays(seed)), x.mean(0)
+                for k in range(200):
+                    x = mixing.combine("x", x, k)
+                moved.append(float(torch.linalg.vector_norm(x.mean(0) - start) / spread))
+            rows.append({"workers": n, "staleness": staleness, "mean": statistics.mean(moved), "max": max(moved)})
+    header = "| workers | staleness | ‖x̄(200) − x̄(0)‖ / spread, mean | largest |\n|---|---|---|---|"
+    lines = [f"| {r['workers']} | {r['staleness']} | {r['mean']:.3f} | {r['max']:.3f} |" for r in rows]
+    return {"rows": rows, "table": "\n".join([header, *lines])}
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES), help=f"of {','.join(CASES)}")
@@ -267,6 +296,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--accuracy", action="store_true", help="the accuracy part (simulation) instead of throughput")
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--drift", action="store_true", help="how far stale gossip moves x̄ (no training)")
     parser.add_argument("--smoke", action="store_true", help="a short throughput launch and a short accuracy run")
     parser.add_argument("--out", action="append", default=[], help="a .json (all results) or .md (the table) path")
     args = parser.parse_args(argv)
@@ -278,6 +308,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         parts = {"throughput": throughput(args), "accuracy": accuracy(args, rules=(("awc", 0), ("awc", 1)))}
     elif args.accuracy:
         parts = {"accuracy": accuracy(args)}
+    elif args.drift:
+        parts = {"drift": drift(args)}
     else:
         parts = {"throughput": throughput(args)}
     table = "\n\n".join(part["table"] for part in parts.values())

@@ -83,7 +83,9 @@ class StaleGossip:
         self.measure_residuals = False
         self.last_steps: dict[int, int] = {}
         self.links: Optional[Links] = None  # made at the first exchange, when the buffers are known
-        self._layout: list[tuple[int, int]] = []
+        self.layout: list[tuple[int, int]] = []  # (offset, bytes) of each buffer in a message (links.payload_layout)
+        peers = sorted({j for j, _ in self.sources} | set(self.destinations))
+        self._names = [f"rank {dist.get_global_rank(world, j)}" for j in peers]
         self._first: Optional[int] = None  # k₀
         self._last: Optional[int] = None  # the last step exchanged
 
@@ -117,7 +119,7 @@ class StaleGossip:
             raise_if_not_finite(buffers, self.rank, step)
         links = self._links_for(buffers)
         message = links.new_message()
-        for (offset, size), buffer in zip(self._layout, buffers):
+        for (offset, size), buffer in zip(self.layout, buffers):
             message[offset : offset + size].view(buffer.dtype).copy_(buffer.reshape(-1))
         links.send(message, step)
         self._first = step if self._first is None else self._first
@@ -131,9 +133,7 @@ class StaleGossip:
 
     def neighbour_names(self) -> list[str]:
         """The global ranks of this rank's neighbours, as `"rank j"`."""
-        world = self.group if self.group is not None else dist.group.WORLD
-        peers = sorted({j for j, _ in self.sources} | set(self.destinations))
-        return [f"rank {dist.get_global_rank(world, j)}" for j in peers]
+        return list(self._names)
 
     def leave(self) -> None:
         """The run is over on this rank: send FINAL on every edge, wait (at most `timeout`) for the neighbours' FINAL,
@@ -159,15 +159,12 @@ class StaleGossip:
         if self.links is not None:
             self.links.abort()
 
-    def close(self) -> None:
-        """Nothing to destroy but the links' group, which [`leave`][lightning_decentral.gossip.StaleGossip.leave] does."""
-
     def _links_for(self, buffers: Sequence[Tensor]) -> Links:
         layout = payload_layout(buffers)
         if self.links is None:
-            self._layout = layout
+            self.layout = layout
             self.links = Links(self.group, [j for j, _ in self.sources], self.destinations, message_bytes(buffers))
-        elif layout != self._layout:
+        elif layout != self.layout:
             raise ValueError("StaleGossip sends the same buffers at every step; their sizes changed.")
         return self.links
 
@@ -208,7 +205,7 @@ class PendingStale:
             delta = self._out[index] if self._out is not None else torch.empty_like(buffer)
             torch.mul(buffer, gossip.self_weight - 1, out=delta)  # w_ii y_i − y_i (the buffers are unchanged since start)
             for source, weight in gossip.sources:
-                offset, size = gossip._layout[index]
+                offset, size = gossip.layout[index]
                 neighbour = links.held(source)[taus[source]][offset : offset + size].view(buffer.dtype)
                 delta.add_(neighbour.view_as(buffer).to(buffer.device), alpha=weight)
             if gossip.measure_residuals:
