@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_decentral import fabric
 from lightning_decentral.data import DirichletSampler
+from lightning_decentral.mixing import DelaySchedule, RandomDelays
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
 from lightning_decentral.trainer import DecentralizedStrategy
 from lightning_decentral.topology import (
@@ -36,12 +37,14 @@ __all__ = [
     "TOPOLOGIES",
     "Complete",
     "DecentralizedStrategy",
+    "DelaySchedule",
     "DirichletSampler",
     "Exponential",
     "GraphTopology",
     "Hierarchical",
     "MatrixTopology",
     "OnePeerExponential",
+    "RandomDelays",
     "Ring",
     "SimulatedDecentralizedStrategy",
     "Topology",

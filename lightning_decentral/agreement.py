@@ -6,6 +6,7 @@ the same decision from the same numbers (no pickled objects travel between ranks
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 import time
@@ -332,11 +333,30 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "eval_on": options.eval_on,
         "bucket bytes": options.bucket_bytes,
         "gossip_dtype": str(options.gossip_dtype),
+        "staleness": options.staleness,
+        "delays": schedule_name(options.delays),
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),
         "mixed buffers (elements)": sum(b.numel() for b in buffers),
     }
+
+
+def schedule_name(delays: Any) -> str:
+    """A delay schedule as the ranks compare it: its `repr` if that names its values (a dataclass such as
+    `RandomDelays(seed=0)`), else its qualified name (a function's `repr` holds its address).
+
+    Examples:
+        >>> from lightning_decentral.mixing import RandomDelays
+        >>> schedule_name(RandomDelays(seed=3)), schedule_name(None), schedule_name(fitted)
+        ('RandomDelays(seed=3)', '', 'lightning_decentral.agreement.fitted')
+    """
+    if delays is None:
+        return ""
+    if dataclasses.is_dataclass(delays):
+        return fitted(repr(delays))
+    named = delays if hasattr(delays, "__qualname__") else type(delays)
+    return fitted(f"{named.__module__}.{named.__qualname__}")
 
 
 def parameter_deviations(ranks: Ranks, module: torch.nn.Module) -> list[tuple[str, Tensor, Tensor]]:

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.measures import random_state
-from lightning_decentral.mixing import ExchangeObserver, Mixer
+from lightning_decentral.mixing import ExchangeObserver, Mixer, check_stale_topology
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.replicas import Replica
 from lightning_decentral.rules import RULES, Closure, RuleContext, UpdateRule
@@ -103,6 +103,7 @@ class StepDriver:
         """Bind the topology to `world_size` workers on `num_nodes` nodes and build the schedule (a topology that
         does not fit raises here, before any process starts)."""
         topology = resolve_topology(self.options.topology, world_size, num_nodes)
+        check_stale_topology(topology, self.options.staleness)
         self.schedule = GossipSchedule(topology, self.options.gossip_every, self.options.gossip_steps)
 
     @property
@@ -210,7 +211,12 @@ class StepDriver:
         return self.runner.residual(step) if self.runner is not None else None
 
     def extra_gossip(self, step: int, rounds: int) -> None:
-        """`x <- W(step)^rounds x` now, between steps (nothing when `rounds == 0` or before fit)."""
+        """`x <- W(step)^rounds x` now, between steps (nothing when `rounds == 0` or before fit); synchronous only."""
+        if rounds > 0 and self.options.staleness:
+            raise ValueError(
+                f"Extra gossip between steps (ConsensusControl) waits for every neighbour, which staleness="
+                f"{self.options.staleness} does not: use staleness=0 with it."
+            )
         if rounds > 0 and self.runner is not None:
             self.runner.mix(step, rounds)
 
@@ -279,6 +285,16 @@ class Driven:
     def gossip_buffers(self) -> bool:
         """Whether floating-point module buffers are mixed."""
         return self.driver.options.gossip_buffers
+
+    @property
+    def staleness(self) -> int:
+        """`s`: a neighbour's replica may be up to `s` steps old (0: the synchronous rule)."""
+        return self.driver.options.staleness
+
+    @property
+    def delays(self) -> Any:
+        """The imposed [`DelaySchedule`][lightning_decentral.mixing.DelaySchedule], or `None`."""
+        return self.driver.options.delays
 
     @property
     def eval_on(self) -> str:

@@ -9,6 +9,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
+from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.topology import TOPOLOGIES, Topology, topology_class
 
@@ -61,6 +62,10 @@ class GossipOptions:
         Traceback (most recent call last):
         ...
         ValueError: `combine` must be one of ['awc', 'atc'], got 'acw'.
+        >>> GossipOptions(staleness=2, gossip_steps=2)
+        Traceback (most recent call last):
+        ...
+        ValueError: staleness=2 mixes one round of W per step with the neighbours' newest replicas, but gossip_steps=2 ...
     """
 
     topology: Any = "ring"
@@ -72,6 +77,8 @@ class GossipOptions:
     eval_on: str = "average"
     bucket_cap_mb: float = 4.0
     gossip_dtype: Optional[Union[torch.dtype, str]] = None
+    staleness: int = 0
+    delays: Optional[DelaySchedule] = None
 
     def __post_init__(self) -> None:
         _check_choice("combine", self.combine, COMBINE)
@@ -85,6 +92,36 @@ class GossipOptions:
             topology_class(self.topology)  # raises naming the choices
         object.__setattr__(self, "gossip_steps", RoundsSchedule.of(self.gossip_steps))
         object.__setattr__(self, "gossip_dtype", _check_gossip_dtype(self.gossip_dtype))
+        self._check_staleness()
+
+    def _check_staleness(self) -> None:
+        """`staleness` is an integer ≥ 0; above 0 it takes AWC or ATC, one round every step, full precision;
+        `delays` (a schedule) needs it above 0."""
+        s = self.staleness
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"`staleness` must be an integer ≥ 0 (0: wait for every neighbour's step k), got {s!r}.")
+        if self.delays is not None and not callable(self.delays):
+            raise ValueError(
+                f"`delays` must be a schedule, delays(worker, neighbour, step, staleness) -> d (e.g. RandomDelays(seed=0)), "
+                f"got {self.delays!r}."
+            )
+        if s == 0:
+            if self.delays is not None:
+                raise ValueError("`delays` say how stale each neighbour's replica is: they need staleness ≥ 1.")
+            return
+        unsupported = [
+            (self.rule == "decentlam", "momentum='decentlam' (its correction needs every neighbour's z of the same step)",
+             "use combine='awc' or 'atc'"),
+            (self.gossip_every != 1, f"gossip_every={self.gossip_every}", "use gossip_every=1"),
+            (self.gossip_steps != RoundsSchedule.of(1), f"gossip_steps={self.gossip_steps}", "use gossip_steps=1"),
+            (self.gossip_dtype is not None, f"gossip_dtype={self.gossip_dtype}", "use gossip_dtype=None"),
+        ]
+        for bad, what, fix in unsupported:
+            if bad:
+                raise ValueError(
+                    f"staleness={s} mixes one round of W per step with the neighbours' newest replicas, but {what} is "
+                    f"not supported with it: {fix}, or staleness=0."
+                )
 
     @property
     def rule(self) -> str:

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_decentral.mixing import DenseMixer, ExchangeObserver
+from lightning_decentral.mixing import DelayedMixing, DenseMixer, ExchangeObserver
 from lightning_decentral.replicas import Replica
 from lightning_decentral.options import rule_name
 from lightning_decentral.rules import RULES, RuleContext, UpdateRule
@@ -69,7 +69,8 @@ class DenseExecutor:
         self.schedulers = [make_scheduler(o, config.scheduler) for o in self.optimizers]
         self.data = [rank_data(i, config.samples, config.dtype) for i in range(n)]
         topology = resolve_topology(config.topology, n)
-        self.mixer = DenseMixer(topology, dtype=config.gossip_dtype)
+        delayed = DelayedMixing(topology, config.staleness, config.delays) if config.staleness else None
+        self.mixer = DenseMixer(topology, dtype=config.gossip_dtype, delayed=delayed)
         self.mixer.measure_residuals = measure_residuals
         self.mixer.observers.extend(observers)
         self.schedule = GossipSchedule(topology, config.gossip_every, config.gossip_steps)

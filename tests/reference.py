@@ -1,7 +1,9 @@
-"""The dense single-process reference of docs/algorithms.md (§1, §2 and §4).
+"""The dense single-process reference of docs/algorithms.md (§1, §2 and §4, and bounded staleness).
 
 All ``n`` replicas live in one process; ``W(k)`` is written here from the closed forms
 of §5, independently of ``lightning_decentral.topology``, and applied as a dense matrix.
+Under bounded staleness every replica's history is kept, and worker ``i`` takes its
+neighbour ``j``'s row of step ``τ_ij(k) = max(k − d, k₀)``, ``d = delays(i, j, k, s)``.
 """
 
 from __future__ import annotations
@@ -100,10 +102,14 @@ class Config:
     gossip_dtype: Optional[torch.dtype] = None
     hierarchy: Optional[tuple] = None  # topology="hierarchical": (inner, outer, ranks_per_node); a part may be a matrix
     num_nodes: int = 1  # nodes emulated through Lightning's layout (NODE_RANK, LOCAL_RANK)
+    staleness: int = 0
+    delays: Optional[Callable[[int, int, int, int], int]] = None  # (worker, neighbour, step, staleness) -> d
+    restarts: tuple[int, ...] = ()  # steps a run resumed at: a neighbour's earlier steps are not used after them
+    epoch_steps: Optional[int] = None  # the data of this many steps, again every epoch (None: new data every step)
 
     @property
     def samples(self) -> int:
-        return self.steps * self.accumulate * self.batch_size
+        return (self.epoch_steps or self.steps) * self.accumulate * self.batch_size
 
     def optimizer_spec(self) -> dict[str, Any]:
         """The keyword arguments of ``tests.models.Regression`` that choose the optimizer."""
@@ -112,7 +118,9 @@ class Config:
     def strategy_kwargs(self) -> dict[str, Any]:
         from lightning_decentral import Hierarchical
 
-        extra = {} if self.gossip_dtype is None else {"gossip_dtype": self.gossip_dtype}
+        extra: dict[str, Any] = {} if self.gossip_dtype is None else {"gossip_dtype": self.gossip_dtype}
+        if self.staleness:
+            extra.update(staleness=self.staleness, delays=self.delays)
         return {
             **extra,
             "topology": Hierarchical(*self.hierarchy) if self.topology == "hierarchical" else self.topology,
@@ -158,19 +166,21 @@ def run(config: Config, n: int) -> torch.Tensor:
     optimizers = [make_optimizer(r.parameters(), **config.optimizer) for r in replicas]
     schedulers = [make_scheduler(o, config.scheduler) for o in optimizers]
     data = [rank_data(i, config.samples, config.dtype) for i in range(n)]
+    history = StaleHistory(config, n)
     for k in range(config.steps):
         buffers_before = torch.stack([_flat_buffers(r) for r in replicas]).double()
         for i, (replica, optimizer) in enumerate(zip(replicas, optimizers)):
             optimizer.zero_grad()
             for a in range(config.accumulate):
-                rows = slice((k * config.accumulate + a) * config.batch_size, (k * config.accumulate + a + 1) * config.batch_size)
+                b = (k % config.epoch_steps if config.epoch_steps else k) * config.accumulate + a
+                rows = slice(b * config.batch_size, (b + 1) * config.batch_size)
                 x, y = data[i][0][rows], data[i][1][rows]
                 (nn.functional.mse_loss(replica(x), y) / config.accumulate).backward()
             if config.clip is not None:
                 nn.utils.clip_grad_norm_(replica.parameters(), config.clip)
         before = torch.stack([_flat(r) for r in replicas]).double()
         rounds = scheduled_rounds(config, k) if (k + 1) % config.gossip_every == 0 else 0
-        mix = lambda x: gossip(x, config, k, rounds)  # noqa: E731
+        mix = lambda x, key="x": history.mix(x, k, key) if config.staleness else gossip(x, config, k, rounds)  # noqa: E731
         if config.momentum == "decentlam":
             _decentlam_gradients(replicas, optimizers, mix)
         for optimizer, scheduler in zip(optimizers, schedulers):
@@ -186,13 +196,36 @@ def run(config: Config, n: int) -> torch.Tensor:
             new = mix(stepped)
         buffers_after = torch.stack([_flat_buffers(r) for r in replicas]).double()
         if config.momentum == "local" and config.combine == "awc":
-            new_buffers = mix(buffers_before) + buffers_after - buffers_before
+            new_buffers = mix(buffers_before, "b") + buffers_after - buffers_before
         else:
-            new_buffers = mix(buffers_after)
+            new_buffers = mix(buffers_after, "b")
         for replica, vector, buffers in zip(replicas, new, new_buffers):
             _assign(replica, vector.to(config.dtype))
             _assign_buffers(replica, buffers.to(config.dtype))
     return torch.stack([torch.cat([_flat(r), _flat_buffers(r)]) for r in replicas])
+
+
+class StaleHistory:
+    """Every row each worker sent, by buffer and step; ``mix`` is one round of ``W(k)`` in which worker ``i`` takes
+    neighbour ``j``'s row of step ``τ_ij(k) = max(k − d, k₀)`` (``k₀``: the last restart, else 0)."""
+
+    def __init__(self, config: Config, n: int) -> None:
+        self.config, self.n = config, n
+        self.sent: dict[str, dict[int, torch.Tensor]] = {}
+
+    def mix(self, x: torch.Tensor, k: int, key: str) -> torch.Tensor:
+        config = self.config
+        self.sent.setdefault(key, {})[k] = x
+        first = max([r for r in config.restarts if r <= k], default=0)
+        w = mixing(config.topology, self.n, k)
+        out = torch.diagonal(w)[:, None] * x
+        for i in range(self.n):
+            for j in range(self.n):
+                if j != i and w[i, j] != 0:
+                    d = config.delays(i, j, k, config.staleness) if config.delays is not None else 0
+                    assert 0 <= d <= config.staleness
+                    out[i] += w[i, j] * self.sent[key][max(k - d, first)][j]
+        return out
 
 
 def scheduled_rounds(config: Config, k: int) -> int:

@@ -32,6 +32,16 @@ def test_simulate_smoke(tmp_path: Path) -> None:
     assert differences["sim 4"] < 1e-4 and differences["vectorized 4"] < 1e-4  # the bare loop makes both simulations' update
 
 
+def test_stragglers_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "stragglers.json"
+    _run_smoke("stragglers.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [row["method"] for row in result["throughput"]] == ["ddp", "ring_awc_s1"]
+    (launch,) = result["throughput"][1]["launches"]
+    assert launch["steps_per_s"] > 0 and sum(launch["when_first_finished"]) > 0
+    assert [(row["rule"], row["staleness"]) for row in result["accuracy"]] == [("awc", 0), ("awc", 1)]
+
+
 def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],

@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_decentral
 from lightning_decentral import fabric
 from lightning_decentral.checkpoint import META_KEY, shard_directory
+from lightning_decentral.mixing import RandomDelays
 from tests import fabric_workers, reference, workers
 from tests.helpers import run_distributed, start_processes
 from tests.models import flat, initial_net
@@ -45,6 +46,7 @@ CONFIGS = [
     decentlam("ring-decentlam-nesterov-wd", optimizer={"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
     decentlam("ring-decentlam-small-buckets-batchnorm", optimizer=MOMENTUM, bucket_cap_mb=1e-4, batch_norm=True),
     decentlam("ring-decentlam-clip-accumulate", optimizer=MOMENTUM, clip=0.05, accumulate=2),
+    Config("ring-awc-stale2-random-delays", optimizer=MOMENTUM, staleness=2, delays=RandomDelays(seed=5), steps=8),
 ]
 
 

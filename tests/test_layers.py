@@ -18,7 +18,7 @@ LAYERS = [
     ["driver"],
     ["rules"],
     ["overlap"],
-    ["schedule", "options", "agreement"],
+    ["schedule", "options", "agreement", "stop"],
     ["replicas", "checkpoint", "measures", "data"],
     ["files"],
     ["gossip", "mixing"],
@@ -26,7 +26,7 @@ LAYERS = [
     ["topology"],
     ["failures"],
 ]
-WITHOUT_LIGHTNING = ["failures", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["stop", "failures", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_decentral.mixing import RandomDelays
 from tests import simulation_workers as sim
 from tests.helpers import run_distributed
 from tests.reference import Config
@@ -27,6 +28,10 @@ CONFIGS = [
            batch_norm=True),
     Config("awc_bf16_gossip", optimizer=SGD, gossip_dtype=torch.bfloat16),
     Config("atc_gossip_every_2_steps_2", combine="atc", optimizer=SGD, gossip_every=2, gossip_steps=2),
+    # bounded staleness: the processes under the schedule the simulation computes
+    Config("awc_stale_2_random_delays", optimizer=SGD, staleness=2, delays=RandomDelays(seed=5), steps=8),
+    Config("atc_stale_1_random_delays_batch_norm", combine="atc", optimizer=SGD, staleness=1, delays=RandomDelays(seed=6),
+           batch_norm=True, steps=8),
 ]
 
 

@@ -24,9 +24,9 @@ from typing_extensions import override
 from lightning_decentral.agreement import Activities, Ranks, parameter_deviations, run_configuration
 from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints
-from lightning_decentral.gossip import Gossip
+from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients, random_state
-from lightning_decentral.mixing import FABRIC
+from lightning_decentral.mixing import FABRIC, DelaySchedule
 from lightning_decentral.options import DEFAULT_TIMEOUT, GossipDtypeName, GossipOptions, register_strategies
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext
@@ -40,7 +40,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
     The update rules and their arguments are those of the Trainer's
     [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] (`topology`, `combine`,
     `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
-    `gossip_dtype`); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`,
+    `gossip_dtype`, `staleness`, `delays`); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`,
     `precision`, `process_group_backend`, `timeout`, `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s
     (`timeout`, 5 minutes unless given, bounds every exchange: a dead or silent rank ends the others within it, and
     ranks that call different collectives, `fabric.load` on one and a step on another, stop at once); any other
@@ -76,6 +76,8 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
+        staleness: int = 0,
+        delays: Optional[DelaySchedule] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -86,7 +88,8 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         options = GossipOptions(
-            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype
+            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
+            staleness, delays,
         )
         super().__init__(
             accelerator=accelerator,
@@ -105,7 +108,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         self._module: Optional[Module] = None
         self._optimizer: Optional[Optimizer] = None
         self._replica: Optional[Replica] = None
-        self._mixer: Optional[Gossip] = None
+        self._mixer: Optional[Union[Gossip, StaleGossip]] = None
         self._context = RuleContext(overlap_backward=False)  # DecentLaM: learnt on the first step
         self._clipping = False  # fabric.clip_gradients ran
         self._averaged = AveragedModel()
@@ -215,9 +218,12 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         self._activities.start("fabric.setup")
         self._ranks.broadcast_from_rank_zero(list(state_tensors(module)))
         self._replica = Replica(module, self.gossip_buffers)
-        self._mixer = Gossip.on_new_group(
-            self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
-        )
+        if self.staleness:
+            self._mixer = StaleGossip.on_new_group(self.topology, self.staleness, self.delays, self._timeout)
+        else:
+            self._mixer = Gossip.on_new_group(
+                self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
+            )
         self._mixer.phrasing = FABRIC
         self._module = module
         self._hooks = [module.register_forward_pre_hook(self._before_forward)]

@@ -36,8 +36,15 @@ Low precision (`dtype=torch.bfloat16` or `float16`): neighbour messages carry
 `q_i = x_i` rounded to `dtype` and the combine is `x_i <- x_i + Σ_j w_ij q_j − q_i`.
 The column sums of `W` make `Σ_i` of the update zero, so `x̄` is kept exactly, and the
 rounding error `x_i − q_i` stays in `x_i` and goes out in later rounds (error feedback).
+
+Under bounded staleness (`DecentralizedStrategy(staleness=s)`) the mixer is
+[`StaleGossip`][lightning_decentral.gossip.StaleGossip] (`stale.py`): it mixes with the newest replica received
+from each neighbour, at most `s` steps old, over [`Links`][lightning_decentral.gossip.links.Links] (`links.py`),
+threads that keep a receive posted so that no send waits for the receiver's training loop.
 """
 
 from lightning_decentral.gossip.engine import Gossip, PendingGossip
+from lightning_decentral.gossip.links import Links
+from lightning_decentral.gossip.stale import PendingStale, StaleGossip
 
-__all__ = ["Gossip", "PendingGossip"]
+__all__ = ["Gossip", "Links", "PendingGossip", "PendingStale", "StaleGossip"]

@@ -275,6 +275,9 @@ class Gossip:
         if self.group is not None:
             dist.destroy_process_group(self.group)
 
+    def abort(self) -> None:
+        """After a failure: nothing to end (an exchange runs on the caller's thread, which the error has left)."""
+
     def close(self) -> None:
         """Destroy the subgroups this engine created (edges, hierarchical levels); not `group` itself."""
         for stage in self._stages:  # each stage runs on a subgroup of this rank's (see _hierarchical_stages)

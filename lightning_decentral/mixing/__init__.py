@@ -20,9 +20,12 @@ Every exchange is published to the mixer's `observers` as an
 and the timing of the communication (the monitors, the tests and the benchmarks use it).
 
 The package: `protocol` (`Mixer`, `Pending`, the observer and its event), `dense` (`DenseMixer`, one view per
-worker), `stacked` (`StackedMixer`, every worker in one call, for the vectorized simulation).
+worker), `stacked` (`StackedMixer`, every worker in one call, for the vectorized simulation), `delays` (bounded
+staleness: which step of each neighbour a worker mixes with, `RandomDelays`, and `DelayedMixing`, the dense mixers'
+`W` with delays).
 """
 
+from lightning_decentral.mixing.delays import DelayedMixing, DelaySchedule, RandomDelays, check_stale_topology, imposed_step
 from lightning_decentral.mixing.dense import DenseMixer, DenseView, stages
 from lightning_decentral.mixing.protocol import (
     ExchangeEvent,
@@ -40,6 +43,8 @@ from lightning_decentral.mixing.protocol import (
 from lightning_decentral.mixing.stacked import StackedMixer
 
 __all__ = [
+    "DelayedMixing",
+    "DelaySchedule",
     "DenseMixer",
     "DenseView",
     "ExchangeEvent",
@@ -48,9 +53,12 @@ __all__ = [
     "Mixer",
     "Pending",
     "Phrasing",
+    "RandomDelays",
     "SIMULATION",
     "TRAINER",
     "StackedMixer",
+    "check_stale_topology",
+    "imposed_step",
     "notify_post",
     "notify_wait",
     "raise_if_not_finite",

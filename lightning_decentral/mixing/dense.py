@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_decentral.mixing.delays import DelayedMixing
 from lightning_decentral.mixing.protocol import (
     SIMULATION,
     ExchangeEvent,
@@ -54,6 +55,8 @@ class DenseMixer:
     Args:
         topology: a topology bound to `n` workers.
         dtype: the precision messages travel in; `None`: the buffers' own.
+        delayed: bounded staleness: each worker mixes with its neighbours' buffers of the steps this
+            [`DelayedMixing`][lightning_decentral.mixing.DelayedMixing] says (one round, full precision).
 
     Examples:
         >>> from lightning_decentral.topology import Ring
@@ -65,10 +68,11 @@ class DenseMixer:
         [3.0, 3.0, 3.0]
     """
 
-    def __init__(self, topology: Topology, dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(self, topology: Topology, dtype: Optional[torch.dtype] = None, delayed: Optional[DelayedMixing] = None) -> None:
         self.topology = topology
         self.dtype = dtype
         self.phrasing = SIMULATION  # how a NaN error speaks of the workers
+        self.delayed = delayed
         self.observers: list[ExchangeObserver] = []
         self.measure_residuals = False
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
@@ -117,7 +121,7 @@ class DenseMixer:
         order = [posted[i] for i in range(n)]
         for index in range(len(order[0].buffers)):
             x = torch.stack([p.buffers[index].detach().reshape(-1) for p in order]).double()
-            mixed, change = self.mix(x, step, order[0].rounds, order[0].buffers[index].dtype)
+            mixed, change = self.mix(x, step, order[0].rounds, order[0].buffers[index].dtype, key=(tag, index))
             residuals = change.square().sum(1) if change is not None else [None] * n
             for worker, row, original, residual in zip(order, mixed, x, residuals):
                 target = worker.out[index] if worker.out is not None else worker.buffers[index]
@@ -128,11 +132,17 @@ class DenseMixer:
         for worker in order:
             worker.done = True
 
-    def mix(self, x: Tensor, step: int, rounds: int, dtype: torch.dtype) -> tuple[Tensor, Optional[Tensor]]:
+    def mix(
+        self, x: Tensor, step: int, rounds: int, dtype: torch.dtype, key: object = None
+    ) -> tuple[Tensor, Optional[Tensor]]:
         """`W(step)^rounds x` for the workers' buffers stacked as the rows of `x` (`[n, m]`, float64), in the
         arithmetic of every exchange of this mixer; and, if `measure_residuals`, the first round's change
         `Σ_j w_ij y_j − y_i` (whose squared row norms are the residuals; else `None`). `dtype` is the buffers'
-        own dtype: in low precision each round sends `x` rounded to `dtype`, then to the mixer's `dtype`."""
+        own dtype: in low precision each round sends `x` rounded to `dtype`, then to the mixer's `dtype`.
+        With `delayed`, the neighbours' rows are those of earlier steps of the exchange `key` (its tag and buffer)."""
+        if self.delayed is not None:
+            mixed = self.delayed.combine(key, x, step)
+            return mixed, (mixed - x if self.measure_residuals else None)
         change = None
         for r in range(rounds):
             before = x

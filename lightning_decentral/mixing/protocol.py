@@ -24,6 +24,8 @@ class ExchangeEvent:
         posted: when `start` returned (round one in flight).
         wait_started: when `wait` was called, `None` before.
         waited: when `wait` returned (the buffers are mixed), `None` before.
+        neighbour_steps: under bounded staleness, `{j: τ_ij}` after `wait`: the step of each in-neighbour `j`
+            (global rank) that was mixed; `None` otherwise.
     """
 
     step: int
@@ -34,6 +36,7 @@ class ExchangeEvent:
     posted: float = 0.0
     wait_started: Optional[float] = None
     waited: Optional[float] = None
+    neighbour_steps: Optional[dict[int, int]] = None
 
 
 class ExchangeObserver:

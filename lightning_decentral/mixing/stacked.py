@@ -81,7 +81,8 @@ class StackedMixer(DenseView):
                 x = self._workspace(0, n, sum(widths), rows[group[0]].device)
                 for part, i in zip(x.split(widths, dim=1), group):
                     part.copy_(rows[i])
-                mixed, change = self._mix(x, step, rounds, rows[group[0]].dtype, correction=out is not None)
+                key = (tag, tuple(group))
+                mixed, change = self._mix(x, step, rounds, rows[group[0]].dtype, out is not None, key)
                 for i, part in zip(group, mixed.split(widths, dim=1)):
                     (out[i].view(n, -1) if out is not None else rows[i]).copy_(part)
                 if change is not None:
@@ -90,13 +91,16 @@ class StackedMixer(DenseView):
         notify_post(observers, event)
         return _Mixed(residuals, observers, event)
 
-    def _mix(self, x: Tensor, step: int, rounds: int, dtype: torch.dtype, correction: bool) -> tuple[Tensor, Optional[Tensor]]:
-        """[`DenseMixer.mix`][lightning_decentral.mixing.DenseMixer.mix] of `x`, or `W x − x` if `correction`. One
-        round of one full-precision `W` (the common case) is one product into work space, `(W − I) x` for the
-        correction: no tens-of-MB temporaries per step."""
+    def _mix(
+        self, x: Tensor, step: int, rounds: int, dtype: torch.dtype, correction: bool, key: object
+    ) -> tuple[Tensor, Optional[Tensor]]:
+        """[`DenseMixer.mix`][lightning_decentral.mixing.DenseMixer.mix] of `x` (the exchange `key`), or `W x − x` if
+        `correction`. One round of one full-precision `W` (the common case) is one product into work space,
+        `(W − I) x` for the correction: no tens-of-MB temporaries per step."""
         plan = stages(self.dense.topology, step)
-        if rounds > 1 or len(plan) > 1 or self.measure_residuals or not (self.dense.dtype is None or plan[0][1]):
-            mixed, change = self.dense.mix(x, step, rounds, dtype)
+        general = rounds > 1 or len(plan) > 1 or self.measure_residuals or self.dense.delayed is not None
+        if general or not (self.dense.dtype is None or plan[0][1]):
+            mixed, change = self.dense.mix(x, step, rounds, dtype, key)
             return (mixed - x if correction else mixed), change
         matrix = plan[0][0] - torch.eye(len(x), dtype=torch.float64) if correction else plan[0][0]
         return torch.mm(matrix.to(x.device), x, out=self._workspace(1, len(x), x.shape[1], x.device)), None

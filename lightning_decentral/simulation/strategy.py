@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral.driver import Driven, StepDriver, check_one_optimizer
-from lightning_decentral.mixing import DenseMixer
+from lightning_decentral.mixing import DelayedMixing, DelaySchedule, DenseMixer
 from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument
 from lightning_decentral.trainer.replicated import backward_may_overlap
 from lightning_decentral.rules import RuleContext
@@ -77,6 +77,12 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         bucket_cap_mb: DecentLaM's bucket size in MB (as on processes; it changes nothing here but the grouping).
         gossip_dtype: round what the workers exchange to `"bfloat16"` or `"float16"` as the processes would send it
             (`None`: full precision).
+        staleness: bounded staleness `s` (AWC, ATC): worker `i` mixes at step `k` with its neighbours' replicas of
+            the steps `delays` gives, at most `s` steps old (docs/algorithms.md, "Bounded staleness").
+        delays: a [`DelaySchedule`][lightning_decentral.mixing.DelaySchedule] `(worker, neighbour, step, s) -> d`,
+            `τ = k − d`: a table, or a seeded random model such as
+            [`RandomDelays(seed)`][lightning_decentral.mixing.RandomDelays]; the processes run under the same schedule
+            (`DecentralizedStrategy(staleness=s, delays=...)`) give the same replicas. `None`: `d = 0`.
         vectorize: `"auto"` (the default): stack the workers when stacking gives the per-worker result (an
             elementwise optimizer, no dropout layer, no hook that sees one worker's batch or gradients, a DataLoader
             with a `batch_size`; see [`stacking_problem`][lightning_decentral.simulation.vectorized.stacking_problem]),
@@ -110,6 +116,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
+        staleness: int = 0,
+        delays: Optional[DelaySchedule] = None,
         vectorize: Union[bool, Literal["auto"]] = "auto",
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
@@ -118,13 +126,15 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` must be a positive integer (the simulated workers), got {workers!r}.")
         options = GossipOptions(
-            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype
+            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
+            staleness, delays,
         )
         if not isinstance(vectorize, bool) and vectorize != "auto":
             raise ValueError(f"`vectorize` must be True, False or 'auto', got {vectorize!r}.")
         self.driver = StepDriver(options, epoch=self._epoch)
         self.driver.bind(workers)
-        mixer = DenseMixer(self.driver.topology, dtype=options.gossip_dtype)
+        delayed = DelayedMixing(self.driver.topology, staleness, delays) if staleness else None
+        mixer = DenseMixer(self.driver.topology, dtype=options.gossip_dtype, delayed=delayed)
         super().__init__(
             workers, self.driver.attach(mixer), accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
@@ -169,6 +179,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._rng_restored = False
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        if self._mixer.delayed is not None:
+            self._mixer.delayed.restart()  # this fit's first step is k₀, as on processes
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ValueError("SimulatedDecentralizedStrategy needs automatic optimization; use DecentralizedStrategy.")

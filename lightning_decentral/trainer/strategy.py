@@ -35,13 +35,16 @@ from typing_extensions import override
 
 from lightning_decentral.agreement import parameter_deviations, run_configuration
 from lightning_decentral.driver import Driven, StepDriver
-from lightning_decentral.gossip import Gossip
+from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients
+from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.options import DEFAULT_TIMEOUT, GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
 from lightning_decentral.replicas import Replica
 from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
+from lightning_decentral.stop import StopAgreement, job_store, next_key, stop_margin
+from lightning_decentral.trainer.signals import stop_together
 
 
 
@@ -75,6 +78,14 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             `torch.float16`, or their names; `None`: the parameters' own). Replicas and optimizer state
             stay in full precision; the exchange keeps `x̄` exactly and feeds the rounding error back
             (`x_i <- x_i + Σ_j w_ij q_j − q_i`). All-reduces (`complete`) stay in full precision.
+        staleness: bounded staleness `s` (AWC and ATC, one round per step, a static point-to-point topology): rank
+            `i` mixes with the newest replica received from each neighbour, at most `s` steps old, and waits only
+            for a neighbour more than `s` steps behind (docs/algorithms.md, "Bounded staleness"). 0: wait for
+            every neighbour's step `k`.
+        delays: impose which step of each neighbour is mixed, `τ = k − delays(i, j, k, s)` (a
+            [`DelaySchedule`][lightning_decentral.mixing.DelaySchedule] such as
+            [`RandomDelays`][lightning_decentral.mixing.RandomDelays]): a deterministic run, equal to the
+            simulation's under the same schedule. `None`: the newest received.
         accelerator: Lightning's accelerator (the Trainer's `accelerator=` sets it).
         parallel_devices: the devices of this node's ranks (the Trainer's `devices=` sets them).
         cluster_environment: how the ranks find each other (SLURM, TorchElastic, ...: detected when `None`).
@@ -87,6 +98,10 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             stop at once.
         start_method: how the ranks are launched: `"popen"` (a script per rank), `"spawn"`, `"fork"`,
             `"forkserver"`.
+
+    No collective runs on the default group at every step: a SIGTERM on any rank stops every rank at the same
+    step, agreed through the job's store ([`stop`][lightning_decentral.stop]), in place of Lightning's broadcast
+    from rank 0 at every batch.
 
     Examples:
         ```python
@@ -110,6 +125,8 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
+        staleness: int = 0,
+        delays: Optional[DelaySchedule] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -130,11 +147,12 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             start_method=start_method,
         )
         options = GossipOptions(
-            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype
+            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
+            staleness, delays,
         )
         self.driver = StepDriver(options, epoch=self._epoch)  # bound to the world size with the launcher
         self._replica: Optional[Replica] = None
-        self._mixer: Optional[Gossip] = None
+        self._mixer: Optional[Union[Gossip, StaleGossip]] = None
         self._owns_default_group = False  # this run made the default process group (with its timeout)
 
     # -- public surface: the monitors, tests and benchmarks read the strategy through these (and Driven's) ------
@@ -166,7 +184,10 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
 
     @override
     def setup(self, trainer: Trainer) -> None:
-        """Runs before fit, validate, test or predict: the replicas, then (fitting) the update rule."""
+        """Runs before fit, validate, test or predict: the replicas, then (fitting) the update rule and the stop
+        agreement that replaces Lightning's per-batch SIGTERM broadcast."""
+        if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
+            self._agree_on_stops(trainer)  # before this fit's first collective
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
         if trainer.state.fn == TrainerFn.FITTING:
             self._ranks.check_same_optimizers(self.optimizers)
@@ -194,11 +215,12 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         build the gossip engine."""
         self._start_replicas()
         self._replica = Replica(self.lightning_module, self.gossip_buffers)
-        if self._owns_default_group:
-            # The default group has this strategy's timeout and carries Lightning's per-batch broadcast (of
-            # SIGTERM). When a rank hangs, that broadcast times out first and Lightning swallows the error, but gloo
-            # has closed the connections to the silent rank: on the same group, the exchange that follows fails at
-            # once instead of waiting a second timeout.
+        if self.staleness:  # messages on a gloo group of their own, received by threads
+            self._mixer = StaleGossip.on_new_group(self.topology, self.staleness, self.delays, self._timeout)
+        elif self._owns_default_group:
+            # The default group has this strategy's timeout: when a rank hangs, any collective Lightning runs on
+            # it (and swallows the error of) times out first, but gloo has closed the connections to the silent rank:
+            # on the same group, the exchange that follows fails at once instead of waiting a second timeout.
             self._mixer = Gossip(self.topology, dtype=self.gossip_dtype, timeout=self._timeout)
         else:  # a group made earlier in this process, maybe with another timeout: the exchange gets one with ours
             self._mixer = Gossip.on_new_group(
@@ -260,8 +282,18 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         self.driver.teardown()
         if self._mixer is not None and not self._failed:
             self._mixer.leave()  # every rank together; after an error the others may be gone
+        elif self._mixer is not None:
+            self._mixer.abort()  # a stale mixer's threads end, and its neighbours learn of the failure at once
         self._mixer = None  # and its receive buffers
         super().teardown()
+
+    def _agree_on_stops(self, trainer: Trainer) -> None:
+        """A SIGTERM stops every rank at one step agreed through the store, not through a broadcast per batch."""
+        margin = stop_margin(self.topology, self.staleness, self.gossip_every)
+        agreement = StopAgreement(job_store(), next_key(), margin)
+        if self.global_rank == 0:
+            agreement.forget_earlier_runs()
+        stop_together(trainer, agreement)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))

@@ -1,0 +1,49 @@
+"""SIGTERM under the Trainer without Lightning's broadcast at every batch: every rank stops at a step agreed through
+the job's store ([`StopAgreement`][lightning_decentral.stop.StopAgreement]).
+
+Lightning 2.6 runs `_broadcast_sigterm_tensor` (a broadcast from rank 0 on the default group) at the start of every
+training batch, and its SIGTERM handler broadcasts again from inside the handler. Both are replaced for one fit
+by [`stop_together`][lightning_decentral.trainer.signals.stop_together], which keeps what they mean: a SIGTERM on
+any rank (forwarded by the launcher to its local ranks, as Lightning does) stops every rank at the same batch, by
+raising `SIGTERMException` where Lightning raises it, so the `on_exception` callbacks write the checkpoint
+Lightning would write (`OnExceptionCheckpoint`, `ModelCheckpoint(save_on_exception=True)`), at the same step on
+every rank. A signal during validation takes effect at the next training batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import FrameType
+from typing import Optional
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
+
+from lightning_decentral.stop import StopAgreement
+
+log = logging.getLogger(__name__)
+
+
+def stop_together(trainer: Trainer, agreement: StopAgreement) -> None:
+    """From now on, in this fit of `trainer`: a SIGTERM only requests a stop from `agreement`, and each training
+    batch asks it whether to stop, in place of Lightning's broadcast. Call it in the strategy's `setup`, which the
+    Trainer runs before it registers its signal handlers and before the first batch."""
+    connector = trainer._signal_connector
+    loop = trainer.fit_loop.epoch_loop
+
+    def on_sigterm(signum: int, frame: Optional[FrameType]) -> None:
+        log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
+        launcher = trainer.strategy.launcher
+        if not agreement.requested and launcher is not None:
+            launcher.kill(signum)  # as Lightning: the launcher forwards the first signal to the ranks it started
+        agreement.request()
+
+    def stop_if_agreed() -> None:
+        if agreement.should_stop(loop.batch_progress.total.ready):  # the batches started before this one
+            connector.received_sigterm = True
+            raise SIGTERMException()
+
+    # instance attributes shadowing Lightning's methods: read by register_signal_handlers and by every batch
+    connector._sigterm_notifier_fn = on_sigterm
+    loop._broadcast_sigterm_tensor = stop_if_agreed
