@@ -23,9 +23,9 @@ LAYERS = [
     ["gossip", "mixing"],
     ["algorithms"],
     ["topology"],
-    ["failures"],
+    ["failures", "rendezvous"],
 ]
-WITHOUT_LIGHTNING = ["failures", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:

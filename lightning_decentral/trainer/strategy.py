@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -39,6 +41,7 @@ from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyName, register_strategies
+from lightning_decentral.rendezvous import connect
 from lightning_decentral.replicas import Replica
 from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
 from lightning_decentral.rules import RuleContext
@@ -179,9 +182,21 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        """Runs first in every Trainer run: join (or make) the default process group."""
+        """Runs first in every Trainer run: join the default process group, or make it on this generation's
+        namespace of the job's store ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), so that
+        workers torchrun restarts never meet the keys of the workers they replace."""
         self._owns_default_group = not (dist.is_available() and dist.is_initialized())
-        super().setup_distributed()
+        if not self._owns_default_group:
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        environment = self.cluster_environment
+        assert environment is not None
+        store = connect(environment.main_address, environment.main_port, self.global_rank, self.world_size, self._timeout)
+        device = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(environment, self._process_group_backend, timeout=self._timeout, device_id=device, store=store)
 
     @override
     def configure_ddp(self) -> None:
