@@ -3,15 +3,22 @@ and a torchrun job that restarts by itself and resumes exactly."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from lightning_decentral import DecentralizedStrategy
 from lightning_decentral.checkpoint import META_KEY, read_shard, shard_path
 from tests import restart_workers as workers
-from tests.helpers import run_distributed
+from tests.helpers import free_port, run_distributed
 
 WORLD = 3
 
@@ -76,3 +83,88 @@ def test_a_failed_background_save_stops_every_rank_and_removes_nothing(tmp_path:
     saves = _saves(tmp_path, world_size=2)
     assert sorted(saves) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     assert all(file["global_step"] == workers.EVERY for file, _ in saves.values())
+
+
+def _replica_in(checkpoint: Path, rank: int, world_size: int = WORLD) -> torch.Tensor:
+    save_id = torch.load(checkpoint, weights_only=True)[META_KEY]["save_id"]
+    shard = read_shard(shard_path(str(checkpoint), rank, world_size, save_id))
+    return torch.cat([v.reshape(-1) for v in shard["state_dict"].values()])
+
+
+def test_resume_newest_complete_takes_the_newest_checkpoint_every_rank_has_whole(tmp_path: Path) -> None:
+    """`fit(ckpt_path="last")` after last.ckpt was truncated, then after ranks lost their shards of it and of step 8."""
+    results = run_distributed(workers.newest_complete, WORLD, timeout=240, root=str(tmp_path))
+    cases = {
+        "truncated": ("epoch=1-step=8.ckpt", "rank(s) [0, 1, 2] cannot read the file"),
+        "shards lost": ("epoch=1-step=6.ckpt", "rank(s) [2] lack their shard of its save"),
+    }
+    for case, (chosen, problem) in cases.items():
+        (warning,) = results[0][case]["warnings"]  # once, on rank 0
+        assert warning.startswith(f"Resuming from {tmp_path / chosen} (step {chosen[-6]}) instead of {tmp_path / 'last.ckpt'}")
+        assert problem in warning and "the newest complete checkpoint in its directory" in warning
+        assert all(not r[case]["warnings"] for r in results[1:])
+    for rank, r in enumerate(results):  # each replica resumed from its own shard of the checkpoint chosen
+        assert torch.equal(r["truncated"]["start"], r["trained"])
+        assert torch.equal(r["shards lost"]["start"], _replica_in(tmp_path / "epoch=1-step=6.ckpt", rank)), rank
+
+
+def test_an_unknown_resume_value_fails_when_built() -> None:
+    with pytest.raises(ValueError, match=r"resume='newest' is not one of \('checkpoint', 'newest_complete'\)"):
+        DecentralizedStrategy(resume="newest")
+
+
+# -- under torchrun -----------------------------------------------------------------------------------------------
+
+STEPS, PAUSE = 12, 9  # rank 2 is killed at the start of step 9 (PAUSE) of 12: the last checkpoint is step 8's
+JOB = Path(workers.__file__)
+
+
+def _torchrun(root: Path, processes: int, max_restarts: int, *args: str, bound: float, kill: bool = False) -> tuple[int, str, float]:
+    """Run the job of `tests/restart_workers.py` under torchrun (c10d rendezvous) with `processes` ranks: its exit
+    code, its output, and when (`time.time()`) the test killed the paused rank with SIGKILL (`kill`: when it
+    appears). Every process it started is killed once `bound` seconds have passed."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", f"--max-restarts={max_restarts}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1",
+        str(JOB), "--root", str(root), *args,
+    ]
+    log = root / "torchrun.log"
+    killed_at = float("nan")
+    with open(log, "w") as out:
+        agent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+    deadline = time.monotonic() + bound
+    try:
+        while kill and not (root / "paused").exists() and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if kill and (root / "paused").exists():
+            killed_at = time.time()
+            os.kill(int((root / "paused").read_text()), signal.SIGKILL)
+        code = agent.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for pid in [agent.pid, *(int(p.read_text()) for p in (root / "pids").glob("*"))]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # each is ours: torchrun, or a worker it started (own session)
+    return code, log.read_text(), killed_at
+
+
+def _records(root: Path, attempt: int, world_size: int) -> list[dict[str, Any]]:
+    return [torch.load(root / "records" / f"{attempt}-{rank}.pt") for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str, float]:
+    root = tmp_path_factory.mktemp("torchrun")
+    code, output, killed_at = _torchrun(root, 4, 1, "--steps", str(STEPS), "--pause-rank", "2", "--pause-step", str(PAUSE), bound=300, kill=True)
+    return root, code, output, killed_at
+
+
+def test_a_job_that_loses_a_rank_restarts_by_itself_under_torchrun_and_resumes_exactly(restarted: tuple, tmp_path: Path) -> None:
+    root, code, output, killed_at = restarted
+    assert code == 0, output[-5000:]
+    assert not list((root / "records").glob("0-*"))  # no rank of the first attempt reached the end
+    records = _records(root, 1, 4)  # the second attempt ran to the end on every rank
+    assert [r["start step"] for r in records] == [PAUSE - 1] * 4  # the newest complete checkpoint: step 8's
+    reference = run_distributed(workers.stopped_and_resumed, 4, timeout=240, root=str(tmp_path), stop=PAUSE - 1, steps=STEPS)
+    for rank, (record, replica) in enumerate(zip(records, reference)):
+        assert torch.equal(record["end"], replica), f"rank {rank}"
+    assert not torch.equal(records[0]["end"], records[1]["end"])  # four models, not one

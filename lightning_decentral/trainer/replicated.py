@@ -37,6 +37,7 @@ from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.failures import peers_answer
 from lightning_decentral.replicas import AveragedModel, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
+from lightning_decentral.trainer.resume import RESUME, choose_checkpoint
 
 
 class EvaluatesOnAverage:
@@ -85,14 +86,20 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     every rank must agree on; they call `_start_replicas()` from `configure_ddp`.
 
     Args:
+        resume: `"checkpoint"`: `fit(ckpt_path=...)` resumes from the checkpoint it names; `"newest_complete"`: from
+            it if it is complete, else from the newest complete checkpoint in its directory, with one warning
+            ([`choose_checkpoint`][lightning_decentral.trainer.resume.choose_checkpoint]).
         **kwargs: `lightning.pytorch.strategies.DDPStrategy`'s arguments.
     """
 
     eval_on: str
     rule_record: Callable[[], dict[str, str]]
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, resume: str = "checkpoint", **kwargs: Any) -> None:
+        if resume not in RESUME:
+            raise ValueError(f"resume={resume!r} is not one of {RESUME}.")
         super().__init__(**kwargs)
+        self.resume = resume
         self._averaged = AveragedModel()
         self._eval_context = contextlib.ExitStack()
         self._resume_shard: Optional[dict[str, Any]] = None  # fit(ckpt_path=...): this rank's shard, until restored
@@ -296,7 +303,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Runs when a run starts from `ckpt_path`: read the checkpoint file (`weights_only=True` unless the
-        caller asks otherwise); when fitting, also this rank's shard.
+        caller asks otherwise); when fitting, also this rank's shard (with `resume="newest_complete"`, of the
+        checkpoint [`choose_checkpoint`][lightning_decentral.trainer.resume.choose_checkpoint] picks).
 
         If every rank finds its shard of the same save at the same world size, the checkpoint returned carries
         this rank's replica, optimizer and precision-plugin state, and `configure_ddp` keeps the replicas as
@@ -306,6 +314,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._agree_on_checkpoint(checkpoint_path)
+            if self.resume == "newest_complete":
+                checkpoint_path = choose_checkpoint(self._ranks, checkpoint_path, rank_zero_warn)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
         if not fitting:
             return checkpoint

@@ -82,6 +82,10 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             `torch.float16`, or their names; `None`: the parameters' own). Replicas and optimizer state
             stay in full precision; the exchange keeps `x̄` exactly and feeds the rounding error back
             (`x_i <- x_i + Σ_j w_ij q_j − q_i`). All-reduces (`complete`) stay in full precision.
+        resume: what `fit(ckpt_path=...)` resumes from: `"checkpoint"`, the checkpoint it names (`"last"` as Lightning
+            resolves it); `"newest_complete"`, that one if every rank can read it and finds its shard, else the newest
+            such checkpoint in its directory, with one warning naming both (for a job restarted after a failure:
+            docs/reliability.md).
 
     The remaining arguments are `lightning.pytorch.strategies.DDPStrategy`'s.
 
@@ -109,6 +113,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
+        resume: Literal["checkpoint", "newest_complete"] = "checkpoint",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -119,6 +124,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
+            resume=resume,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
