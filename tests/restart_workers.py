@@ -179,6 +179,7 @@ def main() -> None:
     `<root>/pids/` when it starts and what `fit` returned to `<root>/records/` when it ends."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--root", required=True)
+    parser.add_argument("--checkpoints", default=None, help="where to save and resume from (default: ROOT/checkpoints)")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--pause-rank", type=int, default=-1)
     parser.add_argument("--pause-step", type=int, default=-1)
@@ -194,7 +195,7 @@ def main() -> None:
     pause = [Pause(args.pause_rank, args.pause_step, str(root / "paused"))] if attempt == 0 else []
     strategy = {"resume": "newest_complete", "timeout": timedelta(seconds=60)}
     result = fit(
-        rank, world_size, str(root / "checkpoints"), args.steps, ckpt_path="last", background=args.background,
+        rank, world_size, args.checkpoints or str(root / "checkpoints"), args.steps, ckpt_path="last", background=args.background,
         strategy=strategy, callbacks=pause, catch_warnings=False,
     )
     torch.save({**result, "world size": world_size}, root / "records" / f"{attempt}-{rank}.pt")

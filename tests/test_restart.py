@@ -119,14 +119,17 @@ STEPS, PAUSE = 12, 9  # rank 2 is killed at the start of step 9 (PAUSE) of 12: t
 JOB = Path(workers.__file__)
 
 
-def _torchrun(root: Path, processes: int, max_restarts: int, *args: str, bound: float, kill: bool = False) -> tuple[int, str, float]:
-    """Run the job of `tests/restart_workers.py` under torchrun (c10d rendezvous) with `processes` ranks: its exit
+def _torchrun(
+    root: Path, processes: int, max_restarts: int, *args: str, bound: float, kill: bool = False, tee: bool = False
+) -> tuple[int, str, float]:
+    """Run the job of `tests/restart_workers.py` under torchrun (c10d rendezvous; `tee`: each output line prefixed with
+    its rank, `[default<rank>]:`) with `processes` ranks: its exit
     code, its output, and when (`time.time()`) the test killed the paused rank with SIGKILL (`kill`: when it
     appears). Every process it started is killed once `bound` seconds have passed."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", f"--max-restarts={max_restarts}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1",
-        str(JOB), "--root", str(root), *args,
+        *(["--tee=3"] if tee else []), str(JOB), "--root", str(root), *args,
     ]
     log = root / "torchrun.log"
     killed_at = float("nan")
@@ -168,3 +171,31 @@ def test_a_job_that_loses_a_rank_restarts_by_itself_under_torchrun_and_resumes_e
     for rank, (record, replica) in enumerate(zip(records, reference)):
         assert torch.equal(record["end"], replica), f"rank {rank}"
     assert not torch.equal(records[0]["end"], records[1]["end"])  # four models, not one
+
+
+def _average_in(checkpoint: Path) -> torch.Tensor:
+    return torch.cat([v.reshape(-1) for v in torch.load(checkpoint, weights_only=True)["state_dict"].values()])
+
+
+def test_a_job_restarted_on_fewer_then_more_ranks_restarts_every_replica_from_the_average(restarted: tuple, tmp_path: Path) -> None:
+    """The same checkpoints, as a job resubmitted on other nodes finds them: 4 -> 3 under torchrun (the warning in
+    its output, from rank 0), then 3 -> 4."""
+    job, code, output, _ = restarted
+    assert code == 0, output[-5000:]
+    checkpoints = job / "checkpoints"
+    average = _average_in(checkpoints / "last.ckpt")  # step 12, 4 ranks
+    (tmp_path / "three").mkdir()
+    code, output, _ = _torchrun(tmp_path / "three", 3, 0, "--checkpoints", str(checkpoints), "--steps", str(STEPS + 2), bound=240, tee=True)
+    assert code == 0, output[-5000:]
+    warnings = [line for line in output.splitlines() if "with every replica restarted from the averaged model" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("[default0]:"), warnings  # once, from rank 0
+    assert "it was saved by 4 ranks and this run has 3" in warnings[0]
+    for record in _records(tmp_path / "three", 0, 3):
+        assert record["start step"] == STEPS and torch.equal(record["start"], average)
+
+    average = _average_in(checkpoints / "last.ckpt")  # step 14, 3 ranks
+    results = run_distributed(workers.resized, 4, timeout=240, root=str(checkpoints), steps=STEPS + 3)
+    (warning,) = results[0]["warnings"]
+    assert "it was saved by 3 ranks and this run has 4" in warning and not any(r["warnings"] for r in results[1:])
+    for r in results:
+        assert r["start step"] == STEPS + 2 and torch.equal(r["start"], average)
