@@ -55,7 +55,8 @@ class Pause(Callback):
 
     def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
-            Path(self.pid_file).write_text(str(os.getpid()))
+            Path(f"{self.pid_file}.partial").write_text(str(os.getpid()))
+            os.replace(f"{self.pid_file}.partial", self.pid_file)  # never read half written
             time.sleep(120)
 
 

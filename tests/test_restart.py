@@ -4,13 +4,14 @@ and a torchrun job that restarts by itself and resumes exactly."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -120,34 +121,43 @@ JOB = Path(workers.__file__)
 
 
 def _torchrun(
-    root: Path, processes: int, max_restarts: int, *args: str, bound: float, kill: bool = False, tee: bool = False
-) -> tuple[int, str, float]:
-    """Run the job of `tests/restart_workers.py` under torchrun (c10d rendezvous; `tee`: each output line prefixed with
-    its rank, `[default<rank>]:`) with `processes` ranks: its exit
-    code, its output, and when (`time.time()`) the test killed the paused rank with SIGKILL (`kill`: when it
-    appears). Every process it started is killed once `bound` seconds have passed."""
+    root: Path, processes: int, max_restarts: int, *args: str, bound: float, kill_when: Optional[Callable[[], bool]] = None,
+    tee: bool = False,
+) -> tuple[int, str]:
+    """Run the job of `tests/restart_workers.py` under torchrun (c10d rendezvous) with `processes` ranks, saving in
+    the background: its exit code and its output (`tee`: each line prefixed with its rank, `[default<rank>]:`).
+    With `kill_when`, SIGKILL the rank that paused once `kill_when()` holds. Every process it started is killed once
+    `bound` seconds have passed."""
     command = [
         sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", f"--max-restarts={max_restarts}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1",
-        *(["--tee=3"] if tee else []), str(JOB), "--root", str(root), *args,
+        *(["--tee=3"] if tee else []), str(JOB), "--root", str(root), "--background", *args,
     ]
-    log = root / "torchrun.log"
-    killed_at = float("nan")
+    log, paused = root / "torchrun.log", root / "paused"
     with open(log, "w") as out:
         agent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root)
     deadline = time.monotonic() + bound
     try:
-        while kill and not (root / "paused").exists() and agent.poll() is None and time.monotonic() < deadline:
+        while kill_when and not (paused.exists() and kill_when()) and agent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        if kill and (root / "paused").exists():
-            killed_at = time.time()
-            os.kill(int((root / "paused").read_text()), signal.SIGKILL)
+        if kill_when and paused.exists():
+            os.kill(int(paused.read_text()), signal.SIGKILL)
         code = agent.wait(max(1.0, deadline - time.monotonic()))
     finally:
         for pid in [agent.pid, *(int(p.read_text()) for p in (root / "pids").glob("*"))]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)  # each is ours: torchrun, or a worker it started (own session)
-    return code, log.read_text(), killed_at
+    return code, log.read_text()
+
+
+def _saved(checkpoint: Path, step: int, world_size: int) -> bool:
+    """Whether `checkpoint` is the save of `step` with all its shards (its file is renamed into place last)."""
+    try:
+        file = torch.load(checkpoint, weights_only=True)
+    except Exception:  # not there yet
+        return False
+    shards = [Path(shard_path(str(checkpoint), r, world_size, file[META_KEY]["save_id"])) for r in range(world_size)]
+    return file["global_step"] == step and all(shard.exists() for shard in shards)
 
 
 def _records(root: Path, attempt: int, world_size: int) -> list[dict[str, Any]]:
@@ -155,14 +165,15 @@ def _records(root: Path, attempt: int, world_size: int) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str, float]:
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
     root = tmp_path_factory.mktemp("torchrun")
-    code, output, killed_at = _torchrun(root, 4, 1, "--steps", str(STEPS), "--pause-rank", "2", "--pause-step", str(PAUSE), bound=300, kill=True)
-    return root, code, output, killed_at
+    last_saved = functools.partial(_saved, root / "checkpoints" / "last.ckpt", PAUSE - 1, 4)  # in the background
+    code, output = _torchrun(root, 4, 1, "--steps", str(STEPS), "--pause-rank", "2", "--pause-step", str(PAUSE), bound=300, kill_when=last_saved)
+    return root, code, output
 
 
 def test_a_job_that_loses_a_rank_restarts_by_itself_under_torchrun_and_resumes_exactly(restarted: tuple, tmp_path: Path) -> None:
-    root, code, output, killed_at = restarted
+    root, code, output = restarted
     assert code == 0, output[-5000:]
     assert not list((root / "records").glob("0-*"))  # no rank of the first attempt reached the end
     records = _records(root, 1, 4)  # the second attempt ran to the end on every rank
@@ -180,12 +191,12 @@ def _average_in(checkpoint: Path) -> torch.Tensor:
 def test_a_job_restarted_on_fewer_then_more_ranks_restarts_every_replica_from_the_average(restarted: tuple, tmp_path: Path) -> None:
     """The same checkpoints, as a job resubmitted on other nodes finds them: 4 -> 3 under torchrun (the warning in
     its output, from rank 0), then 3 -> 4."""
-    job, code, output, _ = restarted
+    job, code, output = restarted
     assert code == 0, output[-5000:]
     checkpoints = job / "checkpoints"
     average = _average_in(checkpoints / "last.ckpt")  # step 12, 4 ranks
     (tmp_path / "three").mkdir()
-    code, output, _ = _torchrun(tmp_path / "three", 3, 0, "--checkpoints", str(checkpoints), "--steps", str(STEPS + 2), bound=240, tee=True)
+    code, output = _torchrun(tmp_path / "three", 3, 0, "--checkpoints", str(checkpoints), "--steps", str(STEPS + 2), bound=240, tee=True)
     assert code == 0, output[-5000:]
     warnings = [line for line in output.splitlines() if "with every replica restarted from the averaged model" in line]
     assert len(warnings) == 1 and warnings[0].startswith("[default0]:"), warnings  # once, from rank 0

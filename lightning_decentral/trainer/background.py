@@ -42,6 +42,7 @@ class BackgroundWriter:
         ZeroDivisionError: division by zero
         >>> done
         [1, 2]
+        >>> writer.close(wait=True)
     """
 
     def __init__(self) -> None:
@@ -65,21 +66,26 @@ class BackgroundWriter:
         if self._error is not None:
             raise self._error
 
-    def close(self) -> None:
-        """Let the thread end once the jobs queued so far have run; do not wait for it (it is a daemon: a job
-        blocked on a dead peer does not keep the process alive)."""
+    def close(self, wait: bool) -> None:
+        """Let the thread end once the jobs queued so far have run; with `wait`, wait for it. Without, a job blocked
+        on a dead peer does not keep the process alive (the thread is a daemon)."""
         self._jobs.put(None)
+        if wait:
+            self._thread.join()
 
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while True:
+            job = self._jobs.get()
             try:
+                if job is None:
+                    return
                 if self._error is None:
                     job()
             except BaseException as exc:  # raised on the training thread by the next submit or wait
                 self._error = exc
             finally:
+                job = None  # nothing of a finished job (its process group) outlives it here
                 self._jobs.task_done()
-        self._jobs.task_done()
 
 
 def host_copy(state: Any) -> Any:

@@ -191,7 +191,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         without waiting: a save may wait on a dead peer), and save synchronously from now on."""
         self._resume_shard = None
         if self._writer is not None:
-            self._writer.close()
+            self._writer.close(wait=not self._failed)
             if not self._failed:
                 dist.destroy_process_group(self._writer_ranks.group)
             self._writer = self._writer_ranks = None
