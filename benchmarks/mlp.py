@@ -59,15 +59,9 @@ class StepClock(pl.Callback):
 
 
 def quiet_trainer(strategy: Any, max_steps: int, callbacks: list[pl.Callback], **kwargs: Any) -> pl.Trainer:
-    """A CPU ``Trainer`` without logger, checkpoints, progress bar or model summary."""
-    return pl.Trainer(
-        accelerator="cpu",
-        strategy=strategy,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-        **kwargs,
+    """A CPU ``Trainer`` without logger, checkpoints (unless ``enable_checkpointing=True``), progress bar or model
+    summary."""
+    settings: dict[str, Any] = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
     )
+    return pl.Trainer(strategy=strategy, max_steps=max_steps, callbacks=callbacks, **{**settings, **kwargs})

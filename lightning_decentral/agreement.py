@@ -39,10 +39,11 @@ class Ranks:
         rank: this rank's global rank.
         world_size: the number of ranks.
         device: the device collectives run on (a CUDA device under NCCL).
+        group: the process group they run on (default: the default group).
     """
 
-    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
-        self.rank, self.world_size, self.device = rank, world_size, device
+    def __init__(self, rank: int, world_size: int, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
+        self.rank, self.world_size, self.device, self.group = rank, world_size, device, group
 
     def gather(self, values: list[int], what: str = "An all-gather of the ranks' agreement") -> Tensor:
         """Every rank's `values`: a `[world_size, len(values)]` int64 CPU tensor (one all-gather); `what` names it
@@ -52,7 +53,7 @@ class Ranks:
             return local[None].cpu()
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         with peers_answer(what):
-            dist.all_gather(gathered, local)
+            dist.all_gather(gathered, local, group=self.group)
         return torch.stack(gathered).cpu()
 
     def mean(self, tensors: list[Tensor], what: str = "Averaging the replicas") -> list[Tensor]:
@@ -62,7 +63,7 @@ class Ranks:
         for group in group_by_layout(tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)  # a copy, on the device
             with peers_answer(what):
-                dist.all_reduce(flat)
+                dist.all_reduce(flat, group=self.group)
             released_by_gloo(flat)
             flat.div_(self.world_size)
             offset = 0
@@ -76,7 +77,7 @@ class Ranks:
         for group in group_by_layout(tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in group])
             with peers_answer("Starting every replica from rank 0's weights", "rank 0 or another rank"):
-                dist.broadcast(flat, src=0)
+                dist.broadcast(flat, src=0, group=self.group)
             offset = 0
             with torch.no_grad():
                 for t in group:
@@ -87,7 +88,7 @@ class Ranks:
         """`flag` (0-dim) set where it is set on any rank: one all-reduce (max), no host sync."""
         flag = flag.to(torch.float32)
         with peers_answer("Agreeing whether any rank overflowed (a skipped step)"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return flag > 0
 
     def on_every_rank(self, action: Callable[[], Any], what: str, during: str = "A checkpoint save") -> None:

@@ -17,17 +17,10 @@ import itertools
 from collections import deque
 from typing import Any
 
-import torch.distributed as dist
-
 from lightning_decentral.topology import Topology
 
 KEY_PREFIX = "lightning_decentral/stop"
 _RUNS = itertools.count()  # the fits of this process: every rank runs the same ones, in the same order
-
-
-def job_store() -> dist.Store:
-    """The store of this job's default process group (its rendezvous store)."""
-    return dist.distributed_c10d._get_default_store()
 
 
 def next_key() -> str:
@@ -46,6 +39,7 @@ class StopAgreement:
     Examples:
         Two ranks of one job, each with its own agreement over the job's store; rank 1 is signalled at its step 3:
 
+        >>> import torch.distributed as dist
         >>> store = dist.HashStore()
         >>> ranks = [StopAgreement(store, "stop/0", margin=4) for _ in range(2)]
         >>> [ranks[0].should_stop(k) for k in range(3)]

@@ -24,9 +24,9 @@ LAYERS = [
     ["gossip", "mixing"],
     ["algorithms"],
     ["topology"],
-    ["failures"],
+    ["failures", "rendezvous"],
 ]
-WITHOUT_LIGHTNING = ["stop", "failures", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["stop", "failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:

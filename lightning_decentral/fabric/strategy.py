@@ -10,10 +10,12 @@ from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -28,6 +30,7 @@ from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients, random_state
 from lightning_decentral.mixing import FABRIC, DelaySchedule
 from lightning_decentral.options import DEFAULT_TIMEOUT, GossipDtypeName, GossipOptions, register_strategies
+from lightning_decentral.rendezvous import connect
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
@@ -191,6 +194,22 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         """Runs when Fabric is built, before any process starts: bind the topology (bad ones fail here)."""
         super()._configure_launcher()
         self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)
+
+    @override
+    def _setup_distributed(self) -> None:
+        """Runs in `fabric.launch()`: make the default process group on this generation's namespace of the job's
+        store ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), so that workers torchrun restarts
+        never meet the keys of the workers they replace; join it if it exists."""
+        if dist.is_initialized():
+            super()._setup_distributed()
+            return
+        self._set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        environment = self.cluster_environment
+        assert environment is not None
+        store = connect(environment.main_address, environment.main_port, self.global_rank, self.world_size, self._timeout)
+        device = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(environment, self._process_group_backend, timeout=self._timeout, device_id=device, store=store)
 
     @override
     def setup_module_and_optimizers(

@@ -4,7 +4,8 @@ What a decentralized run needs of Lightning besides its update rule, and nothing
 replicas that start from rank 0's weights (or from their own shard on resume) and are never
 wrapped in `DistributedDataParallel`; validation, test and predict on the average `x̄`
 (`eval_on="average"`); checkpoints that hold `x̄` and the averaged optimizer state, with one shard
-per replica beside them for an exact resume ([`checkpoint`][lightning_decentral.checkpoint]); and a
+per replica beside them for an exact resume ([`checkpoint`][lightning_decentral.checkpoint]), saved in the
+background under Lightning's `AsyncCheckpointIO` ([`background`][lightning_decentral.trainer.background]); and a
 check, before anything runs, that every rank runs the same configuration.
 """
 
@@ -15,8 +16,10 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
@@ -25,6 +28,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
+import torch
+import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
@@ -32,6 +37,8 @@ from lightning_decentral.agreement import Activities, Ranks, mean_optimizer_stat
 from lightning_decentral.failures import peers_answer
 from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
+from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
+from lightning_decentral.trainer.resume import RESUME, choose_checkpoint
 
 
 class EvaluatesOnAverage:
@@ -80,20 +87,29 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     every rank must agree on; they call `_start_replicas()` from `configure_ddp`.
 
     Args:
+        resume: `"checkpoint"`: `fit(ckpt_path=...)` resumes from the checkpoint it names; `"newest_complete"`: from
+            it if it is complete, else from the newest complete checkpoint in its directory, with one warning
+            ([`choose_checkpoint`][lightning_decentral.trainer.resume.choose_checkpoint]).
         **kwargs: `lightning.pytorch.strategies.DDPStrategy`'s arguments.
     """
 
     eval_on: str
     rule_record: Callable[[], dict[str, str]]
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, resume: str = "checkpoint", **kwargs: Any) -> None:
+        if resume not in RESUME:
+            raise ValueError(f"resume={resume!r} is not one of {RESUME}.")
         super().__init__(**kwargs)
+        self.resume = resume
         self._averaged = AveragedModel()
         self._eval_context = contextlib.ExitStack()
         self._resume_shard: Optional[dict[str, Any]] = None  # fit(ckpt_path=...): this rank's shard, until restored
         self._failed = False  # an exception ended the run: no collective at teardown
         self._checkpoint_agreed = False  # this fit's ranks checked they resume from the same checkpoint
         self.activities: Optional[Activities] = None  # what each rank does: ranks that disagree stop at once
+        self._writer: Optional[BackgroundWriter] = None  # saves in the background (AsyncCheckpointIO), during fit
+        self._writer_ranks: Optional[Ranks] = None  # the ranks on the writer's own gloo group
+        self._writer_step = -1  # the step of the last save given to the writer
 
     @override
     def setup_environment(self) -> None:
@@ -153,6 +169,18 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         if self._resume_shard is None:
             self._ranks.broadcast_from_rank_zero(list(state_tensors(self.lightning_module)))
         self._failed = False
+        if isinstance(self.checkpoint_io, AsyncCheckpointIO):
+            group = dist.new_group(backend="gloo", timeout=self._timeout)
+            self._writer_ranks = Ranks(self.global_rank, self.world_size, torch.device("cpu"), group)
+            self._writer = BackgroundWriter()
+
+    @override
+    def on_train_end(self) -> None:
+        """Runs when training ends: wait until every checkpoint saved in the background is on disk (raising a
+        save's error here, on every rank)."""
+        if self._writer is not None:
+            self._writer.wait()
+        super().on_train_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -163,8 +191,14 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        """Runs after each stage: forget a shard not restored."""
+        """Runs after each stage: forget a shard not restored; let the background writer end (after an error
+        without waiting: a save may wait on a dead peer), and save synchronously from now on."""
         self._resume_shard = None
+        if self._writer is not None:
+            self._writer.close(wait=not self._failed)
+            if not self._failed:
+                dist.destroy_process_group(self._writer_ranks.group)
+            self._writer = self._writer_ranks = None
         super().teardown()
 
     # -- Lightning's own collectives: a rank that fails meanwhile ends them with the library's error --------
@@ -205,19 +239,25 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Runs when a checkpoint is saved, on every rank: the optimizer state averaged over ranks, so that
-        a resumed run starts from the mean momentum.
+        a resumed run starts from the mean momentum (when saving in the background, the background thread averages
+        it: this rank's own state here).
 
         For DecentLaM this also cancels each rank's consensus term: `1ᵀ (I − W) = 0`.
         """
+        if self._writer is not None:
+            return super().optimizer_state(optimizer)
         return mean_optimizer_state(self._ranks, super().optimizer_state(optimizer))
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Runs when a checkpoint is saved, on every rank, first: `x̄`'s state dict, so any rank's checkpoint loads
-        into a plain module. A rank that saves alone (`if trainer.is_global_zero: trainer.save_checkpoint(...)`)
-        stops at once, naming what the others do."""
+        into a plain module (when saving in the background, the background thread averages it: this rank's own
+        replica here). A rank that saves alone (`if trainer.is_global_zero: trainer.save_checkpoint(...)`) stops at
+        once, naming what the others do."""
         if self.activities is not None:
             self.activities.agree("a checkpoint save (trainer.save_checkpoint or a checkpoint callback)")
+        if self._writer is not None:
+            return self._averaged.own_state_dict(self.lightning_module)
         with self.averaged_model():
             return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
@@ -225,27 +265,54 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """Runs when a checkpoint is saved, on every rank: each writes its shard, then rank 0 the checkpoint
         file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]), atomically unless a
-        `CheckpointIO` of your own writes it ([`with_atomic_writes`][lightning_decentral.files.with_atomic_writes])."""
-
-        def write_file() -> None:
-            if self.is_global_zero:
-                with_atomic_writes(self.checkpoint_io).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
+        `CheckpointIO` of your own writes it ([`with_atomic_writes`][lightning_decentral.files.with_atomic_writes]).
+        Under `AsyncCheckpointIO`, in the background after a copy; the first save of a step waits for those of earlier steps (so at most one
+        step's saves are in flight, and a failed one raises at the same save on every rank)."""
+        if self._writer is not None:
+            step = self.lightning_module.trainer.global_step
+            if step != self._writer_step:  # the saves of earlier steps are done (or raise here, on every rank)
+                self._writer.wait()
+                self._writer_step = step
+            self._writer.submit(self._background_save(checkpoint, filepath, storage_options))
+            return
         shards.save_with_shards(
-            self._ranks, checkpoint, filepath, make_shard=lambda save_id: self._shard(checkpoint, save_id), write_file=write_file
+            self._ranks,
+            checkpoint,
+            filepath,
+            make_shard=lambda save_id: self._shard(checkpoint, save_id),
+            write_file=lambda: self._write_file(checkpoint, filepath, storage_options),
         )
+
+    def _write_file(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any) -> None:
+        """Rank 0 writes the checkpoint file now (with `AsyncCheckpointIO`, through the plugin it wraps: the file
+        must be written after the shards, and only then may the ranks agree it was)."""
+        if self.is_global_zero:
+            with_atomic_writes(self._file_io).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @property
+    def _file_io(self) -> CheckpointIO:
+        io = self.checkpoint_io
+        return io.checkpoint_io if isinstance(io, AsyncCheckpointIO) else io
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Runs when a checkpoint callback drops an old checkpoint: rank 0 removes the checkpoint file, every
-        rank its own shards of it."""
-        super().remove_checkpoint(filepath)
+        rank its own shards of it (under `AsyncCheckpointIO`, in the background once the saves before are done)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: self._remove_now(filepath))
+            return
+        self._remove_now(filepath)
+
+    def _remove_now(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            self._file_io.remove_checkpoint(filepath)
         shards.remove_shards(filepath, self.global_rank)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Runs when a run starts from `ckpt_path`: read the checkpoint file (`weights_only=True` unless the
-        caller asks otherwise); when fitting, also this rank's shard.
+        caller asks otherwise); when fitting, also this rank's shard (with `resume="newest_complete"`, of the
+        checkpoint [`choose_checkpoint`][lightning_decentral.trainer.resume.choose_checkpoint] picks).
 
         If every rank finds its shard of the same save at the same world size, the checkpoint returned carries
         this rank's replica, optimizer and precision-plugin state, and `configure_ddp` keeps the replicas as
@@ -255,6 +322,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self._agree_on_checkpoint(checkpoint_path)
+            if self.resume == "newest_complete":
+                checkpoint_path = choose_checkpoint(self._ranks, checkpoint_path, rank_zero_warn)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
         if not fitting:
             return checkpoint
@@ -276,6 +345,36 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         shard, self._resume_shard = self._resume_shard, None
         if shard is not None:
             shards.resume_rank_state(shard, self.lightning_module.trainer.global_step)
+
+    def _background_save(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any) -> Callable[[], None]:
+        """Copy this rank's part of `checkpoint` (its own replica and optimizer state: see `optimizer_state`) to host
+        memory, and return the rest of the save: average the copies into `x̄` and the averaged optimizer state,
+        then the shard protocol, on the writer's own group."""
+        copied = host_copy(checkpoint)
+        own_states = copied.get("optimizer_states")
+        shard = dict(
+            state_dict=copied["state_dict"],
+            step=self.lightning_module.trainer.global_step,
+            optimizer_states=own_states,
+            precision=None if own_states is None else host_copy(self.precision_plugin.state_dict()),
+            rng=shards.rng_state(),
+            rule=self.rule_record(),
+        )
+        ranks = self._writer_ranks
+
+        def save() -> None:
+            copied["state_dict"] = averaged_state_dict(shard["state_dict"], ranks.mean)
+            if own_states is not None:
+                copied["optimizer_states"] = [mean_optimizer_state(ranks, state) for state in own_states]
+            shards.save_with_shards(
+                ranks,
+                copied,
+                filepath,
+                make_shard=lambda save_id: shards.make_shard(save_id, ranks.rank, ranks.world_size, **shard),
+                write_file=lambda: self._write_file(copied, filepath, storage_options),
+            )
+
+        return save
 
     def _shard(self, checkpoint: dict[str, Any], save_id: int) -> dict[str, Any]:
         """This rank's part of the checkpoint: replica, optimizer, precision, step and RNG state."""

@@ -24,6 +24,8 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
@@ -39,11 +41,12 @@ from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.options import DEFAULT_TIMEOUT, GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
+from lightning_decentral.rendezvous import connect, job_store
 from lightning_decentral.replicas import Replica
 from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
-from lightning_decentral.stop import StopAgreement, job_store, next_key, stop_margin
+from lightning_decentral.stop import StopAgreement, next_key, stop_margin
 from lightning_decentral.trainer.signals import stop_together
 
 
@@ -86,6 +89,10 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             [`DelaySchedule`][lightning_decentral.mixing.DelaySchedule] such as
             [`RandomDelays`][lightning_decentral.mixing.RandomDelays]): a deterministic run, equal to the
             simulation's under the same schedule. `None`: the newest received.
+        resume: what `fit(ckpt_path=...)` resumes from: `"checkpoint"`, the checkpoint it names (`"last"` as Lightning
+            resolves it); `"newest_complete"`, that one if every rank can read it and finds its shard, else the newest
+            such checkpoint in its directory, with one warning naming both (for a job restarted after a failure:
+            docs/reliability.md).
         accelerator: Lightning's accelerator (the Trainer's `accelerator=` sets it).
         parallel_devices: the devices of this node's ranks (the Trainer's `devices=` sets them).
         cluster_environment: how the ranks find each other (SLURM, TorchElastic, ...: detected when `None`).
@@ -127,6 +134,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
         staleness: int = 0,
         delays: Optional[DelaySchedule] = None,
+        resume: Literal["checkpoint", "newest_complete"] = "checkpoint",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -137,6 +145,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         super().__init__(
+            resume=resume,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -204,9 +213,21 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        """Runs first in every Trainer run: join (or make) the default process group."""
+        """Runs first in every Trainer run: join the default process group, or make it on this generation's
+        namespace of the job's store ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), so that
+        workers torchrun restarts never meet the keys of the workers they replace."""
         self._owns_default_group = not (dist.is_available() and dist.is_initialized())
-        super().setup_distributed()
+        if not self._owns_default_group:
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        environment = self.cluster_environment
+        assert environment is not None
+        store = connect(environment.main_address, environment.main_port, self.global_rank, self.world_size, self._timeout)
+        device = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(environment, self._process_group_backend, timeout=self._timeout, device_id=device, store=store)
 
     @override
     def configure_ddp(self) -> None:

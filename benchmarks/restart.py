@@ -1,0 +1,275 @@
+"""What a job that can restart pays and loses: the step-time cost of checkpointing every N steps, and the time from
+a killed rank to the first step after torchrun restarted the job.
+
+::
+
+    python benchmarks/restart.py                    # both parts, ~7 minutes on 2 cores
+    python benchmarks/restart.py --kills 0          # the step-time cost only
+    python benchmarks/restart.py --methods "" --kills 20 --job-steps 800   # a soak: 20 restarts under torchrun
+    python benchmarks/restart.py --smoke            # tiny model, a few steps, no torchrun
+
+**Cost per step.** Every method trains ``benchmarks/step_time.py``'s MLP (5,257,226 parameters, SGD with momentum,
+batch 32 per process) with ``DecentralizedStrategy()`` (ring, AWC) on ``--workers`` CPU processes over gloo, one
+method after another in the same run, ``--repeats`` times in rotated order (as ``step_time.py`` does): ``none`` saves
+nothing; ``every N`` has ``ModelCheckpoint(every_n_train_steps=N, save_last=True)`` (a checkpoint and ``last.ckpt``,
+each with its 4 shards, every N steps, the previous ones removed) saving synchronously, and ``every N background``
+the same under Lightning's ``AsyncCheckpointIO`` (the strategy's background saves). The cost of a method is its mean
+step over the ``--steps`` measured steps (the slowest rank's wall time from the end of the last warm-up step to the
+end of the last step, divided by the steps: saves included), against ``none``'s; also the time ``fit`` took after the
+last step (waiting for the saves still in flight, and the teardown).
+
+**Kill to first step.** ``--kills K`` then runs one job under ``torchrun --nproc-per-node=W --max-restarts=K`` with
+background saves every ``--every`` steps and ``fit(ckpt_path="last")`` with ``resume="newest_complete"``; at attempt
+``a < K``, rank ``a % W`` stops at a step ``--kill-after`` steps past the one it resumed from, and this script kills it
+with SIGKILL. For each restart it reports the seconds from the kill to the end of the first step of the restarted
+job (the slowest rank), the step it resumed from and the steps lost (the kill's step minus the resumed one), and at
+the end whether the job exited 0 and every rank reached ``--steps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+import harness
+from lightning_decentral import DecentralizedStrategy
+from mlp import MLP, StepClock, make_loader, quiet_trainer
+
+METHODS = {"none": (None, False), "every10": (10, False), "every10_background": (10, True), "every50": (50, False), "every50_background": (50, True)}
+DEFAULT_METHODS = ",".join(METHODS)
+SMOKE_METHODS = "none,every2_background"
+
+
+def _method(name: str) -> tuple[Optional[int], bool]:
+    """``none``, ``every<N>`` or ``every<N>_background`` -> (N or None, background)."""
+    if name == "none":
+        return None, False
+    every, _, mode = name.removeprefix("every").partition("_")
+    if not every.isdigit() or mode not in ("", "background"):
+        raise ValueError(f"unknown method {name!r}: none, every<N> or every<N>_background")
+    return int(every), mode == "background"
+
+
+def _trainer(config: dict[str, Any], every: Optional[int], background: bool, directory: str, callbacks: list, **kwargs: Any) -> Any:
+    saves = [ModelCheckpoint(directory, every_n_train_steps=every, save_last=True)] if every else []
+    return quiet_trainer(
+        DecentralizedStrategy(**kwargs), config["warmup"] + config["steps"], [*callbacks, *saves],
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+        use_distributed_sampler=False, enable_checkpointing=bool(every),
+        plugins=[AsyncCheckpointIO()] if background else None,
+    )
+
+
+def _train(config: dict[str, Any], name: str, directory: str, rank: int) -> dict[str, Any]:
+    """One rank of one method: its step ends, and when `fit` returned."""
+    harness.use_threads(1)
+    harness.quiet()
+    every, background = _method(name)
+    clock = StepClock()
+    trainer = _trainer(config, every, background, directory, [clock])
+    widths = tuple(config["widths"])
+    trainer.fit(MLP(widths, 0.01, 0.9), make_loader(rank, widths, config["batch_size"], config["warmup"] + config["steps"]))
+    return {"ends": clock.ends, "returned": time.perf_counter()}
+
+
+def cost_per_step(args: argparse.Namespace) -> list[dict[str, Any]]:
+    config = {"warmup": args.warmup, "steps": args.steps, "widths": list(args.widths), "batch_size": args.batch_size}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.methods}
+    for repeat in range(args.repeats):
+        for name in args.methods[repeat % len(args.methods) :] + args.methods[: repeat % len(args.methods)]:
+            with tempfile.TemporaryDirectory(dir=args.directory) as directory:  # the parent's: outlives every rank
+                records = harness.run_ranks(functools.partial(_train, config, name, directory), args.workers, timeout=args.timeout, one_node=True)
+            w, s = args.warmup, args.steps
+            run = {
+                "mean_step_s": max((r["ends"][w + s - 1] - r["ends"][w - 1]) / s for r in records),
+                "after_last_step_s": max(r["returned"] - r["ends"][-1] for r in records),
+            }
+            runs[name].append(run)
+            print(f"  repeat {repeat + 1}/{args.repeats}  {name:<20} mean step {run['mean_step_s']:.4f} s, after the last step {run['after_last_step_s']:.2f} s", flush=True)
+    rows = []
+    for name in args.methods:
+        mean = statistics.mean(run["mean_step_s"] for run in runs[name])
+        rows.append({"method": name, "mean_step_s": mean, "repeats_s": [run["mean_step_s"] for run in runs[name]],
+                     "after_last_step_s": statistics.mean(run["after_last_step_s"] for run in runs[name])})
+    base = next((row["mean_step_s"] for row in rows if row["method"] == "none"), None)
+    for row in rows:
+        row["ratio_to_none"] = row["mean_step_s"] / base if base else None
+    return rows
+
+
+def render_cost(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| method | mean step (s) | each repeat (s) | ratio to none | fit after the last step (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ratio = "n/a" if r["ratio_to_none"] is None else f"{r['ratio_to_none']:.3f}"
+        repeats = ", ".join(f"{t:.4f}" for t in r["repeats_s"])
+        lines.append(f"| {r['method']} | {r['mean_step_s']:.4f} | {repeats} | {ratio} | {r['after_last_step_s']:.2f} |")
+    return "\n".join(lines)
+
+
+# -- kill to first step, under torchrun ---------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank under torchrun: `fit(ckpt_path="last")`, background saves; at attempt `a < kills`, rank `a % W`
+    writes its pid to `<root>/paused-<a>` at step `resumed + kill_after` and waits to be killed."""
+    harness.use_threads(1)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    root = Path(args.root)
+    (root / "pids").mkdir(exist_ok=True)
+    (root / "pids" / f"{attempt}-{rank}").write_text(str(os.getpid()))
+    record: dict[str, Any] = {}
+
+    class Timeline(Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            record["resumed"] = trainer.global_step
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            victim = attempt < args.kills and rank == attempt % world_size
+            if victim and trainer.global_step == record["resumed"] + args.kill_after:
+                (root / f"paused-{attempt}").write_text(f"{os.getpid()} {trainer.global_step}")
+                time.sleep(600)
+
+        def on_train_batch_end(self, trainer: Any, *rest: Any) -> None:
+            record.setdefault("first_step_end", time.time())
+
+    config = {"warmup": 0, "steps": args.job_steps}
+    trainer = _trainer(config, args.every, True, str(root / "checkpoints"), [Timeline()], resume="newest_complete")
+    widths = tuple(args.widths)
+    trainer.fit(MLP(widths, 0.01, 0.9), make_loader(rank, widths, args.batch_size, args.job_steps), ckpt_path="last")
+    record["end_step"] = trainer.global_step
+    torch.save(record, root / f"record-{attempt}-{rank}.pt")
+
+
+def kill_to_first_step(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the job under torchrun, kill a rank at each attempt but the last; the timeline of every restart."""
+    root = Path(tempfile.mkdtemp(dir=args.directory, prefix="restart_"))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.workers}", f"--max-restarts={args.kills}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{harness.free_port()}", "--monitor-interval=0.1",
+        __file__, "--worker", "--root", str(root), "--job-steps", str(args.job_steps), "--every", str(args.every),
+        "--kill-after", str(args.kill_after), "--kills", str(args.kills), "--widths", ",".join(map(str, args.widths)),
+        "--batch-size", str(args.batch_size),
+    ]
+    kills: list[dict[str, Any]] = []
+    started = time.monotonic()
+    with open(root / "torchrun.log", "w") as log:
+        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while agent.poll() is None and time.monotonic() - started < args.timeout:
+            paused = root / f"paused-{len(kills)}"
+            if len(kills) < args.kills and paused.exists() and len(paused.read_text().split()) == 2:
+                pid, step = map(int, paused.read_text().split())
+                os.kill(pid, signal.SIGKILL)
+                kills.append({"attempt": len(kills), "killed_at": time.time(), "step": step})
+                print(f"  attempt {len(kills) - 1}: killed rank {(len(kills) - 1) % args.workers} at step {step}", flush=True)
+            time.sleep(0.05)
+        code = agent.poll()
+    finally:
+        for pid in [agent.pid, *(int(p.read_text()) for p in (root / "pids").glob("*"))]:
+            try:
+                os.kill(pid, signal.SIGKILL)  # torchrun, and the workers it started (each in its own session)
+            except ProcessLookupError:
+                pass
+    restarts = []
+    for kill in kills:
+        after = [torch.load(root / f"record-{kill['attempt'] + 1}-{r}.pt") if (root / f"record-{kill['attempt'] + 1}-{r}.pt").exists() else None for r in range(args.workers)]
+        done = [r for r in after if r is not None]
+        first = max((r["first_step_end"] for r in done), default=float("nan"))
+        resumed = done[0]["resumed"] if done else None
+        restarts.append({**kill, "resumed": resumed, "steps_lost": None if resumed is None else kill["step"] - resumed,
+                         "kill_to_first_step_s": first - kill["killed_at"]})
+    final = [root / f"record-{args.kills}-{r}.pt" for r in range(args.workers)]
+    return {"exit_code": code, "restarts": restarts, "finished": all(p.exists() and torch.load(p)["end_step"] == args.job_steps for p in final), "log": str(root / "torchrun.log")}
+
+
+def render_kills(result: dict[str, Any]) -> str:
+    lines = ["| restart | killed at step | resumed from step | steps lost | kill to first step (s) |", "|---|---|---|---|---|"]
+    for r in result["restarts"]:
+        lines.append(f"| {r['attempt'] + 1} | {r['step']} | {r['resumed']} | {r['steps_lost']} | {r['kill_to_first_step_s']:.1f} |")
+    return "\n".join(lines) + f"\n\ntorchrun exit code {result['exit_code']}; every rank reached the last step: {result['finished']}"
+
+
+def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--methods", default=None, help=f"comma-separated: none, every<N>, every<N>_background (default {DEFAULT_METHODS})")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per method (default 100; --smoke: 4)")
+    parser.add_argument("--job-steps", type=int, default=300, help="the torchrun job's steps")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (--smoke: 1)")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--widths", default=None, help="MLP widths (default step_time.py's: 1024,2048,1024,1024,10)")
+    parser.add_argument("--kills", type=int, default=None, help="restarts under torchrun after the cost table (default 3; --smoke: 0)")
+    parser.add_argument("--every", type=int, default=10, help="the torchrun job's checkpoint interval")
+    parser.add_argument("--kill-after", type=int, default=25, help="steps past the resumed one at which a rank is killed")
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--directory", default=None, help="where checkpoints are written (default: the system's temporary directory)")
+    parser.add_argument("--out", action="append", default=[], help="write results: .md (tables) or .json; repeatable")
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.widths = harness.parse_widths(args.widths, args.smoke)
+    if args.worker:
+        return args
+    if args.smoke:
+        args.methods = args.methods or SMOKE_METHODS
+        args.steps, args.warmup, args.repeats, args.workers = args.steps or 4, 1, args.repeats or 1, 2
+        args.kills = 0 if args.kills is None else args.kills
+    args.methods = [m for m in (DEFAULT_METHODS if args.methods is None else args.methods).split(",") if m]
+    for name in args.methods:
+        try:
+            _method(name)
+        except ValueError as exc:
+            parser.error(str(exc))
+    args.repeats = args.repeats or 3
+    args.steps = args.steps or 100
+    args.kills = 3 if args.kills is None else args.kills
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parse(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    harness.exit_on_sigterm()
+    parameters = harness.count_parameters(args.widths)
+    print(f"MLP {'-'.join(map(str, args.widths))}: {parameters:,} parameters; {args.workers} processes on gloo, {os.cpu_count()} CPU cores", flush=True)
+    body: dict[str, Any] = {"command": harness.command_line(__file__, argv), "parameters": parameters}
+    tables = []
+    if args.methods:
+        body["cost"] = cost_per_step(args)
+        tables.append(render_cost(body["cost"]))
+        print("\n" + tables[-1] + "\n", flush=True)
+    if args.kills:
+        body["kills"] = kill_to_first_step(args)
+        tables.append(render_kills(body["kills"]))
+        print("\n" + tables[-1], flush=True)
+        if body["kills"]["exit_code"] != 0 or not body["kills"]["finished"]:
+            print(f"the job did not end cleanly: see {body['kills']['log']}")
+            return 1
+    harness.write_outputs(args.out, body, "\n\n".join(tables), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""This job's store: where the ranks meet, with a namespace of its own for every generation of workers.
+
+A process group is made on a key-value store (`torch.distributed.TCPStore`): each rank writes its
+address under a key and reads its peers'. Under torchrun the store is hosted by torchrun's agent and
+outlives the workers; without it, rank 0 hosts it. When torchrun restarts the workers after a failure
+(`--max-restarts`), the new workers meet on the *same* store, and torch names the keys the same in
+every generation (gloo's `<group>/cpu//0/<rank>`, NCCL's unique id): a relaunched rank can read a
+dead worker's address before its live peer has rewritten it, and fails (`Gloo connectFullMesh failed
+... Connection refused`) or waits for the timeout.
+
+So the default process group is made on `PrefixStore("lightning_decentral/<generation>", store)`, where
+`<generation>` is a token new for every generation and the same on every rank of it:
+[`agree_generation`][lightning_decentral.rendezvous.agree_generation]. torchrun's own count of restarts
+(`TORCHELASTIC_RESTART_COUNT`) would not do: each agent counts only the failures of its own workers,
+so the nodes of one job can disagree on it.
+
+Other code that needs to meet the other ranks outside the process group (announce a failure, watch for
+stragglers) calls [`job_store`][lightning_decentral.rendezvous.job_store] and keeps its keys under a
+prefix of its own: everything under it is this generation's.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+NAMESPACE = "lightning_decentral"
+_POLL_SECONDS = 0.01
+_current: Optional[dist.Store] = None  # the store connect() made last in this process
+
+
+def connect(address: str, port: int, rank: int, world_size: int, timeout: Optional[timedelta] = None) -> dist.Store:
+    """The store to make the default process group on, `init_process_group(..., store=connect(...))`: the
+    store `env://` would use, under a namespace new for this generation of workers.
+
+    The store is torchrun's agent's when torchrun exports it (`TORCHELASTIC_USE_AGENT_STORE=True` with
+    `MASTER_ADDR:MASTER_PORT` equal to `address:port`); else rank 0 hosts one at `address:port` and the others
+    connect to it, as `env://` does. Every rank must call it together; it waits at most `timeout` (default: torch's
+    30 minutes) for the others. [`job_store`][lightning_decentral.rendezvous.job_store] returns it afterwards.
+    """
+    global _current
+    timeout = default_pg_timeout if timeout is None else timeout
+    if _agent_serves(address, port):
+        store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
+    else:
+        store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
+    generation = agree_generation(store, rank, world_size, timeout)
+    _current = dist.PrefixStore(f"{NAMESPACE}/{generation}", store)
+    return _current
+
+
+def job_store() -> dist.Store:
+    """The store this generation of the job's workers made its default process group on
+    ([`connect`][lightning_decentral.rendezvous.connect]): every rank of the generation sees the same keys, no
+    other generation does. Put your keys under a prefix of your own (`PrefixStore("my_feature", job_store())`).
+    A default group made by other code (`init_process_group` called before the strategy) gives its own store.
+
+    Under torchrun the agent hosts it, so it outlives any worker; under another launcher rank 0 hosts it, and it
+    is gone when rank 0 is.
+    """
+    if _current is not None:
+        return _current
+    if dist.is_initialized():
+        return dist.distributed_c10d._get_default_store()
+    raise RuntimeError(
+        "This process has no job store: no default process group yet. The strategies make it when the Trainer or "
+        "Fabric launches; elsewhere call lightning_decentral.rendezvous.connect(...) and pass its store to "
+        "init_process_group(store=...)."
+    )
+
+
+def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> str:
+    """A token new for this generation of workers, the same on every rank: rank 0's `uuid4`.
+
+    Rank `r > 0` writes a nonce of its own to `hello/<r>` and waits for `ack/<nonce>`: only the live rank 0 can
+    write that key, since the nonce is new, so no rank takes up an earlier generation's token. Rank 0 acks every
+    nonce it finds under `hello/*` (a dead worker's too: harmless, the live one overwrites it) until `world_size - 1`
+    ranks have joined under its token. Plain `set`/`get`/`add`/`wait`: any c10d store will do.
+
+    Examples:
+        >>> store = dist.HashStore()
+        >>> len(agree_generation(store, rank=0, world_size=1, timeout=timedelta(seconds=1)))
+        32
+    """
+    if world_size == 1:
+        return uuid.uuid4().hex
+    base = dist.PrefixStore(f"{NAMESPACE}/handshake", store)
+    if rank == 0:
+        return _hand_out_token(base, world_size, timeout)
+    nonce = uuid.uuid4().hex
+    base.set(f"hello/{rank}", nonce)
+    _wait(base, [f"ack/{nonce}"], timeout, f"rank {rank} waited for rank 0 to answer")
+    token = base.get(f"ack/{nonce}").decode()
+    base.delete_key(f"ack/{nonce}")
+    base.add(f"joined/{token}", 1)
+    return token
+
+
+def _hand_out_token(base: dist.Store, world_size: int, timeout: timedelta) -> str:
+    """Rank 0's side of `agree_generation`: ack every rank's latest nonce with a fresh token."""
+    token = uuid.uuid4().hex
+    hellos = [f"hello/{r}" for r in range(1, world_size)]
+    deadline = time.monotonic() + timeout.total_seconds()
+    _wait(base, hellos, timeout, "rank 0 waited for the other ranks to start")
+    acked: dict[str, bytes] = {}
+    while base.add(f"joined/{token}", 0) < world_size - 1:
+        answers = {key: nonce for key, nonce in zip(hellos, base.multi_get(hellos)) if acked.get(key) != nonce}
+        if answers:
+            base.multi_set([f"ack/{nonce.decode()}" for nonce in answers.values()], [token] * len(answers))
+            acked.update(answers)
+        elif time.monotonic() > deadline:
+            raise TimeoutError(_timed_out("rank 0 waited for the other ranks to join this generation", timeout))
+        else:
+            time.sleep(_POLL_SECONDS)
+    return token
+
+
+def _wait(store: dist.Store, keys: list[str], timeout: timedelta, what: str) -> None:
+    try:
+        store.wait(keys, timeout)
+    except dist.DistStoreError as exc:
+        raise TimeoutError(_timed_out(what, timeout)) from exc
+
+
+def _timed_out(what: str, timeout: timedelta) -> str:
+    return (
+        f"Making the process group: {what} for longer than the timeout ({timeout}). A rank did not start, or started "
+        "more than the timeout after the others: start every rank, or raise the strategy's `timeout`."
+    )
+
+
+def _agent_serves(address: str, port: int) -> bool:
+    """Whether torchrun's agent hosts the store at `address:port` (as `torch.distributed` decides it)."""
+    return (
+        os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        and os.environ.get("MASTER_ADDR") == address
+        and os.environ.get("MASTER_PORT") == str(port)
+    )

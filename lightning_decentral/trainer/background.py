@@ -1,0 +1,118 @@
+"""Checkpoints saved in the background, so that saving every few steps does not stall training.
+
+With Lightning's `AsyncCheckpointIO` plugin (`Trainer(plugins=[AsyncCheckpointIO()])`), a save blocks the
+training thread only while it copies what the checkpoint holds of this rank (its replica, its optimizer state,
+the loops and callbacks' state, its RNG state) to host memory. A thread of the strategy then does, on a gloo
+group of its own (so that its collectives never interleave with training's), what a synchronous save does:
+average the copies into `x̄` and the averaged optimizer state, and run the shard protocol of
+[`save_with_shards`][lightning_decentral.checkpoint.save_with_shards] (every shard in place before rank 0
+writes the file). Saves and removals run one at a time, in the order they were asked for: a checkpoint that
+`ModelCheckpoint` drops is removed only after the save that replaces it is complete.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Optional
+
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_decentral.replicas import MeanFn
+
+
+class BackgroundWriter:
+    """A thread that runs the jobs given to [`submit`][lightning_decentral.trainer.background.BackgroundWriter.submit]
+    one at a time, in order.
+
+    The first job that raises stops it: the jobs after it are dropped (a removal queued after a failed save must not
+    run), and its error is raised on the training thread by the next `submit` or `wait`.
+
+    Examples:
+        >>> writer = BackgroundWriter()
+        >>> done = []
+        >>> writer.submit(lambda: done.append(1)); writer.submit(lambda: done.append(2)); writer.wait()
+        >>> done
+        [1, 2]
+        >>> writer.submit(lambda: 1 / 0); writer.submit(lambda: done.append(3)); writer.wait()
+        Traceback (most recent call last):
+        ...
+        ZeroDivisionError: division by zero
+        >>> done
+        [1, 2]
+        >>> writer.close(wait=True)
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Optional[Callable[[], Any]]] = queue.Queue()
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="lightning_decentral checkpoints", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], Any]) -> None:
+        """Queue `job`; first raise the error of a job that failed before, if any."""
+        self.raise_error()
+        self._jobs.put(job)
+
+    def wait(self) -> None:
+        """Block until every job queued so far has run (or was dropped), then raise a job's error, if any."""
+        self._jobs.join()
+        self.raise_error()
+
+    def raise_error(self) -> None:
+        """Raise the error of the job that failed, if one did."""
+        if self._error is not None:
+            raise self._error
+
+    def close(self, wait: bool) -> None:
+        """Let the thread end once the jobs queued so far have run; with `wait`, wait for it. Without, a job blocked
+        on a dead peer does not keep the process alive (the thread is a daemon)."""
+        self._jobs.put(None)
+        if wait:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if self._error is None:
+                    job()
+            except BaseException as exc:  # raised on the training thread by the next submit or wait
+                self._error = exc
+            finally:
+                job = None  # nothing of a finished job (its process group) outlives it here
+                self._jobs.task_done()
+
+
+def host_copy(state: Any) -> Any:
+    """`state` with every tensor copied to host memory (new containers, the same non-tensor values): the only part
+    of a background save that blocks the training thread.
+
+    Examples:
+        >>> import torch
+        >>> live = {"w": torch.zeros(2), "step": 3}
+        >>> copy = host_copy(live)
+        >>> live["w"] += 1
+        >>> copy
+        {'w': tensor([0., 0.]), 'step': 3}
+    """
+    return apply_to_collection(state, Tensor, lambda t: t.detach().to("cpu", copy=True))
+
+
+def averaged_state_dict(state_dict: dict[str, Tensor], mean: MeanFn) -> dict[str, Tensor]:
+    """`state_dict` with each floating-point tensor replaced by its mean over the workers, `mean(tensors)` (one call);
+    the others (integer buffers such as BatchNorm's `num_batches_tracked`) as they are.
+
+    Examples:
+        >>> import torch
+        >>> twice = lambda tensors: [2 * t for t in tensors]
+        >>> averaged_state_dict({"w": torch.ones(2), "n": torch.tensor(3)}, twice)
+        {'w': tensor([2., 2.]), 'n': tensor(3)}
+    """
+    names = [name for name, value in state_dict.items() if value.is_floating_point()]
+    means = dict(zip(names, mean([state_dict[name] for name in names]))) if names else {}
+    return {name: means.get(name, value) for name, value in state_dict.items()}

@@ -1,0 +1,212 @@
+"""Restarting a job that lost a rank: saves in the background, the newest complete checkpoint, a changed world size,
+and a torchrun job that restarts by itself and resumes exactly."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import pytest
+import torch
+
+from lightning_decentral import DecentralizedStrategy
+from lightning_decentral.checkpoint import META_KEY, read_shard, shard_path
+from tests import restart_workers as workers
+from tests.helpers import free_port, run_distributed
+
+WORLD = 3
+
+
+def _saves(directory: Path, world_size: int = WORLD) -> dict[str, tuple[dict, list[dict]]]:
+    """Each checkpoint file in `directory`, with every rank's shard of its save (asserts they exist)."""
+    saves = {}
+    for path in sorted(directory.glob("*.ckpt")):
+        checkpoint = torch.load(path, weights_only=True)
+        save_id = checkpoint[META_KEY]["save_id"]
+        saves[path.name] = checkpoint, [read_shard(shard_path(str(path), r, world_size, save_id)) for r in range(world_size)]
+    return saves
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """`a == b`, tensors bit for bit, in nested dicts, lists and tuples."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def background(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    root = tmp_path_factory.mktemp("background")
+    return run_distributed(workers.background_saves, WORLD, timeout=240, root=str(root)), root
+
+
+def test_saves_in_the_background_write_what_synchronous_saves_write(background: tuple[list[dict], Path]) -> None:
+    results, root = background
+    sync, in_background = _saves(root / "sync"), _saves(root / "background")
+    assert sorted(sync) == sorted(in_background) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    for name, (file, shards) in sync.items():
+        other_file, other_shards = in_background[name]
+        assert other_file["global_step"] == file["global_step"]
+        for key, value in file["state_dict"].items():  # x̄, averaged by another all-reduce
+            torch.testing.assert_close(other_file["state_dict"][key], value, rtol=0, atol=1e-7)
+        torch.testing.assert_close(other_file["optimizer_states"], file["optimizer_states"], rtol=0, atol=1e-7)
+        for shard, other in zip(shards, other_shards):  # each rank's own state, bit for bit
+            for key in ("state_dict", "optimizer_states", "strategy", "rng"):
+                assert _equal(other[key], shard[key]), (name, key)
+    for r in results:  # saving in the background leaves training alone
+        assert torch.equal(r["background"]["end"], r["sync"]["end"])
+
+
+def test_a_resume_from_a_background_save_continues_every_replica_bit_for_bit(background: tuple[list[dict], Path]) -> None:
+    results, _ = background
+    assert not torch.equal(results[0]["resumed"]["start"], results[1]["resumed"]["start"])  # from each own shard
+    for r in results:
+        assert torch.equal(r["resumed"]["end"], r["sync"]["end"])
+        assert not r["resumed"]["warnings"]
+
+
+def test_a_failed_background_save_stops_every_rank_and_removes_nothing(tmp_path: Path) -> None:
+    """The second save fails on rank 1: the removal of the first, queued behind it, must not run."""
+    results = run_distributed(workers.failed_background_save, 2, timeout=240, root=str(tmp_path))
+    assert results[1] == "OSError: No space left on device (simulated)"
+    assert results[0] == "RuntimeError: Rank(s) [1] could not write its shard (their logs say why); no checkpoint was written."
+    saves = _saves(tmp_path, world_size=2)
+    assert sorted(saves) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert all(file["global_step"] == workers.EVERY for file, _ in saves.values())
+
+
+def _replica_in(checkpoint: Path, rank: int, world_size: int = WORLD) -> torch.Tensor:
+    save_id = torch.load(checkpoint, weights_only=True)[META_KEY]["save_id"]
+    shard = read_shard(shard_path(str(checkpoint), rank, world_size, save_id))
+    return torch.cat([v.reshape(-1) for v in shard["state_dict"].values()])
+
+
+def test_resume_newest_complete_takes_the_newest_checkpoint_every_rank_has_whole(tmp_path: Path) -> None:
+    """`fit(ckpt_path="last")` after last.ckpt was truncated, then after ranks lost their shards of it and of step 8."""
+    results = run_distributed(workers.newest_complete, WORLD, timeout=240, root=str(tmp_path))
+    cases = {
+        "truncated": ("epoch=1-step=8.ckpt", "rank(s) [0, 1, 2] cannot read the file"),
+        "shards lost": ("epoch=1-step=6.ckpt", "rank(s) [2] lack their shard of its save"),
+    }
+    for case, (chosen, problem) in cases.items():
+        (warning,) = results[0][case]["warnings"]  # once, on rank 0
+        assert warning.startswith(f"Resuming from {tmp_path / chosen} (step {chosen[-6]}) instead of {tmp_path / 'last.ckpt'}")
+        assert problem in warning and "the newest complete checkpoint in its directory" in warning
+        assert all(not r[case]["warnings"] for r in results[1:])
+    for rank, r in enumerate(results):  # each replica resumed from its own shard of the checkpoint chosen
+        assert torch.equal(r["truncated"]["start"], r["trained"])
+        assert torch.equal(r["shards lost"]["start"], _replica_in(tmp_path / "epoch=1-step=6.ckpt", rank)), rank
+
+
+def test_an_unknown_resume_value_fails_when_built() -> None:
+    with pytest.raises(ValueError, match=r"resume='newest' is not one of \('checkpoint', 'newest_complete'\)"):
+        DecentralizedStrategy(resume="newest")
+
+
+# -- under torchrun -----------------------------------------------------------------------------------------------
+
+STEPS, PAUSE = 12, 9  # rank 2 is killed at the start of step 9 (PAUSE) of 12: the last checkpoint is step 8's
+JOB = Path(workers.__file__)
+
+
+def _torchrun(
+    root: Path, processes: int, max_restarts: int, *args: str, bound: float, kill_when: Optional[Callable[[], bool]] = None,
+    tee: bool = False,
+) -> tuple[int, str]:
+    """Run the job of `tests/restart_workers.py` under torchrun (c10d rendezvous) with `processes` ranks, saving in
+    the background: its exit code and its output (`tee`: each line prefixed with its rank, `[default<rank>]:`).
+    With `kill_when`, SIGKILL the rank that paused once `kill_when()` holds. Every process it started is killed once
+    `bound` seconds have passed."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", f"--max-restarts={max_restarts}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1",
+        *(["--tee=3"] if tee else []), str(JOB), "--root", str(root), "--background", *args,
+    ]
+    log, paused = root / "torchrun.log", root / "paused"
+    with open(log, "w") as out:
+        agent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root)
+    deadline = time.monotonic() + bound
+    try:
+        while kill_when and not (paused.exists() and kill_when()) and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if kill_when and paused.exists():
+            os.kill(int(paused.read_text()), signal.SIGKILL)
+        code = agent.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        for pid in [agent.pid, *(int(p.read_text()) for p in (root / "pids").glob("*"))]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # each is ours: torchrun, or a worker it started (own session)
+    return code, log.read_text()
+
+
+def _saved(checkpoint: Path, step: int, world_size: int) -> bool:
+    """Whether `checkpoint` is the save of `step` with all its shards (its file is renamed into place last)."""
+    try:
+        file = torch.load(checkpoint, weights_only=True)
+    except Exception:  # not there yet
+        return False
+    shards = [Path(shard_path(str(checkpoint), r, world_size, file[META_KEY]["save_id"])) for r in range(world_size)]
+    return file["global_step"] == step and all(shard.exists() for shard in shards)
+
+
+def _records(root: Path, attempt: int, world_size: int) -> list[dict[str, Any]]:
+    return [torch.load(root / "records" / f"{attempt}-{rank}.pt") for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
+    root = tmp_path_factory.mktemp("torchrun")
+    last_saved = functools.partial(_saved, root / "checkpoints" / "last.ckpt", PAUSE - 1, 4)  # in the background
+    code, output = _torchrun(root, 4, 1, "--steps", str(STEPS), "--pause-rank", "2", "--pause-step", str(PAUSE), bound=300, kill_when=last_saved)
+    return root, code, output
+
+
+def test_a_job_that_loses_a_rank_restarts_by_itself_under_torchrun_and_resumes_exactly(restarted: tuple, tmp_path: Path) -> None:
+    root, code, output = restarted
+    assert code == 0, output[-5000:]
+    assert not list((root / "records").glob("0-*"))  # no rank of the first attempt reached the end
+    records = _records(root, 1, 4)  # the second attempt ran to the end on every rank
+    assert [r["start step"] for r in records] == [PAUSE - 1] * 4  # the newest complete checkpoint: step 8's
+    reference = run_distributed(workers.stopped_and_resumed, 4, timeout=240, root=str(tmp_path), stop=PAUSE - 1, steps=STEPS)
+    for rank, (record, replica) in enumerate(zip(records, reference)):
+        assert torch.equal(record["end"], replica), f"rank {rank}"
+    assert not torch.equal(records[0]["end"], records[1]["end"])  # four models, not one
+
+
+def _average_in(checkpoint: Path) -> torch.Tensor:
+    return torch.cat([v.reshape(-1) for v in torch.load(checkpoint, weights_only=True)["state_dict"].values()])
+
+
+def test_a_job_restarted_on_fewer_then_more_ranks_restarts_every_replica_from_the_average(restarted: tuple, tmp_path: Path) -> None:
+    """The same checkpoints, as a job resubmitted on other nodes finds them: 4 -> 3 under torchrun (the warning in
+    its output, from rank 0), then 3 -> 4."""
+    job, code, output = restarted
+    assert code == 0, output[-5000:]
+    checkpoints = job / "checkpoints"
+    average = _average_in(checkpoints / "last.ckpt")  # step 12, 4 ranks
+    (tmp_path / "three").mkdir()
+    code, output = _torchrun(tmp_path / "three", 3, 0, "--checkpoints", str(checkpoints), "--steps", str(STEPS + 2), bound=240, tee=True)
+    assert code == 0, output[-5000:]
+    warnings = [line for line in output.splitlines() if "with every replica restarted from the averaged model" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("[default0]:"), warnings  # once, from rank 0
+    assert "it was saved by 4 ranks and this run has 3" in warnings[0]
+    for record in _records(tmp_path / "three", 0, 3):
+        assert record["start step"] == STEPS and torch.equal(record["start"], average)
+
+    average = _average_in(checkpoints / "last.ckpt")  # step 14, 3 ranks
+    results = run_distributed(workers.resized, 4, timeout=240, root=str(checkpoints), steps=STEPS + 3)
+    (warning,) = results[0]["warnings"]
+    assert "it was saved by 3 ranks and this run has 4" in warning and not any(r["warnings"] for r in results[1:])
+    for r in results:
+        assert r["start step"] == STEPS + 2 and torch.equal(r["start"], average)
