@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from datetime import timedelta
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+"""The strategies' default `timeout`: how long a rank waits for a silent peer (a collective, an exchange, the
+rendezvous) before it stops with an error naming it. Lightning's is 30 minutes, long enough to pass for a hang; ranks
+that run different collectives stop at once ([`Activities`][lightning_decentral.agreement.Activities])."""
 
 
 class PeerFailure(RuntimeError):

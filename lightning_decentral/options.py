@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -20,11 +19,6 @@ TopologyArgument = Union[TopologyName, Topology, list[list[float]], list[list[li
 """What a strategy's `topology` takes in a config: a name, a `Topology` (by `class_path`), a mixing matrix, or a list of
 them for a time-varying topology (another string is checked when the strategy is built: an unknown name is refused
 naming the choices). Python code may also pass a numpy array, a tensor or a `networkx` graph."""
-
-DEFAULT_TIMEOUT = timedelta(minutes=5)
-"""The strategies' default `timeout`: how long a rank waits for a silent peer (a collective, an exchange, the
-rendezvous) before it stops with an error naming it. Lightning's is 30 minutes, long enough to pass for a hang; ranks
-that run different collectives stop at once ([`Activities`][lightning_decentral.agreement.Activities])."""
 
 COMBINE = ("awc", "atc")
 EVAL_ON = ("average", "local")

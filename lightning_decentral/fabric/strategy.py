@@ -26,10 +26,11 @@ from typing_extensions import override
 from lightning_decentral.agreement import Activities, Ranks, parameter_deviations, run_configuration
 from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints
+from lightning_decentral.failures import DEFAULT_TIMEOUT
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients, random_state
 from lightning_decentral.mixing import FABRIC, DelaySchedule
-from lightning_decentral.options import DEFAULT_TIMEOUT, GossipDtypeName, GossipOptions, register_strategies
+from lightning_decentral.options import GossipDtypeName, GossipOptions, register_strategies
 from lightning_decentral.rendezvous import connect
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext

@@ -37,10 +37,11 @@ from typing_extensions import override
 
 from lightning_decentral.agreement import parameter_deviations, run_configuration
 from lightning_decentral.driver import Driven, StepDriver
+from lightning_decentral.failures import DEFAULT_TIMEOUT
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.mixing import DelaySchedule
-from lightning_decentral.options import DEFAULT_TIMEOUT, GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
+from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
 from lightning_decentral.rendezvous import connect, job_store
 from lightning_decentral.replicas import Replica
 from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
