@@ -273,7 +273,7 @@ def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None
 def test_a_rank_that_saves_alone_stops_every_rank_within_the_timeout_naming_what_each_does(tmp_path: Path) -> None:
     """`if trainer.is_global_zero: trainer.save_checkpoint(...)`: rank 0 waits to average x̄ for the file, rank 1 goes on
     to its next batch. Before, nothing named it. Rank 0 names rank 1's activity: at once if rank 1 began its next batch,
-    else (rank 1 waits in Lightning's per-batch broadcast of rank 0's SIGTERM flag) after the timeout."""
+    else (rank 1 held in a collective before it publishes) after the timeout."""
     timeout = 10.0
     saver, other = run_distributed(workers.save_on_rank_zero_only, 2, timeout=120, root=str(tmp_path), pg_timeout=timeout)
     at_once = (
