@@ -12,7 +12,7 @@ features standardized, 10 classes; no download), an MLP 64-128-128-10 with ReLU,
 ``512 // n`` per worker, ring topology, D-PSGD with AWC. Every run below is its own fresh Python
 process (fair start-up, its own memory high-water mark) with ``--threads`` torch threads:
 
-* ``sim``: ``Trainer(strategy=SimulatedDecentralizedStrategy(workers=n), accelerator="cpu",
+* ``sim``: ``Trainer(strategy=SimulatedDecentralizedStrategy(workers=n, vectorize=False), accelerator="cpu",
   devices=1)`` on one DataLoader (``shuffle=True, drop_last=True``, batch ``512 // n``); Lightning's
   ``DistributedSampler`` gives worker ``i`` rank ``i``'s shard, as on processes.
 * ``vectorized``: the same with ``vectorize=True`` (stacked parameters, one ``torch.vmap`` of

@@ -238,6 +238,18 @@ def example_gpt(rank: int, world_size: int, argv: list[str]) -> dict[str, float]
     return fabric_gpt.main(fabric_gpt.parse(argv))
 
 
+def docs_loop(rank: int, world_size: int, code: str, root: str) -> list[str]:
+    """The loop of docs/fabric.md, run as `python train.py` runs it in `root`; what it printed."""
+    import contextlib
+    import io
+
+    os.chdir(root)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "train.py", "exec"), {"__name__": "__main__"})
+    return printed.getvalue().splitlines()
+
+
 def dropout_net(seed: int) -> nn.Module:
     """The MLP of tests/models.py with dropout after its hidden layer."""
     torch.manual_seed(seed)

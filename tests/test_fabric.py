@@ -233,6 +233,17 @@ def test_the_gpt_example_trains_evaluates_on_the_average_saves_and_resumes(tmp_p
     assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
 
 
+def test_the_loop_of_the_fabric_docs_runs_as_written(tmp_path: Path) -> None:
+    """The first code block of docs/fabric.md is a complete program: it trains, evaluates x̄ and saves."""
+    page = (Path(__file__).parents[1] / "docs" / "fabric.md").read_text()
+    code = page.split("```python\n", 1)[1].split("```\n", 1)[0]
+    printed = run_distributed(fabric_workers.docs_loop, 2, code=code, root=str(tmp_path))[0]
+    losses = [float(line.split("loss of x̄ ")[1].split(",")[0]) for line in printed if line.startswith("epoch")]
+    assert len(losses) == 3 and losses[-1] < losses[0], printed
+    saved = torch.load(tmp_path / "dpsgd.ckpt", weights_only=True)["model"]
+    torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).load_state_dict(saved)
+
+
 def test_effective_learning_rate_replays_the_dropout_masks_of_the_training_forwards() -> None:
     """With dropout and 2 micro-batches per step: `effective_lr_metrics` equals g(x̄) computed densely here with
     each micro-batch's forward run from the random state its training forward started from (the callback's

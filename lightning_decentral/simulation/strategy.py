@@ -14,7 +14,7 @@ closure                every worker: training_step on its batch, backward   Dece
                        every worker: rule.end_step(); then rule.finish_step()
 ```
 
-With `vectorize=True` the workers are a [`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers]:
+When stacked (`vectorize=True`, or `"auto"` where stacking gives the same run) the workers are a [`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers]:
 each line above is one batched call for every worker (one `torch.vmap` of `training_step`, one backward, one
 optimizer step, one rule), with the same result.
 """
