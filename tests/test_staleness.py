@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pickle
 import signal
-from collections import Counter
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,8 +15,8 @@ import torch
 
 from lightning_decentral import SimulatedDecentralizedStrategy
 from lightning_decentral.mixing import RandomDelays, check_stale_topology
-from lightning_decentral.topology import Hierarchical
 from lightning_decentral.options import GossipOptions
+from lightning_decentral.topology import Hierarchical
 from tests import reference, straggler_workers, workers
 from tests.dense_executor import DenseExecutor
 from tests.helpers import run_distributed, start_processes
