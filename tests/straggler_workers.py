@@ -14,6 +14,7 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_decentral import DecentralizedStrategy
+from lightning_decentral.callbacks import ConsensusDistance
 from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver
 from tests.models import Regression, flat, init_seed, loader
 from tests.reference import Config
@@ -62,34 +63,41 @@ def fit_newest(rank: int, world_size: int, configs: list[Config]) -> dict[str, A
 
 
 class Recorder(Callback):
-    """The global step and the parameters of every validation (after the strategy swapped in `x̄`)."""
+    """The global step and the parameters of every validation (after the strategy swapped in `x̄`), and the
+    consensus distance `ConsensusDistance` logged at the end of every `every`-th step."""
 
-    def __init__(self) -> None:
+    def __init__(self, every: int) -> None:
+        self.every = every
         self.validated: list[tuple[int, torch.Tensor]] = []
+        self.distances: list[tuple[int, float]] = []
 
     def on_validation_epoch_start(self, trainer: Trainer, module: Any) -> None:
         self.validated.append((trainer.global_step, flat(module)))
 
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if trainer.global_step % self.every == 0:
+            self.distances.append((trainer.global_step, float(trainer.callback_metrics["consensus/distance"])))
+
 
 def checkpoint_and_resume(rank: int, world_size: int, config: Config, root: str) -> dict[str, Any]:
-    """Stragglers: epochs of `config.epoch_steps` steps, each ending with a validation on `x̄` and a checkpoint (ranks
-    reach them at different times); then a resume from the first checkpoint to `config.steps`."""
+    """Stragglers: epochs of `config.epoch_steps` steps, each ending with the consensus distance, a validation on `x̄`
+    and a checkpoint (ranks reach them at different times); then a resume from the first checkpoint to `config.steps`."""
     epoch = config.epoch_steps
     assert epoch is not None
     data = loader(rank, config.samples, config.batch_size)
     validation = loader(world_size + rank, 8, 8)
     model = Straggler(seed=init_seed(rank), **config.optimizer_spec())
-    recorder = Recorder()
+    recorder = Recorder(epoch)
     saves = ModelCheckpoint(dirpath=root, every_n_train_steps=epoch, save_top_k=-1, filename="{step}")
     trainer = trainer_for(
-        world_size, DecentralizedStrategy(**config.strategy_kwargs()), max_steps=2 * epoch,
-        callbacks=[recorder, saves], enable_checkpointing=True, limit_val_batches=1,
+        world_size, DecentralizedStrategy(**config.strategy_kwargs()), max_steps=2 * epoch, log_every_n_steps=epoch,
+        callbacks=[ConsensusDistance(every_n_steps=epoch), recorder, saves], enable_checkpointing=True, limit_val_batches=1,
     )
     trainer.fit(model, train_dataloaders=data, val_dataloaders=validation)
     resumed = Straggler(seed=init_seed(rank), **config.optimizer_spec())
     trainer = trainer_for(world_size, DecentralizedStrategy(**config.strategy_kwargs()), max_steps=config.steps)
     trainer.fit(resumed, train_dataloaders=data, ckpt_path=str(Path(root) / f"step={epoch}.ckpt"))
-    return {"validated": recorder.validated, "params": flat(resumed)}
+    return {"validated": recorder.validated, "distances": recorder.distances, "params": flat(resumed)}
 
 
 class DiesOrHangs(Regression):
@@ -158,28 +166,32 @@ class Collectives(Callback):
 
     def __init__(self) -> None:
         self.calls: dict[str, int] = {}
-        self._training = False
-        for name in self.NAMES:
-            setattr(torch.distributed, name, self._counted(name, getattr(torch.distributed, name)))
+        self._originals: dict[str, Any] = {}
 
     def _counted(self, name: str, collective: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if self._training:
-                self.calls[name] = self.calls.get(name, 0) + 1
+            self.calls[name] = self.calls.get(name, 0) + 1
             return collective(*args, **kwargs)
 
         return counted
 
     def on_train_start(self, *args: Any) -> None:
-        self._training = True
+        for name in self.NAMES:
+            self._originals[name] = getattr(torch.distributed, name)
+            setattr(torch.distributed, name, self._counted(name, self._originals[name]))
 
     def on_train_end(self, *args: Any) -> None:
-        self._training = False
+        for name, collective in self._originals.items():
+            setattr(torch.distributed, name, collective)
 
 
-def collectives_while_training(rank: int, world_size: int, staleness: int) -> dict[str, int]:
-    """The collectives one rank calls during 12 steps of AWC (no validation, checkpoint or synchronized logging)."""
-    counter = Collectives()
-    trainer = trainer_for(world_size, DecentralizedStrategy(staleness=staleness), max_steps=12, callbacks=[counter])
-    trainer.fit(Regression(seed=init_seed(rank), lr=0.05), loader(rank, 12 * 8, 8))
-    return counter.calls
+def collectives_while_training(rank: int, world_size: int, stalenesses: list[int]) -> dict[int, dict[str, int]]:
+    """For each staleness, the collectives one rank calls during 12 steps of AWC (no validation, checkpoint or
+    synchronized logging)."""
+    calls = {}
+    for staleness in stalenesses:
+        counter = Collectives()
+        trainer = trainer_for(world_size, DecentralizedStrategy(staleness=staleness), max_steps=12, callbacks=[counter])
+        trainer.fit(Regression(seed=init_seed(rank), lr=0.05), loader(rank, 12 * 8, 8))
+        calls[staleness] = counter.calls
+    return calls

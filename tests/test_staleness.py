@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pickle
 import signal
-from collections import Counter
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,8 +15,8 @@ import torch
 
 from lightning_decentral import SimulatedDecentralizedStrategy
 from lightning_decentral.mixing import RandomDelays, check_stale_topology
-from lightning_decentral.topology import Hierarchical
 from lightning_decentral.options import GossipOptions
+from lightning_decentral.topology import Hierarchical
 from tests import reference, straggler_workers, workers
 from tests.dense_executor import DenseExecutor
 from tests.helpers import run_distributed, start_processes
@@ -124,16 +124,21 @@ def test_the_newest_rule_is_the_reference_under_the_steps_each_rank_mixed() -> N
         reference.assert_every_rank_matches(trained, Config(**{**config.__dict__, "delays": replayed}), WORLD)
 
 
-def test_checkpoints_and_evaluation_while_ranks_are_at_different_steps_and_the_resume(tmp_path: Path) -> None:
-    """Ranks pause in turn, so they reach a validation or a save at different times; each enters it at its own step
-    `k`: validation sees `x̄(k)`, the file holds it, and a resume from it continues the reference, whose delay window
-    restarts at the resumed step (no neighbour's earlier step exists in the new run)."""
+def test_checkpoints_monitors_and_evaluation_while_ranks_are_at_different_steps_and_the_resume(tmp_path: Path) -> None:
+    """Ranks pause in turn, so they reach a monitor, a validation or a save at different times; each enters it at its
+    own step `k`: the consensus distance is the replicas' at `k`, validation sees `x̄(k)`, the file holds it, and a
+    resume from it continues the reference, whose delay window restarts at the resumed step (no neighbour's earlier
+    step exists in the new run)."""
     epoch = 4
     config = Config("awc-s2-resume", staleness=2, delays=RandomDelays(4), optimizer=MOMENTUM, steps=3 * epoch, epoch_steps=epoch)
     results = run_distributed(straggler_workers.checkpoint_and_resume, WORLD, timeout=240, config=config, root=str(tmp_path))
     width = results[0]["params"].numel()
-    means = {k: reference.run(Config(**{**config.__dict__, "steps": k}), WORLD)[:, :width].mean(0) for k in (epoch, 2 * epoch)}
+    replicas = {k: reference.run(Config(**{**config.__dict__, "steps": k}), WORLD)[:, :width] for k in (epoch, 2 * epoch)}
+    means = {k: x.mean(0) for k, x in replicas.items()}
+    distances = [(k, float((x - x.mean(0)).square().sum(1).mean().sqrt())) for k, x in replicas.items()]
     for result in results:
+        assert [k for k, _ in result["distances"]] == [k for k, _ in distances]
+        assert [d for _, d in result["distances"]] == pytest.approx([d for _, d in distances], rel=1e-4)
         assert [k for k, _ in result["validated"]] == [epoch, 2 * epoch]
         for k, seen in result["validated"]:
             torch.testing.assert_close(seen.double(), means[k].double(), atol=1e-5, rtol=0)

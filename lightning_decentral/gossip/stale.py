@@ -141,8 +141,12 @@ class StaleGossip:
         then for every rank (a barrier of the default group: the job's store, on rank 0, outlives every rank's use
         of it), and destroy the links' group. After a clean run only."""
         if self.links is not None:
-            with peers_answer("Finishing training (the last messages of the stale gossip)", "a neighbour"):
-                late = self.links.close(self._last if self._last is not None else -1, self.timeout)
+            try:
+                with peers_answer("Finishing training (the last messages of the stale gossip)", "a neighbour"):
+                    late = self.links.close(self._last if self._last is not None else -1, self.timeout)
+            except PeerFailure:
+                self.abort()  # no thread may be left in a receive
+                raise
             if late:
                 self.abort()
                 raise PeerFailure(
