@@ -22,11 +22,16 @@ last step (waiting for the saves still in flight, and the teardown).
 background saves every ``--every`` steps and ``fit(ckpt_path="last")`` with ``resume="newest_complete"``; at attempt
 ``a < K``, rank ``a % W`` stops at a step ``--kill-after`` steps past the one it resumed from, and this script kills it
 with SIGKILL. For each restart it reports the seconds from the kill to the end of the first step of the restarted
-job (the slowest rank), the step it resumed from and the steps lost (the kill's step minus the resumed one), and at
-the end whether the job exited 0 and every rank reached ``--steps``.
+job (the slowest rank), and to the moment every new worker had started Python and imported torch and Lightning
+(the top of this script), the step it resumed from and the steps lost (the kill's step minus the resumed one), and
+at the end whether the job exited 0 and every rank reached ``--job-steps``.
 """
 
 from __future__ import annotations
+
+import time
+
+SCRIPT_STARTED = time.time()  # before the imports: a restarted worker's interpreter is up
 
 import argparse
 import functools
@@ -36,7 +41,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -135,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
     root = Path(args.root)
     (root / "pids").mkdir(exist_ok=True)
     (root / "pids" / f"{attempt}-{rank}").write_text(str(os.getpid()))
-    record: dict[str, Any] = {}
+    record: dict[str, Any] = {"python_started": SCRIPT_STARTED, "worker_started": time.time()}  # after the imports
 
     class Timeline(Callback):
         def on_train_start(self, trainer: Any, module: Any) -> None:
@@ -148,14 +152,15 @@ def worker(args: argparse.Namespace) -> None:
                 time.sleep(600)
 
         def on_train_batch_end(self, trainer: Any, *rest: Any) -> None:
-            record.setdefault("first_step_end", time.time())
+            if "first_step_end" not in record:
+                record["first_step_end"] = time.time()
+                torch.save(record, root / f"first-{attempt}-{rank}.pt")  # before a kill can take it
 
     config = {"warmup": 0, "steps": args.job_steps}
     trainer = _trainer(config, args.every, True, str(root / "checkpoints"), [Timeline()], resume="newest_complete")
     widths = tuple(args.widths)
     trainer.fit(MLP(widths, 0.01, 0.9), make_loader(rank, widths, args.batch_size, args.job_steps), ckpt_path="last")
-    record["end_step"] = trainer.global_step
-    torch.save(record, root / f"record-{attempt}-{rank}.pt")
+    torch.save({**record, "end_step": trainer.global_step}, root / f"record-{attempt}-{rank}.pt")
 
 
 def kill_to_first_step(args: argparse.Namespace) -> dict[str, Any]:
@@ -190,20 +195,36 @@ def kill_to_first_step(args: argparse.Namespace) -> dict[str, Any]:
                 pass
     restarts = []
     for kill in kills:
-        after = [torch.load(root / f"record-{kill['attempt'] + 1}-{r}.pt") if (root / f"record-{kill['attempt'] + 1}-{r}.pt").exists() else None for r in range(args.workers)]
-        done = [r for r in after if r is not None]
-        first = max((r["first_step_end"] for r in done), default=float("nan"))
-        resumed = done[0]["resumed"] if done else None
-        restarts.append({**kill, "resumed": resumed, "steps_lost": None if resumed is None else kill["step"] - resumed,
-                         "kill_to_first_step_s": first - kill["killed_at"]})
+        paths = [root / f"first-{kill['attempt'] + 1}-{r}.pt" for r in range(args.workers)]
+        after = [torch.load(path) for path in paths if path.exists()]
+        if len(after) < args.workers:
+            nan = float("nan")
+            restarts.append({**kill, "resumed": None, "steps_lost": None, "kill_to_python_s": nan, "kill_to_workers_started_s": nan, "kill_to_first_step_s": nan})
+            continue
+        restarts.append({
+            **kill,
+            "resumed": after[0]["resumed"],
+            "steps_lost": kill["step"] - after[0]["resumed"],
+            "kill_to_python_s": max(r["python_started"] for r in after) - kill["killed_at"],  # the last rank's interpreter up
+            "kill_to_workers_started_s": max(r["worker_started"] for r in after) - kill["killed_at"],  # its imports done
+            "kill_to_first_step_s": max(r["first_step_end"] for r in after) - kill["killed_at"],
+        })
     final = [root / f"record-{args.kills}-{r}.pt" for r in range(args.workers)]
     return {"exit_code": code, "restarts": restarts, "finished": all(p.exists() and torch.load(p)["end_step"] == args.job_steps for p in final), "log": str(root / "torchrun.log")}
 
 
 def render_kills(result: dict[str, Any]) -> str:
-    lines = ["| restart | killed at step | resumed from step | steps lost | kill to first step (s) |", "|---|---|---|---|---|"]
+    lines = [
+        "| restart | killed at step | resumed from step | steps lost | kill to every new interpreter up (s) "
+        "| kill to every new worker's imports done (s) | kill to first step (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in result["restarts"]:
-        lines.append(f"| {r['attempt'] + 1} | {r['step']} | {r['resumed']} | {r['steps_lost']} | {r['kill_to_first_step_s']:.1f} |")
+        lines.append(
+            f"| {r['attempt'] + 1} | {r['step']} | {r['resumed']} | {r['steps_lost']} | {r['kill_to_python_s']:.1f} "
+            f"| {r['kill_to_workers_started_s']:.1f} "
+            f"| {r['kill_to_first_step_s']:.1f} |"
+        )
     return "\n".join(lines) + f"\n\ntorchrun exit code {result['exit_code']}; every rank reached the last step: {result['finished']}"
 
 

@@ -42,6 +42,14 @@ def test_stragglers_smoke(tmp_path: Path) -> None:
     assert [(row["rule"], row["staleness"]) for row in result["accuracy"]] == [("awc", 0), ("awc", 1)]
 
 
+def test_restart_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "restart.json"
+    _run_smoke("restart.py", "--out", str(out))
+    rows = json.loads(out.read_text())["cost"]
+    assert [row["method"] for row in rows] == ["none", "every2_background"]
+    assert rows[0]["ratio_to_none"] == 1.0 and all(row["mean_step_s"] > 0 for row in rows)
+
+
 def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
