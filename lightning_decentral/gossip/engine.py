@@ -183,28 +183,23 @@ class Gossip:
         return groups
 
     def _hierarchical_stages(self, world: dist.ProcessGroup) -> list["Gossip"]:
-        """One engine per level: the inner topology on this rank's node, the outer one on its local-rank peers.
+        """One engine per level the rank takes part in: on its node, then on its group across nodes
+        ([`Hierarchical.levels`][lightning_decentral.topology.Hierarchical.levels]).
 
         Every rank creates every subgroup, in the same order (`new_group` is collective).
         """
         topology = self.topology
         assert isinstance(topology, Hierarchical)
-        m, nodes = topology.node_size, topology.num_nodes
         backend = dist.get_backend(world)
-        node, local = divmod(self.rank, m)
         stages = []
-        for part, count, members in (
-            (topology.inner_topology, nodes, lambda a: [a * m + l for l in range(m)]),
-            (topology.outer_topology, m, lambda l: [a * m + l for a in range(nodes)]),
-        ):
+        for level in topology.levels():
             mine = None
-            for index in range(count):
-                ranks = [self._global[r] for r in members(index)]
-                subgroup = dist.new_group(ranks, backend=backend, timeout=self._timeout) if len(ranks) > 1 else None
-                if index == (node if part is topology.inner_topology else local):
-                    mine = subgroup
+            for group, part in zip(*level):
+                subgroup = dist.new_group([self._global[r] for r in group], backend=backend, timeout=self._timeout)
+                if self.rank in group:
+                    mine = subgroup, part
             if mine is not None:  # point-to-point: edge subgroups would need every rank of the world
-                stages.append(Gossip(part, group=mine, dtype=self.dtype, transport="p2p", timeout=self._timeout))
+                stages.append(Gossip(mine[1], group=mine[0], dtype=self.dtype, transport="p2p", timeout=self._timeout))
         return stages
 
     def start(

@@ -88,7 +88,7 @@ class StackedMixer(DenseView):
         round of one full-precision `W` (the common case) is one product into work space, `(W − I) x` for the
         correction: no tens-of-MB temporaries per step."""
         plan = stages(self.dense.topology, step)
-        if rounds > 1 or len(plan) > 1 or self.measure_residuals or not (self.dense.dtype is None or plan[0][1]):
+        if rounds > 1 or len(plan) > 1 or self.measure_residuals or not (self.dense.dtype is None or plan[0][1].all()):
             mixed, change = self.dense.mix(x, step, rounds, dtype)
             return (mixed - x if correction else mixed), change
         matrix = plan[0][0] - torch.eye(len(x), dtype=torch.float64) if correction else plan[0][0]
