@@ -14,6 +14,7 @@ driver.build_rule(replica, mixer, optimizers, ...)  RULES[options.rule](...)   (
 driver.begin(k)                                     plan = schedule.plan(k, epoch); runner.begin_step(plan)
 driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
 driver.drain(); driver.teardown()                   at the end of training; when the run is over
+driver.keep(members, first_step)                    after a failure: W of the survivors, mixers rebound
 ```
 
 Lightning-free: a single process drives the same lifecycle over a
@@ -22,7 +23,7 @@ Lightning-free: a single process drives the same lifecycle over a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Optional, Protocol
 
@@ -104,6 +105,16 @@ class StepDriver:
         does not fit raises here, before any process starts)."""
         topology = resolve_topology(self.options.topology, world_size, num_nodes)
         self.schedule = GossipSchedule(topology, self.options.gossip_every, self.options.gossip_steps)
+
+    def keep(self, members: Sequence[int], first_step: int) -> None:
+        """Go on with the workers `members` of the current topology alone (the survivors of a failure, in order;
+        member `members[i]` becomes worker `i`): `W` for them ([`for_members`][lightning_decentral.topology.Topology.for_members]),
+        the steps before `first_step` local, and every attached mixer rebound to the new topology."""
+        schedule = self._schedule()
+        topology = schedule.topology.for_members(members)
+        self.schedule = GossipSchedule(topology, schedule.gossip_every, schedule.rounds_per_gossip, first_step)
+        for mixer in self._mixers:
+            mixer.rebind(topology)
 
     @property
     def topology(self) -> Topology:

@@ -74,6 +74,13 @@ class DenseMixer:
         self.measure_residuals = False
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
 
+    def rebind(self, topology: Topology) -> None:
+        """Mix with `topology` from now on (the survivors of a failure; nothing may be in flight). Worker `i` of
+        the new topology talks to a view of rank `i`: whoever runs the workers re-numbers its views."""
+        if self._posted:
+            raise RuntimeError(f"{len(self._posted)} exchanges are in flight: rebind the mixer between steps.")
+        self.topology = topology
+
     @property
     def in_flight(self) -> int:
         """How many exchanges some worker has started and none has waited for yet."""

@@ -68,6 +68,11 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             optimizer step for all; several times faster at large `n`), which needs an elementwise optimizer
             (SGD, Adam, ...), a `training_step` without random numbers (no dropout), batches of tensors,
             and logged values that are numbers or tensors. `False`: one worker at a time, for any module.
+        failures: `{step: [workers]}`: those workers (by their first rank) die at that optimizer step, as
+            `DecentralizedStrategy(on_peer_failure="continue")` survives it on processes: the step is a local step
+            for the survivors (its exchange is discarded), and from the next one they mix with the topology of the
+            survivors ([`for_members`][lightning_decentral.topology.Topology.for_members]). Each survivor keeps its
+            replica, optimizer state and data; the lost workers' data is not visited. Needs `vectorize=False`.
 
     Example:
         ```python
@@ -93,6 +98,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         bucket_cap_mb: float = 4.0,
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
         vectorize: bool = False,
+        failures: Optional[dict[int, list[int]]] = None,
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
@@ -111,6 +117,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             workers, self.driver.attach(mixer), accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         self.vectorize = vectorize
+        self.failures = _checked_failures(failures, workers, vectorize)
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []
 
@@ -129,7 +136,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         """Each worker's batch of the batch the training loop holds."""
         if isinstance(batch, StackedBatch):
             return list(batch.parts())
-        return list(batch) if isinstance(batch, PerWorker) else [batch]
+        return list(batch.of(self._group.origins)) if isinstance(batch, PerWorker) else [batch]
 
     def worker_random_states(self) -> list[dict[str, Any]]:
         """The torch random state each worker draws from now (worker 0's is the process's own), as
@@ -146,6 +153,10 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._rng_restored = False
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        if self.failures:  # a fit starts with every worker
+            self.driver.bind(self.workers)
+            self._mixer.rebind(self.driver.topology)
+            self.driver.attach(self._mixer)
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ValueError("SimulatedDecentralizedStrategy needs automatic optimization; use DecentralizedStrategy.")
@@ -182,13 +193,16 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING or not isinstance(dataloader, torch.utils.data.DataLoader):
             return dataloader
-        return WorkerLoaders(dataloader, self.workers, self._group.as_worker, together=self.vectorize)
+        return WorkerLoaders(
+            dataloader, self.workers, self._group.as_worker, together=self.vectorize, origins=lambda: self._group.origins
+        )
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Each worker's batch to the device, through the LightningModule's transfer hooks (a stacked batch at once)."""
         if isinstance(batch, PerWorker):
-            return PerWorker(super(SimulatedDecentralizedStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch)
+            moved = [super(SimulatedDecentralizedStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch]
+            return PerWorker(moved, batch.origins)
         if isinstance(batch, StackedBatch):
             return StackedBatch(super().batch_to_device(batch.batch, device, dataloader_idx), batch.workers)
         return super().batch_to_device(batch, device, dataloader_idx)
@@ -197,9 +211,16 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before each training batch: every worker begins the optimizer step (AWC posts `x(k)`)."""
+        """Before each training batch: the workers `failures` names for this step die; every worker begins the
+        optimizer step (AWC posts `x(k)`)."""
         super().on_train_batch_start(batch, batch_idx)
-        self.driver.begin(self.lightning_module.trainer.global_step)
+        step = self.lightning_module.trainer.global_step
+        lost = [self._group.origins.index(w) for w in self.failures.get(step, []) if w in self._group.origins]
+        if lost:
+            survivors = [i for i in range(len(self._group.origins)) if i not in lost]
+            self._group.remove(lost)
+            self.driver.keep(survivors, first_step=step + 1)
+        self.driver.begin(step)
 
     @override
     def training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -213,7 +234,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         with self.precision_plugin.train_step_context():
             outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
         for name, values in logged.items():
-            if len(values) == self.workers and all(_is_number(v) for v, _ in values):
+            if len(values) == len(self._group.modules) and all(_is_number(v) for v, _ in values):
                 mean = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.root_device) for v, _ in values]).mean()
                 self.lightning_module.log(name, mean, **values[0][1])
             else:  # a Metric object, or logged by some workers only: worker 0's
@@ -331,6 +352,27 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             )
 
 
+
+
+def _checked_failures(failures: Optional[dict[int, list[int]]], workers: int, vectorize: bool) -> dict[int, list[int]]:
+    """`failures` checked: steps `>= 0`, each worker at most once and in `[0, workers)`, one worker left."""
+    if not failures:
+        return {}
+    if vectorize:
+        raise ValueError(
+            "SimulatedDecentralizedStrategy(failures=...) drops workers one by one, which the stacked rows of "
+            "vectorize=True do not support yet: use vectorize=False."
+        )
+    lost = [w for step, dead in failures.items() for w in (dead if isinstance(dead, (list, tuple)) else [dead])]
+    steps_ok = all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in failures)
+    if not steps_ok or not all(isinstance(w, int) and 0 <= w < workers for w in lost) or len(set(lost)) != len(lost):
+        raise ValueError(
+            f"`failures` maps an optimizer step (an integer >= 0) to the workers that die there (ranks in [0, {workers}), "
+            f"each at most once), e.g. {{20: [2]}}; got {failures!r}."
+        )
+    if len(lost) >= workers:
+        raise ValueError(f"`failures` loses all {workers} workers; at least one must survive.")
+    return {k: list(v) if isinstance(v, (list, tuple)) else [v] for k, v in failures.items()}
 
 
 def _quiet(message: str) -> None:
