@@ -21,11 +21,12 @@ LAYERS = [
     ["schedule", "options", "agreement"],
     ["replicas", "checkpoint", "measures", "data"],
     ["gossip", "mixing"],
+    ["membership"],
     ["algorithms"],
     ["topology"],
     ["failures"],
 ]
-WITHOUT_LIGHTNING = ["failures", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["failures", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:
