@@ -40,6 +40,14 @@ class Ranks:
     def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
 
+    @classmethod
+    def of_world(cls, device: torch.device) -> Ranks:
+        """The ranks of the default process group now (one rank before there is one): after a failure, the
+        survivors' (or this rank alone, while they agree)."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), device)
+        return cls(0, 1, device)
+
     def gather(self, values: list[int], what: str = "An all-gather of the ranks' agreement") -> Tensor:
         """Every rank's `values`: a `[world_size, len(values)]` int64 CPU tensor (one all-gather); `what` names it
         in the error if a rank fails meanwhile."""
@@ -222,6 +230,8 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "eval_on": options.eval_on,
         "bucket bytes": options.bucket_bytes,
         "gossip_dtype": str(options.gossip_dtype),
+        "on_peer_failure": options.on_peer_failure,
+        "min_workers": options.min_workers_for(strategy.world_size),
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),

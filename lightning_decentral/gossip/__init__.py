@@ -38,6 +38,7 @@ The column sums of `W` make `Σ_i` of the update zero, so `x̄` is kept exactly,
 rounding error `x_i − q_i` stays in `x_i` and goes out in later rounds (error feedback).
 """
 
-from lightning_decentral.gossip.engine import Gossip, PendingGossip
+from lightning_decentral.gossip.engine import Gossip
+from lightning_decentral.gossip.exchange import PendingGossip
 
 __all__ = ["Gossip", "PendingGossip"]

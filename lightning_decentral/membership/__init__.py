@@ -7,6 +7,9 @@ again, and a process group of their own. This package does that, Lightning-free,
 * [`Membership`][lightning_decentral.membership.Membership]: heartbeats in the store; the announcement of a failure,
   which every member sees within one poll of its wait; the agreement on the members and one step
   ([`Decision`][lightning_decentral.membership.Decision]);
+* [`Survivors`][lightning_decentral.membership.Survivors]: what a rank does when an exchange fails (the mixer's
+  [`Survival`][lightning_decentral.failures.Survival]): close the old groups, agree, take the steps up to the agreed
+  one alone, then form the survivors' group and rebind the driver's topology and mixer;
 * [`poison`][lightning_decentral.membership.poison] closes a generation's process group for good (what makes every
   pending operation on it fail, here and at the peers), and `Membership.form_group` makes the survivors' default
   process group on a fresh prefix of the store;
@@ -24,6 +27,7 @@ exchange, take local steps up to it, and mix from the next step on with the topo
 from lightning_decentral.membership.groups import poison, rebuild_world
 from lightning_decentral.membership.protocol import Decision, Excluded, Membership, TooFewWorkers
 from lightning_decentral.membership.store import LAUNCHER_KEY, GuardedStore, StoreLost, job_store, store_host
+from lightning_decentral.membership.survivors import Survivors
 
 __all__ = [
     "Decision",
@@ -32,6 +36,7 @@ __all__ = [
     "LAUNCHER_KEY",
     "Membership",
     "StoreLost",
+    "Survivors",
     "TooFewWorkers",
     "job_store",
     "poison",

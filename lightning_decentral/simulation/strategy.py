@@ -220,6 +220,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             survivors = [i for i in range(len(self._group.origins)) if i not in lost]
             self._group.remove(lost)
             self.driver.keep(survivors, first_step=step + 1)
+            self.driver.rebind_mixers()
         self.driver.begin(step)
 
     @override

@@ -29,15 +29,18 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral.agreement import parameter_deviations, run_configuration
-from lightning_decentral.driver import Driven, StepDriver
+from lightning_decentral.driver import Driven, StepDriver, Survives
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import own_gradients
+from lightning_decentral.membership import Decision
 from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyName, register_strategies
 from lightning_decentral.replicas import Replica
 from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
@@ -50,7 +53,7 @@ if TYPE_CHECKING:  # annotations only; a LightningCLI config is parsed against t
     import numpy as np
 
 
-class DecentralizedStrategy(Driven, ReplicaStrategy):
+class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
     """Decentralized data-parallel training: each rank keeps its own replica and gossips it.
 
     Update rules (docs/algorithms.md), with `U` the user's optimizer:
@@ -79,6 +82,11 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             `torch.float16`, or their names; `None`: the parameters' own). Replicas and optimizer state
             stay in full precision; the exchange keeps `x̄` exactly and feeds the rounding error back
             (`x_i <- x_i + Σ_j w_ij q_j − q_i`). All-reduces (`complete`) stay in full precision.
+        on_peer_failure: `"stop"`: a rank that dies, hangs past `timeout` or fails stops every rank with
+            [`PeerFailure`][lightning_decentral.failures.PeerFailure]. `"continue"`: the survivors agree on who is
+            left and go on among themselves, each with its own replica, optimizer state and data, with the topology
+            of the survivors (docs/reliability.md, "Surviving a failure").
+        min_workers: with `"continue"`, the run stops when fewer workers survive; `None`: half of them, rounded up.
 
     The remaining arguments are `lightning.pytorch.strategies.DDPStrategy`'s.
 
@@ -106,6 +114,8 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
+        on_peer_failure: Literal["stop", "continue"] = "stop",
+        min_workers: Optional[int] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -126,7 +136,8 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             start_method=start_method,
         )
         options = GossipOptions(
-            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype
+            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
+            on_peer_failure, min_workers,
         )
         self.driver = StepDriver(options, epoch=self._epoch)  # bound to the world size with the launcher
         self._replica: Optional[Replica] = None
@@ -200,6 +211,11 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             self._mixer = Gossip.on_new_group(
                 self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
             )
+        self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn)
+
+    def on_survivors(self, decision: Decision) -> None:
+        """After a failure, in the survivors' process group: Lightning's rank-zero utilities follow the new rank."""
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # -- one optimizer step -----------------------------------------------------------------
 
@@ -252,9 +268,19 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         """After the stage: release the rule's hooks; after a clean fit, leave the gossip groups together."""
         self.driver.teardown()
         if self._mixer is not None and not self._failed:
-            self._mixer.leave()  # every rank together; after an error the others may be gone
+            self._mixer.leave(self.lightning_module.trainer.global_step)  # every rank together; after an error the others may be gone
+        self.stop_surviving()
         self._mixer = None  # and its receive buffers
         super().teardown()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`); not in the few steps
+        the survivors of a failure take alone before they mix again (warned, on every survivor)."""
+        if self.driver.alone:
+            rank_zero_warn(f"{filepath} is not saved: the survivors of a failure take this step alone, before they mix again.")
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))

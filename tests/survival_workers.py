@@ -1,0 +1,83 @@
+"""Spawned workers of tests/test_survivors.py: ranks that die, and the ones that go on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_decentral import DecentralizedStrategy
+from tests.models import Regression, flat, init_seed, loader
+from tests.workers import trainer_for
+
+BATCH = 8
+EPOCH = 10  # batches per epoch: a checkpoint every multiple of it resumes at an epoch boundary, exactly
+MOMENTUM_SGD = {"lr": 0.05, "momentum": 0.9}
+
+
+class Mortal(Regression):
+    """Rank `victim` kills itself (`SIGKILL`) when step `at` starts, after stamping the time in `stamps/killed-<rank>`.
+    Every rank records its replica when each step of `record` starts, and when each step ends the time
+    (`finished[step]`)."""
+
+    def __init__(self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.deaths, self.stamps, self.record = deaths, stamps, record
+        self.recorded: dict[int, torch.Tensor] = {}
+        self.finished: dict[int, float] = {}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        rank = self.trainer.strategy.first_rank
+        if self.deaths.get(rank) == self.global_step:
+            Path(self.stamps, f"killed-{rank}").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.global_step in self.record:
+            self.recorded[self.global_step] = flat(self).clone()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.finished[self.global_step - 1] = time.time()
+
+
+def survive(
+    rank: int,
+    world_size: int,
+    root: str,
+    deaths: dict[int, int],
+    steps: int,
+    save_at: int = 0,
+    record: tuple[int, ...] = (),
+    topology: Any = "ring",
+    timeout: float = 30.0,
+    **strategy: Any,
+) -> dict[str, Any]:
+    """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there. A checkpoint at
+    step `save_at` (0: none). Each survivor's final replica, recorded replicas, step end times and the decisions."""
+    model = Mortal(deaths, root, record, seed=init_seed(rank), **MOMENTUM_SGD)
+    callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
+    strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
+    trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
+    trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH))
+    return {
+        "replica": flat(model),
+        "recorded": model.recorded,
+        "finished": model.finished,
+        "decisions": [d.__dict__ for d in strategy_.failures_survived],
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+    }
+
+
+def resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], steps: int, topology: Any = "ring") -> torch.Tensor:
+    """Resume `checkpoint` on `world_size` plain processes, rank `i` on the data of rank `data_of[i]` of the run that
+    saved it; train to `steps`; this rank's replica."""
+    model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
+    trainer = trainer_for(world_size, DecentralizedStrategy(topology=topology), max_steps=steps)
+    trainer.fit(model, loader(data_of[rank], EPOCH * BATCH, BATCH), ckpt_path=checkpoint)
+    return flat(model)
