@@ -30,7 +30,7 @@ def free_port() -> int:
 _PRELOAD = [
     "torch", "lightning.pytorch", "lightning_decentral",
     "tests.workers", "tests.gossip_workers", "tests.monitor_workers", "tests.reliability_workers",
-    "tests.simulation_workers", "tests.fabric_workers",
+    "tests.simulation_workers", "tests.fabric_workers", "tests.survival_workers",
 ]
 
 

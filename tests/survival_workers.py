@@ -74,6 +74,14 @@ def survive(
     }
 
 
+def survive_or_error(rank: int, world_size: int, **kwargs: Any) -> Any:
+    """`survive(...)`, or the error it stopped with (type and message)."""
+    try:
+        return survive(rank, world_size, **kwargs)
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+
+
 def resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], steps: int, topology: Any = "ring") -> torch.Tensor:
     """Resume `checkpoint` on `world_size` plain processes, rank `i` on the data of rank `data_of[i]` of the run that
     saved it; train to `steps`; this rank's replica."""
@@ -81,3 +89,81 @@ def resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], step
     trainer = trainer_for(world_size, DecentralizedStrategy(topology=topology), max_steps=steps)
     trainer.fit(model, loader(data_of[rank], EPOCH * BATCH, BATCH), ckpt_path=checkpoint)
     return flat(model)
+
+
+def fabric_survive(rank: int, world_size: int, root: str, deaths: dict[int, int], steps: int, save_at: int) -> dict[str, Any]:
+    """A Fabric loop of `steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` die at their step; every
+    survivor saves at `save_at` (`fabric.save`). Each survivor's final replica and the decisions."""
+    from lightning.fabric import Fabric
+    from torch import nn
+
+    from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
+    from tests.models import initial_net
+
+    strategy = FabricStrategy(on_peer_failure="continue", timeout=timedelta(seconds=30))
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+    fabric.launch()
+    model, optimizer = fabric.setup(*_net_and_optimizer(initial_net(init_seed(rank))))
+    x, y = loader(rank, EPOCH * BATCH, BATCH).dataset.tensors
+    for k in range(steps):
+        if deaths.get(strategy.first_rank) == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if k == save_at:
+            fabric.save(f"{root}/step={k}.ckpt", {"model": model, "optimizer": optimizer})
+        rows = slice((k % EPOCH) * BATCH, (k % EPOCH + 1) * BATCH)
+        fabric.backward(nn.functional.mse_loss(model(x[rows]), y[rows]))
+        optimizer.step()
+        optimizer.zero_grad()
+    strategy.teardown()
+    return {"replica": flat(model), "decisions": [d.__dict__ for d in strategy.failures_survived], "rank": fabric.global_rank}
+
+
+def fabric_resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], start: int, steps: int) -> torch.Tensor:
+    """`fabric.load` of `checkpoint` on `world_size` plain processes (rank `i` on the data of `data_of[i]`), then the
+    same loop from step `start` to `steps`; this rank's replica."""
+    from lightning.fabric import Fabric
+    from torch import nn
+
+    from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
+    from tests.models import initial_net
+
+    strategy = FabricStrategy()
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+    fabric.launch()
+    model, optimizer = fabric.setup(*_net_and_optimizer(initial_net(init_seed(rank))))
+    fabric.load(checkpoint, {"model": model, "optimizer": optimizer})
+    x, y = loader(data_of[rank], EPOCH * BATCH, BATCH).dataset.tensors
+    for k in range(start, steps):
+        rows = slice((k % EPOCH) * BATCH, (k % EPOCH + 1) * BATCH)
+        fabric.backward(nn.functional.mse_loss(model(x[rows]), y[rows]))
+        optimizer.step()
+        optimizer.zero_grad()
+    strategy.teardown()
+    return flat(model)
+
+
+def _net_and_optimizer(net: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    return net, torch.optim.SGD(net.parameters(), **MOMENTUM_SGD)
+
+
+def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any) -> list[torch.Tensor]:
+    """The run of `survive` in one process: `SimulatedDecentralizedStrategy(failures=...)`, worker `i` on rank `i`'s
+    data; every survivor's final replica."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_decentral import SimulatedDecentralizedStrategy
+    from tests.models import rank_data
+
+    parts = [rank_data(i, EPOCH * BATCH) for i in range(workers)]  # DistributedSampler without shuffling: i, i + n, ...
+    interleaved = [torch.stack([p[j] for p in parts], dim=1).flatten(0, 1) for j in (0, 1)]
+    failures: dict[int, list[int]] = {}
+    for rank, step in deaths.items():
+        failures.setdefault(step, []).append(rank)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, topology=topology, failures=failures)
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(Regression(seed=init_seed(0), **MOMENTUM_SGD), DataLoader(TensorDataset(*interleaved), batch_size=BATCH))
+    return [flat(module) for module in strategy.worker_modules()]

@@ -15,6 +15,7 @@ from torch.optim import Optimizer
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.driver import StepDriver
 
 STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
 
@@ -24,6 +25,7 @@ class ShardedCheckpoints:
     (the strategy's own checkpoint hooks, kept apart from its step)."""
 
     step: int  # and Fabric's DDPStrategy's: global_rank, world_size, precision, checkpoint_io, load/save_checkpoint
+    driver: StepDriver
     _live: Callable[[Optional[Any]], Any]
     _module: Optional[Module]
     _optimizer: Optional[Optimizer]
@@ -44,6 +46,9 @@ class ShardedCheckpoints:
         module_key, optimizer_key = self._keys(state)
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
+        if self.driver.alone:
+            rank_zero_warn(f"{path} is not saved: the survivors of a failure take this step alone, before they mix again.")
+            return None
         with self.averaged_model():
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
             converted[module_key] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in converted[module_key].items()}

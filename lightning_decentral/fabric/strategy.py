@@ -10,12 +10,14 @@ from datetime import timedelta
 from typing import Any, Literal, Optional, Union
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -23,10 +25,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral.agreement import Ranks, parameter_deviations, run_configuration
-from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
+from lightning_decentral.driver import Driven, StepDriver, StepRunner, Survives, check_one_optimizer
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.measures import own_gradients, random_state
+from lightning_decentral.membership import Decision
 from lightning_decentral.options import GossipDtypeName, GossipOptions, register_strategies
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext
@@ -34,13 +37,13 @@ from lightning_decentral.schedule import RoundsSchedule
 
 
 
-class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
+class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
     """Fabric's decentralized data-parallel strategy: each rank keeps its own replica and gossips it.
 
     The update rules and their arguments are those of the Trainer's
     [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] (`topology`, `combine`,
     `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
-    `gossip_dtype`); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`,
+    `gossip_dtype`, `on_peer_failure`, `min_workers`); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`,
     `precision`, `process_group_backend`, `timeout`, `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s
     (`timeout` bounds every exchange: a dead rank ends the others within it); any other name is a `TypeError`.
     `eval_on` decides what [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation]
@@ -74,6 +77,8 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         eval_on: Literal["average", "local"] = "average",
         bucket_cap_mb: float = 4.0,
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
+        on_peer_failure: Literal["stop", "continue"] = "stop",
+        min_workers: Optional[int] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -84,7 +89,8 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         options = GossipOptions(
-            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype
+            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
+            on_peer_failure, min_workers,
         )
         super().__init__(
             accelerator=accelerator,
@@ -204,6 +210,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         self._mixer = Gossip.on_new_group(
             self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
         )
+        self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn)
         self._module = module
         self._hooks = [module.register_forward_pre_hook(self._before_forward)]
         return module
@@ -307,16 +314,21 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         for hook in self._hooks:
             hook.remove()
         if self._mixer is not None:
-            self._mixer.leave()
+            self._mixer.leave(self.step)
+        self.stop_surviving()
         self._mixer = self._replica = self._module = self._optimizer = None
         self._hooks, self._forward_states = [], []
         super().teardown()
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def on_survivors(self, decision: Decision) -> None:
+        """After a failure, in the survivors' process group: Lightning's rank-zero utilities follow the new rank."""
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
     @property
     def _ranks(self) -> Ranks:
-        return Ranks(self.global_rank, self.world_size, self.root_device)
+        return Ranks.of_world(self.root_device)
 
     @staticmethod
     def _live(value: Optional[Any]) -> Any:

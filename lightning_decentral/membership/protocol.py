@@ -225,9 +225,15 @@ class Membership:
             lost=tuple(decided["lost"]),
             step=int(decided["step"]),
         )
+        adopted = self.store.add(self._key("adopted", self.generation), 1)
         self.members, self.generation = list(decision.members), decision.generation
         self.decisions.append(decision)
         if len(self.members) < self.min_workers:
+            # the run ends here: let every survivor read the decision before any leaves (one may host the store)
+            since = time.monotonic()
+            while adopted < len(self.members) and time.monotonic() - since < self.silence:
+                time.sleep(POLL)
+                adopted = self.store.add(self._key("adopted", decision.generation - 1), 0)
             raise TooFewWorkers(
                 f"Only {len(self.members)} workers are left after step {decision.step} (ranks {list(decision.members)} "
                 f"of the start; lost: {list(decision.lost)}), fewer than min_workers={self.min_workers}: the run stops "
