@@ -7,7 +7,7 @@ import signal
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -22,13 +22,16 @@ MOMENTUM_SGD = {"lr": 0.05, "momentum": 0.9}
 
 
 class Mortal(Regression):
-    """Rank `victim` kills itself (`SIGKILL`) when step `at` starts, after stamping the time in `stamps/killed-<rank>`.
-    Every rank records its replica when each step of `record` starts, and when each step ends the time
-    (`finished[step]`)."""
+    """The ranks of `deaths` ({first rank: step}) kill themselves (`SIGKILL`) when that step starts, after stamping
+    the time in `stamps/killed-<rank>`; those of `stops` stop (`SIGSTOP`: alive and silent) after stamping their pid in
+    `stamps/stopped-<rank>`. Every rank records its replica when each step of `record` starts, and when each step
+    ends the time (`finished[step]`)."""
 
-    def __init__(self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), **kwargs: Any) -> None:
+    def __init__(
+        self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), stops: Optional[dict[int, int]] = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
-        self.deaths, self.stamps, self.record = deaths, stamps, record
+        self.deaths, self.stamps, self.record, self.stops = deaths, stamps, record, stops or {}
         self.recorded: dict[int, torch.Tensor] = {}
         self.finished: dict[int, float] = {}
 
@@ -37,6 +40,17 @@ class Mortal(Regression):
         if self.deaths.get(rank) == self.global_step:
             Path(self.stamps, f"killed-{rank}").write_text(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.stops.get(rank) == self.global_step:
+            Path(self.stamps, f"stopped-{rank}").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if self.stops and self.trainer.strategy.failures_survived:
+            Path(self.stamps, "decided").touch()
+
+    def on_train_end(self) -> None:
+        """With stopped ranks: wait (at most a minute) until each has woken up and stopped, while the store lives."""
+        deadline = time.monotonic() + 60
+        while not all(Path(self.stamps, f"done-{r}").exists() for r in self.stops) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self.global_step in self.record:
             self.recorded[self.global_step] = flat(self).clone()
 
@@ -54,11 +68,13 @@ def survive(
     record: tuple[int, ...] = (),
     topology: Any = "ring",
     timeout: float = 30.0,
+    stops: Optional[dict[int, int]] = None,
     **strategy: Any,
 ) -> dict[str, Any]:
-    """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there. A checkpoint at
-    step `save_at` (0: none). Each survivor's final replica, recorded replicas, step end times and the decisions."""
-    model = Mortal(deaths, root, record, seed=init_seed(rank), **MOMENTUM_SGD)
+    """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there, those of `stops`
+    stop there. A checkpoint at step `save_at` (0: none). Each survivor's final replica, recorded replicas, step end
+    times and the decisions."""
+    model = Mortal(deaths, root, record, stops, seed=init_seed(rank), **MOMENTUM_SGD)
     callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
     strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
     trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
@@ -75,10 +91,11 @@ def survive(
 
 
 def survive_or_error(rank: int, world_size: int, **kwargs: Any) -> Any:
-    """`survive(...)`, or the error it stopped with (type and message)."""
+    """`survive(...)`, or the error it stopped with (type and message; then `root/done-<rank>` is touched)."""
     try:
         return survive(rank, world_size, **kwargs)
     except RuntimeError as error:
+        Path(kwargs["root"], f"done-{rank}").touch()
         return f"{type(error).__name__}: {error}"
 
 

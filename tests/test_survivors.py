@@ -4,7 +4,9 @@ and as the simulation predicts (docs/reliability.md, "Surviving a failure")."""
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import subprocess
 import sys
 import tempfile
@@ -133,6 +135,32 @@ def test_under_lightning_decentral_launch_the_store_hosts_usual_rank_dies_and_a_
     assert {**first, "step": None} == _decision((1, 2), (0,), None) and first["step"] in (10, 11)
     assert {**second, "step": None} == _decision((2,), (1,), None, generation=2) and second["step"] in (20, 21)
     assert torch.isfinite(last["replica"]).all()
+
+
+def test_a_silent_rank_is_left_behind_after_the_timeout_and_stops_when_it_wakes_up(tmp_path: Path) -> None:
+    """3 ranks, timeout 5 s: rank 1 stops (SIGSTOP) when step 5 starts, its connections open. Ranks 0 and 2 give it up
+    once it has been silent past the timeout (its heartbeat, or gloo's wait), finish their 12 steps as 2 ranks; woken
+    up once they have decided, rank 1 finds a decision without it and stops with a clear error."""
+    with tempfile.TemporaryDirectory() as out:
+        procs = start_processes(
+            workers.survive_or_error, 3, out, root=str(tmp_path), deaths={}, stops={1: 5}, steps=12, timeout=5.0
+        )
+        try:
+            deadline = time.monotonic() + BOUND
+            while not (tmp_path / "decided").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(int((tmp_path / "stopped-1").read_text()), signal.SIGCONT)
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert [p.exitcode for p in procs] == [0, 0, 0]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        results = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in range(3)]
+    for r in (results[0], results[2]):
+        assert r["decisions"] == [_decision((0, 2), (1,), 5)] and (r["world_size"], r["global_step"]) == (2, 12)
+    assert results[1].startswith("Excluded: The other ranks went on without rank 1 after step 5")
 
 
 @pytest.mark.parametrize("on_peer_failure", ["stop", "continue"])
