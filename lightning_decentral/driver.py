@@ -409,11 +409,20 @@ class Survives:
         survivors = self.driver.survivors
         return list(survivors.membership.decisions) if survivors is not None else []
 
-    def start_surviving(self, mixer: Any, device: Any, backend: str, timeout: timedelta, warn: Callable[[str], None]) -> None:
+    def start_surviving(
+        self, mixer: Any, device: Any, backend: str, timeout: timedelta, warn: Callable[[str], None], launched_here: bool
+    ) -> None:
         """With `on_peer_failure="continue"`: agree on a run number (every rank together, on the default group), start
-        this rank's heartbeat, watch `mixer`'s exchanges, and `warn` if the job's store cannot outlive a worker."""
+        this rank's heartbeat, watch `mixer`'s exchanges, and `warn` if the job's store cannot outlive a worker, or
+        if Lightning's own launcher started the ranks (`launched_here`: it ends them all when one fails)."""
         if self.options.on_peer_failure != "continue":
             return
+        if launched_here:
+            warn(
+                "on_peer_failure='continue' under Lightning's own launcher (devices=n, or a '_spawn'/'_fork' strategy): "
+                "it stops every process as soon as one fails, so no rank survives. Launch with lightning-decentral-launch "
+                "(or torchrun --nproc-per-node=1 per worker, or srun without --kill-on-bad-exit)."
+            )
         run = int(Ranks.of_world(device).gather([secrets.randbits(62)], "Starting the survivors' membership")[0, 0])
         min_workers = self.options.min_workers_for(self.world_size)
         survivors, warning = Survivors.start(self.driver, run, min_workers, backend, timeout, self.on_survivors)

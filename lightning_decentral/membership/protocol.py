@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from lightning_decentral.membership.groups import rebuild_world
-from lightning_decentral.membership.store import GuardedStore
+from lightning_decentral.membership.store import GuardedStore, StoreLost
 
 HEARTBEAT = 0.1  # seconds between two heartbeats of a rank
 POLL = 0.01  # seconds between two looks at the store while agreeing
@@ -229,11 +229,15 @@ class Membership:
         self.members, self.generation = list(decision.members), decision.generation
         self.decisions.append(decision)
         if len(self.members) < self.min_workers:
-            # the run ends here: let every survivor read the decision before any leaves (one may host the store)
+            # the run ends here: let every survivor read the decision before any leaves (one may host the store, and
+            # it leaves only once every survivor has read it: a store gone meanwhile means they all have)
             since = time.monotonic()
             while adopted < len(self.members) and time.monotonic() - since < self.silence:
                 time.sleep(POLL)
-                adopted = self.store.add(self._key("adopted", decision.generation - 1), 0)
+                try:
+                    adopted = self.store.add(self._key("adopted", decision.generation - 1), 0)
+                except StoreLost:
+                    break
             raise TooFewWorkers(
                 f"Only {len(self.members)} workers are left after step {decision.step} (ranks {list(decision.members)} "
                 f"of the start; lost: {list(decision.lost)}), fewer than min_workers={self.min_workers}: the run stops "
