@@ -69,16 +69,18 @@ def survive(
     topology: Any = "ring",
     timeout: float = 30.0,
     stops: Optional[dict[int, int]] = None,
+    validate: bool = False,
     **strategy: Any,
 ) -> dict[str, Any]:
     """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there, those of `stops`
-    stop there. A checkpoint at step `save_at` (0: none). Each survivor's final replica, recorded replicas, step end
-    times and the decisions."""
+    stop there. A checkpoint at step `save_at` (0: none); with `validate`, a validation at the end of each epoch
+    (`val_loss` logged with `sync_dist=True`). Each survivor's final replica, recorded replicas, step end times, the
+    decisions and the last `val_loss` (NaN without `validate`)."""
     model = Mortal(deaths, root, record, stops, seed=init_seed(rank), **MOMENTUM_SGD)
     callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
     strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
     trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
-    trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH))
+    trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
     return {
         "replica": flat(model),
         "recorded": model.recorded,
@@ -87,6 +89,7 @@ def survive(
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
+        "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
     }
 
 

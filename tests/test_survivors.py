@@ -4,6 +4,7 @@ and as the simulation predicts (docs/reliability.md, "Surviving a failure")."""
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import signal
@@ -53,9 +54,12 @@ def _decision(members: tuple[int, ...], lost: tuple[int, ...], step: int, genera
 def test_the_survivors_of_a_killed_rank_finish_and_their_checkpoint_resumes_exactly_on_three(tmp_path: Path) -> None:
     """4 ranks on a ring; rank 2 is killed when step 20 of 60 starts. Ranks 0, 1 and 3 agree on one step (20, or 21
     when rank 0, which is not rank 2's neighbour, had finished exchange 20 first), finish all 60 steps and exit 0, as
-    ranks 0, 1 and 2 of 3. The checkpoint of step 30 has 3 shards and its x̄ is theirs; resumed on 3 plain
+    ranks 0, 1 and 2 of 3; Lightning's validation at the end of each epoch (x̄, and `val_loss` reduced with
+    `sync_dist=True`) runs among them. The checkpoint of step 30 has 3 shards and its x̄ is theirs; resumed on 3 plain
     processes, each continues bit for bit to their replicas of step 60."""
-    results, codes = _every_rank_exits(workers.survive, 4, root=str(tmp_path), deaths={2: 20}, steps=60, save_at=30)
+    results, codes = _every_rank_exits(
+        workers.survive, 4, root=str(tmp_path), deaths={2: 20}, steps=60, save_at=30, validate=True
+    )
     assert codes == [0, 0, -9, 0] and results[2] is None
     survivors = [results[r] for r in (0, 1, 3)]
     (decision,) = survivors[0]["decisions"]
@@ -63,6 +67,8 @@ def test_the_survivors_of_a_killed_rank_finish_and_their_checkpoint_resumes_exac
     for new_rank, r in enumerate(survivors):
         assert r["decisions"] == [decision] and (r["rank"], r["world_size"], r["global_step"]) == (new_rank, 3, 60)
     assert torch.isfinite(torch.stack([r["replica"] for r in survivors]).mean(0)).all()  # x̄ of the survivors
+    val_losses = [r["val_loss"] for r in survivors]  # each survivor validates its own data: equal once reduced
+    assert math.isfinite(val_losses[0]) and val_losses == pytest.approx([val_losses[0]] * 3, rel=1e-6)
 
     checkpoint = tmp_path / "epoch=2-step=30.ckpt"
     shards = sorted(p.name.split(".")[0] for p in Path(f"{checkpoint}.shards").iterdir())
