@@ -409,19 +409,23 @@ class Survives:
         survivors = self.driver.survivors
         return list(survivors.membership.decisions) if survivors is not None else []
 
-    def start_surviving(
-        self, mixer: Any, device: Any, backend: str, timeout: timedelta, warn: Callable[[str], None], launched_here: bool
-    ) -> None:
+    @property
+    def launched_by_lightning(self) -> bool:
+        """Whether Lightning's own launcher started this rank (`devices=n` from a script, or a `_spawn`/`_fork`
+        strategy): it ends every process as soon as one fails, so with it no rank survives a failure."""
+        return self._start_method != "popen" or not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]
+
+    def start_surviving(self, mixer: Any, device: Any, backend: str, timeout: timedelta, warn: Callable[[str], None]) -> None:
         """With `on_peer_failure="continue"`: agree on a run number (every rank together, on the default group), start
         this rank's heartbeat, watch `mixer`'s exchanges, and `warn` if the job's store cannot outlive a worker, or
-        if Lightning's own launcher started the ranks (`launched_here`: it ends them all when one fails)."""
+        if Lightning's own launcher started the ranks."""
         if self.options.on_peer_failure != "continue":
             return
-        if launched_here:
+        if self.launched_by_lightning:
             warn(
                 "on_peer_failure='continue' under Lightning's own launcher (devices=n, or a '_spawn'/'_fork' strategy): "
                 "it stops every process as soon as one fails, so no rank survives. Launch with lightning-decentral-launch "
-                "(or torchrun --nproc-per-node=1 per worker, or srun without --kill-on-bad-exit)."
+                "(or one process per worker, e.g. srun without --kill-on-bad-exit)."
             )
         run = int(Ranks.of_world(device).gather([secrets.randbits(62)], "Starting the survivors' membership")[0, 0])
         min_workers = self.options.min_workers_for(self.world_size)

@@ -180,3 +180,20 @@ def test_on_peer_failure_and_min_workers_are_checked_before_anything_runs(on_pee
         DecentralizedStrategy(on_peer_failure=on_peer_failure, min_workers=0)
     with pytest.raises(ValueError, match="min_workers=5 is more than the 4 workers of the run: pass at most 4"):
         trainer_for(4, DecentralizedStrategy(on_peer_failure=on_peer_failure, min_workers=5))
+
+
+def test_a_launch_by_lightning_is_told_apart_from_one_process_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's own launcher (devices=n from a script, or '_spawn') ends every process when one fails: the strategy
+    knows it was started that way (and warns at start with "continue"); a process started by another launcher
+    (LOCAL_RANK and the rest set) was not."""
+    from lightning_decentral import DecentralizedStrategy
+    from tests.workers import trainer_for
+
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    assert trainer_for(2, DecentralizedStrategy(on_peer_failure="continue")).strategy.launched_by_lightning
+    assert trainer_for(2, DecentralizedStrategy(on_peer_failure="continue", start_method="spawn")).strategy.launched_by_lightning
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not trainer_for(2, DecentralizedStrategy(on_peer_failure="continue")).strategy.launched_by_lightning

@@ -210,8 +210,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
         self._mixer = Gossip.on_new_group(
             self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
         )
-        launched_here = self._start_method != "popen" or not self.cluster_environment.creates_processes_externally
-        self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn, launched_here)
+        self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn)
         self._module = module
         self._hooks = [module.register_forward_pre_hook(self._before_forward)]
         return module

@@ -59,7 +59,8 @@ def store_host(store: Any) -> tuple[bool, str]:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return False, (
             "torchrun's agent on the first node hosts the job's store, but torchrun stops every worker of a node when "
-            "one of them fails: launch one torchrun per worker (--nproc-per-node=1), or with lightning-decentral-launch"
+            "one of them fails: launch with lightning-decentral-launch, or one process per worker (srun without "
+            "--kill-on-bad-exit)"
         )
     return False, (
         "rank 0's process hosts the job's store (a launch by Lightning, mp.spawn, srun or a plain env:// process "

@@ -211,8 +211,7 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
             self._mixer = Gossip.on_new_group(
                 self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
             )
-        launched_here = self._start_method != "popen" or not self.cluster_environment.creates_processes_externally
-        self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn, launched_here)
+        self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn)
 
     def on_survivors(self, decision: Decision) -> None:
         """After a failure, in the survivors' process group: Lightning's rank-zero utilities follow the new rank."""
