@@ -6,6 +6,7 @@ the option costs when nothing fails. One command per table of ``docs/reliability
     python benchmarks/survive.py accuracy               # digits, 16 simulated workers, 0 / 1 / 4 / 8 lost; 5 seeds
     python benchmarks/survive.py overhead               # failure-free step time, "continue" against "stop"
     python benchmarks/survive.py recovery --repeats 1 --out table.md --out results.json
+    python benchmarks/survive.py accuracy --smoke                 # a couple of steps (tests/test_benchmarks_smoke.py)
 
 * ``recovery``: each run is ``lightning-decentral-launch --nproc-per-node 4`` of this script (``--worker``): a
   ``Trainer`` with ``DecentralizedStrategy(on_peer_failure="continue", timeout=30 s)``, ring, AWC, the MLP of
@@ -186,11 +187,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--at", type=int, default=20)
     parser.add_argument("--widths", default=",".join(map(str, SMALL)))
     parser.add_argument("--out", action="append", default=[])
+    parser.add_argument("--smoke", action="store_true", help="a couple of steps: 1 seed of 1 epoch, 1 repeat of 8 steps")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)  # a worker's output directory
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
+    if args.smoke:
+        args.seeds, args.epochs, args.repeats, args.steps, args.at, args.warmup = 1, 1, 1, 8, 3, 2
     body, table = {"recovery": recovery, "accuracy": accuracy, "overhead": overhead}[args.part](args)
     body["command"] = harness.command_line(__file__, argv)
     print(table)
