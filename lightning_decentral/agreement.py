@@ -45,6 +45,14 @@ class Ranks:
     def __init__(self, rank: int, world_size: int, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
         self.rank, self.world_size, self.device, self.group = rank, world_size, device, group
 
+    @classmethod
+    def of_world(cls, device: torch.device) -> Ranks:
+        """The ranks of the default process group now (one rank before there is one): after a failure, the
+        survivors' (or this rank alone, while they agree)."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), device)
+        return cls(0, 1, device)
+
     def gather(self, values: list[int], what: str = "An all-gather of the ranks' agreement") -> Tensor:
         """Every rank's `values`: a `[world_size, len(values)]` int64 CPU tensor (one all-gather); `what` names it
         in the error if a rank fails meanwhile."""
@@ -336,6 +344,8 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "gossip_dtype": str(options.gossip_dtype),
         "staleness": options.staleness,
         "delays": schedule_name(options.delays),
+        "on_peer_failure": options.on_peer_failure,
+        "min_workers": options.min_workers_for(strategy.world_size),
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),

@@ -14,6 +14,7 @@ driver.build_rule(replica, mixer, optimizers, ...)  RULES[options.rule](...)   (
 driver.begin(k)                                     plan = schedule.plan(k, epoch); runner.begin_step(plan)
 driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
 driver.drain(); driver.teardown()                   at the end of training; when the run is over
+driver.keep(members, first_step)                    after a failure: W of the survivors (then rebind_mixers)
 ```
 
 Lightning-free: a single process drives the same lifecycle over a
@@ -22,14 +23,18 @@ Lightning-free: a single process drives the same lifecycle over a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import secrets
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from datetime import timedelta
 from typing import Any, Optional, Protocol
 
 from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.measures import random_state
+from lightning_decentral.agreement import Ranks
+from lightning_decentral.membership import Decision, Survivors
 from lightning_decentral.mixing import ExchangeObserver, Mixer, check_stale_topology
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.replicas import Replica
@@ -93,6 +98,7 @@ class StepDriver:
         self.runner: Optional[StepRunner] = None
         self.observers: list[ExchangeObserver] = []  # every attached mixer tells them of its exchanges
         self.residuals_measured = False  # measure_residuals() was called
+        self.survivors: Optional[Survivors] = None  # on_peer_failure="continue" on processes
         self._epoch = epoch
         self._mixers: list[Mixer] = []
         self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
@@ -105,6 +111,22 @@ class StepDriver:
         topology = resolve_topology(self.options.topology, world_size, num_nodes)
         check_stale_topology(topology, self.options.staleness)
         self.schedule = GossipSchedule(topology, self.options.gossip_every, self.options.gossip_steps)
+        self.options.min_workers_for(world_size)  # more than the world raises here
+
+    def keep(self, members: Sequence[int], first_step: int) -> None:
+        """Go on with the workers `members` of the current topology alone (the survivors of a failure, in order;
+        member `members[i]` becomes worker `i`): `W` for them ([`for_members`][lightning_decentral.topology.Topology.for_members])
+        and the steps before `first_step` local. The mixers follow with
+        [`rebind_mixers`][lightning_decentral.driver.StepDriver.rebind_mixers] (processes: once the survivors' group
+        exists)."""
+        schedule = self._schedule()
+        topology = schedule.topology.for_members(members)
+        self.schedule = GossipSchedule(topology, schedule.gossip_every, schedule.rounds_per_gossip, first_step)
+
+    def rebind_mixers(self) -> None:
+        """Every attached mixer mixes with the current topology from now on."""
+        for mixer in self._mixers:
+            mixer.rebind(self.topology)
 
     @property
     def topology(self) -> Topology:
@@ -158,6 +180,11 @@ class StepDriver:
     # -- one step -----------------------------------------------------------------------------
 
     @property
+    def alone(self) -> bool:
+        """Between the survivors' agreement after a failure and their process group: this rank runs alone."""
+        return self.survivors is not None and self.survivors.alone
+
+    @property
     def begun(self) -> bool:
         """Whether a step is begun and not yet stepped."""
         return self._plan is not None
@@ -165,6 +192,8 @@ class StepDriver:
     def begin(self, step: int) -> StepRunner:
         """The runner, with optimizer step `step` begun: planned once, whoever calls first (AWC posts `x(k)` here)."""
         runner = self._live()
+        if self.survivors is not None:
+            self.survivors.begin(step)  # the survivors of a failure mix again from here: their group first
         if self._plan is None or self._plan.step != step:
             self._plan = self.plan(step)
             runner.begin_step(self._plan)
@@ -357,3 +386,76 @@ class Driven:
     def worker_random_states(self) -> list[dict[str, Any]]:
         """The random state this rank's training forward draws from."""
         return [random_state(self.root_device)]
+
+
+class Survives:
+    """What an executor on processes adds for `on_peer_failure="continue"` (the Trainer's and Fabric's
+    `DecentralizedStrategy`; list it before Lightning's strategy class): its rank and world size follow the
+    survivors of a failure, and `start_surviving`/`stop_surviving` bracket a run
+    ([`Survivors`][lightning_decentral.membership.Survivors] does the rest, from the mixer's waits)."""
+
+    driver: StepDriver
+    options: GossipOptions
+
+    @property
+    def global_rank(self) -> int:
+        """This rank's rank; after a failure, among the survivors (in the order of their first ranks)."""
+        survivors = self.driver.survivors
+        if survivors is not None and survivors.membership.generation:
+            return survivors.membership.rank
+        return super().global_rank  # type: ignore[misc]
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks; after a failure, of survivors."""
+        survivors = self.driver.survivors
+        if survivors is not None and survivors.membership.generation:
+            return survivors.membership.world_size
+        return super().world_size  # type: ignore[misc]
+
+    @property
+    def first_rank(self) -> int:
+        """This rank's global rank when the run started (a failure renumbers the survivors)."""
+        survivors = self.driver.survivors
+        return survivors.membership.first_rank if survivors is not None else self.global_rank
+
+    @property
+    def failures_survived(self) -> list[Decision]:
+        """The survivors' decisions of the run so far (or of the last one), one per failure survived."""
+        survivors = self.driver.survivors
+        return list(survivors.membership.decisions) if survivors is not None else []
+
+    @property
+    def launched_by_lightning(self) -> bool:
+        """Whether Lightning's own launcher started this rank (`devices=n` from a script, or a `_spawn`/`_fork`
+        strategy): it ends every process as soon as one fails, so with it no rank survives a failure."""
+        return self._start_method != "popen" or not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]
+
+    def start_surviving(self, mixer: Any, device: Any, backend: str, timeout: timedelta, warn: Callable[[str], None]) -> None:
+        """With `on_peer_failure="continue"`: agree on a run number (every rank together, on the default group), start
+        this rank's heartbeat, watch `mixer`'s exchanges, and `warn` if the job's store cannot outlive a worker, or
+        if Lightning's own launcher started the ranks."""
+        if self.options.on_peer_failure != "continue":
+            return
+        if self.launched_by_lightning:
+            warn(
+                "on_peer_failure='continue' under Lightning's own launcher (devices=n, or a '_spawn'/'_fork' strategy): "
+                "it stops every process as soon as one fails, so no rank survives. Launch with lightning-decentral-launch "
+                "(or one process per worker, e.g. srun without --kill-on-bad-exit)."
+            )
+        run = int(Ranks.of_world(device).gather([secrets.randbits(62)], "Starting the survivors' membership")[0, 0])
+        min_workers = self.options.min_workers_for(self.world_size)
+        survivors, warning = Survivors.start(self.driver, run, min_workers, backend, timeout, self.on_survivors)
+        survivors.watch(mixer)
+        self.driver.survivors = survivors
+        if warning:
+            warn(warning)
+
+    def on_survivors(self, decision: Decision) -> None:
+        """The survivors' process group exists and this rank is rank `self.global_rank` of it (the executor updates
+        what it caches)."""
+
+    def stop_surviving(self) -> None:
+        """Stop the heartbeat (the run is over, or failed); the ranks stay the survivors'."""
+        if self.driver.survivors is not None:
+            self.driver.survivors.close()

@@ -23,6 +23,7 @@ naming the choices). Python code may also pass a numpy array, a tensor or a `net
 COMBINE = ("awc", "atc")
 EVAL_ON = ("average", "local")
 MOMENTUM = ("local", "decentlam")
+ON_PEER_FAILURE = ("stop", "continue")
 GOSSIP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GossipDtypeName = Literal[tuple(str(d).removeprefix("torch.") for d in GOSSIP_DTYPES)]  # type: ignore[valid-type]
 """`gossip_dtype` by name (`"bfloat16"`, `"float16"`, `"float32"`): what a YAML config or the command line gives."""
@@ -46,7 +47,9 @@ class GossipOptions:
     The fields are the strategies' arguments of the same names (see
     [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]); `gossip_steps` is kept as a
     [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule] and `gossip_dtype` as a `torch.dtype` (or `None`).
-    The topology stays as given: it is bound to the world size by the [driver][lightning_decentral.driver.StepDriver].
+    The topology stays as given: it is bound to the world size by the [driver][lightning_decentral.driver.StepDriver],
+    which also checks `min_workers` against it (`None`: half the workers, rounded up; see
+    [`min_workers_for`][lightning_decentral.options.GossipOptions.min_workers_for]).
 
     Examples:
         >>> options = GossipOptions(combine="atc", gossip_steps={"epoch": {0: 4, 5: 1}}, gossip_dtype="bfloat16")
@@ -73,9 +76,14 @@ class GossipOptions:
     gossip_dtype: Optional[Union[torch.dtype, str]] = None
     staleness: int = 0
     delays: Optional[DelaySchedule] = None
+    on_peer_failure: str = "stop"
+    min_workers: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check_choice("combine", self.combine, COMBINE)
+        _check_choice("on_peer_failure", self.on_peer_failure, ON_PEER_FAILURE)
+        if self.min_workers is not None:
+            _check_positive_int("min_workers", self.min_workers, "the fewest workers a run goes on with")
         _check_choice("eval_on", self.eval_on, EVAL_ON)
         _check_choice("momentum", self.momentum, MOMENTUM)
         cap = self.bucket_cap_mb
@@ -109,6 +117,8 @@ class GossipOptions:
             (self.gossip_every != 1, f"gossip_every={self.gossip_every}", "use gossip_every=1"),
             (self.gossip_steps != RoundsSchedule.of(1), f"gossip_steps={self.gossip_steps}", "use gossip_steps=1"),
             (self.gossip_dtype is not None, f"gossip_dtype={self.gossip_dtype}", "use gossip_dtype=None"),
+            (self.on_peer_failure != "stop", f"on_peer_failure={self.on_peer_failure!r} (the survivors rebuild the "
+             "graph at one agreed step, which ranks steps apart cannot name)", "use on_peer_failure='stop'"),
         ]
         for bad, what, fix in unsupported:
             if bad:
@@ -121,6 +131,23 @@ class GossipOptions:
     def rule(self) -> str:
         """The update rule `momentum` and `combine` select ([`rule_name`][lightning_decentral.options.rule_name])."""
         return rule_name(self.momentum, self.combine)
+
+    def min_workers_for(self, world_size: int) -> int:
+        """The fewest survivors a run of `world_size` workers goes on with: `min_workers`, or half the workers
+        rounded up (below that, more than half the data shards are no longer visited: a different experiment
+        rather than a degraded one). Raises `ValueError` if `min_workers` exceeds `world_size`.
+
+        Examples:
+            >>> GossipOptions(on_peer_failure="continue").min_workers_for(5), GossipOptions(min_workers=2).min_workers_for(8)
+            (3, 2)
+        """
+        if self.min_workers is None:
+            return (world_size + 1) // 2
+        if self.min_workers > world_size:
+            raise ValueError(
+                f"min_workers={self.min_workers} is more than the {world_size} workers of the run: pass at most {world_size}."
+            )
+        return self.min_workers
 
     @property
     def bucket_bytes(self) -> int:
@@ -147,9 +174,9 @@ def _check_gossip_dtype(dtype: Any) -> Optional[torch.dtype]:
     return resolved
 
 
-def _check_positive_int(name: str, value: Any) -> None:
+def _check_positive_int(name: str, value: Any, meaning: str = "1 = every step") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive integer (1 = every step), got {value!r}.")
+        raise ValueError(f"`{name}` must be a positive integer ({meaning}), got {value!r}.")
 
 
 REGISTERED = (

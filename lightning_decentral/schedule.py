@@ -154,6 +154,7 @@ class GossipSchedule:
         gossip_every: gossip on every this many steps (1: every step).
         rounds: rounds of `W(k)` on a step that gossips: an integer, a `RoundsSchedule` or its
             dictionary form (`{"epoch": {0: 4, 5: 2}}`).
+        first_step: the steps before it are local (the survivors of a failure mix again from there).
 
     Raises:
         ValueError: if the steps that gossip never connect every rank (a time-varying topology
@@ -169,11 +170,16 @@ class GossipSchedule:
         >>> by_epoch = GossipSchedule(Ring(world_size=4), rounds={"epoch": {0: 4, 2: 1}})
         >>> by_epoch.plan(7, epoch=1), by_epoch.plan(8, epoch=2)
         (StepPlan(step=7, rounds=4), StepPlan(step=8, rounds=1))
+        >>> [GossipSchedule(Ring(world_size=3), first_step=2).rounds(k) for k in range(4)]  # survivors, from step 2
+        [0, 0, 1, 1]
     """
 
-    def __init__(self, topology: Topology, gossip_every: int = 1, rounds: Union[int, RoundsSchedule, dict] = 1) -> None:
+    def __init__(
+        self, topology: Topology, gossip_every: int = 1, rounds: Union[int, RoundsSchedule, dict] = 1, first_step: int = 0
+    ) -> None:
         self.topology = topology
         self.gossip_every = gossip_every
+        self.first_step = first_step
         self.rounds_per_gossip = RoundsSchedule.of(rounds)
         if gossip_every > 1 and topology.period > 1:  # only the phases (k + 1) % p == 0 mix
             cycle = math.lcm(gossip_every, topology.period)
@@ -186,7 +192,7 @@ class GossipSchedule:
 
     def rounds(self, step: int, epoch: int = 0) -> int:
         """Rounds of `W(step)` at optimizer step `step`, in epoch `epoch` (0: a local step)."""
-        if (step + 1) % self.gossip_every or self.topology.is_identity(step):
+        if step < self.first_step or (step + 1) % self.gossip_every or self.topology.is_identity(step):
             return 0
         return self.rounds_per_gossip.rounds(step, epoch)
 

@@ -106,6 +106,7 @@ class Config:
     delays: Optional[Callable[[int, int, int, int], int]] = None  # (worker, neighbour, step, staleness) -> d
     restarts: tuple[int, ...] = ()  # steps a run resumed at: a neighbour's earlier steps are not used after them
     epoch_steps: Optional[int] = None  # the data of this many steps, again every epoch (None: new data every step)
+    failures: dict = field(default_factory=dict)  # {step: [ranks]}: they die there; the step is local for the others
 
     @property
     def samples(self) -> int:
@@ -159,7 +160,8 @@ def run(config: Config, n: int) -> torch.Tensor:
     """Every replica's parameters (then its floating buffers) after ``config.steps`` steps, ``n × d``.
 
     Buffers are mixed with the same ``W``: AWC ``b(k+1) = W b(k) + (b_forward − b(k))``, the other
-    rules ``b(k+1) = W b_forward``.
+    rules ``b(k+1) = W b_forward``. ``config.failures``: at step ``k`` the ranks listed die, step ``k`` is a local
+    step for the others, and from ``k + 1`` they mix with the named topology at their number (rows: the survivors).
     """
     start = initial_net(init_seed(0), config.batch_norm).to(config.dtype)  # rank 0's initial weights
     replicas = [copy.deepcopy(start) for _ in range(n)]
@@ -167,19 +169,24 @@ def run(config: Config, n: int) -> torch.Tensor:
     schedulers = [make_scheduler(o, config.scheduler) for o in optimizers]
     data = [rank_data(i, config.samples, config.dtype) for i in range(n)]
     history = StaleHistory(config, n)
+    alive = list(range(n))
     for k in range(config.steps):
+        lost = config.failures.get(k, [])
+        if lost:
+            keep = [i for i, rank in enumerate(alive) if rank not in lost]
+            replicas, optimizers, schedulers, alive = ([v[i] for i in keep] for v in (replicas, optimizers, schedulers, alive))
         buffers_before = torch.stack([_flat_buffers(r) for r in replicas]).double()
         for i, (replica, optimizer) in enumerate(zip(replicas, optimizers)):
             optimizer.zero_grad()
             for a in range(config.accumulate):
                 b = (k % config.epoch_steps if config.epoch_steps else k) * config.accumulate + a
                 rows = slice(b * config.batch_size, (b + 1) * config.batch_size)
-                x, y = data[i][0][rows], data[i][1][rows]
+                x, y = data[alive[i]][0][rows], data[alive[i]][1][rows]
                 (nn.functional.mse_loss(replica(x), y) / config.accumulate).backward()
             if config.clip is not None:
                 nn.utils.clip_grad_norm_(replica.parameters(), config.clip)
         before = torch.stack([_flat(r) for r in replicas]).double()
-        rounds = scheduled_rounds(config, k) if (k + 1) % config.gossip_every == 0 else 0
+        rounds = scheduled_rounds(config, k) if (k + 1) % config.gossip_every == 0 and not lost else 0
         mix = lambda x, key="x": history.mix(x, k, key) if config.staleness else gossip(x, config, k, rounds)  # noqa: E731
         if config.momentum == "decentlam":
             _decentlam_gradients(replicas, optimizers, mix)

@@ -96,7 +96,9 @@ def interleaved_loader(config: Config, workers: int) -> DataLoader:
 def fit_simulated_on_rank_data(config: Config, workers: int, vectorize: bool = False) -> torch.Tensor:
     """``config`` simulated on the dense reference's per-rank data: every worker's final state, ``n × d``."""
     model = LoggingRegression(seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
-    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
+    strategy = SimulatedDecentralizedStrategy(
+        workers=workers, vectorize=vectorize, failures=config.failures, **config.strategy_kwargs()
+    )
     _trainer(strategy, config, 1).fit(model.to(config.dtype), train_dataloaders=interleaved_loader(config, workers))
     return torch.stack([_state(module) for module in strategy.worker_modules()])
 

@@ -50,6 +50,14 @@ def test_restart_smoke(tmp_path: Path) -> None:
     assert rows[0]["ratio_to_none"] == 1.0 and all(row["mean_step_s"] > 0 for row in rows)
 
 
+def test_survive_accuracy_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "survive.json"
+    _run_smoke("survive.py", "accuracy", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["at_step"] == 1 and list(result["accuracy"]) == ["none lost", "1 lost", "4 lost", "8 lost"]
+    assert all(len(values) == 1 and 0 <= values[0] <= 1 for values in result["accuracy"].values())
+
+
 def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],

@@ -112,3 +112,30 @@ def test_the_strategy_binds_lightnings_node_layout() -> None:
     trainer = workers.trainer_for(3, DecentralizedStrategy(topology="hierarchical"), num_nodes=2)
     topology = trainer.strategy.topology
     assert isinstance(topology, Hierarchical) and (topology.node_size, topology.num_nodes) == (3, 2)
+
+
+def test_a_lost_rank_leaves_its_node_and_its_group_across_nodes() -> None:
+    """3 nodes x 4, complete inside, ring across; rank 1 (node 0, local rank 1) dies, then rank 6 (node 1, local 2)."""
+    topology = Hierarchical("complete", "ring", ranks_per_node=4).bind(12)
+    once = topology.for_members([r for r in range(12) if r != 1])  # old rank r > 1 is new rank r - 1
+    assert once.node_sizes == (3, 4, 4) and once.world_size == 11
+    inner, outer = once.levels()
+    assert inner.groups == [[0, 1, 2], [3, 4, 5, 6], [7, 8, 9, 10]]
+    assert outer.groups == [[0, 3, 7], [4, 8], [1, 5, 9], [2, 6, 10]]  # local rank 1's group lost node 0
+    assert [repr(p) for p in outer.parts] == ["Ring(world_size=3)", "Ring(world_size=2)"] + ["Ring(world_size=3)"] * 2
+    w = once.mixing(0)
+    np.testing.assert_allclose(w, outer.matrix(0, 11) @ inner.matrix(0, 11))
+    np.testing.assert_allclose(w.sum(0), 1.0, atol=1e-12)
+    np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-12)
+    twice = once.for_members([r for r in range(11) if r != 5])  # old rank 6
+    assert twice.node_sizes == (3, 3, 4) and repr(twice).startswith("Hierarchical(inner='complete', outer='ring', node_sizes=(3, 3, 4)")
+    assert twice.levels()[1].groups == [[0, 3, 6], [4, 7], [1, 8], [2, 5, 9]]
+    assert 0 < twice.spectral_gap() <= 1
+
+
+def test_a_node_left_with_one_rank_mixes_only_across_nodes() -> None:
+    topology = Hierarchical("ring", "complete", ranks_per_node=2).bind(6)
+    survivors = topology.for_members([0, 2, 3, 4, 5])  # node 0 keeps rank 0 alone
+    assert survivors.node_sizes == (1, 2, 2)
+    assert survivors.levels()[0].groups == [[1, 2], [3, 4]]
+    assert [j for j, _ in survivors.in_neighbors(0, 0)] == [1, 2, 3, 4]  # rank 0's group across: 0, 1, 3

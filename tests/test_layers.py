@@ -22,11 +22,12 @@ LAYERS = [
     ["replicas", "checkpoint", "measures", "data"],
     ["files"],
     ["gossip", "mixing"],
+    ["membership"],
     ["algorithms"],
     ["topology"],
     ["failures", "rendezvous"],
 ]
-WITHOUT_LIGHTNING = ["stop", "failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["stop", "failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:

@@ -73,6 +73,40 @@ def test_every_rule_matches_the_dense_reference(config: Config, vectorize: bool)
     torch.testing.assert_close(simulated.double(), run(config, WORLD).double(), atol=1e-5, rtol=0)
 
 
+FAILURE_CONFIGS = [
+    Config("awc_ring_loses_2", optimizer=SGD, failures={3: [2]}),
+    Config("atc_one_peer_loses_0_then_5", topology="one_peer_exponential", combine="atc", optimizer=SGD, failures={2: [0], 4: [5]}),
+    Config("decentlam_exponential_loses_1_and_4", topology="exponential", momentum="decentlam", optimizer=SGD,
+           failures={2: [1, 4]}, batch_norm=True),
+]
+
+
+@pytest.mark.parametrize("config", FAILURE_CONFIGS, ids=lambda c: c.name)
+def test_workers_lost_on_the_way_match_the_dense_reference(config: Config) -> None:
+    """6 workers; the lost ones leave at their step (a local step for the others), the survivors go on with the
+    named topology at their number, each with its own replica, optimizer state and data (worker 0, the
+    LightningModule, may be lost too: the next survivor moves into it)."""
+    from tests.reference import run
+
+    simulated = sim.fit_simulated_on_rank_data(config, 6)
+    expected = run(config, 6)
+    assert simulated.shape == expected.shape == (6 - sum(len(v) for v in config.failures.values()), expected.shape[1])
+    torch.testing.assert_close(simulated.double(), expected.double(), atol=1e-5, rtol=0)
+
+
+def test_failures_that_cannot_run_are_refused() -> None:
+    from lightning_decentral import SimulatedDecentralizedStrategy
+
+    for failures, match in [
+        ({3: [4]}, r"ranks in \[0, 4\)"), ({3: [1], 5: [1]}, "each at most once"), ({-1: [1]}, "an integer >= 0"),
+        ({1: [0, 1], 2: [2, 3]}, "loses all 4 workers"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SimulatedDecentralizedStrategy(workers=4, failures=failures)
+    with pytest.raises(ValueError, match="use vectorize=False"):
+        SimulatedDecentralizedStrategy(workers=4, failures={1: [2]}, vectorize=True)
+
+
 def test_each_worker_draws_from_its_own_random_state(monkeypatch) -> None:
     """Dropout masks: worker i draws what rank i draws (every rank starts from the same seed)."""
     config = Config("awc_dropout", optimizer=SGD)

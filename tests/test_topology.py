@@ -343,3 +343,72 @@ def test_graph_mixed_node_labels() -> None:
     np.testing.assert_allclose(
         GraphTopology(nx.convert_node_labels_to_integers(graph)).mixing(), Ring(world_size=3).mixing(), atol=1e-15
     )
+
+
+# -- the topology of the survivors (for_members) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("topology", "members", "expected"),
+    [
+        (Ring(world_size=5), [0, 1, 3, 4], Ring(world_size=4)),
+        (OnePeerExponential(world_size=8), [0, 1, 2, 3, 4, 5, 7], OnePeerExponential(world_size=7)),
+        (Exponential(world_size=8), [1, 2, 3, 4, 5, 6, 7], Exponential(world_size=7)),
+        (Complete(world_size=4), [0, 3], Complete(world_size=2)),
+        (Torus(world_size=16), list(range(15)), Torus(world_size=15)),  # 4 x 4 -> 3 x 5
+    ],
+    ids=["ring", "one_peer_exponential", "exponential", "complete", "torus"],
+)
+def test_a_named_topology_of_the_survivors_is_the_same_kind_at_the_new_size(
+    topology: Topology, members: list[int], expected: Topology
+) -> None:
+    survivors = topology.for_members(members)
+    assert repr(survivors) == repr(expected)
+    for step in range(expected.period):
+        np.testing.assert_array_equal(survivors.mixing(step), expected.mixing(step))
+
+
+def _metropolis_hastings_of(edges: set[tuple[int, int]], n: int) -> np.ndarray:
+    """The Metropolis-Hastings matrix of an undirected edge set, written out here."""
+    degree = [sum(1 for e in edges if i in e) for i in range(n)]
+    w = np.zeros((n, n))
+    for i, j in edges:
+        w[i, j] = w[j, i] = 1 / (1 + max(degree[i], degree[j]))
+    return w + np.diag(1 - w.sum(axis=1))
+
+
+def test_a_matrix_of_the_survivors_is_their_induced_subgraph_with_metropolis_hastings_weights() -> None:
+    # two phases on 5 ranks; rank 1 dies. Phase 0: the path 0-1-2-3-4 plus the chord 0-2 (the survivors keep
+    # 0-2, 2-3, 3-4); phase 1: a directed cycle 0->1->2->3->4->0 (edges count in either direction).
+    path = _metropolis_hastings_of({(0, 1), (1, 2), (2, 3), (3, 4), (0, 2)}, 5)
+    cycle = (np.eye(5) + np.roll(np.eye(5), 1, axis=1)) / 2
+    survivors = MatrixTopology([path, cycle]).for_members([0, 2, 3, 4])  # new ranks 0, 1, 2, 3
+    np.testing.assert_allclose(survivors.mixing(0), _metropolis_hastings_of({(0, 1), (1, 2), (2, 3)}, 4))
+    np.testing.assert_allclose(survivors.mixing(1), _metropolis_hastings_of({(1, 2), (2, 3), (3, 0)}, 4))
+    assert survivors.period == 2
+
+
+def test_a_graph_of_the_survivors_is_the_graph_they_induce() -> None:
+    graph = nx.petersen_graph()
+    members = [m for m in range(10) if m not in (3, 7)]
+    induced = nx.convert_node_labels_to_integers(graph.subgraph(members), ordering="sorted")
+    np.testing.assert_allclose(GraphTopology(graph).for_members(members).mixing(), GraphTopology(induced).mixing())
+
+
+def test_a_torus_that_does_not_fit_the_survivors_becomes_their_induced_subgraph() -> None:
+    survivors = Torus(world_size=6).for_members([0, 1, 2, 4, 5])  # 2 x 3 -> 5 ranks, prime
+    torus = Torus(world_size=6).mixing()[np.ix_([0, 1, 2, 4, 5], [0, 1, 2, 4, 5])]
+    edges = {(i, j) for i in range(5) for j in range(i + 1, 5) if torus[i, j] > 0}
+    np.testing.assert_allclose(survivors.mixing(), _metropolis_hastings_of(edges, 5))
+
+
+def test_survivors_that_fall_apart_and_bad_members_are_refused() -> None:
+    star = GraphTopology(nx.star_graph(3))  # the centre 0 dies: the leaves share no edge
+    with pytest.raises(ValueError, match="not connected"):
+        star.for_members([1, 2, 3])
+    ring = Ring(world_size=4)
+    for members in ([], [0, 0, 1], [2, 1], [0, 4]):
+        with pytest.raises(ValueError, match=r"members must be ranks in \[0, 4\) in increasing order"):
+            ring.for_members(members)
+    assert ring.for_members([0, 1, 2, 3]) is ring
+    assert Ring(world_size=4).for_members([2]).mixing().tolist() == [[1.0]]

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.driver import StepDriver
 from lightning_decentral.files import with_atomic_writes
 
 STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
@@ -101,6 +102,7 @@ class ShardedCheckpoints:
     (the strategy's own checkpoint hooks, kept apart from its step)."""
 
     step: int  # and Fabric's DDPStrategy's: global_rank, world_size, precision, checkpoint_io, load/save_checkpoint
+    driver: StepDriver
     _live: Callable[[Optional[Any]], Any]
     _module: Optional[Module]
     _optimizer: Optional[Optimizer]
@@ -124,6 +126,9 @@ class ShardedCheckpoints:
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
         self.check_outside_the_graph("fabric.save")
+        if self.driver.alone:
+            rank_zero_warn(f"{path} is not saved: the survivors of a failure take this step alone, before they mix again.")
+            return None
         self.agree(f"fabric.save({str(path)!r})")
         with self.averaged_model(agree=False):  # agreed above: the averaging's all-reduce is the save's first collective
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})

@@ -16,7 +16,8 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import _init_dist_connection
-from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -24,11 +25,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral.agreement import Activities, Ranks, parameter_deviations, run_configuration
-from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
+from lightning_decentral.driver import Driven, StepDriver, StepRunner, Survives, check_one_optimizer
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints
 from lightning_decentral.failures import DEFAULT_TIMEOUT
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients, random_state
+from lightning_decentral.membership import Decision
 from lightning_decentral.mixing import FABRIC, DelaySchedule
 from lightning_decentral.options import GossipDtypeName, GossipOptions, register_strategies
 from lightning_decentral.rendezvous import connect
@@ -38,13 +40,13 @@ from lightning_decentral.schedule import RoundsSchedule
 
 
 
-class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
+class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
     """Fabric's decentralized data-parallel strategy: each rank keeps its own replica and gossips it.
 
     The update rules and their arguments are those of the Trainer's
     [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] (`topology`, `combine`,
     `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
-    `gossip_dtype`, `staleness`, `delays`); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`,
+    `gossip_dtype`, `staleness`, `delays`, `on_peer_failure`, `min_workers`); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`,
     `precision`, `process_group_backend`, `timeout`, `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s
     (`timeout`, 5 minutes unless given, bounds every exchange: a dead or silent rank ends the others within it, and
     ranks that call different collectives, `fabric.load` on one and a step on another, stop at once); any other
@@ -82,6 +84,8 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
         staleness: int = 0,
         delays: Optional[DelaySchedule] = None,
+        on_peer_failure: Literal["stop", "continue"] = "stop",
+        min_workers: Optional[int] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -93,7 +97,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
     ) -> None:
         options = GossipOptions(
             topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
-            staleness, delays,
+            staleness, delays, on_peer_failure, min_workers,
         )
         super().__init__(
             accelerator=accelerator,
@@ -245,6 +249,7 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
                 self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
             )
         self._mixer.phrasing = FABRIC
+        self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn)
         self._module = module
         self._hooks = [module.register_forward_pre_hook(self._before_forward)]
         return module
@@ -338,8 +343,9 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
     def agree(self, what: str) -> None:
         """Right before a collective every rank must enter together: stop at once, naming what each rank does, if
         another rank does something else ([`Activities`][lightning_decentral.agreement.Activities]); a no-op before
-        set-up. Nothing else may be agreed or begun before that collective."""
-        if self._activities is not None:
+        set-up, and in the steps the survivors of a failure take alone (nobody to agree with). Nothing else may be
+        agreed or begun before that collective."""
+        if self._activities is not None and not self.driver.alone:
             self._activities.agree(what)
 
     def _begin_step(self) -> StepRunner:
@@ -370,16 +376,24 @@ class DecentralizedStrategy(Driven, ShardedCheckpoints, DDPStrategy):
         for hook in self._hooks:
             hook.remove()
         if self._mixer is not None:
-            self._mixer.leave()
+            self._mixer.leave(self.step)
+        self.stop_surviving()
         self._mixer = self._replica = self._module = self._optimizer = None
         self._hooks, self._forward_states, self._graph_pending, self._activities = [], [], False, None
         super().teardown()
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def on_survivors(self, decision: Decision) -> None:
+        """After a failure, in the survivors' process group (every survivor together): Lightning's rank-zero utilities
+        follow the new rank, and the ranks publish their activities among the survivors."""
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if self._activities is not None:
+            self._activities = Activities.of_group(self._ranks, self._timeout)
+
     @property
     def _ranks(self) -> Ranks:
-        return Ranks(self.global_rank, self.world_size, self.root_device)
+        return Ranks.of_world(self.root_device)
 
     @staticmethod
     def _live(value: Optional[Any]) -> Any:

@@ -43,7 +43,8 @@ from each neighbour, at most `s` steps old, over [`Links`][lightning_decentral.g
 threads that keep a receive posted so that no send waits for the receiver's training loop.
 """
 
-from lightning_decentral.gossip.engine import Gossip, PendingGossip
+from lightning_decentral.gossip.engine import Gossip
+from lightning_decentral.gossip.exchange import PendingGossip
 from lightning_decentral.gossip.links import Links
 from lightning_decentral.gossip.stale import PendingStale, StaleGossip
 

@@ -1,5 +1,6 @@
-"""[`Gossip`][lightning_decentral.gossip.Gossip], the mixer of one rank over `torch.distributed`, and its exchange in
-flight (the package docstring says how it exchanges)."""
+"""[`Gossip`][lightning_decentral.gossip.Gossip], the mixer of one rank over `torch.distributed` (the package docstring
+says how it exchanges; [`PendingGossip`][lightning_decentral.gossip.PendingGossip], in `exchange.py`, is one exchange
+in flight)."""
 
 from __future__ import annotations
 
@@ -12,95 +13,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_decentral.failures import peers_answer
-from lightning_decentral.mixing import TRAINER, ExchangeEvent, ExchangeObserver, notify_post, notify_wait, raise_if_not_finite
+from lightning_decentral.failures import PeerFailure, Survival, peers_answer, wait_works
+from lightning_decentral.gossip.exchange import PendingGossip
+from lightning_decentral.mixing import TRAINER, ExchangeEvent, ExchangeObserver, raise_if_not_finite
 from lightning_decentral.topology import Hierarchical, Topology
 
 _TRANSPORTS = (None, "p2p", "broadcast")
-
-
-class PendingGossip:
-    """An exchange in flight; `wait()` completes it and combines.
-
-    After `wait()`, `residuals` holds, when the engine measures them, one 0-dim tensor per
-    buffer: `‖x_i − Σ_j w_ij x_j‖²` of the first round, on this rank (no host sync); `None`
-    when nothing was exchanged or nothing was measured. In low precision it is `‖q_i − Σ_j w_ij q_j‖²`,
-    the update the exchange applied.
-    """
-
-    def __init__(
-        self,
-        gossip: "Gossip",
-        buffers: Sequence[Tensor],
-        step: int,
-        rounds: int,
-        tag: int,
-        out: Optional[Sequence[Tensor]] = None,
-        event: Optional[ExchangeEvent] = None,
-    ) -> None:
-        self._step, self._tag = step, tag
-        self._observers, self._event = list(gossip.observers), event
-        self._buffers = list(buffers)
-        self._out = None if out is None else list(out)
-        per_round = gossip._legs(step) if rounds else []
-        self._legs = per_round * rounds
-        self._first_round = len(per_round)
-        self._done = 0
-        self.residuals: Optional[list[Tensor]] = None
-        self._measure = gossip.measure_residuals and bool(self._legs)
-        # out=: a point-to-point first exchange reads the buffers directly; anything else runs on a copy in out
-        self._direct = self._out is not None and bool(self._legs) and not self._legs[0].topology.is_average(step)
-        if self._out is not None and not self._direct:
-            for o, b in zip(self._out, self._buffers):
-                o.copy_(b)
-        self._current = self._buffers if self._out is None or self._direct else self._out
-        single_p2p = self._first_round == 1 and not per_round[0].topology.is_average(step) if per_round else False
-        self._before = [c.clone() for c in self._current] if self._measure and not single_p2p else None
-        self._what = f"The gossip exchange of step {step}"
-        names = gossip.neighbour_names(step)
-        self._peers = "another rank (this exchange is an all-reduce of every rank)" if names == ["every rank"] else (
-            f"a neighbour ({', '.join(names) or 'none'})"
-        )
-        with peers_answer(self._what, self._peers):  # a peer already gone fails the post itself
-            self._works = self._legs[0]._post(self._current, step, tag) if self._legs else None
-        notify_post(self._observers, event)
-
-    def wait(self) -> None:
-        """Block until the buffers hold `W(step)^rounds x` (with `out=`: `out` holds that minus `x`)."""
-        started = time.perf_counter()
-        self._complete()
-        notify_wait(self._observers, self._event, started)
-        self._event = None  # reported once
-
-    def _complete(self) -> None:
-        while self._works is not None:
-            with peers_answer(self._what, self._peers):
-                for work in self._works:
-                    work.wait()
-            leg = self._legs[self._done]
-            if self._direct and self._done == 0:
-                residuals = leg._combine(self._buffers, self._step, self._tag, self._measure, into=self._out)
-                self._current = self._out
-                if len(self._legs) > 1:  # later exchanges mix W x itself
-                    for o, b in zip(self._out, self._buffers):
-                        o.add_(b)
-            else:
-                residuals = leg._combine(self._current, self._step, self._tag, self._measure)
-            self._done += 1
-            if self._measure and self._done == self._first_round and self.residuals is None:
-                if self._before is None:
-                    self.residuals = residuals
-                else:
-                    self.residuals = [(c - x).square().sum() for c, x in zip(self._current, self._before)]
-                    self._before = None
-            if self._done < len(self._legs):
-                with peers_answer(self._what, self._peers):
-                    self._works = self._legs[self._done]._post(self._current, self._step, self._tag)
-                continue
-            self._works = None
-            if self._out is not None and not (self._direct and len(self._legs) == 1):
-                for o, b in zip(self._out, self._buffers):
-                    o.sub_(b)
 
 
 class Gossip:
@@ -161,11 +79,34 @@ class Gossip:
         self.phrasing = TRAINER  # how a NaN error speaks of the executor (Fabric's says FABRIC)
         self.measure_residuals = False  # also compute ‖x_i − Σ_j w_ij x_j‖² per buffer (see PendingGossip)
         self.observers: list[ExchangeObserver] = []  # told of every exchange (lightning_decentral.mixing)
-        self._stages = self._hierarchical_stages(world) if isinstance(topology, Hierarchical) else []
+        self.survival: Optional[Survival] = None  # on_peer_failure="continue": who decides when a peer fails
+        self.generation = 0  # how many times the engine was rebound to the survivors of a failure
         self.transport = transport
+        self._subgroups(world)
+
+    def _subgroups(self, world: dist.ProcessGroup) -> None:
+        """The subgroups the topology and transport need (every rank creates every one, in order)."""
+        self._stages = self._hierarchical_stages(world) if isinstance(self.topology, Hierarchical) else []
         self._edge_groups: dict[int, dist.ProcessGroup] = {}  # peer -> the 2-rank subgroup of that edge
-        if transport == "broadcast":
+        if self.transport == "broadcast":
             self._edge_groups = self._create_edge_groups()
+
+    def rebind(self, topology: Topology) -> None:
+        """Mix with `topology` from now on, on the default process group: the survivors of a failure, after they
+        replaced it by theirs (every survivor calls it together). The subgroups of the old group are gone with it;
+        exchanges of the old generation still in flight are discarded when waited for."""
+        if dist.get_world_size() != topology.world_size:
+            raise ValueError(f"The survivors' topology has {topology.world_size} ranks, their process group {dist.get_world_size()}.")
+        self.topology, self.group = topology, None
+        self.rank = dist.get_rank()
+        self._global = list(range(topology.world_size))
+        self.generation += 1
+        self._subgroups(dist.group.WORLD)
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The process groups the engine talks on besides the default one (its own, and its subgroups)."""
+        own = [self.group] if self.group is not None else []
+        return own + [g for stage in self._stages for g in stage.groups()] + list(self._edge_groups.values())
 
     def _create_edge_groups(self) -> dict[int, dist.ProcessGroup]:
         """A 2-rank subgroup per pair of neighbours over one period; every rank creates every one, in order."""
@@ -187,28 +128,23 @@ class Gossip:
         return groups
 
     def _hierarchical_stages(self, world: dist.ProcessGroup) -> list["Gossip"]:
-        """One engine per level: the inner topology on this rank's node, the outer one on its local-rank peers.
+        """One engine per level the rank takes part in: on its node, then on its group across nodes
+        ([`Hierarchical.levels`][lightning_decentral.topology.Hierarchical.levels]).
 
         Every rank creates every subgroup, in the same order (`new_group` is collective).
         """
         topology = self.topology
         assert isinstance(topology, Hierarchical)
-        m, nodes = topology.node_size, topology.num_nodes
         backend = dist.get_backend(world)
-        node, local = divmod(self.rank, m)
         stages = []
-        for part, count, members in (
-            (topology.inner_topology, nodes, lambda a: [a * m + l for l in range(m)]),
-            (topology.outer_topology, m, lambda l: [a * m + l for a in range(nodes)]),
-        ):
+        for level in topology.levels():
             mine = None
-            for index in range(count):
-                ranks = [self._global[r] for r in members(index)]
-                subgroup = dist.new_group(ranks, backend=backend, timeout=self._timeout) if len(ranks) > 1 else None
-                if index == (node if part is topology.inner_topology else local):
-                    mine = subgroup
+            for group, part in zip(*level):
+                subgroup = dist.new_group([self._global[r] for r in group], backend=backend, timeout=self._timeout)
+                if self.rank in group:
+                    mine = subgroup, part
             if mine is not None:  # point-to-point: edge subgroups would need every rank of the world
-                stages.append(Gossip(part, group=mine, dtype=self.dtype, transport="p2p", timeout=self._timeout))
+                stages.append(Gossip(mine[1], group=mine[0], dtype=self.dtype, transport="p2p", timeout=self._timeout))
         return stages
 
     def start(
@@ -260,17 +196,28 @@ class Gossip:
         dist.all_reduce(torch.zeros(1, device=device), group=group)  # NCCL: every rank joins first
         return cls(topology, group=group, dtype=dtype, timeout=timeout)
 
-    def leave(self) -> None:
+    def leave(self, step: int = 0) -> None:
         """Every rank leaves the engine's group together, then destroys it (with its subgroups), so that
         repeated runs in one process do not accumulate groups (threads, sockets). The barrier comes first:
         a rank destroying the group closes its connections, which must not happen while a slower peer is
         still receiving its last message. Call it only after a clean run (the other ranks may be gone
-        after an error, and those still waiting end through the timeout)."""
-        with peers_answer(
-            "Finishing training together (a barrier of every rank after the last step)",
-            "a rank still training (do all ranks run the same number of steps and batches?) or a rank that",
-        ):
-            dist.barrier(group=self.group)
+        after an error, and those still waiting end through the timeout). With a survival, a failure in the
+        barrier has the survivors agree (this rank at `step`, its steps done) and the barrier runs again among them."""
+        what = "Finishing training together (a barrier of every rank after the last step)"
+        peers = "a rank still training (do all ranks run the same number of steps and batches?) or a rank that"
+        while True:
+            survival = self.survival
+            if survival is not None:
+                survival.form()  # the survivors of a failure that came after their last exchange
+            try:
+                with peers_answer(what, peers):
+                    barrier = dist.barrier(group=self.group, async_op=True)
+                wait_works([barrier], survival and survival.poll, what, peers)
+                break
+            except PeerFailure as failure:
+                if survival is None:
+                    raise
+                survival.survive(step, failure)
         self.close()
         if self.group is not None:
             dist.destroy_process_group(self.group)
@@ -294,7 +241,7 @@ class Gossip:
             Rank 0 of a ring of 4 exchanges with `["rank 1", "rank 3"]`.
         """
         names: list[str] = []
-        for leg in self._legs(step):
+        for leg in self.legs(step):
             if leg.topology.is_average(step):
                 return ["every rank"]
             peers = {p for p, _ in leg.topology.in_neighbors(leg.rank, step)} | {
@@ -305,11 +252,11 @@ class Gossip:
 
     def bytes_sent(self, buffers: Sequence[Tensor], step: int) -> int:
         """Bytes this rank sends for one round of `start(buffers, step)` (all-reduce: the ring figure)."""
-        return sum(leg._leg_bytes(buffers, step) for leg in self._legs(step))
+        return sum(leg._leg_bytes(buffers, step) for leg in self.legs(step))
 
     # -- transport -----------------------------------------------------------------
 
-    def _legs(self, step: int) -> list["Gossip"]:
+    def legs(self, step: int) -> list["Gossip"]:
         """The engines one round runs in order: this one, or a hierarchical topology's levels."""
         if self.topology.is_identity(step):
             return []
@@ -327,14 +274,19 @@ class Gossip:
     def _wire_dtype(self, buffer: Tensor) -> torch.dtype:
         return buffer.dtype if self.dtype is None else self.dtype
 
-    def _post(self, buffers: Sequence[Tensor], step: int, tag: int) -> list[dist.Work]:
+    def post(self, buffers: Sequence[Tensor], step: int, tag: int) -> tuple[list[dist.Work], list[Optional[int]]]:
+        """Post one exchange of this engine's own group (a leg of a round, for
+        [`PendingGossip`][lightning_decentral.gossip.PendingGossip]): the works, and the peer (global rank) of each,
+        `None` where a work has several."""
         if self.topology.is_average(step):
-            return [dist.all_reduce(b, group=self.group, async_op=True) for b in buffers]
-        ops, works = [], []
+            return [dist.all_reduce(b, group=self.group, async_op=True) for b in buffers], []
+        ops, works, peers = [], [], []
         for index, buffer in enumerate(buffers):
             sent = self._sent(buffer, tag + index)
             if self._edge_groups:
-                works += self._post_broadcasts(sent, step, tag + index)
+                posted = self._post_broadcasts(sent, step, tag + index)
+                works += [work for work, _ in posted]
+                peers += [peer for _, peer in posted]
                 continue
             # Receives are posted before sends: with sends first, two ranks exchanging over one gloo
             # connection moved one direction after the other (twice the time on the emulated 1 Gbit/s
@@ -344,9 +296,12 @@ class Gossip:
                 ops.append(dist.P2POp(dist.irecv, receive, self._global[peer], self.group, tag=tag + index))
             for peer, _ in self.topology.out_neighbors(self.rank, step):
                 ops.append(dist.P2POp(dist.isend, sent, self._global[peer], self.group, tag=tag + index))
-        return works + (dist.batch_isend_irecv(ops) if ops else [])  # none: a rank alone at this step (custom W)
+        p2p = dist.batch_isend_irecv(ops) if ops else []  # none: a rank alone at this step (custom W)
+        if len(p2p) == len(ops):  # one work per operation (gloo; NCCL coalesces them into one)
+            peers += [op.peer for op in ops]
+        return works + p2p, peers if len(peers) == len(works) + len(p2p) else []
 
-    def _post_broadcasts(self, sent: Tensor, step: int, key: int) -> list[dist.Work]:
+    def _post_broadcasts(self, sent: Tensor, step: int, key: int) -> list[tuple[dist.Work, int]]:
         """Each edge's subgroup carries its messages as broadcasts, the lower rank's first, on both ends."""
         sends_to = {peer for peer, _ in self.topology.out_neighbors(self.rank, step)}
         slots = {peer: slot for slot, (peer, _) in enumerate(self.topology.in_neighbors(self.rank, step))}
@@ -355,7 +310,7 @@ class Gossip:
             for source in sorted(r for r, sends in ((self.rank, peer in sends_to), (peer, peer in slots)) if sends):
                 tensor = sent if source == self.rank else self._receive_buffer(key, slots[peer], sent)
                 works.append(
-                    dist.broadcast(tensor, src=self._global[source], group=self._edge_groups[peer], async_op=True)
+                    (dist.broadcast(tensor, src=self._global[source], group=self._edge_groups[peer], async_op=True), self._global[peer])
                 )
         return works
 
@@ -368,7 +323,7 @@ class Gossip:
             wire = self._wire[key] = torch.empty_like(buffer, dtype=self.dtype)
         return wire.copy_(buffer)
 
-    def _combine(
+    def combine(
         self,
         buffers: Sequence[Tensor],
         step: int,
@@ -376,7 +331,7 @@ class Gossip:
         measure: bool = False,
         into: Optional[Sequence[Tensor]] = None,
     ) -> list[Tensor]:
-        """Finish one exchange: `x <- x + delta`, `delta = Σ_j w_ij s_j − s_i` (`s` = what was
+        """Finish one exchange of this engine's group (after its works of `post`): `x <- x + delta`, `delta = Σ_j w_ij s_j − s_i` (`s` = what was
         sent: `x`, or `q` in low precision). With `into` the buffers stay as they are and
         `into` gets `delta`. `measure`: return `‖delta‖²` per buffer (the all-reduce path
         leaves that to the caller)."""

@@ -136,10 +136,11 @@ class StaleGossip:
         """The global ranks of this rank's neighbours, as `"rank j"`."""
         return list(self._names)
 
-    def leave(self) -> None:
+    def leave(self, step: int = 0) -> None:
         """The run is over on this rank: send FINAL on every edge, wait (at most `timeout`) for the neighbours' FINAL,
         then for every rank (a barrier of the default group: the job's store, on rank 0, outlives every rank's use
-        of it), and destroy the links' group. After a clean run only."""
+        of it), and destroy the links' group. After a clean run only. `step` is [`Gossip.leave`][lightning_decentral.gossip.Gossip.leave]'s,
+        for survivors of a failure, which a stale run does not have (`on_peer_failure="stop"`): unused."""
         if self.links is not None:
             try:
                 with peers_answer("Finishing training (the last messages of the stale gossip)", "a neighbour"):

@@ -21,26 +21,29 @@ from lightning_decentral.mixing.protocol import (
 from lightning_decentral.topology import Hierarchical, Topology
 
 
-def stages(topology: Topology, step: int) -> list[tuple[Tensor, bool]]:
-    """The exchanges of one round at `step`, in order, each `(W, exact average)`, `W` float64.
+def stages(topology: Topology, step: int) -> list[tuple[Tensor, Tensor]]:
+    """The exchanges of one round at `step`, in order, each `(W, averaged)`: `W` float64, `averaged[i]` whether
+    rank `i`'s part of it is an exact average over its group (an all-reduce on processes, always in full precision).
 
-    `[W(step)]`, or for a [`Hierarchical`][lightning_decentral.topology.Hierarchical] topology with `m`
-    ranks per node `[I_N ⊗ W_in, W_out ⊗ I_m]` (identity factors left out), as the gossip engine runs them.
+    `[W(step)]`, or for a [`Hierarchical`][lightning_decentral.topology.Hierarchical] topology one `W` per level (the
+    groups' matrices on their ranks, identity elsewhere; levels that move nothing left out), as the gossip engine
+    runs them.
     """
     if topology.is_identity(step):
         return []
+    n = topology.world_size
     if not isinstance(topology, Hierarchical) or topology.is_average(step):
-        return [(torch.from_numpy(topology.mixing(step).copy()), topology.is_average(step))]
-    m, nodes = topology.node_size, topology.num_nodes
-    parts = (
-        (topology.inner_topology, lambda w: torch.kron(torch.eye(nodes, dtype=w.dtype), w)),
-        (topology.outer_topology, lambda w: torch.kron(w, torch.eye(m, dtype=w.dtype))),
-    )
-    return [
-        (widen(torch.from_numpy(part.mixing(step).copy())), part.is_average(step))
-        for part, widen in parts
-        if not part.is_identity(step)
-    ]
+        return [(torch.from_numpy(topology.mixing(step).copy()), torch.full((n,), topology.is_average(step)))]
+    out = []
+    for level in topology.levels():
+        moving = [(group, part) for group, part in zip(*level) if not part.is_identity(step)]
+        if not moving:
+            continue
+        averaged = torch.zeros(n, dtype=torch.bool)
+        for group, part in moving:
+            averaged[group] = part.is_average(step)
+        out.append((torch.from_numpy(level.matrix(step, n)), averaged))
+    return out
 
 
 class DenseMixer:
@@ -77,6 +80,13 @@ class DenseMixer:
         self.measure_residuals = False
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
 
+    def rebind(self, topology: Topology) -> None:
+        """Mix with `topology` from now on (the survivors of a failure; nothing may be in flight). Worker `i` of
+        the new topology talks to a view of rank `i`: whoever runs the workers re-numbers its views."""
+        if self._posted:
+            raise RuntimeError(f"{len(self._posted)} exchanges are in flight: rebind the mixer between steps.")
+        self.topology = topology
+
     @property
     def in_flight(self) -> int:
         """How many exchanges some worker has started and none has waited for yet."""
@@ -91,9 +101,9 @@ class DenseMixer:
     def bytes_sent(self, buffers: Sequence[Tensor], rank: int, step: int) -> int:
         """Bytes rank `rank` would send for one round on processes (an exact average: the ring all-reduce figure)."""
         total = 0
-        for matrix, average in stages(self.topology, step):
+        for matrix, averaged in stages(self.topology, step):
             size = sum(b.numel() * b.element_size() for b in buffers)
-            if average:
+            if averaged[rank]:
                 n = self.topology.world_size
                 total += size * 2 * (n - 1) // n
             else:
@@ -146,12 +156,13 @@ class DenseMixer:
         change = None
         for r in range(rounds):
             before = x
-            for matrix, average in stages(self.topology, step):
-                if self.dtype is None or average:
-                    x = matrix.to(x.device) @ x
-                else:
+            for matrix, averaged in stages(self.topology, step):
+                matrix = matrix.to(x.device)
+                if self.dtype is None or averaged.all():
+                    x = matrix @ x
+                else:  # all-reduces stay in full precision
                     q = x.to(dtype).to(self.dtype).double()
-                    x = x + matrix.to(x.device) @ q - q
+                    x = torch.where(averaged.to(x.device)[:, None], matrix @ x, x + matrix @ q - q)
             if r == 0 and self.measure_residuals:
                 change = x - before
         return x, change

@@ -99,7 +99,7 @@ class StackedMixer(DenseView):
         `(W − I) x` for the correction: no tens-of-MB temporaries per step."""
         plan = stages(self.dense.topology, step)
         general = rounds > 1 or len(plan) > 1 or self.measure_residuals or self.dense.delayed is not None
-        if general or not (self.dense.dtype is None or plan[0][1]):
+        if general or not (self.dense.dtype is None or plan[0][1].all()):
             mixed, change = self.dense.mix(x, step, rounds, dtype, key)
             return (mixed - x if correction else mixed), change
         matrix = plan[0][0] - torch.eye(len(x), dtype=torch.float64) if correction else plan[0][0]

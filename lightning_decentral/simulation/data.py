@@ -4,8 +4,8 @@ time ([`PerWorker`][lightning_decentral.simulation.data.PerWorker] batches) or a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
@@ -16,7 +16,25 @@ from torch import Tensor
 
 
 class PerWorker(tuple):
-    """One item per simulated worker (a batch, an output), worker 0 first."""
+    """One item per simulated worker (a batch, an output), worker 0 first; `origins[i]` is the rank item `i` belongs
+    to in the first numbering of the workers (they differ once workers are lost).
+
+    Examples:
+        >>> batch = PerWorker(["a", "b", "c"])
+        >>> batch.origins, batch.of([0, 2])
+        ((0, 1, 2), ('a', 'c'))
+    """
+
+    origins: tuple[int, ...]
+
+    def __new__(cls, items: Any, origins: Optional[Sequence[int]] = None) -> PerWorker:
+        made = super().__new__(cls, items)
+        made.origins = tuple(range(len(made))) if origins is None else tuple(origins)
+        return made
+
+    def of(self, origins: Sequence[int]) -> PerWorker:
+        """The items of the workers `origins` (first numbering), in that order."""
+        return PerWorker([self[self.origins.index(o)] for o in origins], origins)
 
 
 class StackedBatch:
@@ -49,15 +67,21 @@ class WorkerLoaders:
     (Lightning's own, with its shuffling seed, padding and `drop_last`), or `sampler.for_rank(i, n)` for a
     sampler that has it ([`DirichletSampler`][lightning_decentral.data.DirichletSampler]).
 
-    Each item is a [`PerWorker`][lightning_decentral.simulation.data.PerWorker] of batches, worker `i`'s
-    fetched inside `as_worker(i)` (its random state); or, `together=True`, a
+    Each item is a [`PerWorker`][lightning_decentral.simulation.data.PerWorker] of batches of the workers
+    `origins()` names (all of them until some are lost; a lost worker's shard is not visited), the batch of the
+    worker at position `p` fetched inside `as_worker(p)` (its random state); or, `together=True`, a
     [`StackedBatch`][lightning_decentral.simulation.data.StackedBatch]: one fetch of every worker's samples
     of the step, collated at once (the same batches for a `collate_fn` that treats samples independently,
     as the default one does; the dataset draws from the process's random state).
     """
 
     def __init__(
-        self, dataloader: torch.utils.data.DataLoader, workers: int, as_worker: Callable[[int], Any], together: bool = False
+        self,
+        dataloader: torch.utils.data.DataLoader,
+        workers: int,
+        as_worker: Callable[[int], Any],
+        together: bool = False,
+        origins: Optional[Callable[[], Sequence[int]]] = None,
     ) -> None:
         shuffle = _is_dataloader_shuffled(dataloader)
         samplers = [
@@ -71,6 +95,7 @@ class WorkerLoaders:
         else:
             self.loaders = [_update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING) for sampler in samplers]
         self._as_worker = as_worker
+        self._origins = origins or (lambda: range(workers))
 
     def __len__(self) -> int:
         return len(self.loaders[0])
@@ -80,19 +105,19 @@ class WorkerLoaders:
             for batch in self.loaders[0]:
                 yield StackedBatch(batch, self.workers)
             return
-        iterators = []
-        for rank, loader in enumerate(self.loaders):
-            with self._as_worker(rank):
-                iterators.append(iter(loader))
+        iterators = {}
+        for position, origin in enumerate(self._origins()):
+            with self._as_worker(position):
+                iterators[origin] = iter(self.loaders[origin])
         while True:
-            batches = []
-            for rank, iterator in enumerate(iterators):
-                with self._as_worker(rank):
-                    batch = next(iterator, _END)
+            batches, origins = [], list(self._origins())
+            for position, origin in enumerate(origins):
+                with self._as_worker(position):
+                    batch = next(iterators[origin], _END)
                 if batch is _END:
                     return
                 batches.append(batch)
-            yield PerWorker(batches)
+            yield PerWorker(batches, origins)
 
 
 def _together(dataloader: torch.utils.data.DataLoader, samplers: list[Any]) -> torch.utils.data.DataLoader:

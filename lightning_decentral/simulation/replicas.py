@@ -138,8 +138,9 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         if not self._group.modules:  # not fitting: a plain checkpoint
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         save_id = secrets.randbits(62)
-        checkpoint[shards.META_KEY] = {"save_id": save_id, "world_size": self.workers}
-        paths = [shards.shard_path(filepath, i, self.workers, save_id) for i in range(self.workers)]
+        workers = len(self._group.modules)  # fewer than `self.workers` once some are lost
+        checkpoint[shards.META_KEY] = {"save_id": save_id, "world_size": workers}
+        paths = [shards.shard_path(filepath, i, workers, save_id) for i in range(workers)]
         try:
             precision = None if "optimizer_states" not in checkpoint else self.precision_plugin.state_dict()
             step = self.lightning_module.trainer.global_step
@@ -160,8 +161,8 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
             for path in paths:
                 shards.discard(path)
             raise
-        for i, path in enumerate(paths):
-            shards.remove_shards(filepath, i, keep=path)
+        for i in range(self.workers):  # the lost workers' shards of this path too
+            shards.remove_shards(filepath, i, keep=paths[i] if i < workers else None)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:

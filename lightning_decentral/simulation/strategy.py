@@ -90,6 +90,12 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             parameters, one `torch.vmap` of `training_step`, one optimizer step for all; 2-3 times faster at
             `n = 16-64`), refusing what it cannot run (a non-elementwise optimizer; random numbers in
             `training_step` stop the first step). `False`: one worker at a time, for any module.
+        failures: `{step: [workers]}`: those workers (by their first rank) die at that optimizer step, as
+            `DecentralizedStrategy(on_peer_failure="continue")` survives it on processes: the step is a local step
+            for the survivors (its exchange is discarded), and from the next one they mix with the topology of the
+            survivors ([`for_members`][lightning_decentral.topology.Topology.for_members]). Each survivor keeps its
+            replica, optimizer state and data; the lost workers' data is not visited. Runs the workers apart
+            (`vectorize="auto"` keeps them apart; `True` is refused), with `staleness=0`.
         accelerator: Lightning's accelerator (the Trainer's `accelerator=` sets it).
         checkpoint_io: writes and reads the checkpoint file (default: an
             [`AtomicCheckpointIO`][lightning_decentral.files.AtomicCheckpointIO], whole or not at all).
@@ -119,6 +125,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         staleness: int = 0,
         delays: Optional[DelaySchedule] = None,
         vectorize: Union[bool, Literal["auto"]] = "auto",
+        failures: Optional[dict[int, list[int]]] = None,
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
@@ -139,6 +146,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             workers, self.driver.attach(mixer), accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         self.vectorize = vectorize
+        self.failures = _checked_failures(failures, workers, vectorize, staleness)
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
         self._outputs: list[Any] = []  # each worker's training_step output of this batch
@@ -162,7 +170,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         """Each worker's batch of the batch the training loop holds."""
         if isinstance(batch, StackedBatch):
             return list(batch.parts())
-        return list(batch) if isinstance(batch, PerWorker) else [batch]
+        return list(batch.of(self._group.origins)) if isinstance(batch, PerWorker) else [batch]
 
     def worker_random_states(self) -> list[dict[str, Any]]:
         """The torch random state each worker draws from now (worker 0's is the process's own), as
@@ -179,6 +187,10 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._rng_restored = False
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        if self.failures:  # a fit starts with every worker
+            self.driver.bind(self.workers)
+            self._mixer.rebind(self.driver.topology)
+            self.driver.attach(self._mixer)
         if self._mixer.delayed is not None:
             self._mixer.delayed.restart()  # this fit's first step is k₀, as on processes
         module = self.lightning_module
@@ -231,7 +243,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         if self._undecided:
             self._choose_path(dataloader)
         together = isinstance(self._group, StackedWorkers)
-        return WorkerLoaders(dataloader, self.workers, self._group.as_worker, together=together)
+        return WorkerLoaders(
+            dataloader, self.workers, self._group.as_worker, together=together, origins=lambda: self._group.origins
+        )
 
     def _choose_path(self, dataloader: torch.utils.data.DataLoader) -> None:
         """`vectorize="auto"`, before the first step: stack the workers if that gives the per-worker result, and say
@@ -241,6 +255,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         problem = stacking_problem(self.lightning_module, optimizer, dataloader.batch_size)
         if self.workers == 1:
             problem = "there is one worker: nothing to stack"
+        if self.failures:
+            problem = "failures= drops workers one by one, which the stacked rows do not support"
         if problem is not None:
             return _say_path(f"the per-worker path, one worker at a time, because {problem}")
         assert self._hooks is not None and self._context is not None
@@ -275,7 +291,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Each worker's batch to the device, through the LightningModule's transfer hooks (a stacked batch at once)."""
         if isinstance(batch, PerWorker):
-            return PerWorker(super(SimulatedDecentralizedStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch)
+            moved = [super(SimulatedDecentralizedStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch]
+            return PerWorker(moved, batch.origins)
         if isinstance(batch, StackedBatch):
             return StackedBatch(super().batch_to_device(batch.batch, device, dataloader_idx), batch.workers)
         return super().batch_to_device(batch, device, dataloader_idx)
@@ -284,11 +301,19 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before each training batch: every worker begins the optimizer step (AWC posts `x(k)`)."""
+        """Before each training batch: the workers `failures` names for this step die; every worker begins the
+        optimizer step (AWC posts `x(k)`)."""
         super().on_train_batch_start(batch, batch_idx)
         if self._trial:
             self._try_stacked(batch, batch_idx)
-        self.driver.begin(self.lightning_module.trainer.global_step)
+        step = self.lightning_module.trainer.global_step
+        lost = [self._group.origins.index(w) for w in self.failures.get(step, []) if w in self._group.origins]
+        if lost:
+            survivors = [i for i in range(len(self._group.origins)) if i not in lost]
+            self._group.remove(lost)
+            self.driver.keep(survivors, first_step=step + 1)
+            self.driver.rebind_mixers()
+        self.driver.begin(step)
 
     @override
     def training_step(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -303,7 +328,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             batch = batch.parts()  # the stacked path's loader, and the workers kept apart after its first batch
         with self.precision_plugin.train_step_context():
             outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
-        _log_over_workers(self.lightning_module, logged, self.workers)
+        _log_over_workers(self.lightning_module, logged, len(self._group.modules))
         self._outputs = outputs
         self._losses = [_loss_of(output) for output in outputs]
         if any(loss is None for loss in self._losses):
@@ -409,6 +434,34 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             )
 
 
+
+
+def _checked_failures(
+    failures: Optional[dict[int, list[int]]], workers: int, vectorize: Union[bool, str], staleness: int
+) -> dict[int, list[int]]:
+    """`failures` checked: steps `>= 0`, each worker at most once and in `[0, workers)`, one worker left."""
+    if not failures:
+        return {}
+    if vectorize is True:
+        raise ValueError(
+            "SimulatedDecentralizedStrategy(failures=...) drops workers one by one, which the stacked rows of "
+            "vectorize=True do not support yet: use vectorize=False or 'auto'."
+        )
+    if staleness:
+        raise ValueError(
+            f"SimulatedDecentralizedStrategy(failures=...) rebuilds the graph at one step, which staleness={staleness} "
+            "(neighbours' replicas of earlier steps) does not support: use staleness=0 with failures."
+        )
+    lost = [w for step, dead in failures.items() for w in (dead if isinstance(dead, (list, tuple)) else [dead])]
+    steps_ok = all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in failures)
+    if not steps_ok or not all(isinstance(w, int) and 0 <= w < workers for w in lost) or len(set(lost)) != len(lost):
+        raise ValueError(
+            f"`failures` maps an optimizer step (an integer >= 0) to the workers that die there (ranks in [0, {workers}), "
+            f"each at most once), e.g. {{20: [2]}}; got {failures!r}."
+        )
+    if len(lost) >= workers:
+        raise ValueError(f"`failures` loses all {workers} workers; at least one must survive.")
+    return {k: list(v) if isinstance(v, (list, tuple)) else [v] for k, v in failures.items()}
 
 
 def _quiet(message: str) -> None:

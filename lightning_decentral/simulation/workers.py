@@ -11,7 +11,7 @@ what the monitors and checkpoints need of them (their data: [`simulation.data`][
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -41,6 +41,15 @@ class WorkerGroup:
         self.device = device
         self.modules: list[Module] = []  # worker 0's first: the LightningModule
         self.rules: list[UpdateRule] = []
+
+    @property
+    def origins(self) -> list[int]:
+        """Each worker's rank in the first numbering (they differ from the positions once workers are lost)."""
+        return list(range(len(self.modules)))
+
+    def remove(self, lost: Sequence[int]) -> None:
+        """Drop the workers at positions `lost`; the others keep their order (the survivors of a failure)."""
+        raise NotImplementedError
 
     # -- one step ----------------------------------------------------------------------------------
 
@@ -202,8 +211,9 @@ Logged = dict[str, list[tuple[Any, dict[str, Any]]]]
 class SimulatedWorker:
     """One simulated worker: its module, optimizer, flat replica, update rule and torch random state."""
 
-    def __init__(self, module: Module, optimizer: Optimizer, replica: Replica, rule: UpdateRule) -> None:
+    def __init__(self, module: Module, optimizer: Optimizer, replica: Replica, rule: UpdateRule, origin: int) -> None:
         self.module, self.optimizer, self.replica, self.rule = module, optimizer, replica, rule
+        self.origin = origin  # its rank in the first numbering
         self.rng = torch.get_rng_state()  # the generator states it continues from when it runs next
         self.cuda_rng: Optional[Tensor] = None
 
@@ -227,10 +237,36 @@ class SimulatedWorkers(WorkerGroup):
         """Worker `len(self.workers)`: `module` packed into a replica, and its update rule `RULES[rule]`."""
         replica = Replica(module, mix_buffers)
         rank = len(self.workers)
-        worker = SimulatedWorker(module, optimizer, replica, RULES[rule](replica, self.mixer.worker(rank), optimizer, context))
-        self.workers.append(worker)
+        rule_of_worker = RULES[rule](replica, self.mixer.worker(rank), optimizer, context)
+        self.workers.append(SimulatedWorker(module, optimizer, replica, rule_of_worker, origin=rank))
         self.modules.append(module)
-        self.rules.append(worker.rule)
+        self.rules.append(rule_of_worker)
+
+    @property
+    def origins(self) -> list[int]:
+        return [worker.origin for worker in self.workers]
+
+    def remove(self, lost: Sequence[int]) -> None:
+        """Drop the workers at positions `lost`. Worker 0 is the LightningModule: if it is lost, the first survivor's
+        replica, optimizer state and random state move into it, and it takes that worker's place."""
+        keep = [i for i in range(len(self.workers)) if i not in set(lost)]
+        dropped = [self.workers[i] for i in range(len(self.workers)) if i not in keep]
+        if 0 in lost:
+            head, first = self.workers[0], self.workers[keep[0]]
+            head.module.load_state_dict(first.module.state_dict())
+            head.optimizer.load_state_dict(first.optimizer.state_dict())
+            torch.set_rng_state(first.rng)  # worker 0 draws from the process's own generators
+            if first.cuda_rng is not None:
+                torch.cuda.set_rng_state(first.cuda_rng, self.device)
+            head.origin = first.origin
+            dropped[0], keep[0] = first, 0
+        for worker in dropped:
+            worker.rule.teardown()
+        self.workers = [self.workers[i] for i in keep]
+        self.modules = [worker.module for worker in self.workers]
+        self.rules = [worker.rule for worker in self.workers]
+        for position, worker in enumerate(self.workers):
+            worker.rule.mixer.rank = position  # its view of the dense mixer: the survivors' numbering
 
     def begin_step(self, plan: StepPlan) -> None:
         self._follow_worker_zero()
@@ -251,7 +287,7 @@ class SimulatedWorkers(WorkerGroup):
     def training_steps(self, batch: PerWorker, step: Callable[[Module, Any], Any]) -> tuple[list[Any], Logged]:
         logged: Logged = {}
         outputs = []
-        for i, (worker, part) in enumerate(zip(self.workers, batch)):
+        for i, (worker, part) in enumerate(zip(self.workers, batch.of(self.origins))):
             with self.as_worker(i), collect_logs(worker.module, logged):
                 outputs.append(step(worker.module, part))
         return outputs, logged

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -38,6 +38,23 @@ def topology_class(name: str) -> type[Topology]:
             "a mixing matrix or a networkx graph."
         )
     return TOPOLOGIES[name]
+
+
+def metropolis_hastings(adjacency: np.ndarray) -> np.ndarray:
+    """The Metropolis-Hastings mixing matrix of a symmetric boolean adjacency matrix (the diagonal is ignored):
+    `w_ij = 1 / (1 + max(d_i, d_j))` on each edge, `w_ii = 1 - Σ_j w_ij`, `d_i` the degree of node `i`.
+
+    Examples:
+        >>> print(3 * metropolis_hastings(np.array([[0, 1, 1], [1, 0, 0], [1, 0, 0]], dtype=bool)))  # a star
+        [[1. 1. 1.]
+         [1. 2. 0.]
+         [1. 0. 2.]]
+    """
+    adjacency = np.asarray(adjacency, dtype=bool) & ~np.eye(len(adjacency), dtype=bool)
+    degree = adjacency.sum(axis=1)
+    w = np.where(adjacency, 1.0 / (1.0 + np.maximum.outer(degree, degree)), 0.0)
+    w[np.diag_indices(len(w))] = 1.0 - w.sum(axis=1)
+    return w
 
 
 class _Phase(NamedTuple):
@@ -102,6 +119,16 @@ class Topology:
         """This topology laid out on a job of `num_nodes` nodes (most topologies ignore the nodes: `self`)."""
         return self
 
+    def _resized(self, world_size: int) -> Optional[Topology]:
+        """This topology's own kind on `world_size` ranks, or `None` if it has no other size (a given matrix) or
+        does not fit that one (a torus of a prime number of ranks)."""
+        resized = copy.copy(self)
+        resized._world_size = None
+        try:
+            return resized.bind(world_size)
+        except ValueError:
+            return None
+
     # -- binding ------------------------------------------------------------------
 
     @property
@@ -139,6 +166,49 @@ class Topology:
                 f"{world_size}: {self._mismatch_hint(world_size)}."
             )
         return self
+
+    def for_members(self, members: Sequence[int]) -> Topology:
+        """`W` for the ranks `members` of this topology alone (the survivors of a failure), member `members[i]`
+        becoming rank `i`, validated.
+
+        The rule: a topology that exists at every size (the named ones) is rebuilt at the new size (a ring of
+        `n - 1`, a one-peer exponential graph over `n - 1`, ...); anything else (a matrix or a graph, a torus that
+        does not fit) becomes the subgraph the members induce, each `W(k)`'s edges (`w_ij > 0` or `w_ji > 0`)
+        among them, reweighted by Metropolis-Hastings, `w_ij = 1 / (1 + max(d_i, d_j))`, `w_ii = 1 - Σ_j w_ij`:
+        symmetric, so doubly stochastic. A [`Hierarchical`][lightning_decentral.topology.Hierarchical] topology
+        keeps its levels: the lost ranks leave their nodes. A subgraph that falls apart raises `ValueError`.
+
+        Examples:
+            >>> from lightning_decentral.topology import MatrixTopology, Ring
+            >>> Ring(world_size=5).for_members([0, 1, 3, 4])
+            Ring(world_size=4)
+            >>> path = MatrixTopology([[0.5, 0.5, 0, 0], [0.5, 0.25, 0.25, 0], [0, 0.25, 0.5, 0.25], [0, 0, 0.25, 0.75]])
+            >>> print(path.for_members([0, 1, 2]).mixing(0))  # the path 0-1-2: Metropolis-Hastings weights
+            [[0.66666667 0.33333333 0.        ]
+             [0.33333333 0.33333333 0.33333333]
+             [0.         0.33333333 0.66666667]]
+        """
+        members = self._checked_members(members)
+        if members == list(range(self.world_size)):
+            return self
+        return self._resized(len(members)) or self._induced(members)
+
+    def _checked_members(self, members: Sequence[int]) -> list[int]:
+        checked = [int(m) for m in members]
+        n = self.world_size
+        if not checked or checked != sorted(set(checked)) or not 0 <= checked[0] <= checked[-1] < n:
+            raise ValueError(f"members must be ranks in [0, {n}) in increasing order, at least one, got {list(members)}.")
+        return checked
+
+    def _induced(self, members: list[int]) -> Topology:
+        from lightning_decentral.topology.custom import MatrixTopology  # custom.py builds on this module
+
+        index = np.asarray(members)
+        phases = []
+        for step in range(self.period):
+            w = self.mixing(step)[np.ix_(index, index)]
+            phases.append(metropolis_hastings((w > 0) | (w.T > 0)))
+        return MatrixTopology(phases)
 
     def _attach(self, world_size: int) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:

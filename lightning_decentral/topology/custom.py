@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from lightning_decentral.topology.base import Topology
+from lightning_decentral.topology.base import Topology, metropolis_hastings
 
 
 def _as_matrix(value: Any) -> np.ndarray:
@@ -113,20 +113,19 @@ class GraphTopology(MatrixTopology):
             adjacency = np.zeros((n, n), dtype=bool)
             for a, b, _ in edges:
                 adjacency[rank[a], rank[b]] = adjacency[rank[b], rank[a]] = True
-            degree = adjacency.sum(axis=1)
-            w = np.where(adjacency, 1.0 / (1.0 + np.maximum.outer(degree, degree)), 0.0)
-        elif unweighted:
+            super().__init__(metropolis_hastings(adjacency))
+            return
+        if unweighted:
             raise ValueError(
                 f"{len(unweighted)} of {len(edges)} edges have no 'weight' attribute (e.g. {unweighted[0]!r}): give "
                 "every edge a weight, or none for Metropolis-Hastings weights."
             )
-        else:  # the user's weights
-            w = np.zeros((n, n), dtype=np.float64)
-            for a, b, data in edges:
-                try:
-                    w[rank[a], rank[b]] = w[rank[b], rank[a]] = float(data["weight"])
-                except (TypeError, ValueError):
-                    raise ValueError(f"The weight of edge {(a, b)!r} must be a number, got {data['weight']!r}.") from None
+        w = np.zeros((n, n), dtype=np.float64)  # the user's weights
+        for a, b, data in edges:
+            try:
+                w[rank[a], rank[b]] = w[rank[b], rank[a]] = float(data["weight"])
+            except (TypeError, ValueError):
+                raise ValueError(f"The weight of edge {(a, b)!r} must be a number, got {data['weight']!r}.") from None
         w[np.diag_indices(n)] = 1.0 - w.sum(axis=1)
         super().__init__(w)  # validates: a negative weight, or a self-weight below 0, is refused here
 

@@ -4,12 +4,32 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from lightning_decentral.topology.base import Topology
 from lightning_decentral.topology.resolve import resolve_topology
+
+
+class Level(NamedTuple):
+    """One exchange of a hierarchical round: disjoint `groups` of ranks, group `g` mixing with `parts[g]` (bound to
+    `len(groups[g])` ranks, its rank `i` being `groups[g][i]`)."""
+
+    groups: list[list[int]]
+    parts: list[Topology]
+
+    def matrix(self, step: int, world_size: int) -> np.ndarray:
+        """The level's `n x n` mixing matrix at `step`: each group's `W(step)` on its ranks, 1 for a rank in no group."""
+        w = np.eye(world_size)
+        for group, part in zip(self.groups, self.parts):
+            w[np.ix_(group, group)] = part.mixing(step)
+        return w
+
+    def part_of(self, rank: int) -> Optional[tuple[list[int], Topology]]:
+        """The group holding `rank` and its topology, or `None` if `rank` mixes with no one at this level."""
+        return next(((g, p) for g, p in zip(self.groups, self.parts) if rank in g), None)
 
 
 class Hierarchical(Topology, name="hierarchical"):
@@ -24,8 +44,15 @@ class Hierarchical(Topology, name="hierarchical"):
     with `W_in(k)` the inner topology on `m` ranks and `W_out(k)` the outer one on `N` nodes.
     Kronecker products of doubly stochastic matrices are doubly stochastic; the period is
     `lcm(tau_in, tau_out)`; the eigenvalues are the products `lambda_out lambda_in`. The gossip
-    engine runs the two factors as two exchanges: `I_N ⊗ W_in` inside the nodes (one all-reduce
-    per node when `inner="complete"`), then `W_out ⊗ I_m` between same-local-rank peers.
+    engine runs the two factors as two exchanges ([`levels`][lightning_decentral.topology.Hierarchical.levels]):
+    `I_N ⊗ W_in` inside the nodes (one all-reduce per node when `inner="complete"`), then `W_out ⊗ I_m`
+    between same-local-rank peers.
+
+    After a failure ([`for_members`][lightning_decentral.topology.Topology.for_members]) each lost rank leaves its
+    node and its group across nodes; every group that lost a rank mixes with its topology's own rule for
+    members (the inner one on the node's `m_a` remaining ranks, the outer one on the nodes left in that group).
+    Each level is block-diagonal with doubly stochastic blocks, so `W(k) = S_out(k) S_in(k)` stays doubly
+    stochastic (no longer a Kronecker product).
 
     Args:
         inner: the topology inside a node: a name from
@@ -45,6 +72,8 @@ class Hierarchical(Topology, name="hierarchical"):
         [1, 2, 3, 4, 5, 6, 7]
         >>> print(f"{two_nodes.spectral_gap():.4f}")  # W = (11ᵀ/2) ⊗ (11ᵀ/4) = 11ᵀ/8
         1.0000
+        >>> two_nodes.for_members([0, 1, 2, 4, 5, 6, 7])  # rank 3 leaves node 0
+        Hierarchical(inner='complete', outer='ring', node_sizes=(3, 4), world_size=7)
     """
 
     def __init__(
@@ -60,8 +89,9 @@ class Hierarchical(Topology, name="hierarchical"):
             raise ValueError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}.")
         self.inner, self.outer, self.ranks_per_node = inner, outer, ranks_per_node
         self._num_nodes = 1  # the job's layout, used when ranks_per_node is None
-        self.inner_topology: Topology | None = None  # bound to m ranks
-        self.outer_topology: Topology | None = None  # bound to N nodes
+        self._left: Optional[tuple[list[list[int]], list[Level]]] = None  # nodes and levels once ranks have left
+        self._nodes: list[list[int]] = []
+        self._levels: list[Level] = []
         super().__init__(world_size)
 
     def on_nodes(self, num_nodes: int) -> Hierarchical:
@@ -75,18 +105,34 @@ class Hierarchical(Topology, name="hierarchical"):
         return laid_out
 
     @property
+    def node_sizes(self) -> tuple[int, ...]:
+        """The ranks of each node, nodes in rank order (`(m,) * N` until a rank leaves its node)."""
+        self.world_size  # raises if unbound
+        return tuple(len(node) for node in self._nodes)
+
+    @property
     def node_size(self) -> int:
-        """`m`, the ranks per node."""
-        assert self.inner_topology is not None, "bind the topology first"
-        return self.inner_topology.world_size
+        """`m`, the ranks per node (the same on every node)."""
+        sizes = self.node_sizes
+        if len(set(sizes)) != 1:
+            raise ValueError(f"The nodes hold different numbers of ranks, {sizes}: read node_sizes.")
+        return sizes[0]
 
     @property
     def num_nodes(self) -> int:
         """`N`, the number of nodes."""
-        assert self.outer_topology is not None, "bind the topology first"
-        return self.outer_topology.world_size
+        return len(self.node_sizes)
+
+    def levels(self) -> list[Level]:
+        """The two exchanges of one round, in order: inside each node (`groups`: the nodes), then across nodes
+        (`groups`: the ranks of local rank `l`, for each `l`). Groups of one rank are left out."""
+        self.world_size  # raises if unbound
+        return self._levels
 
     def _on_bind(self, world_size: int) -> None:
+        if self._left is not None:
+            self._nodes, self._levels = self._left
+            return
         n = world_size
         if self.ranks_per_node is not None:
             m, source = int(self.ranks_per_node), f"ranks_per_node={self.ranks_per_node}"
@@ -100,24 +146,48 @@ class Hierarchical(Topology, name="hierarchical"):
                 f"Hierarchical: {n} ranks do not split into equal nodes with {source}. Pass ranks_per_node= "
                 f"one of {divisors} (a divisor of the world size), or run the same number of devices on every node."
             )
-        self.inner_topology = _part("inner", self.inner, m, "ranks per node")
-        self.outer_topology = _part("outer", self.outer, n // m, "nodes")
+        inner = _part("inner", self.inner, m, "ranks per node")
+        outer = _part("outer", self.outer, n // m, "nodes")
+        self._nodes = [list(range(a * m, (a + 1) * m)) for a in range(n // m)]
+        across = [list(range(l, n, m)) for l in range(m)]
+        self._levels = [Level(self._nodes, [inner] * len(self._nodes)), Level(across, [outer] * m)]
+        self._levels = [Level(*_without_singles(level)) for level in self._levels]
 
     @property
     def period(self) -> int:
-        return math.lcm(self.inner_topology.period, self.outer_topology.period)
+        return math.lcm(1, *(part.period for level in self.levels() for part in level.parts))
 
     def _matrix(self, step: int) -> np.ndarray:
-        return np.kron(self.outer_topology.mixing(step), self.inner_topology.mixing(step))
+        inner, outer = (level.matrix(step, self.world_size) for level in self.levels())
+        return outer @ inner  # each entry is one product: W_out ⊗ W_in exactly, for equal nodes
+
+    def for_members(self, members: Sequence[int]) -> Topology:
+        """The hierarchy of `members`: each lost rank leaves its node and its group across nodes (see the class
+        docstring)."""
+        members = self._checked_members(members)
+        if members == list(range(self.world_size)):
+            return self
+        new = {old: i for i, old in enumerate(members)}
+        levels = []
+        for level in self.levels():
+            groups, parts = [], []
+            for group, part in zip(*level):
+                at = [i for i, r in enumerate(group) if r in new]  # the group's members that are left
+                if len(at) > 1:
+                    groups.append([new[group[i]] for i in at])
+                    parts.append(part.for_members(at))
+            levels.append(Level(groups, parts))
+        left = copy.copy(self)
+        left._world_size = None
+        left._left = ([[new[r] for r in node if r in new] for node in self._nodes if any(r in new for r in node)], levels)
+        return left.bind(len(members))
 
     def _mismatch_hint(self, world_size: int) -> str:
         return "create it without world_size, or with the job's world size"
 
     def __repr__(self) -> str:
-        return (
-            f"Hierarchical(inner={self.inner!r}, outer={self.outer!r}, ranks_per_node={self.ranks_per_node}, "
-            f"world_size={self._world_size})"
-        )
+        layout = f"ranks_per_node={self.ranks_per_node}" if self._left is None else f"node_sizes={self.node_sizes}"
+        return f"Hierarchical(inner={self.inner!r}, outer={self.outer!r}, {layout}, world_size={self._world_size})"
 
 
 def _part(role: str, spec: Any, size: int, what: str) -> Topology:
@@ -125,3 +195,9 @@ def _part(role: str, spec: Any, size: int, what: str) -> Topology:
         return resolve_topology(spec, size)
     except (ValueError, TypeError) as error:
         raise type(error)(f"Hierarchical {role} topology on {size} {what}: {error}") from None
+
+
+def _without_singles(level: tuple[list[list[int]], list[Topology]]) -> tuple[list[list[int]], list[Topology]]:
+    """A level's groups and parts without the groups of one rank (they mix with no one)."""
+    pairs = [(g, p) for g, p in zip(*level) if len(g) > 1]
+    return [g for g, _ in pairs], [p for _, p in pairs]

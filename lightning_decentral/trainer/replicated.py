@@ -394,7 +394,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @property
     def _ranks(self) -> Ranks:
-        return Ranks(self.global_rank, self.world_size, self.root_device)
+        return Ranks.of_world(self.root_device)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         """What every rank must agree on (`Ranks.check_same_configuration`)."""

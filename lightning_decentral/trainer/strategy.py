@@ -24,22 +24,26 @@ from typing import Any, Literal, Optional, Union
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_decentral.agreement import parameter_deviations, run_configuration
-from lightning_decentral.driver import Driven, StepDriver
+from lightning_decentral.agreement import Activities, parameter_deviations, run_configuration
+from lightning_decentral.driver import Driven, StepDriver, Survives
 from lightning_decentral.failures import DEFAULT_TIMEOUT
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients
+from lightning_decentral.membership import Decision
 from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
 from lightning_decentral.rendezvous import connect, job_store
@@ -52,7 +56,7 @@ from lightning_decentral.trainer.signals import stop_together
 
 
 
-class DecentralizedStrategy(Driven, ReplicaStrategy):
+class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
     """Decentralized data-parallel training: each rank keeps its own replica and gossips it.
 
     Update rules (docs/algorithms.md), with `U` the user's optimizer:
@@ -90,6 +94,11 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             [`DelaySchedule`][lightning_decentral.mixing.DelaySchedule] such as
             [`RandomDelays`][lightning_decentral.mixing.RandomDelays]): a deterministic run, equal to the
             simulation's under the same schedule. `None`: the newest received.
+        on_peer_failure: `"stop"`: a rank that dies, hangs past `timeout` or fails stops every rank with
+            [`PeerFailure`][lightning_decentral.failures.PeerFailure]. `"continue"`: the survivors agree on who is
+            left and go on among themselves, each with its own replica, optimizer state and data, with the topology
+            of the survivors (docs/reliability.md, "Surviving a failure").
+        min_workers: with `"continue"`, the run stops when fewer workers survive; `None`: half of them, rounded up.
         resume: what `fit(ckpt_path=...)` resumes from: `"checkpoint"`, the checkpoint it names (`"last"` as Lightning
             resolves it); `"newest_complete"`, that one if every rank can read it and finds its shard, else the newest
             such checkpoint in its directory, with one warning naming both (for a job restarted after a failure:
@@ -135,6 +144,8 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
         staleness: int = 0,
         delays: Optional[DelaySchedule] = None,
+        on_peer_failure: Literal["stop", "continue"] = "stop",
+        min_workers: Optional[int] = None,
         resume: Literal["checkpoint", "newest_complete"] = "checkpoint",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -158,7 +169,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         )
         options = GossipOptions(
             topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
-            staleness, delays,
+            staleness, delays, on_peer_failure, min_workers,
         )
         self.driver = StepDriver(options, epoch=self._epoch)  # bound to the world size with the launcher
         self._replica: Optional[Replica] = None
@@ -196,6 +207,12 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
     def setup(self, trainer: Trainer) -> None:
         """Runs before fit, validate, test or predict: the replicas, then (fitting) the update rule and the stop
         agreement that replaces Lightning's per-batch SIGTERM broadcast."""
+        if self.options.on_peer_failure == "continue" and isinstance(self.checkpoint_io, AsyncCheckpointIO):
+            raise ValueError(
+                "on_peer_failure='continue' does not save in the background (AsyncCheckpointIO): its writer averages on a "
+                "process group of every rank, which a failure breaks. Drop the AsyncCheckpointIO plugin, or use "
+                "on_peer_failure='stop' (a restart resumes from the newest complete checkpoint)."
+            )
         if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             self._agree_on_stops(trainer)  # before this fit's first collective
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
@@ -248,6 +265,14 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             self._mixer = Gossip.on_new_group(
                 self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
             )
+        self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn)
+
+    def on_survivors(self, decision: Decision) -> None:
+        """After a failure, in the survivors' process group (every survivor together): Lightning's rank-zero utilities
+        follow the new rank, and the ranks publish their activities among the survivors."""
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        if self.activities is not None:
+            self.activities = Activities.of_group(self._ranks, self._timeout)
 
     # -- one optimizer step -----------------------------------------------------------------
 
@@ -303,9 +328,10 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         """After the stage: release the rule's hooks; after a clean fit, leave the gossip groups together."""
         self.driver.teardown()
         if self._mixer is not None and not self._failed:
-            self._mixer.leave()  # every rank together; after an error the others may be gone
+            self._mixer.leave(self.lightning_module.trainer.global_step)  # every rank together; after an error the others may be gone
         elif self._mixer is not None:
             self._mixer.abort()  # a stale mixer's threads end, and its neighbours learn of the failure at once
+        self.stop_surviving()
         self._mixer = None  # and its receive buffers
         super().teardown()
 
@@ -316,6 +342,23 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         if self.global_rank == 0:
             agreement.forget_earlier_runs()
         stop_together(trainer, agreement)
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Runs when a checkpoint is saved, on every rank, first: `x̄`'s state dict (`ReplicaStrategy`'s); in the steps
+        the survivors of a failure take alone, this rank's own, unagreed (the save is skipped: `save_checkpoint`)."""
+        if self.driver.alone:
+            return self.lightning_module.state_dict()
+        return super().lightning_module_state_dict()
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`); not in the few steps
+        the survivors of a failure take alone before they mix again (warned, on every survivor)."""
+        if self.driver.alone:
+            rank_zero_warn(f"{filepath} is not saved: the survivors of a failure take this step alone, before they mix again.")
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))

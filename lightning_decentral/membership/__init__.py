@@ -1,0 +1,45 @@
+"""Who is still in the run, agreed through the job's store: `on_peer_failure="continue"` on processes.
+
+A decentralized run needs no global state to go on after a worker dies: each worker only averages with a few
+neighbours. What the survivors need is to agree, quickly and all alike, on who is left and from which step they mix
+again, and a process group of their own. This package does that, Lightning-free, below the driver:
+
+* [`Membership`][lightning_decentral.membership.Membership]: heartbeats in the store; the announcement of a failure,
+  which every member sees within one poll of its wait; the agreement on the members and one step
+  ([`Decision`][lightning_decentral.membership.Decision]);
+* [`Survivors`][lightning_decentral.membership.Survivors]: what a rank does when an exchange fails (the mixer's
+  [`Survival`][lightning_decentral.failures.Survival]): close the old groups, agree, take the steps up to the agreed
+  one alone, then form the survivors' group and rebind the driver's topology and mixer;
+* [`poison`][lightning_decentral.membership.poison] closes a generation's process group for good (what makes every
+  pending operation on it fail, here and at the peers), and `Membership.form_group` makes the survivors' default
+  process group on a fresh prefix of the store;
+* [`store_client`][lightning_decentral.membership.store_client], [`GuardedStore`][lightning_decentral.membership.GuardedStore]
+  (store calls that cannot hang) and [`store_host`][lightning_decentral.membership.store_host] (whether the store
+  outlives the workers);
+* `launch.py`: `lightning-decentral-launch`, a launcher that hosts the store outside the workers and lets the
+  survivors live when one of them dies.
+
+The rule of repair (`docs/reliability.md`, "Surviving a failure"): every survivor discards each exchange it has not
+completed and keeps each one it has; the survivors agree on the largest step at which one of them gave up an
+exchange, take local steps up to it, and mix from the next step on with the topology of the survivors.
+"""
+
+from lightning_decentral.membership.groups import poison, rebuild_world
+from lightning_decentral.membership.protocol import Decision, Excluded, Membership, TooFewWorkers
+from lightning_decentral.membership.store import LAUNCHER_KEY, GuardedStore, StoreLost, store_client, store_host
+from lightning_decentral.membership.survivors import Survivors
+
+__all__ = [
+    "Decision",
+    "Excluded",
+    "GuardedStore",
+    "LAUNCHER_KEY",
+    "Membership",
+    "StoreLost",
+    "Survivors",
+    "TooFewWorkers",
+    "store_client",
+    "poison",
+    "rebuild_world",
+    "store_host",
+]

@@ -1,0 +1,251 @@
+"""Who is still in the run: heartbeats, the announcement of a failure, and the survivors' agreement on the members and
+one step, all through the job's store ([`Membership`][lightning_decentral.membership.Membership])."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Optional
+
+from lightning_decentral.membership.groups import rebuild_world
+from lightning_decentral.membership.store import GuardedStore, StoreLost
+
+HEARTBEAT = 0.1  # seconds between two heartbeats of a rank
+POLL = 0.01  # seconds between two looks at the store while agreeing
+CONFIRM = 0.5  # seconds of silence that make a member lost once a connection to it broke
+
+
+class Excluded(RuntimeError):
+    """The other ranks went on without this one: it did not join their agreement in time (it was stopped, swapped out
+    or silent past the timeout)."""
+
+
+class TooFewWorkers(RuntimeError):
+    """Fewer workers survive than `min_workers`: the run stops on every survivor."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the survivors of generation `generation - 1` agreed on.
+
+    Attributes:
+        generation: the new generation (0 is the run's start).
+        members: the survivors, by their first rank, in order: rank `i` of the new world is `members[i]`.
+        survivors: the same ranks as positions in the previous generation (for
+            [`for_members`][lightning_decentral.topology.Topology.for_members]).
+        lost: the members of the previous generation that did not survive, by their first rank.
+        step: the last optimizer step whose exchange is discarded: every survivor discards each exchange it has not
+            completed, takes local steps up to this one, and mixes among the survivors from the next.
+    """
+
+    generation: int
+    members: tuple[int, ...]
+    survivors: tuple[int, ...]
+    lost: tuple[int, ...]
+    step: int
+
+
+class Membership:
+    """The members of one run and their agreement after a failure, through the job's store.
+
+    Every rank beats a heartbeat (a counter in the store, `HEARTBEAT` seconds apart, from a thread with its own
+    client). When a rank sees a failure (an exchange that broke, or [`poll`][lightning_decentral.membership.Membership.poll]
+    says so), it calls [`agree`][lightning_decentral.membership.Membership.agree]: it announces the failure (`abort/g`,
+    which every other member's `poll` sees within one poll), joins with the step of the exchange it gave up, and waits
+    until every member of the generation has joined or is lost; one decision (members, step) is written once
+    (compare-and-set) and every survivor adopts it. A member is lost when its heartbeat has been silent for `silence`
+    seconds, for `CONFIRM` seconds once a connection to it broke, or when it has not joined within `silence` of the
+    announcement; a member that is alive but slow is waited for.
+
+    Args:
+        store: the job's store, guarded against hanging.
+        connect: makes a new client of the store (the heartbeat's, each generation's process group's).
+        run: this run's key prefix, the same on every rank and never used before.
+        rank: this rank's rank at the start of the run.
+        world_size: the ranks at the start.
+        silence: seconds of silence that make a member lost (the process-group timeout).
+        min_workers: below this many survivors, [`agree`][lightning_decentral.membership.Membership.agree] raises
+            [`TooFewWorkers`][lightning_decentral.membership.TooFewWorkers] on every survivor.
+    """
+
+    def __init__(
+        self,
+        store: GuardedStore,
+        connect: Callable[[], Any],
+        run: str,
+        rank: int,
+        world_size: int,
+        silence: float,
+        min_workers: int,
+    ) -> None:
+        self.store, self._connect = store, connect
+        self.prefix = f"lightning_decentral/{run}"
+        self.first_rank = rank
+        self.members = list(range(world_size))
+        self.generation = 0
+        self.silence, self.min_workers = silence, min_workers
+        self.decisions: list[Decision] = []
+        self._heard: dict[int, tuple[bytes, float]] = {}  # member -> (its counter, when it last changed, our clock)
+        self._listened = 0.0
+        self._started = time.monotonic()
+        self._stopped = threading.Event()
+
+    @property
+    def rank(self) -> int:
+        """This rank's rank among the current members."""
+        return self.members.index(self.first_rank)
+
+    @property
+    def world_size(self) -> int:
+        """The current number of members."""
+        return len(self.members)
+
+    def _key(self, *parts: Any) -> str:
+        return "/".join([self.prefix, *map(str, parts)])
+
+    # -- heartbeats -----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Beat the first heartbeat, then go on beating from a thread until [`close`][lightning_decentral.membership.Membership.close]."""
+        self.store.add(self._key("heartbeat", self.first_rank), 1)
+        threading.Thread(target=self._beat, daemon=True, name="lightning_decentral-heartbeat").start()
+
+    def _beat(self) -> None:
+        try:
+            store = self._connect()
+            while not self._stopped.wait(HEARTBEAT):
+                store.add(self._key("heartbeat", self.first_rank), 1)
+        except Exception:  # noqa: BLE001 - the store is gone: the next call of the guarded client says so
+            return
+
+    def _listen(self) -> None:
+        """Read every other member's heartbeat counter (one call) and note which changed."""
+        now = self._listened = time.monotonic()
+        others = [m for m in self.members if m != self.first_rank]
+        keys = [self._key("heartbeat", m) for m in others]
+        if self.store.check(keys):
+            values = self.store.multi_get(keys)
+        else:  # a member that has not beaten yet (the run is starting)
+            values = [self.store.get(k) if self.store.check([k]) else b"" for k in keys]
+        for member, value in zip(others, values):
+            if self._heard.get(member, (None,))[0] != value:
+                self._heard[member] = (value, now)
+
+    def silent_for(self, member: int) -> float:
+        """Seconds since `member`'s heartbeat last changed, on this rank's clock (as of the last look)."""
+        return self._listened - self._heard.get(member, (b"", self._started))[1]
+
+    def close(self) -> None:
+        """Stop the heartbeat (the others then see this rank silent) and the store's call thread."""
+        self._stopped.set()
+        self.store.close()
+
+    # -- failures -------------------------------------------------------------------------------------------------
+
+    def poll(self) -> Optional[str]:
+        """Why this rank should give up what it waits for, or `None`: a member announced a failure, or a member's
+        heartbeat has been silent for `silence` seconds. One look at the store (and the heartbeats every
+        `HEARTBEAT` seconds)."""
+        abort = self._key("abort", self.generation)
+        if self.store.check([abort]):
+            return json.loads(self.store.get(abort))["reason"]
+        if time.monotonic() - self._listened > HEARTBEAT:
+            self._listen()
+            for member in self.members:
+                if member != self.first_rank and self.silent_for(member) > self.silence:
+                    return f"rank {member} has been silent for {self.silent_for(member):.1f} s (no heartbeat)"
+        return None
+
+    def agree(self, step: int, reason: str, broken: Sequence[int] = (), any_broken: bool = False) -> Decision:
+        """Agree with the other survivors on the members and one step, after a failure seen at `step` (the step of the
+        exchange this rank gives up); returns the decision, already adopted.
+
+        Args:
+            step: the optimizer step of the exchange this rank did not complete.
+            reason: what it saw, for the others (`poll` returns it to them).
+            broken: the members (first ranks) whose connection to this rank broke.
+            any_broken: a connection broke, to a member this rank cannot name (a collective's).
+
+        Raises:
+            Excluded: the others decided without this rank.
+            TooFewWorkers: fewer than `min_workers` survive (on every survivor alike).
+        """
+        g = self.generation
+        announced = json.dumps({"reason": f"rank {self.first_rank} saw: {reason}"})
+        self.store.compare_set(self._key("abort", g), "", announced)  # the first announcement stays
+        for member in broken:
+            self.store.set(self._key("broken", g, member), "1")
+        if any_broken:
+            self.store.set(self._key("broken", g, "any"), "1")
+        self.store.set(self._key("join", g, self.first_rank), json.dumps({"step": step}))
+        since = time.monotonic()
+        decided = self._key("decide", g)
+        while not self.store.check([decided]):
+            proposal = self._proposal(g, since)
+            if proposal is not None:
+                self.store.compare_set(decided, "", json.dumps(proposal))  # another proposal may have won: read it
+                break
+            time.sleep(POLL)
+        return self._adopt(json.loads(self.store.get(decided)))
+
+    def _proposal(self, g: int, since: float) -> Optional[dict[str, Any]]:
+        """The decision to propose, once every member of generation `g` has joined or is lost; else `None`."""
+        joins = {m: self._key("join", g, m) for m in self.members}
+        joined = {m: json.loads(self.store.get(k))["step"] for m, k in joins.items() if self.store.check([k])}
+        self._listen()
+        any_broken = self.store.check([self._key("broken", g, "any")])
+        waited = time.monotonic() - since
+
+        def lost(member: int) -> bool:
+            if self.silent_for(member) > self.silence or waited > self.silence:
+                return True
+            broken = any_broken or self.store.check([self._key("broken", g, member)])
+            return broken and self.silent_for(member) > CONFIRM
+
+        missing = [m for m in self.members if m not in joined]
+        if not all(lost(m) for m in missing):
+            return None
+        return {"members": sorted(joined), "lost": missing, "step": max(joined.values())}
+
+    def _adopt(self, decided: dict[str, Any]) -> Decision:
+        if self.first_rank not in decided["members"]:
+            raise Excluded(
+                f"The other ranks went on without rank {self.first_rank} after step {decided['step']}: it did not join "
+                f"their agreement in time (silent for more than {CONFIRM} s after a connection to it broke, or for "
+                f"{self.silence:.0f} s). It stops here; its replica is not part of the run any more."
+            )
+        decision = Decision(
+            generation=self.generation + 1,
+            members=tuple(decided["members"]),
+            survivors=tuple(self.members.index(m) for m in decided["members"]),
+            lost=tuple(decided["lost"]),
+            step=int(decided["step"]),
+        )
+        adopted = self.store.add(self._key("adopted", self.generation), 1)
+        self.members, self.generation = list(decision.members), decision.generation
+        self.decisions.append(decision)
+        if len(self.members) < self.min_workers:
+            # the run ends here: let every survivor read the decision before any leaves (one may host the store, and
+            # it leaves only once every survivor has read it: a store gone meanwhile means they all have)
+            since = time.monotonic()
+            while adopted < len(self.members) and time.monotonic() - since < self.silence:
+                time.sleep(POLL)
+                try:
+                    adopted = self.store.add(self._key("adopted", decision.generation - 1), 0)
+                except StoreLost:
+                    break
+            raise TooFewWorkers(
+                f"Only {len(self.members)} workers are left after step {decision.step} (ranks {list(decision.members)} "
+                f"of the start; lost: {list(decision.lost)}), fewer than min_workers={self.min_workers}: the run stops "
+                "on every survivor. Lower min_workers to go on with fewer, or resume from the last checkpoint."
+            )
+        return decision
+
+    def form_group(self, backend: str, timeout: timedelta) -> None:
+        """Replace the default process group by the current members' (every member calls it together, after
+        [`agree`][lightning_decentral.membership.Membership.agree])."""
+        rebuild_world(self._connect(), self._key("world", self.generation), self.rank, self.world_size, timeout, backend)

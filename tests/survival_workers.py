@@ -1,0 +1,189 @@
+"""Spawned workers of tests/test_survivors.py: ranks that die, and the ones that go on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_decentral import DecentralizedStrategy
+from tests.models import Regression, flat, init_seed, loader
+from tests.workers import trainer_for
+
+BATCH = 8
+EPOCH = 10  # batches per epoch: a checkpoint every multiple of it resumes at an epoch boundary, exactly
+MOMENTUM_SGD = {"lr": 0.05, "momentum": 0.9}
+
+
+class Mortal(Regression):
+    """The ranks of `deaths` ({first rank: step}) kill themselves (`SIGKILL`) when that step starts, after stamping
+    the time in `stamps/killed-<rank>`; those of `stops` stop (`SIGSTOP`: alive and silent) after stamping their pid in
+    `stamps/stopped-<rank>`. Every rank records its replica when each step of `record` starts, and when each step
+    ends the time (`finished[step]`)."""
+
+    def __init__(
+        self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), stops: Optional[dict[int, int]] = None, **kwargs: Any
+    ) -> None:
+        super().__init__(**kwargs)
+        self.deaths, self.stamps, self.record, self.stops = deaths, stamps, record, stops or {}
+        self.recorded: dict[int, torch.Tensor] = {}
+        self.finished: dict[int, float] = {}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        rank = self.trainer.strategy.first_rank
+        if self.deaths.get(rank) == self.global_step:
+            Path(self.stamps, f"killed-{rank}").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.stops.get(rank) == self.global_step:
+            Path(self.stamps, f"stopped-{rank}").write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if self.stops and self.trainer.strategy.failures_survived:
+            Path(self.stamps, "decided").touch()
+
+    def on_train_end(self) -> None:
+        """With stopped ranks: wait (at most a minute) until each has woken up and stopped, while the store lives."""
+        deadline = time.monotonic() + 60
+        while not all(Path(self.stamps, f"done-{r}").exists() for r in self.stops) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.global_step in self.record:
+            self.recorded[self.global_step] = flat(self).clone()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.finished[self.global_step - 1] = time.time()
+
+
+def survive(
+    rank: int,
+    world_size: int,
+    root: str,
+    deaths: dict[int, int],
+    steps: int,
+    save_at: int = 0,
+    record: tuple[int, ...] = (),
+    topology: Any = "ring",
+    timeout: float = 30.0,
+    stops: Optional[dict[int, int]] = None,
+    validate: bool = False,
+    **strategy: Any,
+) -> dict[str, Any]:
+    """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there, those of `stops`
+    stop there. A checkpoint at step `save_at` (0: none); with `validate`, a validation at the end of each epoch
+    (`val_loss` logged with `sync_dist=True`). Each survivor's final replica, recorded replicas, step end times, the
+    decisions and the last `val_loss` (NaN without `validate`)."""
+    model = Mortal(deaths, root, record, stops, seed=init_seed(rank), **MOMENTUM_SGD)
+    callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
+    strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
+    trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
+    trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
+    return {
+        "replica": flat(model),
+        "recorded": model.recorded,
+        "finished": model.finished,
+        "decisions": [d.__dict__ for d in strategy_.failures_survived],
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+        "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+    }
+
+
+def survive_or_error(rank: int, world_size: int, **kwargs: Any) -> Any:
+    """`survive(...)`, or the error it stopped with (type and message; then `root/done-<rank>` is touched)."""
+    try:
+        return survive(rank, world_size, **kwargs)
+    except RuntimeError as error:
+        Path(kwargs["root"], f"done-{rank}").touch()
+        return f"{type(error).__name__}: {error}"
+
+
+def resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], steps: int, topology: Any = "ring") -> torch.Tensor:
+    """Resume `checkpoint` on `world_size` plain processes, rank `i` on the data of rank `data_of[i]` of the run that
+    saved it; train to `steps`; this rank's replica."""
+    model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
+    trainer = trainer_for(world_size, DecentralizedStrategy(topology=topology), max_steps=steps)
+    trainer.fit(model, loader(data_of[rank], EPOCH * BATCH, BATCH), ckpt_path=checkpoint)
+    return flat(model)
+
+
+def fabric_survive(rank: int, world_size: int, root: str, deaths: dict[int, int], steps: int, save_at: int) -> dict[str, Any]:
+    """A Fabric loop of `steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` die at their step; every
+    survivor saves at `save_at` (`fabric.save`). Each survivor's final replica and the decisions."""
+    from lightning.fabric import Fabric
+    from torch import nn
+
+    from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
+    from tests.models import initial_net
+
+    strategy = FabricStrategy(on_peer_failure="continue", timeout=timedelta(seconds=30))
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+    fabric.launch()
+    model, optimizer = fabric.setup(*_net_and_optimizer(initial_net(init_seed(rank))))
+    x, y = loader(rank, EPOCH * BATCH, BATCH).dataset.tensors
+    for k in range(steps):
+        if deaths.get(strategy.first_rank) == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if k == save_at:
+            fabric.save(f"{root}/step={k}.ckpt", {"model": model, "optimizer": optimizer})
+        rows = slice((k % EPOCH) * BATCH, (k % EPOCH + 1) * BATCH)
+        fabric.backward(nn.functional.mse_loss(model(x[rows]), y[rows]))
+        optimizer.step()
+        optimizer.zero_grad()
+    strategy.teardown()
+    return {"replica": flat(model), "decisions": [d.__dict__ for d in strategy.failures_survived], "rank": fabric.global_rank}
+
+
+def fabric_resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], start: int, steps: int) -> torch.Tensor:
+    """`fabric.load` of `checkpoint` on `world_size` plain processes (rank `i` on the data of `data_of[i]`), then the
+    same loop from step `start` to `steps`; this rank's replica."""
+    from lightning.fabric import Fabric
+    from torch import nn
+
+    from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
+    from tests.models import initial_net
+
+    strategy = FabricStrategy()
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world_size)
+    fabric.launch()
+    model, optimizer = fabric.setup(*_net_and_optimizer(initial_net(init_seed(rank))))
+    fabric.load(checkpoint, {"model": model, "optimizer": optimizer})
+    x, y = loader(data_of[rank], EPOCH * BATCH, BATCH).dataset.tensors
+    for k in range(start, steps):
+        rows = slice((k % EPOCH) * BATCH, (k % EPOCH + 1) * BATCH)
+        fabric.backward(nn.functional.mse_loss(model(x[rows]), y[rows]))
+        optimizer.step()
+        optimizer.zero_grad()
+    strategy.teardown()
+    return flat(model)
+
+
+def _net_and_optimizer(net: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    return net, torch.optim.SGD(net.parameters(), **MOMENTUM_SGD)
+
+
+def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any) -> list[torch.Tensor]:
+    """The run of `survive` in one process: `SimulatedDecentralizedStrategy(failures=...)`, worker `i` on rank `i`'s
+    data; every survivor's final replica."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_decentral import SimulatedDecentralizedStrategy
+    from tests.models import rank_data
+
+    parts = [rank_data(i, EPOCH * BATCH) for i in range(workers)]  # DistributedSampler without shuffling: i, i + n, ...
+    interleaved = [torch.stack([p[j] for p in parts], dim=1).flatten(0, 1) for j in (0, 1)]
+    failures: dict[int, list[int]] = {}
+    for rank, step in deaths.items():
+        failures.setdefault(step, []).append(rank)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, topology=topology, failures=failures)
+    trainer = Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(Regression(seed=init_seed(0), **MOMENTUM_SGD), DataLoader(TensorDataset(*interleaved), batch_size=BATCH))
+    return [flat(module) for module in strategy.worker_modules()]

@@ -1,0 +1,175 @@
+"""The membership protocol (lightning_decentral.membership) without processes: members are threads, each with its own
+clients of one TCPStore, as ranks would be."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import pytest
+import torch.distributed as dist
+
+from lightning_decentral.membership import (
+    LAUNCHER_KEY,
+    Decision,
+    Excluded,
+    GuardedStore,
+    Membership,
+    StoreLost,
+    TooFewWorkers,
+    store_host,
+)
+from tests.helpers import free_port
+
+
+_MADE: list[Membership] = []
+
+
+@pytest.fixture()
+def connect() -> Callable[[], dist.TCPStore]:
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    yield lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    while _MADE:  # stop the heartbeats before the store goes
+        _MADE.pop().close()
+    time.sleep(0.2)
+    del server
+
+
+def _members(connect: Callable, n: int, silence: float = 5.0, min_workers: int = 1, start: bool = True) -> list[Membership]:
+    members = []
+    for rank in range(n):
+        store = GuardedStore(connect, timeout=10.0, where="test")
+        members.append(Membership(store, connect, "run", rank, n, silence=silence, min_workers=min_workers))
+        if start:
+            members[-1].start()
+    _MADE.extend(members)
+    return members
+
+
+def _in_threads(calls: dict[int, Callable[[], Any]]) -> dict[int, Any]:
+    """Run each call in its own thread; each one's result, or the exception it raised."""
+    out: dict[int, Any] = {}
+
+    def run(rank: int, call: Callable[[], Any]) -> None:
+        try:
+            out[rank] = call()
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            out[rank] = error
+
+    threads = [threading.Thread(target=run, args=item) for item in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "a member is still agreeing after 30 s"
+    return out
+
+
+def _late(seconds: float, call: Callable[[], Any]) -> Callable[[], Any]:
+    return lambda: (time.sleep(seconds), call())[1]
+
+
+def test_survivors_agree_on_the_members_and_the_largest_step(connect: Callable) -> None:
+    """Rank 2 dies; its neighbour 1 saw the broken connection at step 20, rank 0 (ahead) gives up step 21, rank 3
+    joins last. Every survivor adopts one decision, half a second after the death is confirmed."""
+    members = _members(connect, 4)
+    members[2].close()  # dead: no heartbeat, never joins
+    started = time.monotonic()
+    out = _in_threads({
+        1: lambda: members[1].agree(20, "Connection closed by peer", broken=[2]),
+        0: _late(0.1, lambda: members[0].agree(21, members[0].poll())),
+        3: _late(0.2, lambda: members[3].agree(20, "announced")),
+    })
+    expected = Decision(generation=1, members=(0, 1, 3), survivors=(0, 1, 3), lost=(2,), step=21)
+    assert out == {0: expected, 1: expected, 3: expected}
+    assert time.monotonic() - started < 3.0
+    assert [(m.rank, m.world_size, m.generation) for m in (members[0], members[1], members[3])] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)]
+
+
+def test_every_member_sees_the_announcement_in_one_poll(connect: Callable) -> None:
+    members = _members(connect, 3)
+    assert members[0].poll() is None
+    members[2].close()
+
+    def rank_0() -> tuple[str, Decision]:  # waits on an exchange, polling, until the announcement comes
+        while (reason := members[0].poll()) is None:
+            time.sleep(0.01)
+        return reason, members[0].agree(5, reason)
+
+    out = _in_threads({1: lambda: members[1].agree(5, "Connection closed by peer", broken=[2]), 0: rank_0})
+    assert out[0] == ("rank 1 saw: Connection closed by peer", out[1])
+
+
+def test_a_slow_survivor_is_waited_for_and_a_second_failure_is_agreed_the_same_way(connect: Callable) -> None:
+    """Rank 3 beats its heartbeat but joins 1.5 s late (3x the confirmation window): it stays. Then rank 0 dies too."""
+    members = _members(connect, 4, silence=5.0)
+    members[2].close()
+    out = _in_threads({
+        0: lambda: members[0].agree(7, "Connection closed by peer", broken=[2]),
+        1: lambda: members[1].agree(7, "Connection closed by peer", broken=[2]),
+        3: _late(1.5, lambda: members[3].agree(8, "announced")),
+    })
+    assert {d.members for d in out.values()} == {(0, 1, 3)} and {d.step for d in out.values()} == {8}
+    members[0].close()
+    second = _in_threads({
+        1: lambda: members[1].agree(30, "Connection closed by peer", broken=[0]),
+        3: lambda: members[3].agree(30, "announced"),
+    })
+    expected = Decision(generation=2, members=(1, 3), survivors=(1, 2), lost=(0,), step=30)
+    assert second == {1: expected, 3: expected}
+    assert (members[3].rank, members[3].world_size) == (1, 2)
+
+
+def test_a_silent_member_is_lost_and_stops_when_it_comes_back(connect: Callable) -> None:
+    """Rank 2 is stopped (no heartbeat, no broken connection): lost once silent for `silence`; when it wakes up and
+    joins, the decision does not name it and it stops."""
+    members = _members(connect, 3, silence=1.0, start=False)
+    members[0].start()
+    members[1].start()  # rank 2 never beats
+    out = _in_threads({0: lambda: members[0].agree(4, "rank 2 has been silent"), 1: lambda: members[1].agree(4, "announced")})
+    assert {d.members for d in out.values()} == {(0, 1)}
+    with pytest.raises(Excluded, match="went on without rank 2 after step 4"):
+        members[2].agree(4, "woke up")
+
+
+def test_below_min_workers_every_survivor_stops_alike(connect: Callable) -> None:
+    members = _members(connect, 4, min_workers=3)
+    members[2].close()
+    members[3].close()
+    out = _in_threads({r: lambda r=r: members[r].agree(9, "Connection closed by peer", broken=[2, 3]) for r in (0, 1)})
+    for error in out.values():
+        assert isinstance(error, TooFewWorkers)
+        assert "Only 2 workers are left after step 9 (ranks [0, 1] of the start; lost: [2, 3]), fewer than min_workers=3" in str(error)
+
+
+class _Hung:
+    """A store client whose host stopped answering."""
+
+    def check(self, keys: list[str]) -> bool:
+        time.sleep(5)
+        return True
+
+
+def test_a_store_that_does_not_answer_raises_instead_of_hanging() -> None:
+    store = GuardedStore(_Hung, timeout=0.2, where="10.0.0.1:29500")
+    started = time.monotonic()
+    with pytest.raises(StoreLost, match=r"store at 10.0.0.1:29500 did not answer within 0 s"):
+        store.check(["x"])
+    with pytest.raises(StoreLost):  # at once, from now on
+        store.check(["y"])
+    assert time.monotonic() - started < 1.0
+
+
+def test_where_the_store_lives_is_explained(connect: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = connect()
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    outlives, words = store_host(store)
+    assert not outlives and "rank 0's process hosts the job's store" in words and "lightning-decentral-launch" in words
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    outlives, words = store_host(store)
+    assert not outlives and "torchrun stops every worker of a node when one of them fails" in words
+    store.set(LAUNCHER_KEY, "pid 42 on host-a")
+    assert store_host(store) == (True, "lightning-decentral-launch hosts the job's store (pid 42 on host-a), outside the workers")

@@ -1,0 +1,199 @@
+"""`on_peer_failure="continue"`: the survivors of a killed rank agree, go on training among themselves, and their
+checkpoints resume exactly on as many processes; under the Trainer, under Fabric, under lightning-decentral-launch,
+and as the simulation predicts (docs/reliability.md, "Surviving a failure")."""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import networkx as nx
+import pytest
+import torch
+
+from tests import survival_workers as workers
+from tests.helpers import run_distributed, start_processes
+
+BOUND = 240.0  # seconds any group of processes here may take, or the test fails (and they are killed)
+
+
+def _every_rank_exits(fn: Callable, world_size: int, **kwargs: Any) -> tuple[list[Any], list[int]]:
+    """Each rank's result (`None` for one that left none) and exit code; a rank's death does not end the others."""
+    with tempfile.TemporaryDirectory() as out:
+        procs = start_processes(fn, world_size, out, **kwargs)
+        deadline = time.monotonic() + BOUND
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for rank in hung:
+            procs[rank].kill()
+            procs[rank].join()
+        assert not hung, f"ranks {hung} still running after {BOUND:.0f} s"
+        results = []
+        for rank in range(world_size):
+            path = Path(out) / f"{rank}.pkl"
+            status, value = pickle.loads(path.read_bytes()) if path.exists() else ("ok", None)
+            assert status == "ok", value
+            results.append(value)
+        return results, [p.exitcode for p in procs]
+
+
+def _decision(members: tuple[int, ...], lost: tuple[int, ...], step: int, generation: int = 1) -> dict[str, Any]:
+    survivors = tuple(i for i, m in enumerate(sorted(members + lost)) if m in members)
+    return {"generation": generation, "members": members, "survivors": survivors, "lost": lost, "step": step}
+
+
+def test_the_survivors_of_a_killed_rank_finish_and_their_checkpoint_resumes_exactly_on_three(tmp_path: Path) -> None:
+    """4 ranks on a ring; rank 2 is killed when step 20 of 60 starts. Ranks 0, 1 and 3 agree on one step (20, or 21
+    when rank 0, which is not rank 2's neighbour, had finished exchange 20 first), finish all 60 steps and exit 0, as
+    ranks 0, 1 and 2 of 3; Lightning's validation at the end of each epoch (x̄, and `val_loss` reduced with
+    `sync_dist=True`) runs among them. The checkpoint of step 30 has 3 shards and its x̄ is theirs; resumed on 3 plain
+    processes, each continues bit for bit to their replicas of step 60."""
+    results, codes = _every_rank_exits(
+        workers.survive, 4, root=str(tmp_path), deaths={2: 20}, steps=60, save_at=30, validate=True
+    )
+    assert codes == [0, 0, -9, 0] and results[2] is None
+    survivors = [results[r] for r in (0, 1, 3)]
+    (decision,) = survivors[0]["decisions"]
+    assert decision in (_decision((0, 1, 3), (2,), 20), _decision((0, 1, 3), (2,), 21))
+    for new_rank, r in enumerate(survivors):
+        assert r["decisions"] == [decision] and (r["rank"], r["world_size"], r["global_step"]) == (new_rank, 3, 60)
+    assert torch.isfinite(torch.stack([r["replica"] for r in survivors]).mean(0)).all()  # x̄ of the survivors
+    val_losses = [r["val_loss"] for r in survivors]  # each survivor validates its own data: equal once reduced
+    assert math.isfinite(val_losses[0]) and val_losses == pytest.approx([val_losses[0]] * 3, rel=1e-6)
+
+    checkpoint = tmp_path / "epoch=2-step=30.ckpt"
+    shards = sorted(p.name.split(".")[0] for p in Path(f"{checkpoint}.shards").iterdir())
+    assert shards == ["rank-00000-of-00003", "rank-00001-of-00003", "rank-00002-of-00003"]
+    saved = torch.load(checkpoint, weights_only=True)
+    assert saved["decentralized_shards"]["world_size"] == 3
+    resumed = run_distributed(workers.resume, 3, checkpoint=str(checkpoint), data_of=[0, 1, 3], steps=60)
+    for replica, survivor in zip(resumed, survivors):
+        torch.testing.assert_close(replica, survivor["replica"], atol=0, rtol=0)
+
+
+def test_a_fabric_loop_survives_the_same_way(tmp_path: Path) -> None:
+    """The same under Fabric: rank 2 killed at step 20 of 60, `fabric.save` at step 30 by the survivors, resumed
+    exactly on 3 processes with `fabric.load`."""
+    results, codes = _every_rank_exits(workers.fabric_survive, 4, root=str(tmp_path), deaths={2: 20}, steps=60, save_at=30)
+    assert codes == [0, 0, -9, 0]
+    survivors = [results[r] for r in (0, 1, 3)]
+    assert [r["rank"] for r in survivors] == [0, 1, 2]
+    assert all(len(r["decisions"]) == 1 and r["decisions"] == survivors[0]["decisions"] for r in survivors)
+    assert torch.isfinite(torch.stack([r["replica"] for r in survivors]).mean(0)).all()
+    resumed = run_distributed(
+        workers.fabric_resume, 3, checkpoint=str(tmp_path / "step=30.ckpt"), data_of=[0, 1, 3], start=30, steps=60
+    )
+    for replica, survivor in zip(resumed, survivors):
+        torch.testing.assert_close(replica, survivor["replica"], atol=0, rtol=0)
+
+
+def test_the_simulation_loses_a_worker_as_the_processes_lose_a_rank() -> None:
+    """Rank 2 neighbours every other rank, so none of them completes exchange 5 once it is killed there: they agree
+    on step 5 everywhere. `SimulatedDecentralizedStrategy(failures={5: [2]})` gives the same replicas: step 5 local,
+    then Metropolis-Hastings weights on the path 0 - 1 - 3 the survivors induce."""
+    graph = nx.Graph([(2, 0), (2, 1), (2, 3), (0, 1), (1, 3)])
+    with tempfile.TemporaryDirectory() as root:
+        results, codes = _every_rank_exits(workers.survive, 4, root=root, deaths={2: 5}, steps=10, topology=graph)
+    assert codes == [0, 0, -9, 0]
+    assert all(results[r]["decisions"] == [_decision((0, 1, 3), (2,), 5)] for r in (0, 1, 3))
+    simulated = workers.simulate(4, {2: 5}, 10, graph)
+    processes = torch.stack([results[r]["replica"] for r in (0, 1, 3)])
+    assert (processes[0] - processes[1]).abs().max() > 1e-4  # the survivors differ: a real test of each
+    torch.testing.assert_close(torch.stack(simulated), processes, atol=1e-5, rtol=0)
+
+
+def test_below_min_workers_every_survivor_stops_with_a_clear_error() -> None:
+    """3 ranks, min_workers=3: rank 1 dies at step 5; ranks 0 and 2 agree, then stop alike, naming the fix."""
+    with tempfile.TemporaryDirectory() as root:
+        results, codes = _every_rank_exits(workers.survive_or_error, 3, root=root, deaths={1: 5}, steps=10, min_workers=3)
+    assert codes == [0, -9, 0]
+    for r in (results[0], results[2]):
+        assert r.startswith("TooFewWorkers: Only 2 workers are left after step 5 (ranks [0, 2] of the start; lost: [1])")
+        assert "fewer than min_workers=3: the run stops on every survivor. Lower min_workers" in r
+
+
+def test_under_lightning_decentral_launch_the_store_hosts_usual_rank_dies_and_a_second_failure_is_survived(
+    tmp_path: Path,
+) -> None:
+    """Under lightning-decentral-launch the store lives in the launcher, so rank 0 (which hosts it under Lightning's
+    own launch) may die: 3 workers, rank 0 killed when step 10 starts, then rank 1 at step 20; rank 2 finishes all 30
+    steps alone (min_workers=1), and the launcher exits 0, having reported each death. No warning about the store."""
+    script = Path(__file__).with_name("survival_script.py")
+    command = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", "3", str(script)]
+    arguments = ["--out", str(tmp_path), "--deaths", "0:10,1:20", "--steps", "30", "--min-workers", "1"]
+    done = subprocess.run([*command, *arguments], capture_output=True, text=True, timeout=BOUND)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank, how in ((0, "was killed by SIGKILL"), (1, "was killed by SIGKILL"), (2, "exited with 0")):
+        assert f"lightning-decentral-launch: worker {rank} (pid" in done.stdout and how in done.stdout
+    assert "hosts the job's store" not in done.stderr
+    last = torch.load(tmp_path / "rank-2.pt", weights_only=False)
+    assert (last["rank"], last["world_size"], last["global_step"]) == (0, 1, 30)
+    first, second = last["decisions"]
+    assert {**first, "step": None} == _decision((1, 2), (0,), None) and first["step"] in (10, 11)
+    assert {**second, "step": None} == _decision((2,), (1,), None, generation=2) and second["step"] in (20, 21)
+    assert torch.isfinite(last["replica"]).all()
+
+
+def test_a_silent_rank_is_left_behind_after_the_timeout_and_stops_when_it_wakes_up(tmp_path: Path) -> None:
+    """3 ranks, timeout 5 s: rank 1 stops (SIGSTOP) when step 5 starts, its connections open. Ranks 0 and 2 give it up
+    once it has been silent past the timeout (its heartbeat, or gloo's wait), finish their 12 steps as 2 ranks; woken
+    up once they have decided, rank 1 finds a decision without it and stops with a clear error."""
+    with tempfile.TemporaryDirectory() as out:
+        procs = start_processes(
+            workers.survive_or_error, 3, out, root=str(tmp_path), deaths={}, stops={1: 5}, steps=12, timeout=5.0
+        )
+        try:
+            deadline = time.monotonic() + BOUND
+            while not (tmp_path / "decided").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(int((tmp_path / "stopped-1").read_text()), signal.SIGCONT)
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert [p.exitcode for p in procs] == [0, 0, 0]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        results = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in range(3)]
+    for r in (results[0], results[2]):
+        assert r["decisions"] == [_decision((0, 2), (1,), 5)] and (r["world_size"], r["global_step"]) == (2, 12)
+    assert results[1].startswith("Excluded: The other ranks went on without rank 1 after step 5")
+
+
+@pytest.mark.parametrize("on_peer_failure", ["stop", "continue"])
+def test_on_peer_failure_and_min_workers_are_checked_before_anything_runs(on_peer_failure: str) -> None:
+    from lightning_decentral import DecentralizedStrategy
+    from tests.workers import trainer_for
+
+    with pytest.raises(ValueError, match=r"`on_peer_failure` must be one of \['stop', 'continue'\], got 'go on'"):
+        DecentralizedStrategy(on_peer_failure="go on")
+    with pytest.raises(ValueError, match=r"`min_workers` must be a positive integer \(the fewest workers a run goes on with\)"):
+        DecentralizedStrategy(on_peer_failure=on_peer_failure, min_workers=0)
+    with pytest.raises(ValueError, match="min_workers=5 is more than the 4 workers of the run: pass at most 4"):
+        trainer_for(4, DecentralizedStrategy(on_peer_failure=on_peer_failure, min_workers=5))
+
+
+def test_a_launch_by_lightning_is_told_apart_from_one_process_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lightning's own launcher (devices=n from a script, or '_spawn') ends every process when one fails: the strategy
+    knows it was started that way (and warns at start with "continue"); a process started by another launcher
+    (LOCAL_RANK and the rest set) was not."""
+    from lightning_decentral import DecentralizedStrategy
+    from tests.workers import trainer_for
+
+    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    assert trainer_for(2, DecentralizedStrategy(on_peer_failure="continue")).strategy.launched_by_lightning
+    assert trainer_for(2, DecentralizedStrategy(on_peer_failure="continue", start_method="spawn")).strategy.launched_by_lightning
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not trainer_for(2, DecentralizedStrategy(on_peer_failure="continue")).strategy.launched_by_lightning
