@@ -105,6 +105,20 @@ def test_failures_that_cannot_run_are_refused() -> None:
             SimulatedDecentralizedStrategy(workers=4, failures=failures)
     with pytest.raises(ValueError, match="use vectorize=False"):
         SimulatedDecentralizedStrategy(workers=4, failures={1: [2]}, vectorize=True)
+    with pytest.raises(ValueError, match="use staleness=0 with failures"):
+        SimulatedDecentralizedStrategy(workers=4, failures={1: [2]}, staleness=1)
+
+
+def test_with_failures_vectorize_auto_keeps_the_workers_apart(lightning_info) -> None:
+    """failures= needs the workers apart: the default vectorize='auto' keeps them apart, says why, and the run is the
+    dense reference's."""
+    from tests.reference import run
+
+    config = FAILURE_CONFIGS[0]
+    simulated = sim.fit_simulated_on_rank_data(config, 6, vectorize="auto")
+    (line,) = set(lightning_info())
+    assert "the per-worker path, one worker at a time, because failures= drops workers" in line, line
+    torch.testing.assert_close(simulated.double(), run(config, 6).double(), atol=1e-5, rtol=0)
 
 
 def test_each_worker_draws_from_its_own_random_state(monkeypatch) -> None:

@@ -45,6 +45,7 @@ def one_behind(worker: int, neighbour: int, step: int, staleness: int) -> int:
         ({"staleness": 1, "gossip_every": 2}, "gossip_every=2 is not supported with it: use gossip_every=1"),
         ({"staleness": 1, "gossip_steps": 2}, "use gossip_steps=1"),
         ({"staleness": 1, "gossip_dtype": "bfloat16"}, "use gossip_dtype=None"),
+        ({"staleness": 1, "on_peer_failure": "continue"}, "on_peer_failure='continue' .* use on_peer_failure='stop'"),
     ],
 )
 def test_what_staleness_cannot_run_is_refused_naming_the_fix(kwargs: dict, message: str) -> None:

@@ -182,6 +182,17 @@ def test_on_peer_failure_and_min_workers_are_checked_before_anything_runs(on_pee
         trainer_for(4, DecentralizedStrategy(on_peer_failure=on_peer_failure, min_workers=5))
 
 
+def test_continue_refuses_saves_in_the_background_when_the_trainer_is_built() -> None:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    from lightning_decentral import DecentralizedStrategy
+    from tests.workers import trainer_for
+
+    with pytest.raises(ValueError, match=r"on_peer_failure='continue' does not save in the background .* Drop the AsyncCheckpointIO"):
+        trainer_for(2, DecentralizedStrategy(on_peer_failure="continue"), plugins=[AsyncCheckpointIO()])
+    trainer_for(2, DecentralizedStrategy(on_peer_failure="stop"), plugins=[AsyncCheckpointIO()])  # restarts resume instead
+
+
 def test_a_launch_by_lightning_is_told_apart_from_one_process_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lightning's own launcher (devices=n from a script, or '_spawn') ends every process when one fails: the strategy
     knows it was started that way (and warns at start with "continue"); a process started by another launcher

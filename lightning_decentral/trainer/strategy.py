@@ -200,6 +200,12 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
     @override
     def _configure_launcher(self) -> None:
         """Runs when the Trainer is built, before any process starts: bind the topology (bad ones fail here)."""
+        if self.options.on_peer_failure == "continue" and isinstance(self.checkpoint_io, AsyncCheckpointIO):
+            raise ValueError(
+                "on_peer_failure='continue' does not save in the background (AsyncCheckpointIO): its writer averages on a "
+                "process group of every rank, which a failure breaks. Drop the AsyncCheckpointIO plugin, or use "
+                "on_peer_failure='stop' (a restart resumes from the newest complete checkpoint)."
+            )
         super()._configure_launcher()
         self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)
 
@@ -207,12 +213,6 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
     def setup(self, trainer: Trainer) -> None:
         """Runs before fit, validate, test or predict: the replicas, then (fitting) the update rule and the stop
         agreement that replaces Lightning's per-batch SIGTERM broadcast."""
-        if self.options.on_peer_failure == "continue" and isinstance(self.checkpoint_io, AsyncCheckpointIO):
-            raise ValueError(
-                "on_peer_failure='continue' does not save in the background (AsyncCheckpointIO): its writer averages on a "
-                "process group of every rank, which a failure breaks. Drop the AsyncCheckpointIO plugin, or use "
-                "on_peer_failure='stop' (a restart resumes from the newest complete checkpoint)."
-            )
         if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             self._agree_on_stops(trainer)  # before this fit's first collective
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
