@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lightning_decentral.topology import TOPOLOGIES, Topology
+from lightning_decentral.topology import TOPOLOGIES, Hierarchical, Topology
 
 DOCS = Path(__file__).resolve().parents[1]
 TABLE = DOCS / "topologies_table.md"
@@ -35,20 +35,16 @@ def label(name: str) -> str:
 def factors(topology: Topology, step: int) -> list[np.ndarray]:
     """The matrices the gossip engine exchanges one after the other: ``I_N ⊗ W_in`` and ``W_out ⊗ I_m``
     for a hierarchical topology, else ``W(step)`` alone."""
-    inner, outer = getattr(topology, "inner_topology", None), getattr(topology, "outer_topology", None)
-    if inner is None or outer is None:
+    if not isinstance(topology, Hierarchical):
         return [topology.mixing(step)]
-    return [
-        np.kron(np.eye(outer.world_size), inner.mixing(step)),
-        np.kron(outer.mixing(step), np.eye(inner.world_size)),
-    ]
+    return [level.matrix(step, topology.world_size) for level in topology.levels()]
 
 
 def messages_per_step(topology: Topology) -> str:
     """Point-to-point messages each rank sends per gossip round, averaged over one period ("all-reduce" for 11ᵀ/n);
     for a hierarchical topology, inside the node + across nodes."""
-    inner, outer = getattr(topology, "inner_topology", None), getattr(topology, "outer_topology", None)
-    if inner is not None and outer is not None:
+    if isinstance(topology, Hierarchical):
+        inner, outer = (level.parts[0] for level in topology.levels())
         return f"{messages_per_step(inner)} in the node + {messages_per_step(outer)} across"
     if all(topology.is_average(step) for step in range(topology.period)):
         return "1 all-reduce"
@@ -73,8 +69,7 @@ def positions(name: str, topology: Topology) -> dict[int, tuple[float, float]]:
     if name == "torus":
         rows, cols = topology._grid  # the grid the code chose
         return {r * cols + c: (c, -r) for r in range(rows) for c in range(cols)}
-    inner = getattr(topology, "inner_topology", None)
-    m = inner.world_size if inner is not None else 1
+    m = topology.node_size if isinstance(topology, Hierarchical) else 1
     angle = 2 * np.pi * np.arange(n // m) / (n // m)
     local = 2 * np.pi * np.arange(m) / m
     return {
