@@ -1,0 +1,177 @@
+"""One GPU: the CUDA and bf16 paths of the strategies, and the simulation's speed and memory at n workers.
+
+    python benchmarks/gpu.py --out gpu.json --out gpu.md        # a CUDA machine: n = 16, 32, 64
+    python benchmarks/gpu.py --smoke --out smoke.json           # any machine, seconds (tests/test_benchmarks_smoke.py)
+
+Everything runs in this process, one fresh Trainer after the other, on the digits MLP of ``simulate.py``
+(64-128-128-10, momentum SGD, lr 0.1, a global batch of 512 samples, ring, AWC):
+
+* ``paths``: ``DecentralizedStrategy`` (D-PSGD and DecentLaM) on one device (``devices=1``, one process) under
+  ``32-true`` and ``bf16-mixed``: the loss stays finite, ``trainer.save_checkpoint`` writes ``x̄`` and the shard,
+  and ``fit(ckpt_path=...)`` resumes from them.
+* ``lightning``: a plain ``Trainer(devices=1)`` on the whole global batch, no decentralized strategy: the baseline of
+  both the step time and the memory columns.
+* ``sim``: ``SimulatedDecentralizedStrategy(workers=n)``, the workers apart (``vectorize=False``) and stacked
+  (``vectorize=True``), under both precisions. A step's time is the gap between the ends of two optimizer steps (the
+  GPU synchronized first), the median after ``--warmup`` steps; the ratio is to ``lightning``'s in the same
+  precision and run. Memory: ``torch.cuda.max_memory_allocated`` over the run minus ``lightning``'s, per worker
+  (``None`` on the CPU).
+
+A run that fails is recorded with its error and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from mlp import MLP, quiet_trainer  # noqa: E402
+from simulate import _digits, _loader  # noqa: E402
+
+from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy  # noqa: E402
+
+
+class SyncedClock(pl.Callback):
+    """``perf_counter()`` at the end of every optimizer step, after the device has finished it, and the device the
+    module trained on (Lightning moves it back to the CPU when fit ends)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+        self.device = ""
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.ends.append(time.perf_counter())
+        self.device = str(module.device)
+
+
+def _peak_mb() -> Optional[float]:
+    return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
+
+
+def _fit(
+    strategy: Any, args: argparse.Namespace, precision: str, batch: int, steps: int, ckpt_path: Optional[str] = None
+) -> dict[str, Any]:
+    """One fit up to optimizer step ``steps``: its median step time and peak memory, and the Trainer."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    clock = SyncedClock()
+    trainer = quiet_trainer(strategy, steps, [clock], accelerator=args.accelerator, devices=1, precision=precision)
+    x, y = _digits()
+    trainer.fit(MLP(tuple(args.widths), 0.1, 0.9), train_dataloaders=_loader(x, y, batch), ckpt_path=ckpt_path)
+    gaps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][args.warmup - 1 :]
+    return {"step_s": statistics.median(gaps) if gaps else None, "peak_mb": _peak_mb(), "trainer": trainer, "device": clock.device}
+
+
+def check_paths(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """D-PSGD and DecentLaM on one device, both precisions: finite parameters, a checkpoint written and resumed."""
+    rows = []
+    for momentum in ("local", "decentlam"):
+        for precision in args.precisions:
+            row: dict[str, Any] = {"momentum": momentum, "precision": precision}
+            try:
+                with tempfile.TemporaryDirectory() as directory:
+                    path = str(Path(directory) / "x.ckpt")
+                    run = _fit(DecentralizedStrategy(momentum=momentum), args, precision, 64, 3)
+                    first = run["trainer"]
+                    first.save_checkpoint(path)
+                    row["device"] = run["device"]
+                    row["finite"] = all(bool(torch.isfinite(p).all()) for p in first.lightning_module.parameters())
+                    resumed = _fit(DecentralizedStrategy(momentum=momentum), args, precision, 64, 5, ckpt_path=path)["trainer"]
+                    row["resumed_at"], row["ended_at"] = 3, resumed.global_step
+                    row["ok"] = row["finite"] and resumed.global_step == 5
+            except Exception as exc:  # recorded: the other runs go on
+                row.update(ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+    return rows
+
+
+def measure_simulation(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The plain Trainer, then the simulation at each n, apart and stacked, in each precision."""
+    rows = []
+    steps = args.warmup + args.steps
+    for precision in args.precisions:
+        base = _fit("auto", args, precision, args.global_batch, steps)
+        base_row = {"kind": "lightning", "n": 1, "precision": precision, "device": base["device"], "step_s": base["step_s"],
+                    "peak_mb": base["peak_mb"]}
+        rows.append(base_row)
+        print(json.dumps(base_row), flush=True)
+        for n in args.workers:
+            for vectorize in (False, True):
+                row: dict[str, Any] = {"kind": "stacked" if vectorize else "apart", "n": n, "precision": precision}
+                try:
+                    strategy = SimulatedDecentralizedStrategy(workers=n, topology="ring", vectorize=vectorize)
+                    run = _fit(strategy, args, precision, args.global_batch // n, steps)
+                    row.update(step_s=run["step_s"], peak_mb=run["peak_mb"], device=run["device"])
+                    row["ratio_to_lightning"] = run["step_s"] / base["step_s"]
+                    if run["peak_mb"] is not None and base["peak_mb"] is not None:
+                        row["mb_per_worker"] = (run["peak_mb"] - base["peak_mb"]) / n
+                except Exception as exc:  # recorded: the other runs go on
+                    row.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+    return rows
+
+
+def render(result: dict[str, Any]) -> str:
+    """The markdown tables of ``docs/benchmarks.md``."""
+    lines = [f"Device: {result['device']}; torch {result['torch']}, lightning {result['lightning']}.", "",
+             "| rule | precision | device | finite after 3 steps | resumed at 3, ended at | error |", "|---|---|---|---|---|---|"]
+    for r in result["paths"]:
+        lines.append(f"| {r['momentum']} | {r['precision']} | {r.get('device', '')} | {r.get('finite', '')} | "
+                     f"{r.get('resumed_at', '')}, {r.get('ended_at', '')} | {r.get('error', '')} |")
+    lines += ["", "| run | n | precision | device | median step (ms) | × plain Trainer | peak memory (MB) | MB per worker | error |",
+              "|---|---|---|---|---|---|---|---|---|"]
+
+    def number(value: Any, scale: float = 1.0, digits: int = 2) -> str:
+        return "" if value is None else f"{value * scale:.{digits}f}"
+
+    for r in result["simulation"]:
+        lines.append(f"| {r['kind']} | {r['n']} | {r['precision']} | {r.get('device', '')} | {number(r.get('step_s'), 1e3)} | "
+                     f"{number(r.get('ratio_to_lightning'))} | {number(r.get('peak_mb'), digits=1)} | "
+                     f"{number(r.get('mb_per_worker'), digits=2)} | {r.get('error', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--accelerator", default="gpu" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workers", default="16,32,64", help="comma-separated n (default 16,32,64)")
+    parser.add_argument("--precisions", default="32-true,bf16-mixed")
+    parser.add_argument("--steps", type=int, default=30, help="measured optimizer steps per run (default 30)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before measuring, >= 1 (default 5)")
+    parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--out", action="append", default=[], help=".json or .md; repeatable")
+    parser.add_argument("--smoke", action="store_true", help="n = 4, 32-true, 2 + 2 steps, a 64-16-10 MLP")
+    args = parser.parse_args(argv)
+    args.workers = [int(n) for n in args.workers.split(",")]
+    args.precisions = args.precisions.split(",")
+    args.widths = (64, 128, 128, 10)
+    if args.smoke:
+        args.workers, args.precisions, args.steps, args.warmup, args.widths = [4], ["32-true"], 2, 2, (64, 16, 10)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    result = {"device": device, "torch": torch.__version__, "lightning": pl.__version__,
+              "paths": check_paths(args), "simulation": measure_simulation(args)}
+    for out in args.out:
+        Path(out).write_text(render(result) if out.endswith(".md") else json.dumps(result, indent=1))
+    print(render(result))
+    failed = [r for r in result["paths"] if not r["ok"]] + [r for r in result["simulation"] if "error" in r]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
