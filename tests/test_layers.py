@@ -83,6 +83,7 @@ def test_update_rules_and_below_import_nothing_from_lightning() -> None:
 
 def test_every_executor_satisfies_the_monitoring_protocol() -> None:
     """The callbacks and the command line read executors through `Monitored` only (they import none of them)."""
+    import torch
     from lightning.fabric import Fabric
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import DDPStrategy
@@ -96,7 +97,7 @@ def test_every_executor_satisfies_the_monitoring_protocol() -> None:
     for strategy in (trainer.strategy, simulated.strategy, fabric_run.strategy):
         assert isinstance(strategy, Monitored), type(strategy).__name__
     assert (trainer.strategy.num_workers, simulated.strategy.num_workers, fabric_run.strategy.num_workers) == (2, 3, 2)
-    assert not isinstance(DDPStrategy(), Monitored)
+    assert not isinstance(DDPStrategy(parallel_devices=[torch.device("cpu")]), Monitored)  # a device: root_device answers
     assert not hasattr(DecentralizedStrategy(), "topology")  # not bound before a Trainer gives it a world
     for module in [*PACKAGE.joinpath("callbacks").glob("*.py"), PACKAGE / "cli.py"]:
         imported = {name.split(".")[1] for name in _imports(module) if name.startswith("lightning_decentral.")}
