@@ -193,8 +193,11 @@ class Activities:
     Every rank publishes the same sequence of activities when it runs the same program: `start(what)` when it begins
     something that needs no agreement (an optimizer step), `agree(what)` before a collective every rank must enter
     together (a checkpoint save or load, `x̄`). `agree` waits until every rank has published the same activity as its
-    activity number `c`; a rank whose activity `c` is another, or that is past `c`, is doing something else: every
-    rank that waits raises [`Disagreement`][lightning_decentral.failures.Disagreement] naming what each does. A rank
+    activity number `c`; a rank whose activity `c` is another, or that is past `c` without having passed this
+    agreement, is doing something else: every rank that waits raises
+    [`Disagreement`][lightning_decentral.failures.Disagreement] naming what each does. A rank that passed it (it saw
+    every rank at `c`) says so under a key of its own, so a slower rank still waiting lets it be past `c`: it may have
+    gone on when no collective follows the agreement, an error raised before the collective, say. A rank
     that publishes nothing new (it is busy, or blocked in a collective it started earlier) is named after `timeout`
     seconds with its last activity ([`PeerFailure`][lightning_decentral.failures.PeerFailure]); after `warn_after`
     seconds `warn` says who it waits for.
@@ -257,6 +260,9 @@ class Activities:
         while True:
             with peers_answer(f"{what}, reading what the other ranks do,"):
                 seen = self._published()
+            ahead = [r for r, (c, _) in seen.items() if c > self.count]
+            if ahead and any(self._passed(r) == self.count for r in ahead):
+                return self._pass()  # a rank passed this agreement: every rank had begun it
             elsewhere = {r: w for r, (c, w) in seen.items() if c > self.count or (c == self.count and w != what)}
             if elsewhere:
                 raise Disagreement(
@@ -267,7 +273,7 @@ class Activities:
                 )
             behind = {r: w for r, (c, w) in seen.items() if c < self.count}
             if not behind:
-                return
+                return self._pass()
             waited = time.monotonic() - started
             named = ", ".join(f"rank {r} ({w or 'nothing yet'})" for r, w in sorted(behind.items()))
             if waited > self.timeout:
@@ -280,6 +286,19 @@ class Activities:
                 self.warn(f"Rank {self.rank} has waited {waited:.1f} s in {what} for {named}; it gives up after {self.timeout:.1f} s.")
             time.sleep(pause)
             pause = min(2 * pause, 0.2)
+
+    def _pass(self) -> None:
+        """This rank saw every rank begin its activity `count`: say so before it goes on (see `agree`)."""
+        assert self.store is not None
+        with peers_answer(f"{self.current}, saying it agreed,"):
+            self.store.set(f"{self.rank}/passed", str(self.count))
+
+    def _passed(self, rank: int) -> int:
+        """The activity number of the last agreement `rank` passed (0: none)."""
+        assert self.store is not None
+        key = f"{rank}/passed"
+        with peers_answer(f"{self.current}, reading what the other ranks agreed,"):
+            return int(self.store.get(key)) if self.store.check([key]) else 0
 
     def _published(self) -> dict[int, tuple[int, str]]:
         """Every other rank's last activity: `rank -> (number, what)` (`(0, "")` before its first)."""

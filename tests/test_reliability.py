@@ -290,6 +290,38 @@ def test_a_rank_that_saves_alone_stops_every_rank_within_the_timeout_naming_what
     assert not (tmp_path / "alone.ckpt").exists()
 
 
+def test_a_rank_that_passed_an_agreement_and_went_on_lets_a_slower_rank_pass_it() -> None:
+    """No collective follows an agreement when the call fails before it (`fabric.load` of a file without the model's
+    weights raises on every rank): a fast rank goes on to its next activity while a slow one still waits to read. The
+    slow one passes (every rank had begun it); before, it saw the fast one past the agreement and raised
+    `Disagreement` (seen on CI in tests/test_fabric.py)."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from lightning_decentral.agreement import Activities
+
+    store = dist.HashStore()
+    fast, slow = Activities(store, 0, 2, timeout=5.0), Activities(store, 1, 2, timeout=5.0)
+    errors: list[BaseException] = []
+
+    def wait_slowly() -> None:
+        try:
+            slow.agree("fabric.load('a.ckpt')")  # reads rank 0 behind, then sleeps between reads
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    thread = threading.Thread(target=wait_slowly)
+    thread.start()
+    time.sleep(0.1)  # rank 1 has published and is asleep between two reads
+    fast.agree("fabric.load('a.ckpt')")  # sees rank 1 at the same activity: passes at once
+    fast.start("optimizer step 0")  # and goes on, with no collective in between
+    thread.join(5)
+    assert not thread.is_alive() and not errors, errors
+    assert (fast.count, slow.count) == (2, 1)
+
+
 def test_ranks_that_agree_pass_and_a_rank_that_never_begins_is_named_after_the_timeout() -> None:
     """`Activities` over an in-memory store, the ranks as threads of this process."""
     import threading
