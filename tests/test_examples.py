@@ -32,8 +32,14 @@ def fit(tmp_path: Path, config: str, *overrides: str) -> str:
         [COMMAND, "fit", "--config", f"examples/configs/{config}", *overrides],
         cwd=tmp_path, capture_output=True, text=True, timeout=580,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, first_and_last_errors(done.stderr)
     return done.stdout
+
+
+def first_and_last_errors(stderr: str) -> str:
+    """The first traceback (the rank that failed first: the cause), then the end of the output."""
+    first = stderr.find("Traceback")
+    return (stderr[first : first + 4000] + "\n[...]\n" if first >= 0 else "") + stderr[-3000:]
 
 
 @pytest.mark.timeout(600)  # 4 processes; the suite may share the cores with other work
