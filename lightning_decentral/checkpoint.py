@@ -344,15 +344,22 @@ def read_shard(path: str) -> dict[str, Any]:
 
 def shards_of_rank(checkpoint_path: _PATH, rank: int) -> list[str]:
     """This rank's shard files for `checkpoint_path`, of any save and world size."""
-    fs = get_filesystem(checkpoint_path)
-    return sorted(fs.glob(f"{shard_directory(checkpoint_path)}/{_prefix(rank)}-of-*.pt"))
+    return _files_of_rank(checkpoint_path, rank, "-of-*.pt")
 
 
 def temporary_files_of_rank(checkpoint_path: _PATH, rank: int) -> list[str]:
     """This rank's temporary shard files for `checkpoint_path` (writes in progress, or that never finished), of any
     save and writer."""
-    fs = get_filesystem(checkpoint_path)
-    return sorted(fs.glob(f"{shard_directory(checkpoint_path)}/{_prefix(rank)}-of-*.pt*.tmp"))
+    return _files_of_rank(checkpoint_path, rank, "-of-*.pt*.tmp")
+
+
+def _files_of_rank(checkpoint_path: _PATH, rank: int, pattern: str) -> list[str]:
+    """This rank's files matching `pattern` in the shard directory; none when another rank removes the directory
+    (emptied of its own files) while this one lists it."""
+    try:
+        return sorted(get_filesystem(checkpoint_path).glob(f"{shard_directory(checkpoint_path)}/{_prefix(rank)}{pattern}"))
+    except FileNotFoundError:
+        return []
 
 
 def remove_shards(checkpoint_path: _PATH, rank: int, keep: Optional[str] = None) -> None:

@@ -77,6 +77,29 @@ def test_a_shard_removed_by_another_job_between_listing_and_delete_is_no_error(t
     remove_shards(str(path), 0)  # again, with the directory gone: still no error
 
 
+def test_the_shard_directory_removed_by_another_rank_while_this_one_lists_it_is_no_error(tmp_path: Path, monkeypatch) -> None:
+    """Each rank removes its own shards, and a rank that finds the directory empty removes it: another rank may do so
+    while this one lists the directory, and fsspec's glob then raises `FileNotFoundError` (it ended a rank of the
+    quickstart when `ModelCheckpoint` removed its previous checkpoint)."""
+    path = tmp_path / "last.ckpt"
+    _save(path, 1)
+    real = checkpoint.get_filesystem
+
+    class Vanishing:
+        def __init__(self, fs: Any) -> None:
+            self.fs = fs
+
+        def glob(self, pattern: str) -> list[str]:
+            raise FileNotFoundError(pattern)  # the directory went away during the walk
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.fs, name)
+
+    monkeypatch.setattr(checkpoint, "get_filesystem", lambda p: Vanishing(real(p)))
+    assert checkpoint.shards_of_rank(str(path), 0) == checkpoint.temporary_files_of_rank(str(path), 0) == []
+    remove_shards(str(path), 0)
+
+
 def test_a_shard_of_this_save_removed_meanwhile_is_no_error(tmp_path: Path, monkeypatch) -> None:
     path = tmp_path / "model.ckpt"
     _save(path, 1)
