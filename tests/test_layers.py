@@ -18,7 +18,7 @@ LAYERS = [
     ["driver"],
     ["rules"],
     ["overlap"],
-    ["schedule", "options", "agreement", "stop"],
+    ["schedule", "options", "agreement"],
     ["replicas", "checkpoint", "measures", "data"],
     ["files"],
     ["gossip", "mixing"],
@@ -27,7 +27,7 @@ LAYERS = [
     ["topology"],
     ["failures", "rendezvous"],
 ]
-WITHOUT_LIGHTNING = ["stop", "failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:

@@ -300,7 +300,7 @@ def test_a_rank_that_passed_an_agreement_and_went_on_lets_a_slower_rank_pass_it(
 
     import torch.distributed as dist
 
-    from lightning_decentral.agreement import Activities
+    from lightning_decentral.failures import Activities
 
     store = dist.HashStore()
     fast, slow = Activities(store, 0, 2, timeout=5.0), Activities(store, 1, 2, timeout=5.0)
@@ -328,7 +328,7 @@ def test_ranks_that_agree_pass_and_a_rank_that_never_begins_is_named_after_the_t
 
     import torch.distributed as dist
 
-    from lightning_decentral.agreement import Activities
+    from lightning_decentral.failures import Activities
     from lightning_decentral.failures import PeerFailure
 
     store, warned = dist.HashStore(), []

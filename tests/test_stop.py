@@ -1,5 +1,5 @@
 """No collective on the default group at every step: a SIGTERM stops every rank at one step agreed through the
-job's store ([`StopAgreement`][lightning_decentral.stop.StopAgreement]), in place of Lightning's per-batch broadcast."""
+job's store ([`StopAgreement`][lightning_decentral.trainer.stop.StopAgreement]), in place of Lightning's per-batch broadcast."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_decentral.stop import StopAgreement, stop_margin
+from lightning_decentral.trainer.stop import StopAgreement, stop_margin
 from lightning_decentral.topology import Complete, Ring, resolve_topology
 from tests import straggler_workers
 from tests.helpers import run_distributed, start_processes

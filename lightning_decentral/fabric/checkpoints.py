@@ -103,7 +103,6 @@ class ShardedCheckpoints:
 
     step: int  # and Fabric's DDPStrategy's: global_rank, world_size, precision, checkpoint_io, load/save_checkpoint
     driver: StepDriver
-    _live: Callable[[Optional[Any]], Any]
     _module: Optional[Module]
     _optimizer: Optional[Optimizer]
     _ranks: Ranks
@@ -186,7 +185,7 @@ class ShardedCheckpoints:
         else:
             self.load_module_state_dict(target, shard["state_dict"], strict=strict)
         if optimizer_key is not None and "optimizer_states" in shard:
-            self._live(self._optimizer).load_state_dict(shard["optimizer_states"][0])
+            set_up_first(self._optimizer).load_state_dict(shard["optimizer_states"][0])
         if shard.get("precision"):
             self.precision.load_state_dict(shard["precision"])
         return remainder
@@ -206,3 +205,10 @@ class ShardedCheckpoints:
             return None
 
         return found(self._module), found(self._optimizer)
+
+
+def set_up_first(value: Optional[Any]) -> Any:
+    """`value` (the model or optimizer the strategy set up), or an error saying to set them up first."""
+    if value is None:
+        raise RuntimeError("Set up the model and its optimizer first: `model, optimizer = fabric.setup(model, optimizer)`.")
+    return value

@@ -15,25 +15,23 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
-from lightning.fabric.utilities.distributed import _init_dist_connection
-from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_decentral.agreement import Activities, Ranks, parameter_deviations, run_configuration
-from lightning_decentral.driver import Driven, StepDriver, StepRunner, Survives, check_one_optimizer
-from lightning_decentral.fabric.checkpoints import ShardedCheckpoints
+from lightning_decentral.agreement import Ranks, parameter_deviations, run_configuration
+from lightning_decentral.failures import Activities
+from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
+from lightning_decentral.trainer.processes import Survives, init_default_group
+from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
 from lightning_decentral.failures import DEFAULT_TIMEOUT
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients, random_state
-from lightning_decentral.membership import Decision
 from lightning_decentral.mixing import FABRIC, DelaySchedule
 from lightning_decentral.options import GossipDtypeName, GossipOptions, register_strategies
-from lightning_decentral.rendezvous import connect
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
@@ -43,16 +41,14 @@ from lightning_decentral.schedule import RoundsSchedule
 class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
     """Fabric's decentralized data-parallel strategy: each rank keeps its own replica and gossips it.
 
-    The update rules and their arguments are those of the Trainer's
-    [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] (`topology`, `combine`,
-    `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
-    `gossip_dtype`, `staleness`, `delays`, `on_peer_failure`, `min_workers`); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`,
-    `precision`, `process_group_backend`, `timeout`, `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s
-    (`timeout`, 5 minutes unless given, bounds every exchange: a dead or silent rank ends the others within it, and
-    ranks that call different collectives, `fabric.load` on one and a step on another, stop at once); any other
-    name is a `TypeError`.
-    `eval_on` decides what [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation]
-    swaps in.
+    The update rules and their arguments are those of the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]
+    (`topology`, `combine`, `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
+    `gossip_dtype`, `staleness`, `delays`, `on_peer_failure`, `min_workers`); the others (`accelerator`,
+    `parallel_devices`, `cluster_environment`, `checkpoint_io`, `precision`, `process_group_backend`, `timeout`,
+    `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s (`timeout`, 5 minutes unless given, bounds every
+    exchange: a dead or silent rank ends the others within it, and ranks that call different collectives, `fabric.load`
+    on one and a step on another, stop at once); any other name is a `TypeError`. `eval_on` decides what
+    [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation] swaps in.
 
     A `gossip_steps` schedule by epoch (`{"epoch": {...}}`) reads the epoch the loop gives
     [`set_epoch`][lightning_decentral.fabric.DecentralizedStrategy.set_epoch] (Fabric has no epochs of its own).
@@ -124,7 +120,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
         self._hooks: list[Any] = []
         self._forward_states: list[dict[str, Any]] = []  # the random state of each training forward of step k
         self._graph_pending = False  # a training forward ran and its backward has not: the parameters are in use
-        self._activities: Optional[Activities] = None  # what each rank does: ranks that disagree stop at once
+        self.activities: Optional[Activities] = None  # what each rank does: ranks that disagree stop at once
 
     # -- the monitoring surface (Driven's, and these) ---------------------------------------------
 
@@ -136,7 +132,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
     @property
     def module(self) -> Module:
         """The set-up module (this rank's replica); an error before `fabric.setup`."""
-        return self._live(self._module)
+        return set_up_first(self._module)
 
     @property
     def grad_scaler(self) -> Optional[torch.amp.GradScaler]:
@@ -145,11 +141,11 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
 
     def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
         """For each trainable parameter: its name, `‖p_i − p̄‖²` here and `‖p̄‖²` (every rank together)."""
-        return parameter_deviations(self._ranks, self._live(self._module))
+        return parameter_deviations(self._ranks, set_up_first(self._module))
 
     def gradient_sum(self) -> list[Tensor]:
         """This rank's gradient of each trainable parameter (zeros where it has none)."""
-        return own_gradients(self._live(self._module))
+        return own_gradients(set_up_first(self._module))
 
     def record_random_state(self) -> None:
         """Record the random state a training forward starts from (the CPU generator's and, on a GPU, this
@@ -175,7 +171,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
         ([`agree`][lightning_decentral.fabric.DecentralizedStrategy.agree]); `fabric.save`, which agreed already,
         averages without.
         """
-        module = self._live(self._module)
+        module = set_up_first(self._module)
         if not self._averaging:
             self.check_outside_the_graph("averaged_model()")
             if agree and self.world_size > 1:
@@ -210,11 +206,10 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
             return
         self._set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
-        environment = self.cluster_environment
-        assert environment is not None
-        store = connect(environment.main_address, environment.main_port, self.global_rank, self.world_size, self._timeout)
-        device = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(environment, self._process_group_backend, timeout=self._timeout, device_id=device, store=store)
+        assert self.cluster_environment is not None
+        init_default_group(
+            self.cluster_environment, self._process_group_backend, self.global_rank, self.world_size, self._timeout, self.root_device
+        )
 
     @override
     def setup_module_and_optimizers(
@@ -238,8 +233,8 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
             raise ValueError("DecentralizedStrategy gossips one model: set up one module per Fabric.")
         precision = str(getattr(self.precision, "precision", type(self.precision).__name__))
         self._ranks.check_same_configuration(run_configuration(self, module, precision))
-        self._activities = Activities.of_group(self._ranks, self._timeout)
-        self._activities.start("fabric.setup")
+        self.activities = Activities.of_group(self._ranks, self._timeout)
+        self.activities.start("fabric.setup")
         self._ranks.broadcast_from_rank_zero(list(state_tensors(module)))
         self._replica = Replica(module, self.gossip_buffers)
         if self.staleness:
@@ -267,7 +262,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
         self._context.grad_scaler = scaler if scaler is not None and scaler.is_enabled() else None
         self._context.any_worker = self._ranks.any
         self._context.warn = rank_zero_warn
-        self.driver.build_rule(self._live(self._replica), self._live(self._mixer), [optimizer], self._context)
+        self.driver.build_rule(set_up_first(self._replica), set_up_first(self._mixer), [optimizer], self._context)
         self._optimizer = optimizer
         return optimizer
 
@@ -342,18 +337,18 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
 
     def agree(self, what: str) -> None:
         """Right before a collective every rank must enter together: stop at once, naming what each rank does, if
-        another rank does something else ([`Activities`][lightning_decentral.agreement.Activities]); a no-op before
+        another rank does something else ([`Activities`][lightning_decentral.failures.Activities]); a no-op before
         set-up, and in the steps the survivors of a failure take alone (nobody to agree with). Nothing else may be
         agreed or begun before that collective."""
-        if self._activities is not None and not self.driver.alone:
-            self._activities.agree(what)
+        if self.activities is not None and not self.driver.alone:
+            self.activities.agree(what)
 
     def _begin_step(self) -> StepRunner:
         """The rule, with step `k` begun (once per step: the schedule decides it here)."""
         if not self.driver.begun:
             self._forward_states = []  # a new optimizer step
-            if self._activities is not None:
-                self._activities.start(f"optimizer step {self.step}")
+            if self.activities is not None:
+                self.activities.start(f"optimizer step {self.step}")
         return self.driver.begin(self.step)
 
     def _epoch(self) -> int:
@@ -379,27 +374,14 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
             self._mixer.leave(self.step)
         self.stop_surviving()
         self._mixer = self._replica = self._module = self._optimizer = None
-        self._hooks, self._forward_states, self._graph_pending, self._activities = [], [], False, None
+        self._hooks, self._forward_states, self._graph_pending, self.activities = [], [], False, None
         super().teardown()
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def on_survivors(self, decision: Decision) -> None:
-        """After a failure, in the survivors' process group (every survivor together): Lightning's rank-zero utilities
-        follow the new rank, and the ranks publish their activities among the survivors."""
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        if self._activities is not None:
-            self._activities = Activities.of_group(self._ranks, self._timeout)
-
     @property
     def _ranks(self) -> Ranks:
         return Ranks.of_world(self.root_device)
-
-    @staticmethod
-    def _live(value: Optional[Any]) -> Any:
-        if value is None:
-            raise RuntimeError("Set up the model and its optimizer first: `model, optimizer = fabric.setup(model, optimizer)`.")
-        return value
 
     @classmethod
     @override

@@ -89,7 +89,7 @@ class Gossip:
         self._stages = self._hierarchical_stages(world) if isinstance(self.topology, Hierarchical) else []
         self._edge_groups: dict[int, dist.ProcessGroup] = {}  # peer -> the 2-rank subgroup of that edge
         if self.transport == "broadcast":
-            self._edge_groups = self._create_edge_groups()
+            self._edge_groups = _pair_groups(self.topology, self._global, self.rank, self.group, self._timeout)
 
     def rebind(self, topology: Topology) -> None:
         """Mix with `topology` from now on, on the default process group: the survivors of a failure, after they
@@ -107,25 +107,6 @@ class Gossip:
         """The process groups the engine talks on besides the default one (its own, and its subgroups)."""
         own = [self.group] if self.group is not None else []
         return own + [g for stage in self._stages for g in stage.groups()] + list(self._edge_groups.values())
-
-    def _create_edge_groups(self) -> dict[int, dist.ProcessGroup]:
-        """A 2-rank subgroup per pair of neighbours over one period; every rank creates every one, in order."""
-        topology, n = self.topology, self.topology.world_size
-        pairs = sorted(
-            {(min(i, j), max(i, j)) for k in range(topology.period) if not topology.is_average(k)
-             for i in range(n) for j, _ in topology.in_neighbors(i, k)}
-        )
-        if len(pairs) > 4 * n or dist.get_backend(self.group or dist.group.WORLD) != "gloo":
-            raise ValueError(
-                f"transport='broadcast' needs the gloo backend and at most 4 edges per rank ({len(pairs)} "
-                f"edges for {n} ranks here); use transport=None or 'p2p'."
-            )
-        groups = {}
-        for pair in pairs:
-            subgroup = dist.new_group([self._global[r] for r in pair], timeout=self._timeout)
-            if self.rank in pair:
-                groups[pair[1] if pair[0] == self.rank else pair[0]] = subgroup
-        return groups
 
     def _hierarchical_stages(self, world: dist.ProcessGroup) -> list["Gossip"]:
         """One engine per level the rank takes part in: on its node, then on its group across nodes
@@ -378,3 +359,26 @@ class Gossip:
         if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype or buffer.device != like.device:
             buffer = self._receive[(tag, slot)] = torch.empty_like(like)
         return buffer
+
+
+def _pair_groups(
+    topology: Topology, global_ranks: list[int], rank: int, group: Optional[dist.ProcessGroup], timeout: Optional[timedelta]
+) -> dict[int, dist.ProcessGroup]:
+    """A 2-rank subgroup per pair of neighbours over one period, by this rank's neighbour (`transport="broadcast"`);
+    every rank creates every one, in order."""
+    n = topology.world_size
+    pairs = sorted(
+        {(min(i, j), max(i, j)) for k in range(topology.period) if not topology.is_average(k)
+         for i in range(n) for j, _ in topology.in_neighbors(i, k)}
+    )
+    if len(pairs) > 4 * n or dist.get_backend(group or dist.group.WORLD) != "gloo":
+        raise ValueError(
+            f"transport='broadcast' needs the gloo backend and at most 4 edges per rank ({len(pairs)} "
+            f"edges for {n} ranks here); use transport=None or 'p2p'."
+        )
+    groups = {}
+    for pair in pairs:
+        subgroup = dist.new_group([global_ranks[r] for r in pair], timeout=timeout)
+        if rank in pair:
+            groups[pair[1] if pair[0] == rank else pair[0]] = subgroup
+    return groups

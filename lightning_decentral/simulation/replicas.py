@@ -21,6 +21,8 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch import LightningModule
+from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -30,7 +32,8 @@ from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.trainer.replicated import EvaluatesOnAverage
 from lightning_decentral.replicas import AveragedModel
-from lightning_decentral.simulation.workers import SimulatedWorkers
+from lightning_decentral.simulation.data import PerWorker, StackedBatch
+from lightning_decentral.simulation.workers import Logged, SimulatedWorkers
 
 
 class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
@@ -56,6 +59,39 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         self._eval_context = contextlib.ExitStack()
         self._resume_shards: list[dict[str, Any]] = []  # fit(ckpt_path=...): every worker's shard, until restored
         self._rng_restored = False
+
+    # -- the monitoring surface of the workers (with the subclass's Driven's) --------------------
+
+    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
+        """For each trainable parameter `p`: its name, `Σ_i ‖p_i − p̄‖²` over the workers and `‖p̄‖²`
+        (float64; `DecentralizedStrategy.parameter_deviations` gives one rank's term of the sum)."""
+        return self._group.parameter_deviations()
+
+    def gradient_sum(self) -> list[Tensor]:
+        """`Σ_i g_i` for each trainable parameter of the LightningModule: the workers' current gradients."""
+        return self._group.gradient_sum()
+
+    def worker_batches(self, batch: Any) -> list[Any]:
+        """Each worker's batch of the batch the training loop holds."""
+        if isinstance(batch, StackedBatch):
+            return list(batch.parts())
+        return list(batch.of(self._group.origins)) if isinstance(batch, PerWorker) else [batch]
+
+    def worker_random_states(self) -> list[dict[str, Any]]:
+        """The torch random state each worker draws from now (worker 0's is the process's own), as
+        [`random_state`][lightning_decentral.measures.random_state] gives it."""
+        device = self.root_device
+        return [{"cpu": cpu, **({"cuda": (device, cuda)} if cuda is not None else {})} for cpu, cuda in self._group.random_states()]
+
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Each worker's batch to the device, through the LightningModule's transfer hooks (a stacked batch at once)."""
+        if isinstance(batch, PerWorker):
+            moved = [super(SimulatedReplicaStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch]
+            return PerWorker(moved, batch.origins)
+        if isinstance(batch, StackedBatch):
+            return StackedBatch(super().batch_to_device(batch.batch, device, dataloader_idx), batch.workers)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     # -- the devices Lightning hands over --------------------------------------------------------
 
@@ -208,3 +244,18 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         """A run stopped with an error: put worker 0's own state back."""
         self._eval_context.close()
         super().on_exception(exception)
+
+
+def log_over_workers(module: LightningModule, logged: Logged, workers: int) -> None:
+    """Log what the workers' `training_step`s logged: a number every worker logged as the mean over the workers (what
+    `sync_dist=True` gives on `n` ranks); anything else (a Metric object, a value some workers log) as worker 0's."""
+    for name, values in logged.items():
+        if len(values) == workers and all(_is_number(v) for v, _ in values):
+            mean = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(module.device) for v, _ in values]).mean()
+            module.log(name, mean, **values[0][1])
+        else:
+            module.log(name, values[0][0], **values[0][1])
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1)

@@ -44,10 +44,10 @@ from lightning_decentral.options import GossipDtypeName, GossipOptions, Topology
 from lightning_decentral.trainer.replicated import backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
-from lightning_decentral.simulation.data import PerWorker, StackedBatch, WorkerLoaders
+from lightning_decentral.simulation.data import StackedBatch, WorkerLoaders
 from lightning_decentral.simulation.hooks import WorkerHooks
-from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy
-from lightning_decentral.simulation.workers import Logged, SimulatedWorkers, copy_of, optimizer_like
+from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy, log_over_workers
+from lightning_decentral.simulation.workers import SimulatedWorkers, checked_failures, copy_of, optimizer_like
 from lightning_decentral.simulation.vectorized import (
     StackedWorkers,
     rows_clipped_apart,
@@ -146,7 +146,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             workers, self.driver.attach(mixer), accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         self.vectorize = vectorize
-        self.failures = _checked_failures(failures, workers, vectorize, staleness)
+        self.failures = checked_failures(failures, workers, vectorize, staleness)
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
         self._outputs: list[Any] = []  # each worker's training_step output of this batch
@@ -154,29 +154,6 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._context: Optional[RuleContext] = None  # the rules' context, kept to stack the workers later
         self._undecided = False  # vectorize="auto": the path is chosen at the first training DataLoader
         self._trial = False  # vectorize="auto" chose to stack: the first batch tries training_step under vmap
-
-    # -- the monitoring surface: Driven's, and these --------------------------------------------
-
-    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
-        """For each trainable parameter `p`: its name, `Σ_i ‖p_i − p̄‖²` over the workers and `‖p̄‖²`
-        (float64; `DecentralizedStrategy.parameter_deviations` gives one rank's term of the sum)."""
-        return self._group.parameter_deviations()
-
-    def gradient_sum(self) -> list[Tensor]:
-        """`Σ_i g_i` for each trainable parameter of the LightningModule: the workers' current gradients."""
-        return self._group.gradient_sum()
-
-    def worker_batches(self, batch: Any) -> list[Any]:
-        """Each worker's batch of the batch the training loop holds."""
-        if isinstance(batch, StackedBatch):
-            return list(batch.parts())
-        return list(batch.of(self._group.origins)) if isinstance(batch, PerWorker) else [batch]
-
-    def worker_random_states(self) -> list[dict[str, Any]]:
-        """The torch random state each worker draws from now (worker 0's is the process's own), as
-        [`random_state`][lightning_decentral.measures.random_state] gives it."""
-        device = self.root_device
-        return [{"cpu": cpu, **({"cuda": (device, cuda)} if cuda is not None else {})} for cpu, cuda in self._group.random_states()]
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -287,16 +264,6 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self.driver.run(self._group)
         _say_path(f"the per-worker path, one worker at a time, because {problem}")
 
-    @override
-    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
-        """Each worker's batch to the device, through the LightningModule's transfer hooks (a stacked batch at once)."""
-        if isinstance(batch, PerWorker):
-            moved = [super(SimulatedDecentralizedStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch]
-            return PerWorker(moved, batch.origins)
-        if isinstance(batch, StackedBatch):
-            return StackedBatch(super().batch_to_device(batch.batch, device, dataloader_idx), batch.workers)
-        return super().batch_to_device(batch, device, dataloader_idx)
-
     # -- one optimizer step, every worker ---------------------------------------------------------
 
     @override
@@ -328,7 +295,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             batch = batch.parts()  # the stacked path's loader, and the workers kept apart after its first batch
         with self.precision_plugin.train_step_context():
             outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
-        _log_over_workers(self.lightning_module, logged, len(self._group.modules))
+        log_over_workers(self.lightning_module, logged, len(self._group.modules))
         self._outputs = outputs
         self._losses = [_loss_of(output) for output in outputs]
         if any(loss is None for loss in self._losses):
@@ -436,55 +403,12 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
 
 
 
-def _checked_failures(
-    failures: Optional[dict[int, list[int]]], workers: int, vectorize: Union[bool, str], staleness: int
-) -> dict[int, list[int]]:
-    """`failures` checked: steps `>= 0`, each worker at most once and in `[0, workers)`, one worker left."""
-    if not failures:
-        return {}
-    if vectorize is True:
-        raise ValueError(
-            "SimulatedDecentralizedStrategy(failures=...) drops workers one by one, which the stacked rows of "
-            "vectorize=True do not support yet: use vectorize=False or 'auto'."
-        )
-    if staleness:
-        raise ValueError(
-            f"SimulatedDecentralizedStrategy(failures=...) rebuilds the graph at one step, which staleness={staleness} "
-            "(neighbours' replicas of earlier steps) does not support: use staleness=0 with failures."
-        )
-    lost = [w for step, dead in failures.items() for w in (dead if isinstance(dead, (list, tuple)) else [dead])]
-    steps_ok = all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in failures)
-    if not steps_ok or not all(isinstance(w, int) and 0 <= w < workers for w in lost) or len(set(lost)) != len(lost):
-        raise ValueError(
-            f"`failures` maps an optimizer step (an integer >= 0) to the workers that die there (ranks in [0, {workers}), "
-            f"each at most once), e.g. {{20: [2]}}; got {failures!r}."
-        )
-    if len(lost) >= workers:
-        raise ValueError(f"`failures` loses all {workers} workers; at least one must survive.")
-    return {k: list(v) if isinstance(v, (list, tuple)) else [v] for k, v in failures.items()}
-
-
 def _quiet(message: str) -> None:
     """Workers 1..n-1 warn nothing: worker 0 warns once for all."""
 
 
 def _loss_of(output: Any) -> Optional[Tensor]:
     return output["loss"] if isinstance(output, dict) else output
-
-
-def _log_over_workers(module: LightningModule, logged: Logged, workers: int) -> None:
-    """Log what the workers' `training_step`s logged: a number every worker logged as the mean over the workers (what
-    `sync_dist=True` gives on `n` ranks); anything else (a Metric object, a value some workers log) as worker 0's."""
-    for name, values in logged.items():
-        if len(values) == workers and all(_is_number(v) for v, _ in values):
-            mean = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(module.device) for v, _ in values]).mean()
-            module.log(name, mean, **values[0][1])
-        else:
-            module.log(name, values[0][0], **values[0][1])
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) or (isinstance(value, Tensor) and value.numel() == 1)
 
 
 def _say_path(which: str) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -402,3 +402,31 @@ def _grad(param: Tensor) -> Tensor:
 
 def _floating_state(module: Module) -> list[Tensor]:
     return [t for t in state_tensors(module) if t.is_floating_point()]
+
+
+def checked_failures(
+    failures: Optional[dict[int, list[int]]], workers: int, vectorize: Union[bool, str], staleness: int
+) -> dict[int, list[int]]:
+    """`failures` checked: steps `>= 0`, each worker at most once and in `[0, workers)`, one worker left."""
+    if not failures:
+        return {}
+    if vectorize is True:
+        raise ValueError(
+            "SimulatedDecentralizedStrategy(failures=...) drops workers one by one, which the stacked rows of "
+            "vectorize=True do not support yet: use vectorize=False or 'auto'."
+        )
+    if staleness:
+        raise ValueError(
+            f"SimulatedDecentralizedStrategy(failures=...) rebuilds the graph at one step, which staleness={staleness} "
+            "(neighbours' replicas of earlier steps) does not support: use staleness=0 with failures."
+        )
+    lost = [w for step, dead in failures.items() for w in (dead if isinstance(dead, (list, tuple)) else [dead])]
+    steps_ok = all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in failures)
+    if not steps_ok or not all(isinstance(w, int) and 0 <= w < workers for w in lost) or len(set(lost)) != len(lost):
+        raise ValueError(
+            f"`failures` maps an optimizer step (an integer >= 0) to the workers that die there (ranks in [0, {workers}), "
+            f"each at most once), e.g. {{20: [2]}}; got {failures!r}."
+        )
+    if len(lost) >= workers:
+        raise ValueError(f"`failures` loses all {workers} workers; at least one must survive.")
+    return {k: list(v) if isinstance(v, (list, tuple)) else [v] for k, v in failures.items()}

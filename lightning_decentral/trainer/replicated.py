@@ -33,8 +33,8 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.agreement import Activities, Ranks, mean_optimizer_state
-from lightning_decentral.failures import peers_answer
+from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.failures import Activities, peers_answer
 from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy

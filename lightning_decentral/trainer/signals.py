@@ -1,5 +1,5 @@
 """SIGTERM under the Trainer without Lightning's broadcast at every batch: every rank stops at a step agreed through
-the job's store ([`StopAgreement`][lightning_decentral.stop.StopAgreement]).
+the job's store ([`StopAgreement`][lightning_decentral.trainer.stop.StopAgreement]).
 
 Lightning 2.6 runs `_broadcast_sigterm_tensor` (a broadcast from rank 0 on the default group) at the start of every
 training batch, and its SIGTERM handler broadcasts again from inside the handler. Both are replaced for one fit
@@ -20,7 +20,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
-from lightning_decentral.stop import StopAgreement
+from lightning_decentral.trainer.stop import StopAgreement
 
 log = logging.getLogger(__name__)
 

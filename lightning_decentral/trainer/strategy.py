@@ -25,33 +25,30 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_decentral.agreement import Activities, parameter_deviations, run_configuration
-from lightning_decentral.driver import Driven, StepDriver, Survives
+from lightning_decentral.agreement import parameter_deviations, run_configuration
+from lightning_decentral.driver import Driven, StepDriver
+from lightning_decentral.trainer.processes import Survives, init_default_group
 from lightning_decentral.failures import DEFAULT_TIMEOUT
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients
-from lightning_decentral.membership import Decision
 from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
-from lightning_decentral.rendezvous import connect, job_store
+from lightning_decentral.rendezvous import job_store
 from lightning_decentral.replicas import Replica
 from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.schedule import RoundsSchedule
-from lightning_decentral.stop import StopAgreement, next_key, stop_margin
+from lightning_decentral.trainer.stop import StopAgreement, next_key, stop_margin
 from lightning_decentral.trainer.signals import stop_together
 
 
@@ -117,7 +114,7 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
             `"forkserver"`.
 
     No collective runs on the default group at every step: a SIGTERM on any rank stops every rank at the same
-    step, agreed through the job's store ([`stop`][lightning_decentral.stop]), in place of Lightning's broadcast
+    step, agreed through the job's store ([`stop`][lightning_decentral.trainer.stop]), in place of Lightning's broadcast
     from rank 0 at every batch.
 
     Examples:
@@ -241,11 +238,10 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
-        environment = self.cluster_environment
-        assert environment is not None
-        store = connect(environment.main_address, environment.main_port, self.global_rank, self.world_size, self._timeout)
-        device = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(environment, self._process_group_backend, timeout=self._timeout, device_id=device, store=store)
+        assert self.cluster_environment is not None
+        init_default_group(
+            self.cluster_environment, self._process_group_backend, self.global_rank, self.world_size, self._timeout, self.root_device
+        )
 
     @override
     def configure_ddp(self) -> None:
@@ -266,13 +262,6 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
                 self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
             )
         self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn)
-
-    def on_survivors(self, decision: Decision) -> None:
-        """After a failure, in the survivors' process group (every survivor together): Lightning's rank-zero utilities
-        follow the new rank, and the ranks publish their activities among the survivors."""
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        if self.activities is not None:
-            self.activities = Activities.of_group(self._ranks, self._timeout)
 
     # -- one optimizer step -----------------------------------------------------------------
 

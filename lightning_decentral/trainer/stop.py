@@ -1,5 +1,5 @@
 """A step at which every rank stops, agreed through the job's store instead of a collective at every step:
-[`StopAgreement`][lightning_decentral.stop.StopAgreement].
+[`StopAgreement`][lightning_decentral.trainer.stop.StopAgreement].
 
 Lightning broadcasts a SIGTERM flag from rank 0 at the start of every training batch: a barrier centred on rank 0
 that ties every rank to the slowest, whatever the topology. Here a signal only sets a flag; at the start of step
@@ -7,7 +7,7 @@ that ties every rank to the slowest, whatever the topology. Here a signal only s
 `compare_set` (the first proposal wins, and every proposer learns the winner), and the others look for the key
 with one `check` per step (a round trip to the store, no wait for any rank). Every rank then runs the steps
 before `S` and stops before step `S`, all at the same step. `margin` covers how far ranks can be apart
-([`stop_margin`][lightning_decentral.stop.stop_margin]), so no rank has started `S` when it is proposed; a rank
+([`stop_margin`][lightning_decentral.trainer.stop.stop_margin]), so no rank has started `S` when it is proposed; a rank
 that finds itself past `S` raises instead of stopping elsewhere.
 """
 

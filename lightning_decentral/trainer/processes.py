@@ -1,0 +1,111 @@
+"""What both executors on processes (the Trainer's and Fabric's `DecentralizedStrategy`) share: the default process
+group made on this generation's namespace of the job's store
+([`init_default_group`][lightning_decentral.trainer.processes.init_default_group]), and what they add for
+`on_peer_failure="continue"` ([`Survives`][lightning_decentral.trainer.processes.Survives])."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+from lightning_decentral.agreement import Ranks
+from lightning_decentral.driver import StepDriver
+from lightning_decentral.failures import Activities
+from lightning_decentral.membership import Decision, Survivors
+from lightning_decentral.options import GossipOptions
+from lightning_decentral.rendezvous import connect
+
+
+def init_default_group(
+    environment: ClusterEnvironment, backend: str, rank: int, world_size: int, timeout: timedelta, device: torch.device
+) -> None:
+    """Make the default process group on this generation's namespace of the job's store
+    ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), as Lightning would make it otherwise, so that
+    workers torchrun restarts never meet the keys of the workers they replace."""
+    store = connect(environment.main_address, environment.main_port, rank, world_size, timeout)
+    device_id = device if device.type != "cpu" else None
+    _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id, store=store)
+
+
+class Survives:
+    """What an executor on processes adds for `on_peer_failure="continue"` (the Trainer's and Fabric's
+    `DecentralizedStrategy`; list it before Lightning's strategy class): its rank and world size follow the
+    survivors of a failure, and `start_surviving`/`stop_surviving` bracket a run
+    ([`Survivors`][lightning_decentral.membership.Survivors] does the rest, from the mixer's waits)."""
+
+    driver: StepDriver
+    options: GossipOptions
+    activities: Optional[Activities]  # what each rank does (None before set-up): the executor's
+
+    @property
+    def global_rank(self) -> int:
+        """This rank's rank; after a failure, among the survivors (in the order of their first ranks)."""
+        survivors = self.driver.survivors
+        if survivors is not None and survivors.membership.generation:
+            return survivors.membership.rank
+        return super().global_rank  # type: ignore[misc]
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks; after a failure, of survivors."""
+        survivors = self.driver.survivors
+        if survivors is not None and survivors.membership.generation:
+            return survivors.membership.world_size
+        return super().world_size  # type: ignore[misc]
+
+    @property
+    def first_rank(self) -> int:
+        """This rank's global rank when the run started (a failure renumbers the survivors)."""
+        survivors = self.driver.survivors
+        return survivors.membership.first_rank if survivors is not None else self.global_rank
+
+    @property
+    def failures_survived(self) -> list[Decision]:
+        """The survivors' decisions of the run so far (or of the last one), one per failure survived."""
+        survivors = self.driver.survivors
+        return list(survivors.membership.decisions) if survivors is not None else []
+
+    @property
+    def launched_by_lightning(self) -> bool:
+        """Whether Lightning's own launcher started this rank (`devices=n` from a script, or a `_spawn`/`_fork`
+        strategy): it ends every process as soon as one fails, so with it no rank survives a failure."""
+        return self._start_method != "popen" or not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]
+
+    def start_surviving(self, mixer: Any, device: Any, backend: str, timeout: timedelta, warn: Callable[[str], None]) -> None:
+        """With `on_peer_failure="continue"`: agree on a run number (every rank together, on the default group), start
+        this rank's heartbeat, watch `mixer`'s exchanges, and `warn` if the job's store cannot outlive a worker, or
+        if Lightning's own launcher started the ranks."""
+        if self.options.on_peer_failure != "continue":
+            return
+        if self.launched_by_lightning:
+            warn(
+                "on_peer_failure='continue' under Lightning's own launcher (devices=n, or a '_spawn'/'_fork' strategy): "
+                "it stops every process as soon as one fails, so no rank survives. Launch with lightning-decentral-launch "
+                "(or one process per worker, e.g. srun without --kill-on-bad-exit)."
+            )
+        run = int(Ranks.of_world(device).gather([secrets.randbits(62)], "Starting the survivors' membership")[0, 0])
+        min_workers = self.options.min_workers_for(self.world_size)
+        survivors, warning = Survivors.start(self.driver, run, min_workers, backend, timeout, self.on_survivors)
+        survivors.watch(mixer)
+        self.driver.survivors = survivors
+        if warning:
+            warn(warning)
+
+    def on_survivors(self, decision: Decision) -> None:
+        """After a failure, in the survivors' process group (every survivor together): Lightning's rank-zero utilities
+        follow the new rank, and the ranks publish their activities among the survivors."""
+        rank_zero_only.rank = self.global_rank
+        if self.activities is not None:
+            self.activities = Activities.of_group(Ranks.of_world(self.root_device), self._timeout)  # type: ignore[attr-defined]
+
+    def stop_surviving(self) -> None:
+        """Stop the heartbeat (the run is over, or failed); the ranks stay the survivors'."""
+        if self.driver.survivors is not None:
+            self.driver.survivors.close()
