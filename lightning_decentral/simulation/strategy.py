@@ -109,6 +109,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
     """
 
     strategy_name = "dpsgd_sim"
+    # every worker's, not Driven's default of one worker per process (Driven comes first among the bases)
+    worker_batches = SimulatedReplicaStrategy.worker_batches
+    worker_random_states = SimulatedReplicaStrategy.worker_random_states
 
     def __init__(
         self,
