@@ -28,7 +28,9 @@ class BackgroundWriter:
     one at a time, in order.
 
     The first job that raises stops it: the jobs after it are dropped (a removal queued after a failed save must not
-    run), and its error is raised on the training thread by the next `submit` or `wait`.
+    run), and its error is raised on the training thread by the next `wait`, never by `submit`: every rank then
+    raises it at the same point of training (a rank that raised as soon as it knew could leave another in a
+    collective with it, which would end there with a `PeerFailure` instead of the save's error).
 
     Examples:
         >>> writer = BackgroundWriter()
@@ -52,17 +54,12 @@ class BackgroundWriter:
         self._thread.start()
 
     def submit(self, job: Callable[[], Any]) -> None:
-        """Queue `job`; first raise the error of a job that failed before, if any."""
-        self.raise_error()
+        """Queue `job` (dropped if a job failed before: `wait` raises that job's error)."""
         self._jobs.put(job)
 
     def wait(self) -> None:
         """Block until every job queued so far has run (or was dropped), then raise a job's error, if any."""
         self._jobs.join()
-        self.raise_error()
-
-    def raise_error(self) -> None:
-        """Raise the error of the job that failed, if one did."""
         if self._error is not None:
             raise self._error
 
@@ -81,7 +78,7 @@ class BackgroundWriter:
                     return
                 if self._error is None:
                     job()
-            except BaseException as exc:  # raised on the training thread by the next submit or wait
+            except BaseException as exc:  # raised on the training thread by the next wait
                 self._error = exc
             finally:
                 job = None  # nothing of a finished job (its process group) outlives it here
