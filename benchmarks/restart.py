@@ -12,11 +12,12 @@ a killed rank to the first step after torchrun restarted the job.
 batch 32 per process) with ``DecentralizedStrategy()`` (ring, AWC) on ``--workers`` CPU processes over gloo, one
 method after another in the same run, ``--repeats`` times in rotated order (as ``step_time.py`` does): ``none`` saves
 nothing; ``every N`` has ``ModelCheckpoint(every_n_train_steps=N, save_last=True)`` (a checkpoint and ``last.ckpt``,
-each with its 4 shards, every N steps, the previous ones removed) saving synchronously, and ``every N background``
-the same under Lightning's ``AsyncCheckpointIO`` (the strategy's background saves). The cost of a method is its mean
-step over the ``--steps`` measured steps (the slowest rank's wall time from the end of the last warm-up step to the
-end of the last step, divided by the steps: saves included), against ``none``'s; also the time ``fit`` took after the
-last step (waiting for the saves still in flight, and the teardown).
+each with its 4 shards, every N steps, the previous ones removed) saving synchronously, ``every N background``
+the same under Lightning's ``AsyncCheckpointIO`` (the strategy's background saves), and ``every N link`` saves
+synchronously with ``last.ckpt`` a link to the step's checkpoint (``save_last="link"``) instead of a second save.
+The cost of a method is its mean step over the ``--steps`` measured steps (the slowest rank's wall time from the end
+of the last warm-up step to the end of the last step, divided by the steps: saves included), against ``none``'s; also
+the time ``fit`` took after the last step (waiting for the saves still in flight, and the teardown).
 
 **Kill to first step.** ``--kills K`` then runs one job under ``torchrun --nproc-per-node=W --max-restarts=K`` with
 background saves every ``--every`` steps and ``fit(ckpt_path="last")`` with ``resume="newest_complete"``; at attempt
@@ -42,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from lightning.pytorch import Callback
@@ -53,23 +54,26 @@ import harness
 from lightning_decentral import DecentralizedStrategy
 from mlp import MLP, StepClock, make_loader, quiet_trainer
 
-METHODS = {"none": (None, False), "every10": (10, False), "every10_background": (10, True), "every50": (50, False), "every50_background": (50, True)}
-DEFAULT_METHODS = ",".join(METHODS)
+DEFAULT_METHODS = "none,every10,every10_background,every10_link,every50,every50_background,every50_link"
 SMOKE_METHODS = "none,every2_background"
 
 
-def _method(name: str) -> tuple[Optional[int], bool]:
-    """``none``, ``every<N>`` or ``every<N>_background`` -> (N or None, background)."""
+def _method(name: str) -> tuple[Optional[int], bool, Union[bool, str]]:
+    """``none``, ``every<N>``, ``every<N>_background`` or ``every<N>_link`` -> (N or None, background, save_last)."""
     if name == "none":
-        return None, False
+        return None, False, True
     every, _, mode = name.removeprefix("every").partition("_")
-    if not every.isdigit() or mode not in ("", "background"):
-        raise ValueError(f"unknown method {name!r}: none, every<N> or every<N>_background")
-    return int(every), mode == "background"
+    if not every.isdigit() or mode not in ("", "background", "link"):
+        raise ValueError(
+            f"unknown method {name!r}: none, every<N>, every<N>_background or every<N>_link (a link to a checkpoint "
+            "saved in the background is refused: it may name a file not yet written)"
+        )
+    return int(every), mode == "background", "link" if mode == "link" else True
 
 
-def _trainer(config: dict[str, Any], every: Optional[int], background: bool, directory: str, callbacks: list, **kwargs: Any) -> Any:
-    saves = [ModelCheckpoint(directory, every_n_train_steps=every, save_last=True)] if every else []
+def _trainer(config: dict[str, Any], every: Optional[int], background: bool, directory: str, callbacks: list,
+             save_last: Union[bool, str] = True, **kwargs: Any) -> Any:
+    saves = [ModelCheckpoint(directory, every_n_train_steps=every, save_last=save_last)] if every else []
     return quiet_trainer(
         DecentralizedStrategy(**kwargs), config["warmup"] + config["steps"], [*callbacks, *saves],
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
@@ -82,9 +86,9 @@ def _train(config: dict[str, Any], name: str, directory: str, rank: int) -> dict
     """One rank of one method: its step ends, and when `fit` returned."""
     harness.use_threads(1)
     harness.quiet()
-    every, background = _method(name)
+    every, background, save_last = _method(name)
     clock = StepClock()
-    trainer = _trainer(config, every, background, directory, [clock])
+    trainer = _trainer(config, every, background, directory, [clock], save_last)
     widths = tuple(config["widths"])
     trainer.fit(MLP(widths, 0.01, 0.9), make_loader(rank, widths, config["batch_size"], config["warmup"] + config["steps"]))
     return {"ends": clock.ends, "returned": time.perf_counter()}
@@ -230,7 +234,7 @@ def render_kills(result: dict[str, Any]) -> str:
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default=None, help=f"comma-separated: none, every<N>, every<N>_background (default {DEFAULT_METHODS})")
+    parser.add_argument("--methods", default=None, help=f"comma-separated: none, every<N>, every<N>_background or every<N>_link (default {DEFAULT_METHODS})")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per method (default 100; --smoke: 4)")
     parser.add_argument("--job-steps", type=int, default=300, help="the torchrun job's steps")
     parser.add_argument("--warmup", type=int, default=5)

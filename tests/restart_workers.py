@@ -11,7 +11,7 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 if __name__ == "__main__":  # under torchrun: `tests` is importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -71,6 +71,7 @@ def fit(
     strategy: Optional[dict] = None,
     callbacks: Optional[list] = None,
     catch_warnings: bool = True,
+    save_last: Union[bool, str] = True,
 ) -> dict[str, Any]:
     """Train the regression of tests/models.py (momentum SGD, shuffled data: the order of each epoch comes from the
     RNG the shards restore) with a checkpoint every `EVERY` steps in `directory` and `last.ckpt`; return this rank's
@@ -78,7 +79,7 @@ def fit(
     (with `catch_warnings=False`, none: they are shown as usual)."""
     torch.manual_seed(0)  # the shuffling's generator, the same in every run
     model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
-    saves = ModelCheckpoint(directory, every_n_train_steps=EVERY, save_top_k=top_k, save_last=True)
+    saves = ModelCheckpoint(directory, every_n_train_steps=EVERY, save_top_k=top_k, save_last=save_last)
     trainer = trainer_for(
         world_size, DecentralizedStrategy(**(strategy or {})), max_steps=max_steps, enable_checkpointing=True,
         callbacks=[saves, *(callbacks or [])], plugins=[AsyncCheckpointIO()] if background else None,
@@ -101,13 +102,27 @@ def fit(
 
 
 def background_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    """The same run saving synchronously and in the background; then a resume from a background save."""
+    """The same run saving synchronously and in the background; then a resume from a background save; then the run
+    stopped at the end of its first epoch with `last.ckpt` a link (`save_last="link"`), resumed from the link with
+    `fit(ckpt_path="last")`."""
     steps = 2 * BATCHES
     out = {mode: fit(rank, world_size, f"{root}/{mode}", steps, background=mode == "background") for mode in ("sync", "background")}
     start = f"{root}/background/epoch=0-step={BATCHES}.ckpt"  # an epoch boundary
     resumed = fit(rank, world_size, f"{root}/resumed", steps, ckpt_path=start, background=True)
     out["resumed"] = resumed
+    fit(rank, world_size, f"{root}/linked", BATCHES, save_last="link")
+    newest = {"resume": "newest_complete"}
+    out["linked"] = fit(rank, world_size, f"{root}/linked", steps, ckpt_path="last", save_last="link", strategy=newest)
     return out
+
+
+def linked_last_in_background(rank: int, world_size: int, root: str) -> str:
+    """`save_last="link"` under `AsyncCheckpointIO`: the error every rank raises."""
+    try:
+        fit(rank, world_size, root, EVERY, background=True, save_last="link")
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
 
 
 class DiskFullFrom(Callback):

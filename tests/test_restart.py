@@ -76,6 +76,26 @@ def test_a_resume_from_a_background_save_continues_every_replica_bit_for_bit(bac
         assert not r["resumed"]["warnings"]
 
 
+def test_a_resume_through_a_linked_last_checkpoint_continues_every_replica_bit_for_bit(background: tuple[list[dict], Path]) -> None:
+    """`ModelCheckpoint(save_last="link")`: `last.ckpt` is a link to the step's checkpoint, whose shards it finds."""
+    results, root = background
+    last = root / "linked" / "last.ckpt"  # after the resumed run: a link to its own last save
+    assert last.is_symlink() and last.resolve().name == f"epoch=1-step={2 * workers.BATCHES}.ckpt"
+    assert not torch.equal(results[0]["linked"]["start"], results[1]["linked"]["start"])  # from each own shard
+    for r in results:
+        assert r["linked"]["start step"] == workers.BATCHES and not r["linked"]["warnings"]
+        assert torch.equal(r["linked"]["end"], r["sync"]["end"])
+
+
+def test_a_linked_last_checkpoint_with_saves_in_the_background_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    """The link would name a file still being written: a failure then leaves `fit(ckpt_path="last")` nothing."""
+    results = run_distributed(workers.linked_last_in_background, 2, timeout=120, root=str(tmp_path))
+    for message in results:
+        assert message.startswith("ModelCheckpoint(save_last='link') does not go with saves in the background")
+        assert "Use save_last=True with AsyncCheckpointIO, or save_last='link' with synchronous saves" in message
+    assert not list(tmp_path.iterdir())  # refused before training: nothing written
+
+
 def test_a_failed_background_save_stops_every_rank_and_removes_nothing(tmp_path: Path) -> None:
     """The second save fails on rank 1: the removal of the first, queued behind it, must not run."""
     results = run_distributed(workers.failed_background_save, 2, timeout=240, root=str(tmp_path))

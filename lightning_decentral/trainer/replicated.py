@@ -149,6 +149,16 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     def setup(self, trainer: Trainer) -> None:
         """Runs before fit, validate, test or predict; outside fit every replica stays as it is."""
         if trainer.state.fn == TrainerFn.FITTING:
+            if isinstance(self.checkpoint_io, AsyncCheckpointIO) and any(
+                getattr(callback, "save_last", None) == "link" for callback in trainer.checkpoint_callbacks
+            ):
+                raise ValueError(
+                    "ModelCheckpoint(save_last='link') does not go with saves in the background (AsyncCheckpointIO): "
+                    "Lightning links last.ckpt to a checkpoint still being written, so a failure meanwhile leaves a link "
+                    "to no file, which fit(ckpt_path='last') does not find (a restarted job would start from step 0). "
+                    "Use save_last=True with AsyncCheckpointIO, or save_last='link' with synchronous saves (drop the "
+                    "AsyncCheckpointIO plugin)."
+                )
             super().setup(trainer)  # calls configure_ddp, then builds the optimizers
             return
         # DDPStrategy would broadcast rank 0's weights here: keep every replica as it is.
