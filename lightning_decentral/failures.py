@@ -23,6 +23,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 rendezvous) before it stops with an error naming it. Lightning's is 30 minutes, long enough to pass for a hang; ranks
 that run different collectives stop at once ([`Activities`][lightning_decentral.failures.Activities])."""
 POLL = 0.01  # seconds between two looks for a failure announced elsewhere, while an exchange is in flight
+LATE = 1.0  # seconds the works may take to complete after a look failed (the store's host exits once its own did)
 
 
 class PeerFailure(RuntimeError):
@@ -98,6 +99,8 @@ def wait_works(
     first `POLL`: a quick exchange costs no look), and a reason it returns raises [`Abandoned`][lightning_decentral.failures.Abandoned].
     The thread is needed on gloo: a receive from a dead peer never reports itself completed, and a wait with a
     timeout closes every connection of the group when it expires; only a plain `wait()` raises the peer's error.
+    A look that raises (the store is gone) is raised only if the works are not complete `LATE` seconds later: the
+    process hosting the store may exit as soon as its own part of the last barrier is done, before this one's.
     """
     if poll is None:
         with peers_answer(what, peers):
@@ -120,7 +123,12 @@ def wait_works(
 
     threading.Thread(target=wait_all, daemon=True, name="lightning_decentral-wait").start()
     while not done.wait(POLL):
-        reason = poll()
+        try:
+            reason = poll()
+        except BaseException:
+            if done.wait(LATE):
+                break
+            raise
         if reason is not None:
             raise Abandoned(f"{what} was given up on this rank: {reason}.")
     if failed:

@@ -21,6 +21,7 @@ from lightning_decentral.membership import (
     TooFewWorkers,
     store_host,
 )
+from lightning_decentral.failures import LATE, wait_works
 from tests.helpers import free_port
 
 
@@ -173,3 +174,29 @@ def test_where_the_store_lives_is_explained(connect: Callable, monkeypatch: pyte
     assert not outlives and "torchrun stops every worker of a node when one of them fails" in words
     store.set(LAUNCHER_KEY, "pid 42 on host-a")
     assert store_host(store) == (True, "lightning-decentral-launch hosts the job's store (pid 42 on host-a), outside the workers")
+
+
+class _Late:
+    """A `torch.distributed` work that completes `after` seconds after it is waited for."""
+
+    def __init__(self, after: float) -> None:
+        self.after = after
+
+    def wait(self) -> bool:
+        time.sleep(self.after)
+        return True
+
+
+def _store_gone() -> None:
+    raise RuntimeError("the store is gone")
+
+
+def test_a_store_gone_while_the_last_barrier_completes_is_no_error() -> None:
+    """Rank 0 hosts the store and exits once its part of the last barrier is done; another rank's look at the store
+    then fails while its own part is about to complete."""
+    wait_works([_Late(0.1)], _store_gone, "Finishing training together")
+
+
+def test_a_store_gone_is_raised_when_the_works_do_not_complete() -> None:
+    with pytest.raises(RuntimeError, match="the store is gone"):
+        wait_works([_Late(LATE + 2)], _store_gone, "The gossip exchange of step 3")
