@@ -84,24 +84,24 @@ def _train(run: str, config: dict[str, Any], rank: int, world_size: int) -> dict
         def __init__(self) -> None:
             self.marks: list[tuple[str, float]] = []
 
-        def _mark(self, what: str) -> None:
+        def mark(self, what: str) -> None:
             self.marks.append((what, time.perf_counter()))
 
         def on_train_batch_start(self, *args: Any) -> None:
-            self._mark("batch_start")
+            self.mark("batch_start")
 
         def on_before_backward(self, *args: Any) -> None:
-            self._mark("backward_start")
+            self.mark("backward_start")
 
         def on_after_backward(self, *args: Any) -> None:
-            self._mark("backward_end")
+            self.mark("backward_end")
 
         def on_train_batch_end(self, *args: Any) -> None:
-            self._mark("batch_end")
+            self.mark("batch_end")
 
     class TimedMLP(MLP):
         def training_step(self, batch: Any, batch_idx: int) -> Any:
-            stamps._mark("forward_start")
+            stamps.mark("forward_start")
             return super().training_step(batch, batch_idx)
 
     widths = tuple(config["widths"])

@@ -86,7 +86,7 @@ class DenseExecutor:
             for i, (replica, optimizer) in enumerate(zip(self.replicas, self.optimizers))
         ]
 
-    def _forward_backward(self, i: int, k: int) -> Callable[[], torch.Tensor]:
+    def forward_backward(self, i: int, k: int) -> Callable[[], torch.Tensor]:
         """Worker ``i``'s closure at step ``k``: zero the gradients, forward and backward every micro-batch."""
         config, module, rule = self.config, self.modules[i], self.rules[i]
         inputs, targets = self.data[i]
@@ -126,7 +126,7 @@ class DenseExecutor:
             rule.begin_step(plan)
         results: list[Any] = []
         for i, rule in enumerate(self.rules):  # 2
-            result = rule.wrap_closure(self._forward_backward(i, k))()
+            result = rule.wrap_closure(self.forward_backward(i, k))()
             if self.config.clip is not None:  # the precision plugin clips after the (wrapped) closure
                 nn.utils.clip_grad_norm_(self.modules[i].parameters(), self.config.clip)
             rule.gradients_ready()

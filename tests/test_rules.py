@@ -192,7 +192,7 @@ def test_running_one_worker_s_whole_step_before_the_next_fails_with_that_error()
 
 def test_decentlam_optimizer_step_of_one_worker_before_the_others_posted_fails() -> None:
     executor = DenseExecutor(Config("decentlam-sequential", momentum="decentlam", optimizer=MOMENTUM), N)
-    closure = executor._forward_backward(0, 0)
+    closure = executor.forward_backward(0, 0)
     rule = executor.rules[0]
     rule.begin_step(StepPlan(0, 1))
     with pytest.raises(RuntimeError, match=r"Workers \[1, 2, 3\] have not started exchange \(step 0"):
@@ -308,7 +308,7 @@ def test_a_step_that_never_reached_the_optimizer_is_drained(rule: str) -> None:
         r.begin_step(executor.schedule.plan(0))
     if rule == "decentlam":  # z is posted during backward
         for i, r in enumerate(executor.rules):
-            r.wrap_closure(executor._forward_backward(i, 0))()
+            r.wrap_closure(executor.forward_backward(i, 0))()
         for r in executor.rules:
             r.drain()
     assert torch.equal(executor.state(), start)

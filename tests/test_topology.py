@@ -209,7 +209,7 @@ def test_resolve_topology() -> None:
     assert isinstance(resolve_topology([[0.5, 0.5], [0.5, 0.5]], 2), MatrixTopology)
     unbound = Torus(rows=2)
     bound = resolve_topology(unbound, 6)
-    assert bound is not unbound and bound.world_size == 6 and unbound._world_size is None
+    assert bound is not unbound and bound.world_size == 6 and not unbound.is_bound
     assert bound.bind(6) is bound and resolve_topology(bound, 6) is bound
     assert repr(Ring(world_size=8)) == "Ring(world_size=8)"
     assert set(TOPOLOGIES) == {"ring", "torus", "exponential", "one_peer_exponential", "complete", "hierarchical"}

@@ -105,7 +105,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self._backward_sync_control = _RuleBackwardSync(self)
+        self._backward_sync_control = _RuleBackwardSync(self._begin_step)
         self.driver = StepDriver(options, epoch=self._epoch)  # bound to the world size with the launcher
         self.step = 0  # k: the optimizer steps taken (saved with every checkpoint)
         self.epoch: Optional[int] = None  # the loop's epoch, for a gossip_steps schedule by epoch (set_epoch)
@@ -393,15 +393,15 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
 class _RuleBackwardSync(_BackwardSyncControl):
     """`fabric.no_backward_sync`: begin the step, then the rule's own context (DecentLaM posts nothing)."""
 
-    def __init__(self, strategy: DecentralizedStrategy) -> None:
-        self.strategy = strategy
+    def __init__(self, begin_step: Callable[[], StepRunner]) -> None:
+        self.begin_step = begin_step
 
     @override
     def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
         """Runs in `fabric.no_backward_sync(model, enabled)`, around an accumulated micro-batch."""
         if not enabled:
             return nullcontext()
-        return self.strategy._begin_step().no_backward_sync()
+        return self.begin_step().no_backward_sync()
 
 
 def _nothing() -> None:

@@ -112,13 +112,14 @@ class DenseMixer:
                 total += wire * int(((column > 0) & (torch.arange(len(column)) != rank)).sum())
         return total
 
-    def _post(self, pending: _DensePending) -> None:
+    def post(self, pending: _DensePending) -> None:
+        """Record a worker's started exchange; it is mixed, with every worker's, by the first wait (`complete`)."""
         posted = self._posted.setdefault((pending.step, pending.tag), {})
         if pending.rank in posted:
             raise RuntimeError(f"Worker {pending.rank} started exchange (step {pending.step}, tag {pending.tag}) twice.")
         posted[pending.rank] = pending
 
-    def _complete(self, step: int, tag: int) -> None:
+    def complete(self, step: int, tag: int) -> None:
         """Mix the exchange `(step, tag)` of every worker at once."""
         posted = self._posted.pop((step, tag), {})
         n = self.topology.world_size
@@ -215,7 +216,7 @@ class _WorkerMixer(DenseView):
                 o.zero_()
             pending.done = True
         else:
-            self.dense._post(pending)
+            self.dense.post(pending)
         notify_post(observers, event)
         return pending
 
@@ -243,7 +244,7 @@ class _DensePending:
     def wait(self) -> None:
         started = time.perf_counter()
         if not self.done:
-            self.dense._complete(self.step, self.tag)
+            self.dense.complete(self.step, self.tag)
         if not self._reported:
             self._reported = True
             notify_wait(self.observers, self.event, started)

@@ -141,6 +141,17 @@ class Topology:
             )
         return self._world_size
 
+    @property
+    def is_bound(self) -> bool:
+        """Whether the world size is set (`world_size=` when created, or `bind`).
+
+        Examples:
+            >>> from lightning_decentral.topology import Ring
+            >>> Ring().is_bound, Ring().bind(4).is_bound
+            (False, True)
+        """
+        return self._world_size is not None
+
     def bind(self, world_size: int) -> Topology:
         """This topology for `world_size` ranks, validated.
 
@@ -156,7 +167,7 @@ class Topology:
             ...
             ValueError: Ring(world_size=4) is bound to 4 ranks but the world size is 8: ...
         """
-        if self._world_size is None:
+        if not self.is_bound:
             bound = copy.copy(self)
             bound._attach(world_size)
             return bound

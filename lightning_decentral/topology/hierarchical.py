@@ -100,8 +100,8 @@ class Hierarchical(Topology, name="hierarchical"):
             return self
         laid_out = copy.copy(self)
         laid_out._num_nodes = num_nodes
-        if self._world_size is not None:
-            laid_out._attach(self._world_size)
+        if self.is_bound:
+            laid_out._attach(self.world_size)
         return laid_out
 
     @property
