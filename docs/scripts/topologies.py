@@ -67,7 +67,7 @@ def positions(name: str, topology: Topology) -> dict[int, tuple[float, float]]:
     """Where each rank sits: the torus on its grid, a hierarchical job node by node, the rest on a circle."""
     n = topology.world_size
     if name == "torus":
-        rows, cols = topology._grid  # the grid the code chose
+        rows, cols = topology.grid  # the grid the code chose
         return {r * cols + c: (c, -r) for r in range(rows) for c in range(cols)}
     m = topology.node_size if isinstance(topology, Hierarchical) else 1
     angle = 2 * np.pi * np.arange(n // m) / (n // m)

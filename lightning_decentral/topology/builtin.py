@@ -93,6 +93,18 @@ class Torus(Topology, name="torus"):
             )
         self._grid = (rows, n // rows)
 
+    @property
+    def grid(self) -> tuple[int, int]:
+        """`(rows, cols)` of the bound grid (the rows chosen here when `rows=None`).
+
+        Examples:
+            >>> Torus(world_size=12).grid
+            (3, 4)
+        """
+        if self._grid is None:
+            raise ValueError(f"{self!r} is not bound to a world size yet: bind it with .bind(world_size) first.")
+        return self._grid
+
     def _matrix(self, step: int) -> np.ndarray:
         rows, cols = self._grid
         index = np.arange(rows * cols).reshape(rows, cols)
