@@ -54,7 +54,7 @@ def test_registered_in_fabric_and_trainer_registries() -> None:
     for name, momentum, start_method in (("dpsgd", "local", "popen"), ("decentlam_spawn", "decentlam", "spawn")):
         strategy = STRATEGY_REGISTRY.get(name)
         assert isinstance(strategy, fabric.DecentralizedStrategy)
-        assert (strategy.momentum, strategy._start_method) == (momentum, start_method)
+        assert (strategy.momentum, strategy.start_method) == (momentum, start_method)
         assert isinstance(StrategyRegistry.get(name), lightning_decentral.DecentralizedStrategy)
 
 

@@ -127,7 +127,7 @@ trainer = Trainer(
     strategy="dpsgd_fork", accelerator="cpu", devices=2, max_steps=3, logger=False,
     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
 )
-assert isinstance(trainer.strategy, DecentralizedStrategy) and trainer.strategy._start_method == "fork"
+assert isinstance(trainer.strategy, DecentralizedStrategy) and trainer.strategy.start_method == "fork"
 trainer.fit(model, train_dataloaders=loader(0, 48, 8))
 torch.save(flat(model), f"{record_dir}/main.pt")
 """
@@ -149,7 +149,7 @@ def test_names_are_registered() -> None:
     for name, start_method in (("dpsgd", "popen"), ("dpsgd_spawn", "spawn")):
         assert name in StrategyRegistry
         strategy = StrategyRegistry.get(name)
-        assert isinstance(strategy, DecentralizedStrategy) and strategy._start_method == start_method
+        assert isinstance(strategy, DecentralizedStrategy) and strategy.start_method == start_method
     for name, momentum, start_method in (
         ("dpsgd_fork", "local", "fork"),
         ("decentlam_fork", "decentlam", "fork"),

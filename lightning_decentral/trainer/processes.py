@@ -73,10 +73,16 @@ class Survives:
         return list(survivors.membership.decisions) if survivors is not None else []
 
     @property
+    def start_method(self) -> str:
+        """How Lightning's launcher starts the ranks: `start_method=`, or the registered name's (`"dpsgd_fork"`:
+        `"fork"`); `"popen"` runs the script once per rank."""
+        return self._start_method  # type: ignore[attr-defined]  # Lightning's DDPStrategy keeps it
+
+    @property
     def launched_by_lightning(self) -> bool:
         """Whether Lightning's own launcher started this rank (`devices=n` from a script, or a `_spawn`/`_fork`
         strategy): it ends every process as soon as one fails, so with it no rank survives a failure."""
-        return self._start_method != "popen" or not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]
+        return self.start_method != "popen" or not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]
 
     def start_surviving(self, mixer: Any, device: Any, backend: str, timeout: timedelta, warn: Callable[[str], None]) -> None:
         """With `on_peer_failure="continue"`: agree on a run number (every rank together, on the default group), start
