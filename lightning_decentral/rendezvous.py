@@ -17,6 +17,11 @@ so the nodes of one job can disagree on it.
 Other code that needs to meet the other ranks outside the process group (announce a failure, watch for
 stragglers) calls [`job_store`][lightning_decentral.rendezvous.job_store] and keeps its keys under a
 prefix of its own: everything under it is this generation's.
+
+A run whose survivors went on without a lost rank (`on_peer_failure="continue"`) marks that rank
+([`keep_out`][lightning_decentral.rendezvous.keep_out]): a process started again as it stops at once with
+[`LeftOut`][lightning_decentral.rendezvous.LeftOut] instead of waiting the timeout for a generation that will not
+come.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Optional
 
@@ -31,8 +37,15 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 NAMESPACE = "lightning_decentral"
+HANDSHAKE = f"{NAMESPACE}/handshake"  # agree_generation's keys, the same for every generation
 _POLL_SECONDS = 0.01
+KEPT_OUT_LOOK = 0.5  # seconds a rank watches its keep_out mark (the survivors move it every heartbeat, 0.1 s)
 _current: Optional[dist.Store] = None  # the store connect() made last in this process
+
+
+class LeftOut(RuntimeError):
+    """This rank is one that a run still in progress lost and went on without (`on_peer_failure="continue"`): a
+    process started again as it cannot rejoin that run."""
 
 
 def connect(address: str, port: int, rank: int, world_size: int, timeout: Optional[timedelta] = None) -> dist.Store:
@@ -90,7 +103,8 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: tim
     """
     if world_size == 1:
         return uuid.uuid4().hex
-    base = dist.PrefixStore(f"{NAMESPACE}/handshake", store)
+    base = dist.PrefixStore(HANDSHAKE, store)
+    _refuse_if_kept_out(base, rank)
     if rank == 0:
         return _hand_out_token(base, world_size, timeout)
     nonce = uuid.uuid4().hex
@@ -100,6 +114,38 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: tim
     base.delete_key(f"ack/{nonce}")
     base.add(f"joined/{token}", 1)
     return token
+
+
+def keep_out(store: dist.Store, ranks: Iterable[int]) -> None:
+    """Mark `ranks` (ranks at the start of the run) as lost by a run that goes on without them; the run's survivors
+    call it at every heartbeat. A process started again as one of them finds the mark moving in
+    [`agree_generation`][lightning_decentral.rendezvous.agree_generation] and raises `LeftOut` at once, instead of
+    waiting the timeout for ranks that will not come; a mark that no longer moves (that run is over) stops nobody.
+
+    Examples:
+        >>> store = dist.HashStore()
+        >>> keep_out(store, [2])
+        >>> store.check([f"{HANDSHAKE}/left_out/2"])
+        True
+    """
+    for rank in ranks:
+        store.add(f"{HANDSHAKE}/left_out/{rank}", 1)
+
+
+def _refuse_if_kept_out(base: dist.Store, rank: int) -> None:
+    """Raise `LeftOut` if a run in progress keeps `rank` out: its `keep_out` mark moves within `KEPT_OUT_LOOK` s."""
+    key = f"left_out/{rank}"
+    if not base.check([key]):
+        return
+    first = base.get(key)
+    time.sleep(KEPT_OUT_LOOK)
+    if base.get(key) != first:
+        raise LeftOut(
+            f"Rank {rank} was lost by a run that goes on without it (on_peer_failure='continue': its survivors are "
+            "training): a lost rank cannot rejoin a run in progress. Let the survivors finish (their checkpoints "
+            "resume on as many processes), or stop them and start the whole job again from its newest checkpoint, "
+            "every rank together."
+        )
 
 
 def _hand_out_token(base: dist.Store, world_size: int, timeout: timedelta) -> str:

@@ -15,7 +15,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -66,20 +66,23 @@ def _failed(out: str, rank: int) -> bool:
         return pickle.load(f)[0] == "error"
 
 
-def start_processes(fn: Callable, world_size: int, out: str, **kwargs: Any) -> list[mp.Process]:
-    """Start ``fn(rank, world_size, **kwargs)`` for every rank; each writes ``("ok", result)`` or
-    ``("error", traceback)`` to ``out/<rank>.pkl``."""
+def start_processes(fn: Callable, world_size: int, out: str, port: Optional[int] = None, **kwargs: Any) -> list[mp.Process]:
+    """Start ``fn(rank, world_size, **kwargs)`` for every rank, meeting at ``MASTER_PORT=port`` (default: a free
+    one); each writes ``("ok", result)`` or ``("error", traceback)`` to ``out/<rank>.pkl``."""
+    port = free_port() if port is None else port
+    return [start_rank(fn, rank, world_size, port, out, **kwargs) for rank in range(world_size)]
+
+
+def start_rank(fn: Callable, rank: int, world_size: int, port: int, out: str, **kwargs: Any) -> mp.Process:
+    """Start ``fn(rank, world_size, **kwargs)`` as rank ``rank`` of the job at ``MASTER_PORT=port`` (one rank of
+    ``start_processes``, or one started again, with the same command, after it died)."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(_PRELOAD)  # read when the server starts, on the first call
-    port = free_port()
-    here = (os.getcwd(), dict(os.environ))
-    procs = [
-        context.Process(target=_entry, args=(rank, world_size, port, fn, kwargs, out, *here), daemon=False)
-        for rank in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    return procs
+    process = context.Process(
+        target=_entry, args=(rank, world_size, port, fn, kwargs, out, os.getcwd(), dict(os.environ)), daemon=False
+    )
+    process.start()
+    return process
 
 
 def run_distributed(fn: Callable, world_size: int = 4, timeout: float = 600.0, **kwargs: Any) -> list[Any]:

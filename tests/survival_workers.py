@@ -24,14 +24,16 @@ MOMENTUM_SGD = {"lr": 0.05, "momentum": 0.9}
 class Mortal(Regression):
     """The ranks of `deaths` ({first rank: step}) kill themselves (`SIGKILL`) when that step starts, after stamping
     the time in `stamps/killed-<rank>`; those of `stops` stop (`SIGSTOP`: alive and silent) after stamping their pid in
-    `stamps/stopped-<rank>`. Every rank records its replica when each step of `record` starts, and when each step
-    ends the time (`finished[step]`)."""
+    `stamps/stopped-<rank>`. With `stops` or `hold_at`, the survivors of a failure touch `stamps/decided`; at the start
+    of step `hold_at` every rank waits (at most a minute) for `stamps/released`. Every rank records its replica when
+    each step of `record` starts, and when each step ends the time (`finished[step]`)."""
 
     def __init__(
-        self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), stops: Optional[dict[int, int]] = None, **kwargs: Any
+        self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), stops: Optional[dict[int, int]] = None,
+        hold_at: int = -1, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        self.deaths, self.stamps, self.record, self.stops = deaths, stamps, record, stops or {}
+        self.deaths, self.stamps, self.record, self.stops, self.hold_at = deaths, stamps, record, stops or {}, hold_at
         self.recorded: dict[int, torch.Tensor] = {}
         self.finished: dict[int, float] = {}
 
@@ -43,8 +45,12 @@ class Mortal(Regression):
         if self.stops.get(rank) == self.global_step:
             Path(self.stamps, f"stopped-{rank}").write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
-        if self.stops and self.trainer.strategy.failures_survived:
+        if (self.stops or self.hold_at >= 0) and self.trainer.strategy.failures_survived:
             Path(self.stamps, "decided").touch()
+        if self.global_step == self.hold_at:
+            deadline = time.monotonic() + 60
+            while not Path(self.stamps, "released").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
 
     def on_train_end(self) -> None:
         """With stopped ranks: wait (at most a minute) until each has woken up and stopped, while the store lives."""
@@ -70,13 +76,14 @@ def survive(
     timeout: float = 30.0,
     stops: Optional[dict[int, int]] = None,
     validate: bool = False,
+    hold_at: int = -1,
     **strategy: Any,
 ) -> dict[str, Any]:
     """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there, those of `stops`
-    stop there. A checkpoint at step `save_at` (0: none); with `validate`, a validation at the end of each epoch
+    stop there; every rank waits for `root/released` at the start of step `hold_at` (see `Mortal`). A checkpoint at step `save_at` (0: none); with `validate`, a validation at the end of each epoch
     (`val_loss` logged with `sync_dist=True`). Each survivor's final replica, recorded replicas, step end times, the
     decisions and the last `val_loss` (NaN without `validate`)."""
-    model = Mortal(deaths, root, record, stops, seed=init_seed(rank), **MOMENTUM_SGD)
+    model = Mortal(deaths, root, record, stops, hold_at, seed=init_seed(rank), **MOMENTUM_SGD)
     callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
     strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
     trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))

@@ -81,6 +81,33 @@ def test_a_new_generation_on_the_same_store_sees_none_of_the_earlier_ones_keys()
     assert server.check([f"{rendezvous.NAMESPACE}/handshake/hello/1"])  # the handshake's keys are the store's own
 
 
+def test_a_rank_that_a_run_in_progress_went_on_without_stops_at_once_and_an_old_mark_stops_nobody() -> None:
+    """The survivors of a failure move the lost ranks' marks at every heartbeat (`keep_out`): a process started again
+    as one of those ranks (rank 0 too, when a launcher hosts the store) raises `LeftOut` instead of waiting the
+    timeout for ranks that are training; once nobody moves the marks, a new generation forms as usual."""
+    store = dist.HashStore()
+    survivors_train = threading.Event()
+
+    def heartbeats() -> None:
+        while not survivors_train.wait(0.1):
+            rendezvous.keep_out(store, [0, 2])
+
+    beating = threading.Thread(target=heartbeats, daemon=True)
+    rendezvous.keep_out(store, [0, 2])
+    beating.start()
+    try:
+        errors = _on_threads(3, lambda rank: rendezvous.agree_generation(store, rank, 3, TIMEOUT) if rank != 1 else None)
+    finally:
+        survivors_train.set()
+        beating.join()
+    for rank in (0, 2):
+        assert isinstance(errors[rank], rendezvous.LeftOut), errors[rank]
+        assert str(errors[rank]).startswith(f"Rank {rank} was lost by a run that goes on without it")
+        assert "start the whole job again from its newest checkpoint" in str(errors[rank])
+    tokens = _on_threads(3, lambda rank: rendezvous.agree_generation(store, rank, 3, TIMEOUT))
+    assert len(set(tokens)) == 1 and all(isinstance(t, str) for t in tokens), tokens
+
+
 def test_job_store_is_the_store_connect_made() -> None:
     port = free_port()
     store = rendezvous.connect("127.0.0.1", port, rank=0, world_size=1, timeout=TIMEOUT)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests import survival_workers as workers
-from tests.helpers import run_distributed, start_processes
+from tests.helpers import free_port, run_distributed, start_processes, start_rank
 
 BOUND = 240.0  # seconds any group of processes here may take, or the test fails (and they are killed)
 
@@ -167,6 +167,36 @@ def test_a_silent_rank_is_left_behind_after_the_timeout_and_stops_when_it_wakes_
     for r in (results[0], results[2]):
         assert r["decisions"] == [_decision((0, 2), (1,), 5)] and (r["world_size"], r["global_step"]) == (2, 12)
     assert results[1].startswith("Excluded: The other ranks went on without rank 1 after step 5")
+
+
+def test_a_lost_rank_started_again_stops_at_once_while_the_survivors_go_on(tmp_path: Path) -> None:
+    """3 ranks, rank 2 killed when step 3 starts. Once ranks 0 and 1 have decided to go on without it (they then wait
+    at step 6), rank 2 is started again with the same command: it stops with `LeftOut` instead of waiting the 30 s
+    timeout for ranks that will not come, and the survivors finish their 10 steps as 2 ranks."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=10, hold_at=6)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_error, 3, out, port=port, deaths={2: 3}, **run)
+        restarted = None
+        try:
+            deadline = time.monotonic() + BOUND
+            while not (tmp_path / "decided").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            restarted = start_rank(workers.survive_or_error, 2, 3, port, again, deaths={}, **run)
+            restarted.join(max(0.0, deadline - time.monotonic()))
+            (tmp_path / "released").touch()
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert [procs[0].exitcode, procs[1].exitcode, restarted.exitcode] == [0, 0, 0]
+        finally:
+            for p in [*procs, restarted]:
+                if p is not None and p.is_alive():
+                    p.kill()
+        started_again = pickle.loads((Path(again) / "2.pkl").read_bytes())[1]
+        survivors = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+    assert started_again.startswith("LeftOut: Rank 2 was lost by a run that goes on without it"), started_again
+    for r in survivors:
+        assert (r["world_size"], r["global_step"]) == (2, 10) and r["decisions"][0]["lost"] == (2,)
 
 
 @pytest.mark.parametrize("on_peer_failure", ["stop", "continue"])

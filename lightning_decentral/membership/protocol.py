@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from lightning_decentral.membership.groups import rebuild_world
 from lightning_decentral.membership.store import GuardedStore, StoreLost
+from lightning_decentral.rendezvous import keep_out
 
 HEARTBEAT = 0.1  # seconds between two heartbeats of a rank
 POLL = 0.01  # seconds between two looks at the store while agreeing
@@ -115,10 +116,13 @@ class Membership:
         threading.Thread(target=self._beat, daemon=True, name="lightning_decentral-heartbeat").start()
 
     def _beat(self) -> None:
+        """Every `HEARTBEAT` seconds: this rank's heartbeat, and the mark that keeps the lost ranks out of a restart
+        ([`keep_out`][lightning_decentral.rendezvous.keep_out])."""
         try:
             store = self._connect()
             while not self._stopped.wait(HEARTBEAT):
                 store.add(self._key("heartbeat", self.first_rank), 1)
+                keep_out(store, [rank for decision in tuple(self.decisions) for rank in decision.lost])
         except Exception:  # noqa: BLE001 - the store is gone: the next call of the guarded client says so
             return
 
