@@ -264,6 +264,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         into a plain module (when saving in the background, the background thread averages it: this rank's own
         replica here). A rank that saves alone (`if trainer.is_global_zero: trainer.save_checkpoint(...)`) stops at
         once, naming what the others do."""
+        self._finish_earlier_saves()
         if self.activities is not None:
             self.activities.agree("a checkpoint save (trainer.save_checkpoint or a checkpoint callback)")
         if self._writer is not None:
@@ -279,10 +280,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         Under `AsyncCheckpointIO`, in the background after a copy; the first save of a step waits for those of earlier steps (so at most one
         step's saves are in flight, and a failed one raises at the same save on every rank)."""
         if self._writer is not None:
-            step = self.lightning_module.trainer.global_step
-            if step != self._writer_step:  # the saves of earlier steps are done (or raise here, on every rank)
-                self._writer.wait()
-                self._writer_step = step
+            self._finish_earlier_saves()
             self._writer.submit(self._background_save(checkpoint, filepath, storage_options))
             return
         shards.save_with_shards(
@@ -292,6 +290,18 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             make_shard=lambda save_id: self._shard(checkpoint, save_id),
             write_file=lambda: self._write_file(checkpoint, filepath, storage_options),
         )
+
+    def _finish_earlier_saves(self) -> None:
+        """Under `AsyncCheckpointIO`, at the first save of a step: wait until the saves of earlier steps are done. A
+        failed one raises here, on every rank, before this save agrees on anything (a rank that raised first could
+        otherwise leave the job, with the store it hosts, while another still agreed: a `PeerFailure` instead of
+        the save's error)."""
+        if self._writer is None:
+            return
+        step = self.lightning_module.trainer.global_step
+        if step != self._writer_step:
+            self._writer.wait()
+            self._writer_step = step
 
     def _write_file(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any) -> None:
         """Rank 0 writes the checkpoint file now (with `AsyncCheckpointIO`, through the plugin it wraps: the file
