@@ -18,7 +18,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_decentral.agreement import Ranks
 from lightning_decentral.driver import StepDriver
 from lightning_decentral.failures import Activities
-from lightning_decentral.membership import Decision, Survivors
+from lightning_decentral.membership import Decision, Membership, Survivors
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.rendezvous import connect
 
@@ -47,18 +47,22 @@ class Survives:
     @property
     def global_rank(self) -> int:
         """This rank's rank; after a failure, among the survivors (in the order of their first ranks)."""
-        survivors = self.driver.survivors
-        if survivors is not None and survivors.membership.generation:
-            return survivors.membership.rank
-        return super().global_rank  # type: ignore[misc]
+        regrouped = self._regrouped
+        return regrouped.rank if regrouped is not None else super().global_rank  # type: ignore[misc]
 
     @property
     def world_size(self) -> int:
         """The number of ranks; after a failure, of survivors."""
+        regrouped = self._regrouped
+        return regrouped.world_size if regrouped is not None else super().world_size  # type: ignore[misc]
+
+    @property
+    def _regrouped(self) -> Optional[Membership]:
+        """The survivors' membership once a failure has regrouped them (`None` before: Lightning's ranks hold)."""
         survivors = self.driver.survivors
         if survivors is not None and survivors.membership.generation:
-            return survivors.membership.world_size
-        return super().world_size  # type: ignore[misc]
+            return survivors.membership
+        return None
 
     @property
     def first_rank(self) -> int:
