@@ -23,11 +23,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral.agreement import Ranks, parameter_deviations, run_configuration
-from lightning_decentral.failures import Activities
 from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
 from lightning_decentral.trainer.processes import Survives, init_default_group
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
-from lightning_decentral.failures import DEFAULT_TIMEOUT
+from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients, random_state
 from lightning_decentral.mixing import FABRIC, DelaySchedule
