@@ -56,6 +56,68 @@ def _modules() -> dict[str, list[Path]]:
     return found
 
 
+def _module_name(path: Path) -> str:
+    """`lightning_decentral/gossip/engine.py` -> `lightning_decentral.gossip.engine` (a package: its `__init__`)."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each module of the package -> the modules of the package it imports anywhere: at the top, inside a function,
+    under `TYPE_CHECKING` (`from package import name` is the package, unless `name` is a module of it)."""
+    paths = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, `level - 1` packages up
+                    above = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(above + ([base] if base else []))
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in paths else base for a in node.names)
+        graph[module] = {t for t in targets if t in paths and t != module}
+    return graph
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of `graph` (`[a, b, ..., a]`), or `[]`."""
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return []
+        path.append(module)
+        for target in sorted(graph[module]):
+            found = visit(target)
+            if found:
+                return found
+        path.pop()
+        done.add(module)
+        return []
+
+    for module in sorted(graph):
+        found = visit(module)
+        if found:
+            return found
+    return []
+
+
+def test_no_import_circles() -> None:
+    """No module imports, however indirectly, one that imports it: at the top, in a function or for types only."""
+    graph = _import_graph()
+    assert "lightning_decentral.topology.base" in graph and "lightning_decentral.gossip" in graph
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    circle = _circle(graph)
+    assert not circle, "an import circle: " + " -> ".join(circle)
+
+
 def test_every_module_has_a_layer() -> None:
     assert set(_modules()) == {m for row in LAYERS for m in row}
 
