@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_decentral._compat import use_count
 from lightning_decentral.failures import PeerFailure, peers_answer
 from lightning_decentral.replicas import averaged_optimizer_state, group_by_layout
 from lightning_decentral.schedule import RoundsSchedule
@@ -317,7 +318,7 @@ def released_by_gloo(tensor: Tensor, limit: float = 1.0) -> None:
     if tensor.device.type != "cpu":
         return
     deadline = time.monotonic() + limit
-    while tensor._use_count() > 1 and time.monotonic() < deadline:
+    while use_count(tensor) > 1 and time.monotonic() < deadline:
         time.sleep(1e-4)
 
 

@@ -18,6 +18,8 @@ from typing import Any, Optional, Protocol
 
 import torch.distributed as dist
 
+from lightning_decentral._compat import default_store
+
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """The strategies' default `timeout`: how long a rank waits for a silent peer (a collective, an exchange, the
 rendezvous) before it stops with an error naming it. Lightning's is 30 minutes, long enough to pass for a hang; ranks
@@ -187,14 +189,13 @@ class Activities:
     @classmethod
     def of_group(cls, ranks: Any, timeout: Optional[timedelta]) -> Activities:
         """Activities of the ranks of the default process group (`ranks`, a [`Ranks`][lightning_decentral.agreement.Ranks]),
-        under keys of their own (one all-gather agrees on them); published nowhere without a process group, or with
-        a store torch does not expose."""
+        under keys of their own (one all-gather agrees on them) of the default group's store; published nowhere without
+        a process group, or with one rank."""
         seconds = (timeout or timedelta(minutes=30)).total_seconds()
         if not dist.is_initialized() or ranks.world_size == 1:
             return cls(None, ranks.rank, ranks.world_size, seconds)
         tag = int(ranks.gather([secrets.randbits(62)], "Agreeing on where the ranks publish their activities")[0, 0])
-        store = getattr(dist.distributed_c10d, "_get_default_store", lambda: None)()  # torch has no public accessor
-        prefixed = dist.PrefixStore(f"lightning_decentral/activities/{tag}/", store) if store is not None else None
+        prefixed = dist.PrefixStore(f"lightning_decentral/activities/{tag}/", default_store())
         return cls(prefixed, ranks.rank, ranks.world_size, seconds)
 
     def start(self, what: str) -> None:

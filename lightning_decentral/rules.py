@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_decentral import algorithms
+from lightning_decentral._compat import grad_scale, unscales_in_step
 from lightning_decentral.mixing import Mixer, Pending
 from lightning_decentral.overlap import GradientBuckets
 from lightning_decentral.replicas import Replica
@@ -260,7 +261,7 @@ class DecentLaM(UpdateRule):
                 "with the modified gradient, without that guarantee."
             )
         scaler = context.grad_scaler
-        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        if scaler is not None and unscales_in_step(optimizer):
             raise ValueError(
                 f"{type(optimizer).__name__} unscales its gradients inside step() (fused=True), after DecentLaM has "
                 "replaced them. Use the optimizer without fused=True, or bf16-mixed precision."
@@ -346,7 +347,7 @@ class DecentLaM(UpdateRule):
 
     def _grad_scale(self) -> Any:
         scaler = self.context.grad_scaler
-        return scaler._scale if scaler is not None else 1.0  # the scale tensor: get_scale() would sync the host
+        return grad_scale(scaler) if scaler is not None else 1.0  # the scale tensor: get_scale() would sync the host
 
     def _before_update(self, optimizer: Optimizer, args: Any, kwargs: dict[str, Any]) -> Any:
         """Optimizer step pre-hook: run the closure (backward, unscale, clip), then `g <- g̃`."""

@@ -1,5 +1,5 @@
 """The package's layers (docs/architecture.md): imports point down only, and the update rules
-and everything beneath them import nothing from Lightning."""
+and everything beneath them import nothing from Lightning (nor Lightning's private names from `_compat.lightning`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_decentral"
 
-# top to bottom; a module may import only modules listed after it (or in the same row)
+# top to bottom; a module may import only modules listed after it (or in the same row). An entry is a module or
+# subpackage of the package, or a module of a subpackage whose modules sit in different layers (`_compat.lightning`).
 LAYERS = [
     ["cli"],
     ["plot"],
@@ -26,12 +27,19 @@ LAYERS = [
     ["algorithms"],
     ["topology"],
     ["failures", "rendezvous"],
+    ["_compat", "_compat.lightning"],  # the private names of torch, and of Lightning: every layer may use them
 ]
-WITHOUT_LIGHTNING = ["failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["_compat", "failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:
     return next(i for i, row in enumerate(LAYERS) if module in row)
+
+
+def _entry(name: str) -> str:
+    """The entry of `LAYERS` that `name` (`topology.base`, `_compat.lightning`, without the package's) belongs to."""
+    entries = [m for row in LAYERS for m in row if name == m or name.startswith(m + ".")]
+    return max(entries, key=len) if entries else name.split(".")[0]
 
 
 def _imports(path: Path) -> set[str]:
@@ -47,12 +55,13 @@ def _imports(path: Path) -> set[str]:
 
 
 def _modules() -> dict[str, list[Path]]:
-    """Top-level module (or subpackage) name -> its source files."""
+    """Entry of `LAYERS` (a top-level module or subpackage, or a module of one) -> its source files."""
     found: dict[str, list[Path]] = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE).with_suffix("").parts
-        if parts[0] != "__init__":
-            found.setdefault(parts[0], []).append(path)
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts:
+            found.setdefault(_entry(".".join(parts)), []).append(path)
     return found
 
 
@@ -129,7 +138,7 @@ def test_imports_point_down() -> None:
                 parts = name.split(".")
                 if parts[0] != "lightning_decentral" or len(parts) == 1:
                     continue
-                target = parts[1]
+                target = _entry(".".join(parts[1:]))
                 if target != module:
                     assert _layer_of(target) > _layer_of(module) or target in LAYERS[_layer_of(module)], (
                         f"{path.name} imports {name}: a lower layer may not import a higher one"
@@ -139,7 +148,10 @@ def test_imports_point_down() -> None:
 def test_update_rules_and_below_import_nothing_from_lightning() -> None:
     for module in WITHOUT_LIGHTNING:
         for path in _modules()[module]:
-            lightning = {name for name in _imports(path) if name.split(".")[0] in ("lightning", "pytorch_lightning")}
+            lightning = {
+                name for name in _imports(path)
+                if name.split(".")[0] in ("lightning", "pytorch_lightning") or name == "lightning_decentral._compat.lightning"
+            }
             assert not lightning, f"{path.name} imports {sorted(lightning)}"
 
 

@@ -41,12 +41,6 @@ def store_client(timeout: timedelta) -> dist.TCPStore:
     return dist.TCPStore(address, int(port), is_master=False, timeout=timeout)
 
 
-def default_store() -> Any:
-    """The store the default process group was made with. Where rank 0's process hosts the job's store, the server
-    lives as long as that object: whoever replaces the default group keeps it (torch has no public accessor yet)."""
-    return dist.distributed_c10d._get_default_store()
-
-
 def store_host(store: Any) -> tuple[bool, str]:
     """Whether the job's store outlives every worker, and who hosts it, in words.
 

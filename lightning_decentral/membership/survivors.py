@@ -10,10 +10,11 @@ from typing import Any, Optional, Protocol
 
 import torch.distributed as dist
 
+from lightning_decentral._compat import default_store
 from lightning_decentral.failures import Abandoned, PeerFailure
 from lightning_decentral.membership.groups import poison
 from lightning_decentral.membership.protocol import Decision, Membership
-from lightning_decentral.membership.store import GuardedStore, default_store, store_client, store_host
+from lightning_decentral.membership.store import GuardedStore, store_client, store_host
 
 
 class Keeper(Protocol):
@@ -60,7 +61,8 @@ class Survivors:
         self.on_change = on_change
         self.pending: Optional[Decision] = None  # agreed; the survivors' group is not made yet
         self._mixers: list[Any] = []
-        self._server = default_store()  # rank 0's may host the job's store: it must outlive the default group
+        self._server = default_store()  # rank 0's may host the job's store: it lives as long as this object, so it
+        # must outlive the default group, which the survivors replace
 
     @classmethod
     def start(
