@@ -10,7 +10,6 @@ from contextlib import AbstractContextManager
 from typing import Any, Optional, Union
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor
 from torch.nn import Module
@@ -19,7 +18,7 @@ from torch.optim import Optimizer
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.driver import StepDriver
-from lightning_decentral.files import with_atomic_writes
+from lightning_decentral.files import StrPath, with_atomic_writes
 
 STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
 
@@ -113,7 +112,7 @@ class ShardedCheckpoints:
 
     def save_checkpoint(
         self,
-        path: _PATH,
+        path: StrPath,
         state: dict[str, Any],
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
@@ -152,7 +151,7 @@ class ShardedCheckpoints:
 
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: StrPath,
         state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
         strict: bool = True,
         weights_only: Optional[bool] = None,

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -22,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral._compat.lightning import BackwardSyncControl
 from lightning_decentral.agreement import Ranks, parameter_deviations, run_configuration
 from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
 from lightning_decentral.trainer.processes import Survives, init_default_group
@@ -389,7 +389,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
         register_strategies(strategy_registry, cls)
 
 
-class _RuleBackwardSync(_BackwardSyncControl):
+class _RuleBackwardSync(BackwardSyncControl):
     """`fabric.no_backward_sync`: begin the step, then the rule's own context (DecentLaM posts nothing)."""
 
     def __init__(self, begin_step: Callable[[], StepRunner]) -> None:

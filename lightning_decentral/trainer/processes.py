@@ -5,15 +5,19 @@ group made on this generation's namespace of the job's store
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import secrets
+import signal
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _init_dist_connection
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_decentral.agreement import Ranks
 from lightning_decentral.driver import StepDriver
@@ -22,16 +26,34 @@ from lightning_decentral.membership import Decision, Membership, Survivors
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.rendezvous import connect
 
+log = logging.getLogger(__name__)
+
 
 def init_default_group(
     environment: ClusterEnvironment, backend: str, rank: int, world_size: int, timeout: timedelta, device: torch.device
 ) -> None:
     """Make the default process group on this generation's namespace of the job's store
     ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), as Lightning would make it otherwise, so that
-    workers torchrun restarts never meet the keys of the workers they replace."""
+    workers torchrun restarts never meet the keys of the workers they replace. As Lightning: `MASTER_ADDR` and
+    `MASTER_PORT` name the job's store (its clients read them), and NCCL's group is destroyed at exit."""
     store = connect(environment.main_address, environment.main_port, rank, world_size, timeout)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
+    log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     device_id = device if device.type != "cpu" else None
-    _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id, store=store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
+    if backend == "nccl":  # torch warns of an NCCL group left at exit
+        atexit.register(_destroy_default_group)
+    line = "-" * 100
+    rank_zero_info(
+        f"{line}\ndistributed_backend={backend}\nAll distributed processes registered. Starting with {world_size} processes\n{line}\n"
+    )
+
+
+def _destroy_default_group() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as Lightning: Ctrl+C does not interrupt it
+    if dist.is_initialized():  # the survivors of a failure may have replaced it: the current one
+        dist.destroy_process_group()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 class Survives:

@@ -17,12 +17,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -33,9 +31,10 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral._compat.lightning import MultiProcessingLauncher
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.failures import Activities, peers_answer
-from lightning_decentral.files import with_atomic_writes
+from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
 from lightning_decentral.trainer.resume import RESUME, choose_checkpoint
@@ -117,7 +116,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         super().setup_environment()
         self._checkpoint_agreed = False
 
-    def _agree_on_checkpoint(self, ckpt_path: Optional[_PATH]) -> None:
+    def _agree_on_checkpoint(self, ckpt_path: Optional[StrPath]) -> None:
         """Every rank's first collective of a fit: stop every rank, naming `ckpt_path`, unless all resume from
         the same checkpoint or none. Lightning calls `load_checkpoint` only on the ranks given a path, so a rank
         with a path runs this from there and a rank without from `configure_ddp`: the two gathers pair up."""
@@ -142,7 +141,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     def _configure_launcher(self) -> None:
         """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica."""
         super()._configure_launcher()
-        if isinstance(self._launcher, _MultiProcessingLauncher):
+        if isinstance(self._launcher, MultiProcessingLauncher):
             self._launcher = _AveragingLauncher(self, start_method=self._start_method)
 
     @override
@@ -273,7 +272,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Optional[Any] = None) -> None:
         """Runs when a checkpoint is saved, on every rank: each writes its shard, then rank 0 the checkpoint
         file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]), atomically unless a
         `CheckpointIO` of your own writes it ([`with_atomic_writes`][lightning_decentral.files.with_atomic_writes]).
@@ -303,7 +302,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self._writer.wait()
             self._writer_step = step
 
-    def _write_file(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any) -> None:
+    def _write_file(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any) -> None:
         """Rank 0 writes the checkpoint file now (with `AsyncCheckpointIO`, through the plugin it wraps: the file
         must be written after the shards, and only then may the ranks agree it was)."""
         if self.is_global_zero:
@@ -315,7 +314,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         return io.checkpoint_io if isinstance(io, AsyncCheckpointIO) else io
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: StrPath) -> None:
         """Runs when a checkpoint callback drops an old checkpoint: rank 0 removes the checkpoint file, every
         rank its own shards of it (under `AsyncCheckpointIO`, in the background once the saves before are done)."""
         if self._writer is not None:
@@ -323,13 +322,13 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             return
         self._remove_now(filepath)
 
-    def _remove_now(self, filepath: _PATH) -> None:
+    def _remove_now(self, filepath: StrPath) -> None:
         if self.is_global_zero:
             self._file_io.remove_checkpoint(filepath)
         shards.remove_shards(filepath, self.global_rank)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: StrPath, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Runs when a run starts from `ckpt_path`: read the checkpoint file (`weights_only=True` unless the
         caller asks otherwise); when fitting, also this rank's shard (with `resume="newest_complete"`, of the
         checkpoint [`choose_checkpoint`][lightning_decentral.trainer.resume.choose_checkpoint] picks).
@@ -366,7 +365,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         if shard is not None:
             shards.resume_rank_state(shard, self.lightning_module.trainer.global_step)
 
-    def _background_save(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any) -> Callable[[], None]:
+    def _background_save(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any) -> Callable[[], None]:
         """Copy this rank's part of `checkpoint` (its own replica and optimizer state: see `optimizer_state`) to host
         memory, and return the rest of the save: average the copies into `x̄` and the averaged optimizer state,
         then the shard protocol, on the writer's own group."""
@@ -430,7 +429,7 @@ def backward_may_overlap(module: LightningModule) -> bool:
     return module.automatic_optimization and not edits_gradients
 
 
-class _AveragingLauncher(_MultiProcessingLauncher):
+class _AveragingLauncher(MultiProcessingLauncher):
     """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process."""
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:

@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.types import _PATH
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral.files import StrPath
 
 RESUME = ("checkpoint", "newest_complete")  # the values of DecentralizedStrategy(resume=...)
 
@@ -38,7 +38,7 @@ class Found(enum.IntEnum):
         return {Found.UNREADABLE: "cannot read the file", Found.SHARD_MISSING: "lack their shard of its save"}[self]
 
 
-def choose_checkpoint(ranks: shards.RankGroup, path: _PATH, warn: Callable[[str], None]) -> _PATH:
+def choose_checkpoint(ranks: shards.RankGroup, path: StrPath, warn: Callable[[str], None]) -> StrPath:
     """`path`, unless some rank cannot read it or lacks its shard of its save: then the newest checkpoint in its
     directory that every rank has complete (else the newest every rank can read, else `path`), and `warn` (rank
     0's) names both. Every rank must call it together."""
@@ -84,7 +84,7 @@ def newest_complete(tables: list[list[list[int]]]) -> Optional[int]:
     return max(common, key=lambda save_id: (found[save_id] == Found.COMPLETE, steps[save_id], save_id), default=None)
 
 
-def examine(path: _PATH, rank: int, world_size: int) -> tuple[Found, Optional[dict[str, int]]]:
+def examine(path: StrPath, rank: int, world_size: int) -> tuple[Found, Optional[dict[str, int]]]:
     """What this rank finds of the checkpoint at `path`, and the record of its save (`save_id`, `world_size`, and
     the file's `step`; `None` for a file without shards or that cannot be read)."""
     try:
@@ -101,7 +101,7 @@ def examine(path: _PATH, rank: int, world_size: int) -> tuple[Found, Optional[di
     return (Found.COMPLETE if get_filesystem(shard).exists(shard) else Found.SHARD_MISSING), record
 
 
-def _directory(path: _PATH, rank: int, world_size: int) -> dict[int, tuple[str, int, Found]]:
+def _directory(path: StrPath, rank: int, world_size: int) -> dict[int, tuple[str, int, Found]]:
     """Every checkpoint beside `path` (`*.ckpt`) this rank can read and that records shards: save id -> (path, step,
     what this rank found)."""
     fs = get_filesystem(path)
@@ -113,7 +113,7 @@ def _directory(path: _PATH, rank: int, world_size: int) -> dict[int, tuple[str, 
     return found
 
 
-def _read(path: _PATH) -> dict[str, Any]:
+def _read(path: StrPath) -> dict[str, Any]:
     """The checkpoint at `path`, its tensors mapped from the file rather than read where the file is local."""
     if isinstance(get_filesystem(path), LocalFileSystem):
         return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
