@@ -32,14 +32,11 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lightning.pytorch as pl
+import torch
+from mlp import MLP, digits, digits_loader, quiet_trainer
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from mlp import MLP, quiet_trainer  # noqa: E402
-from simulate import _digits, _loader  # noqa: E402
-
-from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy  # noqa: E402
+from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
 
 
 class SyncedClock(pl.Callback):
@@ -70,8 +67,8 @@ def _fit(
         torch.cuda.reset_peak_memory_stats()
     clock = SyncedClock()
     trainer = quiet_trainer(strategy, steps, [clock], accelerator=args.accelerator, devices=1, precision=precision)
-    x, y = _digits()
-    trainer.fit(MLP(tuple(args.widths), 0.1, 0.9), train_dataloaders=_loader(x, y, batch), ckpt_path=ckpt_path)
+    x, y = digits()
+    trainer.fit(MLP(tuple(args.widths), 0.1, 0.9), train_dataloaders=digits_loader(x, y, batch), ckpt_path=ckpt_path)
     gaps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][args.warmup - 1 :]
     return {"step_s": statistics.median(gaps) if gaps else None, "peak_mb": _peak_mb(), "trainer": trainer, "device": clock.device}
 
