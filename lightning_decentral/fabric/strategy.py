@@ -29,24 +29,23 @@ from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_fi
 from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients, random_state
-from lightning_decentral.mixing import FABRIC, DelaySchedule
-from lightning_decentral.options import GossipDtypeName, GossipOptions, register_strategies
+from lightning_decentral.mixing import FABRIC
+from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext
-from lightning_decentral.schedule import RoundsSchedule
 
 
 
+@takes_gossip_options
 class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
     """Fabric's decentralized data-parallel strategy: each rank keeps its own replica and gossips it.
 
     The update rules and their arguments are those of the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]
-    (`topology`, `combine`, `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
-    `gossip_dtype`, `staleness`, `delays`, `on_peer_failure`, `min_workers`); the others (`accelerator`,
-    `parallel_devices`, `cluster_environment`, `checkpoint_io`, `precision`, `process_group_backend`, `timeout`,
-    `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s (`timeout`, 5 minutes unless given, bounds every
-    exchange: a dead or silent rank ends the others within it, and ranks that call different collectives, `fabric.load`
-    on one and a step on another, stop at once); any other name is a `TypeError`. `eval_on` decides what
+    (keyword only: the fields of [`GossipOptions`][lightning_decentral.options.GossipOptions]); the others
+    (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`, `precision`, `process_group_backend`,
+    `timeout`, `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s (`timeout`, 5 minutes unless given,
+    bounds every exchange: a dead or silent rank ends the others within it, and ranks that call different collectives,
+    `fabric.load` on one and a step on another, stop at once); any other name is a `TypeError`. `eval_on` decides what
     [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation] swaps in.
 
     A `gossip_steps` schedule by epoch (`{"epoch": {...}}`) reads the epoch the loop gives
@@ -68,19 +67,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
 
     def __init__(
         self,
-        topology: Any = "ring",
-        combine: Literal["awc", "atc"] = "awc",
-        momentum: Literal["local", "decentlam"] = "local",
-        gossip_every: int = 1,
-        gossip_steps: Union[int, RoundsSchedule, dict[str, dict[int, int]]] = 1,
-        gossip_buffers: bool = True,
-        eval_on: Literal["average", "local"] = "average",
-        bucket_cap_mb: float = 4.0,
-        gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
-        staleness: int = 0,
-        delays: Optional[DelaySchedule] = None,
-        on_peer_failure: Literal["stop", "continue"] = "stop",
-        min_workers: Optional[int] = None,
+        *,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -89,11 +76,9 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Any,
     ) -> None:
-        options = GossipOptions(
-            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
-            staleness, delays, on_peer_failure, min_workers,
-        )
+        gossip = gossip_options(type(self).__name__, **options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -105,7 +90,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _RuleBackwardSync(self._begin_step)
-        self.driver = StepDriver(options, epoch=self._epoch)  # bound to the world size with the launcher
+        self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
         self.step = 0  # k: the optimizer steps taken (saved with every checkpoint)
         self.epoch: Optional[int] = None  # the loop's epoch, for a gossip_steps schedule by epoch (set_epoch)
         self._module: Optional[Module] = None

@@ -41,18 +41,17 @@ from lightning_decentral.trainer.processes import Survives, init_default_group
 from lightning_decentral.failures import DEFAULT_TIMEOUT
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients
-from lightning_decentral.mixing import DelaySchedule
-from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
+from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.rendezvous import job_store
 from lightning_decentral.replicas import Replica
 from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
 from lightning_decentral.rules import RuleContext
-from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.trainer.stop import StopAgreement, next_key, stop_margin
 from lightning_decentral.trainer.signals import stop_together
 
 
 
+@takes_gossip_options
 class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
     """Decentralized data-parallel training: each rank keeps its own replica and gossips it.
 
@@ -65,37 +64,10 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
       `x_i(k+1) = U(x_i(k), g̃_i)`; each bucket of `z` is exchanged as soon as its gradients exist.
 
     Args:
-        topology: a name from `TOPOLOGIES` (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`,
-            `"complete"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology] (in a config by
-            `class_path`, e.g. `lightning_decentral.Torus` with `init_args: {rows: 2}`) or a mixing matrix (a list of
-            them: one per step of a period); in Python also a numpy array, a tensor or a `networkx` graph.
-        combine: `"awc"` (adapt-with-combine) or `"atc"` (adapt-then-combine); ignored by DecentLaM.
-        momentum: `"local"` (the optimizer's own momentum, the first two rules) or `"decentlam"`.
-        gossip_every: gossip on steps with `(k + 1) % gossip_every == 0`; local steps otherwise.
-        gossip_steps: rounds of `W(k)` per gossip step (`W(k)^gossip_steps`); or rounds that change over
-            training: a [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule], or
-            `{"epoch": {0: 4, 5: 2, 10: 1}}` (4 rounds in epochs 0–4, 2 in 5–9, then 1) or `{"step": {...}}`.
-        gossip_buffers: also mix floating-point buffers (BatchNorm statistics); else keep them local.
-        eval_on: `"average"` validates, tests and predicts on `x̄` (each replica is restored
-            afterwards); `"local"` on each rank's own replica.
-        bucket_cap_mb: DecentLaM's bucket size: the unit of communication overlapped with backward.
-        gossip_dtype: send point-to-point messages in this precision (`torch.bfloat16` or
-            `torch.float16`, or their names; `None`: the parameters' own). Replicas and optimizer state
-            stay in full precision; the exchange keeps `x̄` exactly and feeds the rounding error back
-            (`x_i <- x_i + Σ_j w_ij q_j − q_i`). All-reduces (`complete`) stay in full precision.
-        staleness: bounded staleness `s` (AWC and ATC, one round per step, a static point-to-point topology): rank
-            `i` mixes with the newest replica received from each neighbour, at most `s` steps old, and waits only
-            for a neighbour more than `s` steps behind (docs/algorithms.md, "Bounded staleness"). 0: wait for
-            every neighbour's step `k`.
-        delays: impose which step of each neighbour is mixed, `τ = k − delays(i, j, k, s)` (a
-            [`DelaySchedule`][lightning_decentral.mixing.DelaySchedule] such as
-            [`RandomDelays`][lightning_decentral.mixing.RandomDelays]): a deterministic run, equal to the
-            simulation's under the same schedule. `None`: the newest received.
-        on_peer_failure: `"stop"`: a rank that dies, hangs past `timeout` or fails stops every rank with
-            [`PeerFailure`][lightning_decentral.failures.PeerFailure]. `"continue"`: the survivors agree on who is
-            left and go on among themselves, each with its own replica, optimizer state and data, with the topology
-            of the survivors (docs/reliability.md, "Surviving a failure").
-        min_workers: with `"continue"`, the run stops when fewer workers survive; `None`: half of them, rounded up.
+        **options: the update-rule arguments, keyword only: `topology`, `combine`, `momentum`, `gossip_every`,
+            `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`, `gossip_dtype`, `staleness`, `delays`,
+            `on_peer_failure`, `min_workers` ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes
+            each); a misspelled name is a `TypeError`.
         resume: what `fit(ckpt_path=...)` resumes from: `"checkpoint"`, the checkpoint it names (`"last"` as Lightning
             resolves it); `"newest_complete"`, that one if every rank can read it and finds its shard, else the newest
             such checkpoint in its directory, with one warning naming both (for a job restarted after a failure:
@@ -130,19 +102,7 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
 
     def __init__(
         self,
-        topology: TopologyArgument = "ring",
-        combine: Literal["awc", "atc"] = "awc",
-        momentum: Literal["local", "decentlam"] = "local",
-        gossip_every: int = 1,
-        gossip_steps: Union[int, RoundsSchedule, dict[str, dict[int, int]]] = 1,
-        gossip_buffers: bool = True,
-        eval_on: Literal["average", "local"] = "average",
-        bucket_cap_mb: float = 4.0,
-        gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
-        staleness: int = 0,
-        delays: Optional[DelaySchedule] = None,
-        on_peer_failure: Literal["stop", "continue"] = "stop",
-        min_workers: Optional[int] = None,
+        *,
         resume: Literal["checkpoint", "newest_complete"] = "checkpoint",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -152,7 +112,9 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Any,
     ) -> None:
+        gossip = gossip_options(type(self).__name__, **options)
         super().__init__(
             resume=resume,
             accelerator=accelerator,
@@ -164,11 +126,7 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        options = GossipOptions(
-            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
-            staleness, delays, on_peer_failure, min_workers,
-        )
-        self.driver = StepDriver(options, epoch=self._epoch)  # bound to the world size with the launcher
+        self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
         self._replica: Optional[Replica] = None
         self._mixer: Optional[Union[Gossip, StaleGossip]] = None
         self._owns_default_group = False  # this run made the default process group (with its timeout)
