@@ -38,10 +38,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral.common import backward_may_overlap
 from lightning_decentral.driver import Driven, StepDriver, check_one_optimizer
-from lightning_decentral.mixing import DelayedMixing, DenseMixer
+from lightning_decentral.mixing import SIMULATION
 from lightning_decentral.options import gossip_options, takes_gossip_options
-from lightning_decentral.trainer.replicated import backward_may_overlap
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.simulation.data import StackedBatch, WorkerLoaders
 from lightning_decentral.simulation.hooks import WorkerHooks
@@ -124,12 +124,10 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             )
         if not isinstance(vectorize, bool) and vectorize != "auto":
             raise ValueError(f"`vectorize` must be True, False or 'auto', got {vectorize!r}.")
-        self.driver = StepDriver(gossip, epoch=self._epoch)
+        self.driver = StepDriver(gossip, epoch=self._epoch, phrasing=SIMULATION)
         self.driver.bind(workers)
-        delayed = DelayedMixing(self.driver.topology, gossip.staleness, gossip.delays) if gossip.staleness else None
-        mixer = DenseMixer(self.driver.topology, dtype=gossip.gossip_dtype, delayed=delayed)
         super().__init__(
-            workers, self.driver.attach(mixer), accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+            workers, self.driver.dense_mixer(), accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         self.vectorize = vectorize
         self.failures = checked_failures(failures, workers, vectorize, gossip.staleness)
@@ -150,12 +148,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._rng_restored = False
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if self.failures:  # a fit starts with every worker
-            self.driver.bind(self.workers)
-            self._mixer.rebind(self.driver.topology)
-            self.driver.attach(self._mixer)
-        if self._mixer.delayed is not None:
-            self._mixer.delayed.restart()  # this fit's first step is k₀, as on processes
+        self.driver.bind(self.workers)  # a fit starts with every worker
+        self._mixer = self.driver.dense_mixer()  # and, under staleness, from its first step k₀, as on processes
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ValueError("SimulatedDecentralizedStrategy needs automatic optimization; use DecentralizedStrategy.")
