@@ -10,6 +10,7 @@ and keeps the monitoring surface ([`Driven`][lightning_decentral.driver.Driven])
 
 ```text
 driver.bind(world_size, num_nodes)                  topology and schedule, checked
+driver.process_mixer(...), dense_mixer()          the exchange the options select (plain, stale), by constructor
 driver.build_rule(replica, mixer, optimizers, ...)  RULES[options.rule](...)   (or driver.run(workers))
 driver.begin(k)                                     plan = schedule.plan(k, epoch); runner.begin_step(plan)
 driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
@@ -23,16 +24,30 @@ Lightning-free: a single process drives the same lifecycle over a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Optional, Protocol
+from dataclasses import fields
+from datetime import timedelta
+from typing import Any, Optional, Protocol, TypeVar
 
+import torch
 from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral.failures import Survival
+from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import random_state
-from lightning_decentral.membership import Survivors
-from lightning_decentral.mixing import ExchangeObserver, Mixer, check_stale_topology
+from lightning_decentral.mixing import (
+    TRAINER,
+    DelayedMixing,
+    DenseMixer,
+    ExchangeObserver,
+    Mixer,
+    Phrasing,
+    Watch,
+    check_stale_topology,
+)
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.replicas import Replica
 from lightning_decentral.rules import RULES, Closure, RuleContext, UpdateRule
@@ -65,12 +80,28 @@ class StepRunner(Protocol):
     def mix(self, step: int, rounds: int) -> None: ...
 
 
+class Surviving(Survival, Protocol):
+    """What the driver asks of the survival of a run on processes (`on_peer_failure="continue"`,
+    [`Survivors`][lightning_decentral.membership.Survivors]) besides what its mixers ask."""
+
+    @property
+    def alone(self) -> bool:
+        """Between the survivors' agreement and their process group: this rank runs alone."""
+
+    def begin(self, step: int) -> None:
+        """Before step `step`: make the survivors' group if they mix again from this step on."""
+
+
+AnyMixer = TypeVar("AnyMixer", bound=Mixer)
+
+
 class StepDriver:
     """One executor's update rule and everything around it (see the module docstring).
 
     Args:
         options: the checked update-rule arguments.
         epoch: the executor's current epoch (what a `gossip_steps` schedule by epoch reads).
+        phrasing: how the mixers' errors speak of the executor (`TRAINER`, `FABRIC`, `SIMULATION`).
 
     Examples:
         Two workers in one process, each driven as a rank would be (the simulation runs them together):
@@ -79,7 +110,7 @@ class StepDriver:
         >>> from lightning_decentral.mixing import DenseMixer
         >>> driver = StepDriver(GossipOptions(topology="complete", combine="atc"))
         >>> driver.bind(world_size=2)
-        >>> mixer = DenseMixer(driver.topology)
+        >>> mixer = driver.dense_mixer()
         >>> models = [torch.nn.Linear(1, 1, bias=False) for _ in range(2)]
         >>> rules = [
         ...     driver.build_rule(Replica(m, False), mixer.worker(i), [torch.optim.SGD(m.parameters(), lr=0.5)])
@@ -89,13 +120,13 @@ class StepDriver:
         (StepPlan(step=0, rounds=1), {'rule': 'atc', 'topology': 'Complete(world_size=2)'})
     """
 
-    def __init__(self, options: GossipOptions, epoch: Optional[Callable[[], int]] = None) -> None:
+    def __init__(self, options: GossipOptions, epoch: Optional[Callable[[], int]] = None, phrasing: Phrasing = TRAINER) -> None:
         self.options = options
         self.schedule: Optional[GossipSchedule] = None
         self.runner: Optional[StepRunner] = None
-        self.observers: list[ExchangeObserver] = []  # every attached mixer tells them of its exchanges
-        self.residuals_measured = False  # measure_residuals() was called
-        self.survivors: Optional[Survivors] = None  # on_peer_failure="continue" on processes
+        self.watch = Watch(phrasing=phrasing)  # shared with every mixer the driver builds
+        self.survival: Optional[Surviving] = None  # on_peer_failure="continue" on processes
+        self.failed = False  # an error left a step: no collective when the run ends (the others may be gone)
         self._epoch = epoch
         self._mixers: list[Mixer] = []
         self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
@@ -121,9 +152,14 @@ class StepDriver:
         self.schedule = GossipSchedule(topology, schedule.gossip_every, schedule.rounds_per_gossip, first_step)
 
     def rebind_mixers(self) -> None:
-        """Every attached mixer mixes with the current topology from now on."""
+        """Every mixer the driver built mixes with the current topology from now on."""
         for mixer in self._mixers:
             mixer.rebind(self.topology)
+
+    @property
+    def mixers(self) -> list[Mixer]:
+        """The mixers the driver built for this run (what a failure rebinds)."""
+        return list(self._mixers)
 
     @property
     def topology(self) -> Topology:
@@ -147,12 +183,41 @@ class StepDriver:
         """The plan of optimizer step `step` in the current epoch."""
         return self._schedule().plan(step, self.epoch())
 
-    # -- building -----------------------------------------------------------------------------
+    # -- building: the one place that chooses the exchange --------------------------------------
 
-    def attach(self, mixer: Mixer) -> Mixer:
-        """Give `mixer` the observers and the residual measurement asked for so far (and later)."""
-        mixer.observers = self.observers
-        mixer.measure_residuals = self.residuals_measured
+    def process_mixer(
+        self,
+        device: torch.device,
+        backend: Optional[str],
+        timeout: timedelta,
+        on_default_group: bool,
+        survival: Optional[Surviving] = None,
+    ) -> Mixer:
+        """This rank's mixer when every worker is a process (every rank calls it together): bounded staleness over
+        [`StaleGossip`][lightning_decentral.gossip.StaleGossip] (its own gloo group), else
+        [`Gossip`][lightning_decentral.gossip.Gossip] on the default group when this run made it with `timeout`
+        (`on_default_group`: after a collective of Lightning's times out, the exchange on the same group fails at
+        once instead of waiting a second timeout), or on a new group of every rank with `timeout`. With
+        `survival`, a failed exchange asks it, and each step begins with it."""
+        options, topology = self.options, self.topology
+        self.survival = self.watch.survival = survival
+        if options.staleness:
+            mixer: Mixer = StaleGossip.on_new_group(topology, options.staleness, options.delays, timeout, self.watch)
+        elif on_default_group:
+            mixer = Gossip(topology, dtype=options.gossip_dtype, timeout=timeout, watch=self.watch)
+        else:
+            mixer = Gossip.on_new_group(topology, device, backend, timeout, options.gossip_dtype, self.watch)
+        return self._built(mixer)
+
+    def dense_mixer(self) -> DenseMixer:
+        """The mixer of every worker in one process: a [`DenseMixer`][lightning_decentral.mixing.DenseMixer], with
+        bounded staleness through [`DelayedMixing`][lightning_decentral.mixing.DelayedMixing]; `mixer.worker(i)` is
+        worker `i`'s."""
+        options, topology = self.options, self.topology
+        delayed = DelayedMixing(topology, options.staleness, options.delays) if options.staleness else None
+        return self._built(DenseMixer(topology, dtype=options.gossip_dtype, delayed=delayed, watch=self.watch))
+
+    def _built(self, mixer: AnyMixer) -> AnyMixer:
         self._mixers.append(mixer)
         return mixer
 
@@ -166,7 +231,7 @@ class StepDriver:
     ) -> UpdateRule:
         """The rule the options select, over `replica`, `mixer` and the one optimizer; from now on the runner."""
         check_one_optimizer(optimizers, source)
-        rule = RULES[self.options.rule](replica, self.attach(mixer), optimizers[0], context)
+        rule = RULES[self.options.rule](replica, mixer, optimizers[0], context)
         self.run(rule)
         return rule
 
@@ -179,7 +244,7 @@ class StepDriver:
     @property
     def alone(self) -> bool:
         """Between the survivors' agreement after a failure and their process group: this rank runs alone."""
-        return self.survivors is not None and self.survivors.alone
+        return self.survival is not None and self.survival.alone
 
     @property
     def begun(self) -> bool:
@@ -189,24 +254,35 @@ class StepDriver:
     def begin(self, step: int) -> StepRunner:
         """The runner, with optimizer step `step` begun: planned once, whoever calls first (AWC posts `x(k)` here)."""
         runner = self._live()
-        if self.survivors is not None:
-            self.survivors.begin(step)  # the survivors of a failure mix again from here: their group first
-        if self._plan is None or self._plan.step != step:
-            self._plan = self.plan(step)
-            runner.begin_step(self._plan)
+        with self._failing():
+            if self.survival is not None:
+                self.survival.begin(step)  # the survivors of a failure mix again from here: their group first
+            if self._plan is None or self._plan.step != step:
+                self._plan = self.plan(step)
+                runner.begin_step(self._plan)
         return runner
 
     def optimizer_step(self, step: int, run: Callable[[Closure], Any], closure: Closure) -> Any:
         """Step `step`: `run(wrapped)` with the closure the rule wraps (the executor's `optimizer.step(...)`,
         which runs it: forward and backward), then the rule's `end_step` and `finish_step`. Returns `run`'s output."""
         runner = self.begin(step)
-        try:
-            output = run(runner.wrap_closure(closure))
-        finally:
-            self._plan = None
-        runner.end_step()
-        runner.finish_step()
+        with self._failing():
+            try:
+                output = run(runner.wrap_closure(closure))
+            finally:
+                self._plan = None
+            runner.end_step()
+            runner.finish_step()
         return output
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """Remember an error leaving the block (`failed`)."""
+        try:
+            yield
+        except BaseException:
+            self.failed = True
+            raise
 
     def drain(self) -> None:
         """Finish anything in flight (the end of training, or a step that never reached the optimizer)."""
@@ -215,22 +291,27 @@ class StepDriver:
         self._plan = None
 
     def teardown(self) -> None:
-        """The run is over: release the rule's hooks and forget it and its mixers."""
+        """The run is over: release the rule's hooks and forget it, its mixers and its survival."""
         if self.runner is not None:
             self.runner.teardown()
         self.runner, self._plan, self._mixers = None, None, []
+        self.survival = self.watch.survival = None
+        self.failed = False
 
     # -- the monitoring surface ---------------------------------------------------------------
 
     def observe(self, observer: ExchangeObserver) -> None:
         """Tell `observer` of every exchange from now on."""
-        self.observers.append(observer)
+        self.watch.observers.append(observer)
 
     def measure_residuals(self) -> None:
         """From now on every exchange of the parameters also measures its gossip residual."""
-        self.residuals_measured = True
-        for mixer in self._mixers:
-            mixer.measure_residuals = True
+        self.watch.measure_residuals = True
+
+    @property
+    def residuals_measured(self) -> bool:
+        """Whether [`measure_residuals`][lightning_decentral.driver.StepDriver.measure_residuals] was called."""
+        return self.watch.measure_residuals
 
     def residual(self, step: int) -> Optional[Tensor]:
         """The runner's gossip residual of step `step`, if measured."""
@@ -279,63 +360,14 @@ class Driven:
 
     @property
     def options(self) -> GossipOptions:
-        """The checked update-rule arguments."""
+        """The checked update-rule arguments; each is also an attribute of its own (`combine`, `momentum`,
+        `gossip_every`, `gossip_steps`, ...: every field of `GossipOptions` but `topology`, which is bound here)."""
         return self.driver.options
-
-    @property
-    def combine(self) -> str:
-        """`"awc"` or `"atc"`."""
-        return self.driver.options.combine
-
-    @property
-    def momentum(self) -> str:
-        """`"local"` or `"decentlam"`."""
-        return self.driver.options.momentum
 
     @property
     def rule(self) -> str:
         """The update rule: `"awc"`, `"atc"` or `"decentlam"`."""
         return self.driver.options.rule
-
-    @property
-    def gossip_every(self) -> int:
-        """Gossip on the steps `k` with `(k + 1) % gossip_every == 0`."""
-        return self.driver.options.gossip_every
-
-    @property
-    def gossip_steps(self) -> RoundsSchedule:
-        """The rounds of `W(k)` per gossip step."""
-        return self.driver.options.gossip_steps
-
-    @property
-    def gossip_buffers(self) -> bool:
-        """Whether floating-point module buffers are mixed."""
-        return self.driver.options.gossip_buffers
-
-    @property
-    def staleness(self) -> int:
-        """`s`: a neighbour's replica may be up to `s` steps old (0: the synchronous rule)."""
-        return self.driver.options.staleness
-
-    @property
-    def delays(self) -> Any:
-        """The imposed [`DelaySchedule`][lightning_decentral.mixing.DelaySchedule], or `None`."""
-        return self.driver.options.delays
-
-    @property
-    def eval_on(self) -> str:
-        """`"average"` (evaluate `x̄`) or `"local"`."""
-        return self.driver.options.eval_on
-
-    @property
-    def bucket_cap_mb(self) -> float:
-        """DecentLaM's bucket size in MB."""
-        return self.driver.options.bucket_cap_mb
-
-    @property
-    def gossip_dtype(self) -> Any:
-        """The precision neighbour messages travel in (`None`: the parameters' own)."""
-        return self.driver.options.gossip_dtype
 
     @property
     def topology(self) -> Topology:
@@ -383,3 +415,12 @@ class Driven:
     def worker_random_states(self) -> list[dict[str, Any]]:
         """The random state this rank's training forward draws from."""
         return [random_state(self.root_device)]
+
+
+def _option(name: str) -> property:
+    return property(lambda self: getattr(self.driver.options, name), doc=f"The `{name}` argument (`GossipOptions`).")
+
+
+for _field in fields(GossipOptions):
+    if _field.name != "topology":  # Driven.topology is the bound one
+        setattr(Driven, _field.name, _option(_field.name))

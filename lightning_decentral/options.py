@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import math
-from dataclasses import dataclass
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass, fields
+from typing import Any, Literal, Optional, TypeVar, Union, get_type_hints
 
 import torch
 
@@ -44,12 +46,52 @@ def rule_name(momentum: str, combine: str) -> str:
 class GossipOptions:
     """The update-rule arguments of every executor, checked when built: a bad one raises `ValueError` naming the fix.
 
-    The fields are the strategies' arguments of the same names (see
-    [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]); `gossip_steps` is kept as a
-    [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule] and `gossip_dtype` as a `torch.dtype` (or `None`).
-    The topology stays as given: it is bound to the world size by the [driver][lightning_decentral.driver.StepDriver],
-    which also checks `min_workers` against it (`None`: half the workers, rounded up; see
-    [`min_workers_for`][lightning_decentral.options.GossipOptions.min_workers_for]).
+    This is the one list of them: the Trainer's and Fabric's
+    [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] and the
+    [`SimulatedDecentralizedStrategy`][lightning_decentral.SimulatedDecentralizedStrategy] take these fields as
+    keyword arguments (their signatures and LightningCLI's help list them; an unknown name is a `TypeError`).
+    `gossip_steps` is kept as a [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule] and `gossip_dtype` as a
+    `torch.dtype` (or `None`). The topology stays as given: it is bound to the world size by the
+    [driver][lightning_decentral.driver.StepDriver], which also checks `min_workers` against it.
+
+    Args:
+        topology: a name from `TOPOLOGIES` (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`,
+            `"complete"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology] (in a config by
+            `class_path`, e.g. `lightning_decentral.Torus` with `init_args: {rows: 2}`) or a mixing matrix (a list of
+            them: one per step of a period); in Python also a numpy array, a tensor or a `networkx` graph.
+        combine: `"awc"` (adapt-with-combine: `x_i(k+1) = Σ_j w_ij x_j(k) + U(x_i(k), g_i) − x_i(k)`, the exchange
+            of `x(k)` overlaps forward and backward) or `"atc"` (adapt-then-combine: `x_i(k+1) = Σ_j w_ij U(x_j(k), g_j)`);
+            ignored by DecentLaM.
+        momentum: `"local"` (the optimizer's own momentum, the first two rules) or `"decentlam"`
+            (`z_j = x_j − γ g_j`, `g̃_i = (x_i − Σ_j w_ij z_j) / γ`, `x_i(k+1) = U(x_i(k), g̃_i)`; each bucket of `z` is
+            exchanged as soon as its gradients exist).
+        gossip_every: gossip on steps with `(k + 1) % gossip_every == 0`; local steps otherwise.
+        gossip_steps: rounds of `W(k)` per gossip step (`W(k)^gossip_steps`); or rounds that change over
+            training: a [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule], or
+            `{"epoch": {0: 4, 5: 2, 10: 1}}` (4 rounds in epochs 0–4, 2 in 5–9, then 1) or `{"step": {...}}`.
+        gossip_buffers: also mix floating-point buffers (BatchNorm statistics); else each worker keeps its own.
+        eval_on: `"average"` validates, tests and predicts on `x̄` (each replica is restored afterwards); `"local"` on
+            each worker's own replica (the simulation: worker 0's).
+        bucket_cap_mb: DecentLaM's bucket size in MB: the unit of communication overlapped with backward.
+        gossip_dtype: send point-to-point messages in this precision (`torch.bfloat16` or `torch.float16`, or their
+            names; `None`: the parameters' own). Replicas and optimizer state stay in full precision; the exchange
+            keeps `x̄` exactly and feeds the rounding error back (`x_i <- x_i + Σ_j w_ij q_j − q_i`). All-reduces
+            (`complete`) stay in full precision.
+        staleness: bounded staleness `s` (AWC and ATC, one round per step, a static point-to-point topology): worker
+            `i` mixes with the newest replica received from each neighbour, at most `s` steps old, and waits only for
+            a neighbour more than `s` steps behind (docs/algorithms.md, "Bounded staleness"). 0: wait for every
+            neighbour's step `k`.
+        delays: impose which step of each neighbour is mixed, `τ = k − delays(i, j, k, s)` (a
+            [`DelaySchedule`][lightning_decentral.mixing.DelaySchedule] such as
+            [`RandomDelays`][lightning_decentral.mixing.RandomDelays]): a deterministic run, the same in the simulation
+            and on processes. `None`: the newest received (processes), `τ = k` (simulation).
+        on_peer_failure: `"stop"`: a rank that dies, hangs past `timeout` or fails stops every rank with
+            [`PeerFailure`][lightning_decentral.failures.PeerFailure]. `"continue"` (processes): the survivors agree on
+            who is left and go on among themselves, each with its own replica, optimizer state and data, with the
+            topology of the survivors (docs/reliability.md, "Surviving a failure"); the simulation's `failures=`
+            runs the same rule in one process.
+        min_workers: with `"continue"`, the run stops when fewer workers survive; `None`: half of them, rounded up
+            ([`min_workers_for`][lightning_decentral.options.GossipOptions.min_workers_for]).
 
     Examples:
         >>> options = GossipOptions(combine="atc", gossip_steps={"epoch": {0: 4, 5: 1}}, gossip_dtype="bfloat16")
@@ -65,18 +107,18 @@ class GossipOptions:
         ValueError: staleness=2 mixes one round of W per step with the neighbours' newest replicas, but gossip_steps=2 ...
     """
 
-    topology: Any = "ring"
-    combine: str = "awc"
-    momentum: str = "local"
+    topology: TopologyArgument = "ring"
+    combine: Literal["awc", "atc"] = "awc"
+    momentum: Literal["local", "decentlam"] = "local"
     gossip_every: int = 1
-    gossip_steps: Union[int, RoundsSchedule, dict] = 1
+    gossip_steps: Union[int, RoundsSchedule, dict[str, dict[int, int]]] = 1
     gossip_buffers: bool = True
-    eval_on: str = "average"
+    eval_on: Literal["average", "local"] = "average"
     bucket_cap_mb: float = 4.0
-    gossip_dtype: Optional[Union[torch.dtype, str]] = None
+    gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None
     staleness: int = 0
     delays: Optional[DelaySchedule] = None
-    on_peer_failure: str = "stop"
+    on_peer_failure: Literal["stop", "continue"] = "stop"
     min_workers: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -153,6 +195,48 @@ class GossipOptions:
     def bucket_bytes(self) -> int:
         """DecentLaM's bucket size in bytes."""
         return int(self.bucket_cap_mb * 2**20)
+
+
+def gossip_options(owner: str, **arguments: Any) -> GossipOptions:
+    """`GossipOptions(**arguments)` for the executor `owner`: a name that is no option is a `TypeError` naming the
+    closest one.
+
+    Examples:
+        >>> gossip_options("DecentralizedStrategy", gossip_step=4)
+        Traceback (most recent call last):
+        ...
+        TypeError: DecentralizedStrategy got an unexpected argument 'gossip_step': did you mean 'gossip_steps'? ...
+    """
+    names = [field.name for field in fields(GossipOptions)]
+    for name in arguments:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise TypeError(f"{owner} got an unexpected argument {name!r}: {hint}The update-rule arguments are {names}.")
+    return GossipOptions(**arguments)
+
+
+Executor = TypeVar("Executor", bound=type)
+
+
+def takes_gossip_options(executor: Executor) -> Executor:
+    """Class decorator for an executor whose `__init__(self, <its own arguments>, **options)` hands `options` to
+    [`gossip_options`][lightning_decentral.options.gossip_options]: its signature (what `inspect.signature`, an IDE
+    and LightningCLI's help show) becomes its positional arguments, the fields of `GossipOptions`, then its
+    keyword-only arguments, so the list of update-rule arguments is written once."""
+    own = [
+        p for name, p in inspect.signature(executor.__init__).parameters.items()
+        if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    hints = get_type_hints(GossipOptions)
+    shared = [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=hints[f.name])
+        for f in fields(GossipOptions)
+    ]
+    positional = [p for p in own if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    keyword = [p for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    executor.__signature__ = inspect.Signature(positional + shared + keyword)
+    return executor
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

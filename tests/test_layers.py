@@ -14,8 +14,8 @@ LAYERS = [
     ["cli"],
     ["plot"],
     ["callbacks"],
-    ["simulation"],
-    ["trainer", "fabric"],
+    ["simulation", "trainer", "fabric"],
+    ["common"],
     ["driver"],
     ["rules"],
     ["overlap"],
@@ -143,6 +143,18 @@ def test_imports_point_down() -> None:
                     assert _layer_of(target) > _layer_of(module) or target in LAYERS[_layer_of(module)], (
                         f"{path.name} imports {name}: a lower layer may not import a higher one"
                     )
+
+
+EXECUTORS = {"trainer", "fabric", "simulation"}
+
+
+def test_the_executors_are_siblings() -> None:
+    """The Trainer's, Fabric's and the simulation's packages import nothing from each other: what two of them share
+    lives below them (`common`, the driver)."""
+    for executor in EXECUTORS:
+        for path in _modules()[executor]:
+            imported = {name.split(".")[1] for name in _imports(path) if name.startswith("lightning_decentral.")}
+            assert not imported & (EXECUTORS - {executor}), f"{path.relative_to(PACKAGE)} imports {sorted(imported & EXECUTORS)}"
 
 
 def test_update_rules_and_below_import_nothing_from_lightning() -> None:

@@ -227,9 +227,13 @@ def test_a_launch_by_lightning_is_told_apart_from_one_process_per_worker(monkeyp
     """Lightning's own launcher (devices=n from a script, or '_spawn') ends every process when one fails: the strategy
     knows it was started that way (and warns at start with "continue"); a process started by another launcher
     (LOCAL_RANK and the rest set) was not."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
     from lightning_decentral import DecentralizedStrategy
     from tests.workers import trainer_for
 
+    # a Trainer built with RANK=1 makes this process Lightning's rank 1: restore rank 0 after, for the tests that follow
+    monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME"):
         monkeypatch.delenv(name, raising=False)
     assert trainer_for(2, DecentralizedStrategy(on_peer_failure="continue")).strategy.launched_by_lightning

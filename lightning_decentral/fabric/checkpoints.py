@@ -108,6 +108,7 @@ class ShardedCheckpoints:
     averaged_model: Callable[..., AbstractContextManager]
     check_outside_the_graph: Callable[[str], None]
     agree: Callable[[str], None]
+    save_skipped: Callable[[Any], bool]
     rule_record: Callable[[], dict[str, str]]
 
     def save_checkpoint(
@@ -124,8 +125,7 @@ class ShardedCheckpoints:
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
         self.check_outside_the_graph("fabric.save")
-        if self.driver.alone:
-            rank_zero_warn(f"{path} is not saved: the survivors of a failure take this step alone, before they mix again.")
+        if self.save_skipped(path):
             return None
         self.agree(f"fabric.save({str(path)!r})")
         with self.averaged_model(agree=False):  # agreed above: the averaging's all-reduce is the save's first collective

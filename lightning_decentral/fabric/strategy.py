@@ -22,31 +22,29 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral._compat.lightning import BackwardSyncControl
-from lightning_decentral.agreement import Ranks, parameter_deviations, run_configuration
+from lightning_decentral.agreement import run_configuration
+from lightning_decentral.common import OnProcesses, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
-from lightning_decentral.trainer.processes import Survives, init_default_group
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
 from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities
-from lightning_decentral.gossip import Gossip, StaleGossip
-from lightning_decentral.measures import own_gradients, random_state
-from lightning_decentral.mixing import FABRIC, DelaySchedule
-from lightning_decentral.options import GossipDtypeName, GossipOptions, register_strategies
+from lightning_decentral.measures import random_state
+from lightning_decentral.mixing import FABRIC, Mixer
+from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext
-from lightning_decentral.schedule import RoundsSchedule
 
 
 
-class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
+@takes_gossip_options
+class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy):
     """Fabric's decentralized data-parallel strategy: each rank keeps its own replica and gossips it.
 
     The update rules and their arguments are those of the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]
-    (`topology`, `combine`, `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`,
-    `gossip_dtype`, `staleness`, `delays`, `on_peer_failure`, `min_workers`); the others (`accelerator`,
-    `parallel_devices`, `cluster_environment`, `checkpoint_io`, `precision`, `process_group_backend`, `timeout`,
-    `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s (`timeout`, 5 minutes unless given, bounds every
-    exchange: a dead or silent rank ends the others within it, and ranks that call different collectives, `fabric.load`
-    on one and a step on another, stop at once); any other name is a `TypeError`. `eval_on` decides what
+    (keyword only: the fields of [`GossipOptions`][lightning_decentral.options.GossipOptions]); the others
+    (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`, `precision`, `process_group_backend`,
+    `timeout`, `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s (`timeout`, 5 minutes unless given,
+    bounds every exchange: a dead or silent rank ends the others within it, and ranks that call different collectives,
+    `fabric.load` on one and a step on another, stop at once); any other name is a `TypeError`. `eval_on` decides what
     [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation] swaps in.
 
     A `gossip_steps` schedule by epoch (`{"epoch": {...}}`) reads the epoch the loop gives
@@ -68,19 +66,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
 
     def __init__(
         self,
-        topology: Any = "ring",
-        combine: Literal["awc", "atc"] = "awc",
-        momentum: Literal["local", "decentlam"] = "local",
-        gossip_every: int = 1,
-        gossip_steps: Union[int, RoundsSchedule, dict[str, dict[int, int]]] = 1,
-        gossip_buffers: bool = True,
-        eval_on: Literal["average", "local"] = "average",
-        bucket_cap_mb: float = 4.0,
-        gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
-        staleness: int = 0,
-        delays: Optional[DelaySchedule] = None,
-        on_peer_failure: Literal["stop", "continue"] = "stop",
-        min_workers: Optional[int] = None,
+        *,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -89,11 +75,9 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Any,
     ) -> None:
-        options = GossipOptions(
-            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
-            staleness, delays, on_peer_failure, min_workers,
-        )
+        gossip = gossip_options(type(self).__name__, **options)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -105,13 +89,13 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
             start_method=start_method,
         )
         self._backward_sync_control = _RuleBackwardSync(self._begin_step)
-        self.driver = StepDriver(options, epoch=self._epoch)  # bound to the world size with the launcher
+        self.driver = StepDriver(gossip, epoch=self._epoch, phrasing=FABRIC)  # bound to the world size with the launcher
         self.step = 0  # k: the optimizer steps taken (saved with every checkpoint)
         self.epoch: Optional[int] = None  # the loop's epoch, for a gossip_steps schedule by epoch (set_epoch)
         self._module: Optional[Module] = None
         self._optimizer: Optional[Optimizer] = None
         self._replica: Optional[Replica] = None
-        self._mixer: Optional[Union[Gossip, StaleGossip]] = None
+        self._mixer: Optional[Mixer] = None
         self._context = RuleContext(overlap_backward=False)  # DecentLaM: learnt on the first step
         self._clipping = False  # fabric.clip_gradients ran
         self._averaged = AveragedModel()
@@ -134,17 +118,14 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
         return set_up_first(self._module)
 
     @property
+    def trained_module(self) -> Module:
+        """The set-up module (this rank's replica); an error before `fabric.setup`."""
+        return self.module
+
+    @property
     def grad_scaler(self) -> Optional[torch.amp.GradScaler]:
         """The enabled GradScaler of fp16 mixed precision, once set up; else `None`."""
         return self._context.grad_scaler
-
-    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
-        """For each trainable parameter: its name, `‖p_i − p̄‖²` here and `‖p̄‖²` (every rank together)."""
-        return parameter_deviations(self._ranks, set_up_first(self._module))
-
-    def gradient_sum(self) -> list[Tensor]:
-        """This rank's gradient of each trainable parameter (zeros where it has none)."""
-        return own_gradients(set_up_first(self._module))
 
     def record_random_state(self) -> None:
         """Record the random state a training forward starts from (the CPU generator's and, on a GPU, this
@@ -204,11 +185,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
             super()._setup_distributed()
             return
         self._set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        assert self.cluster_environment is not None
-        init_default_group(
-            self.cluster_environment, self._process_group_backend, self.global_rank, self.world_size, self._timeout, self.root_device
-        )
+        self.make_default_group()
 
     @override
     def setup_module_and_optimizers(
@@ -236,14 +213,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
         self.activities.start("fabric.setup")
         self._ranks.broadcast_from_rank_zero(list(state_tensors(module)))
         self._replica = Replica(module, self.gossip_buffers)
-        if self.staleness:
-            self._mixer = StaleGossip.on_new_group(self.topology, self.staleness, self.delays, self._timeout)
-        else:
-            self._mixer = Gossip.on_new_group(
-                self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
-            )
-        self._mixer.phrasing = FABRIC
-        self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn)
+        self._mixer = self.start_gossip()
         self._module = module
         self._hooks = [module.register_forward_pre_hook(self._before_forward)]
         return module
@@ -256,9 +226,8 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
                 "DecentralizedStrategy needs exactly one optimizer; a second was set up. Put the parameters "
                 "into one optimizer with several parameter groups."
             )
-        scaler = getattr(self.precision, "scaler", None)
         self._context.bucket_bytes = self.options.bucket_bytes
-        self._context.grad_scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self._context.grad_scaler = enabled_grad_scaler(self.precision)
         self._context.any_worker = self._ranks.any
         self._context.warn = rank_zero_warn
         self.driver.build_rule(set_up_first(self._replica), set_up_first(self._mixer), [optimizer], self._context)
@@ -364,23 +333,16 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
     @override
     def teardown(self) -> None:
         """Runs when the run is over (`fabric.strategy.teardown()`): finish any exchange, release the rule's
-        hooks and leave the gossip group together."""
+        hooks and leave the gossip group together (after a failed step: abort it, the others may be gone)."""
+        failed = self.driver.failed
         self.driver.drain()
         self.driver.teardown()
         for hook in self._hooks:
             hook.remove()
-        if self._mixer is not None:
-            self._mixer.leave(self.step)
-        self.stop_surviving()
+        self.end_gossip(self._mixer, self.step, failed)
         self._mixer = self._replica = self._module = self._optimizer = None
         self._hooks, self._forward_states, self._graph_pending, self.activities = [], [], False, None
         super().teardown()
-
-    # -- helpers ------------------------------------------------------------------------------
-
-    @property
-    def _ranks(self) -> Ranks:
-        return Ranks.of_world(self.root_device)
 
     @classmethod
     @override

@@ -13,15 +13,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_decentral.failures import PeerFailure, Survival, peers_answer, wait_works
+from lightning_decentral.failures import PeerFailure, peers_answer, wait_works
 from lightning_decentral.gossip.exchange import PendingGossip
-from lightning_decentral.mixing import TRAINER, ExchangeEvent, ExchangeObserver, raise_if_not_finite
+from lightning_decentral.mixing import ExchangeEvent, Watch, Watched, raise_if_not_finite
 from lightning_decentral.topology import Hierarchical, Topology
 
 _TRANSPORTS = (None, "p2p", "broadcast")
 
 
-class Gossip:
+class Gossip(Watched):
     """`x <- W(k)^r x` over a process group, for a bound topology: the
     [`Mixer`][lightning_decentral.mixing.Mixer] of rank `i` when every worker is a process.
 
@@ -35,6 +35,8 @@ class Gossip:
             (a 2-rank subgroup per edge, gloo only; see the module docstring).
         timeout: the timeout of the subgroups the engine creates (hierarchical levels, edges);
             `None`: torch's default. The strategy passes its own `timeout`.
+        watch: the observers, residual measurement, error phrasing and survival its owner (the driver) shares with
+            it ([`Watch`][lightning_decentral.mixing.Watch]); `None`: a new one (no observers, a failure stops the run).
 
     Examples:
         Inside a process group (every rank runs this, with the same `k`):
@@ -57,6 +59,7 @@ class Gossip:
         dtype: Optional[torch.dtype] = None,
         transport: Optional[str] = None,
         timeout: Optional[timedelta] = None,
+        watch: Optional[Watch] = None,
     ) -> None:
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {list(_TRANSPORTS)}, got {transport!r}.")
@@ -76,10 +79,7 @@ class Gossip:
         self._wire: dict[int, Tensor] = {}  # low precision: q per buffer index (tag + b)
         self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         self._timeout = timeout
-        self.phrasing = TRAINER  # how a NaN error speaks of the executor (Fabric's says FABRIC)
-        self.measure_residuals = False  # also compute ‖x_i − Σ_j w_ij x_j‖² per buffer (see PendingGossip)
-        self.observers: list[ExchangeObserver] = []  # told of every exchange (lightning_decentral.mixing)
-        self.survival: Optional[Survival] = None  # on_peer_failure="continue": who decides when a peer fails
+        self.watch = watch if watch is not None else Watch()
         self.generation = 0  # how many times the engine was rebound to the survivors of a failure
         self.transport = transport
         self._subgroups(world)
@@ -170,12 +170,13 @@ class Gossip:
         backend: Optional[str] = None,
         timeout: Optional[timedelta] = None,
         dtype: Optional[torch.dtype] = None,
+        watch: Optional[Watch] = None,
     ) -> "Gossip":
         """An engine on a new process group of every rank, with `timeout` (else torch's 30 minutes): a
         dead peer ends every rank's exchange within it. Every rank calls it together."""
         group = dist.new_group(backend=backend, timeout=timeout)
         dist.all_reduce(torch.zeros(1, device=device), group=group)  # NCCL: every rank joins first
-        return cls(topology, group=group, dtype=dtype, timeout=timeout)
+        return cls(topology, group=group, dtype=dtype, timeout=timeout, watch=watch)
 
     def leave(self, step: int = 0) -> None:
         """Every rank leaves the engine's group together, then destroys it (with its subgroups), so that

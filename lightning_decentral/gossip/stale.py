@@ -28,11 +28,10 @@ from torch import Tensor
 from lightning_decentral.failures import DEFAULT_TIMEOUT, PeerFailure, peers_answer
 from lightning_decentral.gossip.links import IDLE, Links, message_bytes, payload_layout
 from lightning_decentral.mixing import (
-    TRAINER,
     DelaySchedule,
     ExchangeEvent,
-    ExchangeObserver,
-    check_stale_topology,
+    Watch,
+    Watched,
     imposed_step,
     notify_post,
     notify_wait,
@@ -42,7 +41,7 @@ from lightning_decentral.topology import Topology
 
 
 
-class StaleGossip:
+class StaleGossip(Watched):
     """`y_i <- w_ii y_i(k) + Σ_j w_ij y_j(τ_ij(k))`, `k − τ ≤ s`, over `torch.distributed` (the module docstring):
     the [`Mixer`][lightning_decentral.mixing.Mixer] of rank `i` under `DecentralizedStrategy(staleness=s)`.
 
@@ -53,6 +52,11 @@ class StaleGossip:
         group: a gloo group of every rank for the messages alone (see [`on_new_group`][lightning_decentral.gossip.StaleGossip.on_new_group]).
         timeout: the longest a step waits for a neighbour before raising
             [`PeerFailure`][lightning_decentral.failures.PeerFailure] (the strategy's `timeout`).
+        watch: the observers, residual measurement and error phrasing its owner shares with it
+            ([`Watch`][lightning_decentral.mixing.Watch]); `None`: a new one.
+
+    The arguments are taken as checked: `staleness` by [`GossipOptions`][lightning_decentral.options.GossipOptions],
+    the topology by [`check_stale_topology`][lightning_decentral.mixing.check_stale_topology] (the driver's `bind`).
 
     One exchange per step (tag 0), one round, the same buffers every step. After
     [`wait`][lightning_decentral.gossip.stale.PendingStale.wait], `last_steps` holds `{j: τ_ij(k)}` (global ranks),
@@ -66,10 +70,8 @@ class StaleGossip:
         delays: Optional[DelaySchedule] = None,
         group: Optional[dist.ProcessGroup] = None,
         timeout: Optional[timedelta] = None,
+        watch: Optional[Watch] = None,
     ) -> None:
-        check_stale_topology(topology, staleness)
-        if staleness < 1:
-            raise ValueError(f"StaleGossip needs staleness ≥ 1, got {staleness}; use Gossip for the synchronous rule.")
         world = group if group is not None else dist.group.WORLD
         self.topology, self.staleness, self.delays, self.group = topology, staleness, delays, group
         self.rank = dist.get_rank(world)
@@ -79,9 +81,7 @@ class StaleGossip:
         self.destinations = [j for j, _ in topology.out_neighbors(self.rank, 0)]
         self.self_weight = topology.self_weight(self.rank, 0)
         self.timeout = (timeout or DEFAULT_TIMEOUT).total_seconds()
-        self.phrasing = TRAINER  # how a NaN error speaks of the executor (Fabric's says FABRIC)
-        self.observers: list[ExchangeObserver] = []
-        self.measure_residuals = False
+        self.watch = watch if watch is not None else Watch()
         self.last_steps: dict[int, int] = {}
         self.links: Optional[Links] = None  # made at the first exchange, when the buffers are known
         self.layout: list[tuple[int, int]] = []  # (offset, bytes) of each buffer in a message (links.payload_layout)
@@ -92,11 +92,16 @@ class StaleGossip:
 
     @classmethod
     def on_new_group(
-        cls, topology: Topology, staleness: int, delays: Optional[DelaySchedule] = None, timeout: Optional[timedelta] = None
+        cls,
+        topology: Topology,
+        staleness: int,
+        delays: Optional[DelaySchedule] = None,
+        timeout: Optional[timedelta] = None,
+        watch: Optional[Watch] = None,
     ) -> StaleGossip:
         """A mixer on a new gloo group of every rank (op timeout `IDLE`: its links may stay idle); every rank calls
         it together."""
-        return cls(topology, staleness, delays, dist.new_group(backend="gloo", timeout=IDLE), timeout)
+        return cls(topology, staleness, delays, dist.new_group(backend="gloo", timeout=IDLE), timeout, watch)
 
     def start(
         self,

@@ -25,6 +25,9 @@ class Keeper(Protocol):
 
     def rebind_mixers(self) -> None: ...
 
+    @property
+    def mixers(self) -> list[Any]: ...
+
 
 class Survivors:
     """The [`Survival`][lightning_decentral.failures.Survival] of a rank's mixer: when an exchange of step `k` fails
@@ -43,7 +46,7 @@ class Survivors:
 
     Args:
         membership: this run's membership, started.
-        driver: the driver to re-bind (`keep`, `rebind_mixers`).
+        driver: the driver to re-bind (`keep`, `rebind_mixers`) and whose `mixers` to close when a peer fails.
         backend: the process-group backend to rebuild with.
         timeout: the process-group timeout.
         on_change: called with each decision, once the survivors' group exists.
@@ -60,7 +63,6 @@ class Survivors:
         self.membership, self.driver, self.backend, self.timeout = membership, driver, backend, timeout
         self.on_change = on_change
         self.pending: Optional[Decision] = None  # agreed; the survivors' group is not made yet
-        self._mixers: list[Any] = []
         self._server = default_store()  # rank 0's may host the job's store: it lives as long as this object, so it
         # must outlive the default group, which the survivors replace
 
@@ -81,11 +83,6 @@ class Survivors:
         warning = "" if outlives else f"on_peer_failure='continue': {words}. The store's host is the run's single point of failure."
         return cls(membership, driver, backend, timeout, on_change), warning
 
-    def watch(self, mixer: Any) -> None:
-        """Ask this object when `mixer`'s exchanges fail, and rebind it with the survivors."""
-        mixer.survival = self
-        self._mixers.append(mixer)
-
     @property
     def alone(self) -> bool:
         """Between an agreement and the survivors' group: this rank runs on a process group of its own."""
@@ -99,7 +96,7 @@ class Survivors:
 
     def survive(self, step: int, failure: PeerFailure) -> None:
         """Steps 1 to 3 above, for a failure seen in the exchange of step `step`."""
-        for mixer in self._mixers:
+        for mixer in self.driver.mixers:
             for group in mixer.groups():
                 poison(group)
         if dist.is_initialized():

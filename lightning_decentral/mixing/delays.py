@@ -95,8 +95,8 @@ class DelayedMixing:
     """`W(k)` with delays for `n` workers in one process: `y_i <- w_ii y_i(k) + Σ_{j≠i} w_ij y_j(τ_ij(k))`.
 
     Keeps, for each exchanged buffer, the stacked rows `Y(t)` posted at the last `staleness` steps; `τ` comes from
-    the schedule ([`imposed_step`][lightning_decentral.mixing.delays.imposed_step]), `k₀` is the first step since
-    [`restart`][lightning_decentral.mixing.DelayedMixing.restart]. The dense mixers call
+    the schedule ([`imposed_step`][lightning_decentral.mixing.delays.imposed_step]), `k₀` is the first step it mixed (a
+    run, a fit or a resume, makes a new one). The dense mixers call
     [`combine`][lightning_decentral.mixing.DelayedMixing.combine] instead of `W(k) Y(k)`.
 
     Args:
@@ -119,10 +119,6 @@ class DelayedMixing:
         self.topology, self.staleness, self.delays = topology, staleness, delays
         self._history: dict[object, dict[int, Tensor]] = {}
         self._first: Optional[int] = None
-
-    def restart(self) -> None:
-        """A new run (a fit, a resume) starts: forget every earlier step; its first step is `k₀`."""
-        self._history, self._first = {}, None
 
     def taus(self, step: int) -> dict[tuple[int, int], int]:
         """`{(i, j): τ_ij(step)}` for every edge `j → i` of `W(step)` (`j ≠ i`)."""

@@ -14,6 +14,8 @@ from lightning_decentral.mixing.protocol import (
     SIMULATION,
     ExchangeEvent,
     ExchangeObserver,
+    Watch,
+    Watched,
     notify_post,
     notify_wait,
     raise_if_not_finite,
@@ -46,7 +48,7 @@ def stages(topology: Topology, step: int) -> list[tuple[Tensor, Tensor]]:
     return out
 
 
-class DenseMixer:
+class DenseMixer(Watched):
     """All `n` workers' exchanges in one process: `W(step)` applied to their stacked buffers.
 
     Each worker talks to its own view, `mixer.worker(i)`, exactly as rank `i` talks to a
@@ -60,6 +62,8 @@ class DenseMixer:
         dtype: the precision messages travel in; `None`: the buffers' own.
         delayed: bounded staleness: each worker mixes with its neighbours' buffers of the steps this
             [`DelayedMixing`][lightning_decentral.mixing.DelayedMixing] says (one round, full precision).
+        watch: the observers (of every worker's exchanges), residual measurement and error phrasing its owner shares
+            with it ([`Watch`][lightning_decentral.mixing.Watch]); `None`: a new one, speaking of workers.
 
     Examples:
         >>> from lightning_decentral.topology import Ring
@@ -71,13 +75,17 @@ class DenseMixer:
         [3.0, 3.0, 3.0]
     """
 
-    def __init__(self, topology: Topology, dtype: Optional[torch.dtype] = None, delayed: Optional[DelayedMixing] = None) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        dtype: Optional[torch.dtype] = None,
+        delayed: Optional[DelayedMixing] = None,
+        watch: Optional[Watch] = None,
+    ) -> None:
         self.topology = topology
         self.dtype = dtype
-        self.phrasing = SIMULATION  # how a NaN error speaks of the workers
         self.delayed = delayed
-        self.observers: list[ExchangeObserver] = []
-        self.measure_residuals = False
+        self.watch = watch if watch is not None else Watch(phrasing=SIMULATION)
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
 
     def rebind(self, topology: Topology) -> None:

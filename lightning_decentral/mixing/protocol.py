@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol
+
+from lightning_decentral.failures import Survival
 
 import torch
 from torch import Tensor
@@ -131,6 +133,50 @@ class Phrasing:
 TRAINER = Phrasing("Rank", "the other ranks stop within the process-group timeout", "Trainer(gradient_clip_val=...)")
 FABRIC = Phrasing("Rank", "the other ranks stop within the process-group timeout", "fabric.clip_gradients(model, optimizer, max_norm=...)")
 SIMULATION = Phrasing("Worker", "the simulation stops with it", "Trainer(gradient_clip_val=...)")
+
+
+@dataclass
+class Watch:
+    """What the owner of a run's mixers (the [driver][lightning_decentral.driver.StepDriver]) shares with every mixer it
+    builds, handed to each by its constructor: the `observers` told of each exchange, whether exchanges
+    `measure_residuals`, how an error speaks of the executor (`phrasing`), and whom to ask when a peer fails
+    (`survival`, processes with `on_peer_failure="continue"`). The owner changes its own `Watch`; the mixers read it."""
+
+    observers: list[ExchangeObserver] = field(default_factory=list)
+    measure_residuals: bool = False
+    phrasing: Phrasing = TRAINER
+    survival: Optional[Survival] = None
+
+
+class Watched:
+    """A mixer's view of its [`Watch`][lightning_decentral.mixing.Watch] (`self.watch`): `observers`, `phrasing`,
+    `survival`, and `measure_residuals`, which a mixer used alone may also switch itself."""
+
+    watch: Watch
+
+    @property
+    def observers(self) -> list[ExchangeObserver]:
+        """Told of every exchange (append to add one)."""
+        return self.watch.observers
+
+    @property
+    def measure_residuals(self) -> bool:
+        """Whether the first round records `‖y_i − Σ_j w_ij y_j‖²` per buffer."""
+        return self.watch.measure_residuals
+
+    @measure_residuals.setter
+    def measure_residuals(self, value: bool) -> None:
+        self.watch.measure_residuals = value
+
+    @property
+    def phrasing(self) -> Phrasing:
+        """How an error of this mixer speaks of its executor."""
+        return self.watch.phrasing
+
+    @property
+    def survival(self) -> Optional[Survival]:
+        """Whom to ask when a peer may have failed (`None`: a failure stops the run)."""
+        return self.watch.survival
 
 
 def raise_if_not_finite(buffers: Sequence[Tensor], rank: int, step: int, phrasing: Phrasing = TRAINER) -> None:

@@ -28,9 +28,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral.common import EvaluatesOnAverage
 from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.mixing import DenseMixer
-from lightning_decentral.trainer.replicated import EvaluatesOnAverage
 from lightning_decentral.replicas import AveragedModel
 from lightning_decentral.simulation.data import PerWorker, StackedBatch
 from lightning_decentral.simulation.workers import Logged, SimulatedWorkers

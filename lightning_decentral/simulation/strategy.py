@@ -38,12 +38,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral.common import backward_may_overlap
 from lightning_decentral.driver import Driven, StepDriver, check_one_optimizer
-from lightning_decentral.mixing import DelayedMixing, DelaySchedule, DenseMixer
-from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument
-from lightning_decentral.trainer.replicated import backward_may_overlap
+from lightning_decentral.mixing import SIMULATION
+from lightning_decentral.options import gossip_options, takes_gossip_options
 from lightning_decentral.rules import RuleContext
-from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.simulation.data import StackedBatch, WorkerLoaders
 from lightning_decentral.simulation.hooks import WorkerHooks
 from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy, log_over_workers
@@ -57,6 +56,7 @@ from lightning_decentral.simulation.vectorized import (
 
 
 
+@takes_gossip_options
 class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
     """`workers` decentralized workers in one process, on one CPU or GPU: the run `DecentralizedStrategy`
     makes on `workers` processes, replica for replica (docs/simulation.md).
@@ -66,23 +66,13 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
 
     Args:
         workers: the number of simulated workers `n`.
-        topology: a name (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`, `"complete"`,
-            `"hierarchical"`), a `Topology` by `class_path`, or a mixing matrix, bound to `workers`.
-        combine: `"awc"` (adapt-with-combine: gossip overlaps the step) or `"atc"` (adapt-then-combine).
-        momentum: `"local"` (the optimizer's own momentum) or `"decentlam"` (DecentLaM's update).
-        gossip_every: gossip on steps with `(k + 1) % gossip_every == 0`; local steps otherwise.
-        gossip_steps: rounds of `W(k)` per gossip step, or a schedule such as `{"epoch": {0: 4, 5: 1}}`.
-        gossip_buffers: also mix floating-point buffers (BatchNorm statistics); else each worker keeps its own.
-        eval_on: `"average"`: validate, test and predict on `x̄`; `"local"`: on worker 0's replica.
-        bucket_cap_mb: DecentLaM's bucket size in MB (as on processes; it changes nothing here but the grouping).
-        gossip_dtype: round what the workers exchange to `"bfloat16"` or `"float16"` as the processes would send it
-            (`None`: full precision).
-        staleness: bounded staleness `s` (AWC, ATC): worker `i` mixes at step `k` with its neighbours' replicas of
-            the steps `delays` gives, at most `s` steps old (docs/algorithms.md, "Bounded staleness").
-        delays: a [`DelaySchedule`][lightning_decentral.mixing.DelaySchedule] `(worker, neighbour, step, s) -> d`,
-            `τ = k − d`: a table, or a seeded random model such as
-            [`RandomDelays(seed)`][lightning_decentral.mixing.RandomDelays]; the processes run under the same schedule
-            (`DecentralizedStrategy(staleness=s, delays=...)`) give the same replicas. `None`: `d = 0`.
+        **options: the update-rule arguments, keyword only, as on processes
+            ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes each): `topology` (bound to
+            `workers`), `combine`, `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`
+            (`"local"`: worker 0's replica), `bucket_cap_mb` (it changes nothing here but the grouping), `gossip_dtype`
+            (what the workers exchange is rounded as the processes would send it), `staleness` and `delays` (the
+            processes under the same `delays` give the same replicas; `None`: `τ = k`). A lost worker is
+            `failures=`, not `on_peer_failure`.
         vectorize: `"auto"` (the default): stack the workers when stacking gives the per-worker result (an
             elementwise optimizer, no dropout layer, no hook that sees one worker's batch or gradients, a DataLoader
             with a `batch_size`; see [`stacking_problem`][lightning_decentral.simulation.vectorized.stacking_problem]),
@@ -116,40 +106,31 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
     def __init__(
         self,
         workers: int = 8,
-        topology: TopologyArgument = "ring",
-        combine: Literal["awc", "atc"] = "awc",
-        momentum: Literal["local", "decentlam"] = "local",
-        gossip_every: int = 1,
-        gossip_steps: Union[int, RoundsSchedule, dict[str, dict[int, int]]] = 1,
-        gossip_buffers: bool = True,
-        eval_on: Literal["average", "local"] = "average",
-        bucket_cap_mb: float = 4.0,
-        gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
-        staleness: int = 0,
-        delays: Optional[DelaySchedule] = None,
+        *,
         vectorize: Union[bool, Literal["auto"]] = "auto",
         failures: Optional[dict[int, list[int]]] = None,
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
+        **options: Any,
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` must be a positive integer (the simulated workers), got {workers!r}.")
-        options = GossipOptions(
-            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
-            staleness, delays,
-        )
+        gossip = gossip_options(type(self).__name__, **options)
+        if gossip.on_peer_failure != "stop":
+            raise ValueError(
+                f"on_peer_failure={gossip.on_peer_failure!r} is for processes; in the simulation, name the workers lost "
+                "at each step with failures={step: [workers]}."
+            )
         if not isinstance(vectorize, bool) and vectorize != "auto":
             raise ValueError(f"`vectorize` must be True, False or 'auto', got {vectorize!r}.")
-        self.driver = StepDriver(options, epoch=self._epoch)
+        self.driver = StepDriver(gossip, epoch=self._epoch, phrasing=SIMULATION)
         self.driver.bind(workers)
-        delayed = DelayedMixing(self.driver.topology, staleness, delays) if staleness else None
-        mixer = DenseMixer(self.driver.topology, dtype=options.gossip_dtype, delayed=delayed)
         super().__init__(
-            workers, self.driver.attach(mixer), accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+            workers, self.driver.dense_mixer(), accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         self.vectorize = vectorize
-        self.failures = checked_failures(failures, workers, vectorize, staleness)
+        self.failures = checked_failures(failures, workers, vectorize, gossip.staleness)
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
         self._outputs: list[Any] = []  # each worker's training_step output of this batch
@@ -167,12 +148,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._rng_restored = False
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if self.failures:  # a fit starts with every worker
-            self.driver.bind(self.workers)
-            self._mixer.rebind(self.driver.topology)
-            self.driver.attach(self._mixer)
-        if self._mixer.delayed is not None:
-            self._mixer.delayed.restart()  # this fit's first step is k₀, as on processes
+        self.driver.bind(self.workers)  # a fit starts with every worker
+        self._mixer = self.driver.dense_mixer()  # and, under staleness, from its first step k₀, as on processes
         module = self.lightning_module
         if not module.automatic_optimization:
             raise ValueError("SimulatedDecentralizedStrategy needs automatic optimization; use DecentralizedStrategy.")

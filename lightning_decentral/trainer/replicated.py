@@ -23,7 +23,6 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 import torch
@@ -33,49 +32,12 @@ from typing_extensions import override
 from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import MultiProcessingLauncher
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.common import EvaluatesOnAverage
 from lightning_decentral.failures import Activities, peers_answer
 from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
 from lightning_decentral.trainer.resume import RESUME, choose_checkpoint
-
-
-class EvaluatesOnAverage:
-    """Strategy hooks that validate, test and predict on `x̄` when `eval_on == "average"`, restoring every
-    replica exactly afterwards; for a strategy with `eval_on`, `averaged_model()` and an `ExitStack`
-    `_eval_context` (closed on an exception too)."""
-
-    eval_on: str
-    _eval_context: contextlib.ExitStack
-    averaged_model: Callable[[], contextlib.AbstractContextManager]
-
-    def on_validation_start(self) -> None:
-        """Runs when validation starts: swap in `x̄` (`eval_on="average"`)."""
-        self._enter_eval()
-
-    def on_validation_end(self) -> None:
-        """Runs when validation ends: restore every replica."""
-        self._eval_context.close()
-
-    def on_test_start(self) -> None:
-        """Runs when testing starts: swap in `x̄` (`eval_on="average"`)."""
-        self._enter_eval()
-
-    def on_test_end(self) -> None:
-        """Runs when testing ends: restore every replica."""
-        self._eval_context.close()
-
-    def on_predict_start(self) -> None:
-        """Runs when prediction starts: swap in `x̄` (`eval_on="average"`)."""
-        self._enter_eval()
-
-    def on_predict_end(self) -> None:
-        """Runs when prediction ends: restore every replica."""
-        self._eval_context.close()
-
-    def _enter_eval(self) -> None:
-        if self.eval_on == "average":
-            self._eval_context.enter_context(self.averaged_model())
 
 
 class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
@@ -418,15 +380,6 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     def _configuration(self) -> dict[str, Union[int, str]]:
         """What every rank must agree on (`Ranks.check_same_configuration`)."""
         raise NotImplementedError
-
-
-def backward_may_overlap(module: LightningModule) -> bool:
-    """Whether communication may start during backward: optimization is automatic, and no clipping (or module hook
-    that may edit the gradients after backward) needs every gradient first."""
-    edits_gradients = bool(module.trainer.gradient_clip_val) or any(
-        is_overridden(hook, module) for hook in ("configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step")
-    )
-    return module.automatic_optimization and not edits_gradients
 
 
 class _AveragingLauncher(MultiProcessingLauncher):

@@ -35,25 +35,23 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_decentral.agreement import parameter_deviations, run_configuration
+from lightning_decentral.agreement import run_configuration
+from lightning_decentral.common import OnProcesses, backward_may_overlap, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver
-from lightning_decentral.trainer.processes import Survives, init_default_group
 from lightning_decentral.failures import DEFAULT_TIMEOUT
-from lightning_decentral.gossip import Gossip, StaleGossip
-from lightning_decentral.measures import own_gradients
-from lightning_decentral.mixing import DelaySchedule
-from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
+from lightning_decentral.mixing import Mixer
+from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.rendezvous import job_store
 from lightning_decentral.replicas import Replica
-from lightning_decentral.trainer.replicated import ReplicaStrategy, backward_may_overlap
+from lightning_decentral.trainer.replicated import ReplicaStrategy
 from lightning_decentral.rules import RuleContext
-from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.trainer.stop import StopAgreement, next_key, stop_margin
 from lightning_decentral.trainer.signals import stop_together
 
 
 
-class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
+@takes_gossip_options
+class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
     """Decentralized data-parallel training: each rank keeps its own replica and gossips it.
 
     Update rules (docs/algorithms.md), with `U` the user's optimizer:
@@ -65,37 +63,10 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
       `x_i(k+1) = U(x_i(k), g̃_i)`; each bucket of `z` is exchanged as soon as its gradients exist.
 
     Args:
-        topology: a name from `TOPOLOGIES` (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`,
-            `"complete"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology] (in a config by
-            `class_path`, e.g. `lightning_decentral.Torus` with `init_args: {rows: 2}`) or a mixing matrix (a list of
-            them: one per step of a period); in Python also a numpy array, a tensor or a `networkx` graph.
-        combine: `"awc"` (adapt-with-combine) or `"atc"` (adapt-then-combine); ignored by DecentLaM.
-        momentum: `"local"` (the optimizer's own momentum, the first two rules) or `"decentlam"`.
-        gossip_every: gossip on steps with `(k + 1) % gossip_every == 0`; local steps otherwise.
-        gossip_steps: rounds of `W(k)` per gossip step (`W(k)^gossip_steps`); or rounds that change over
-            training: a [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule], or
-            `{"epoch": {0: 4, 5: 2, 10: 1}}` (4 rounds in epochs 0–4, 2 in 5–9, then 1) or `{"step": {...}}`.
-        gossip_buffers: also mix floating-point buffers (BatchNorm statistics); else keep them local.
-        eval_on: `"average"` validates, tests and predicts on `x̄` (each replica is restored
-            afterwards); `"local"` on each rank's own replica.
-        bucket_cap_mb: DecentLaM's bucket size: the unit of communication overlapped with backward.
-        gossip_dtype: send point-to-point messages in this precision (`torch.bfloat16` or
-            `torch.float16`, or their names; `None`: the parameters' own). Replicas and optimizer state
-            stay in full precision; the exchange keeps `x̄` exactly and feeds the rounding error back
-            (`x_i <- x_i + Σ_j w_ij q_j − q_i`). All-reduces (`complete`) stay in full precision.
-        staleness: bounded staleness `s` (AWC and ATC, one round per step, a static point-to-point topology): rank
-            `i` mixes with the newest replica received from each neighbour, at most `s` steps old, and waits only
-            for a neighbour more than `s` steps behind (docs/algorithms.md, "Bounded staleness"). 0: wait for
-            every neighbour's step `k`.
-        delays: impose which step of each neighbour is mixed, `τ = k − delays(i, j, k, s)` (a
-            [`DelaySchedule`][lightning_decentral.mixing.DelaySchedule] such as
-            [`RandomDelays`][lightning_decentral.mixing.RandomDelays]): a deterministic run, equal to the
-            simulation's under the same schedule. `None`: the newest received.
-        on_peer_failure: `"stop"`: a rank that dies, hangs past `timeout` or fails stops every rank with
-            [`PeerFailure`][lightning_decentral.failures.PeerFailure]. `"continue"`: the survivors agree on who is
-            left and go on among themselves, each with its own replica, optimizer state and data, with the topology
-            of the survivors (docs/reliability.md, "Surviving a failure").
-        min_workers: with `"continue"`, the run stops when fewer workers survive; `None`: half of them, rounded up.
+        **options: the update-rule arguments, keyword only: `topology`, `combine`, `momentum`, `gossip_every`,
+            `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`, `gossip_dtype`, `staleness`, `delays`,
+            `on_peer_failure`, `min_workers` ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes
+            each); a misspelled name is a `TypeError`.
         resume: what `fit(ckpt_path=...)` resumes from: `"checkpoint"`, the checkpoint it names (`"last"` as Lightning
             resolves it); `"newest_complete"`, that one if every rank can read it and finds its shard, else the newest
             such checkpoint in its directory, with one warning naming both (for a job restarted after a failure:
@@ -130,19 +101,7 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
 
     def __init__(
         self,
-        topology: TopologyArgument = "ring",
-        combine: Literal["awc", "atc"] = "awc",
-        momentum: Literal["local", "decentlam"] = "local",
-        gossip_every: int = 1,
-        gossip_steps: Union[int, RoundsSchedule, dict[str, dict[int, int]]] = 1,
-        gossip_buffers: bool = True,
-        eval_on: Literal["average", "local"] = "average",
-        bucket_cap_mb: float = 4.0,
-        gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None,
-        staleness: int = 0,
-        delays: Optional[DelaySchedule] = None,
-        on_peer_failure: Literal["stop", "continue"] = "stop",
-        min_workers: Optional[int] = None,
+        *,
         resume: Literal["checkpoint", "newest_complete"] = "checkpoint",
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -152,7 +111,9 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Any,
     ) -> None:
+        gossip = gossip_options(type(self).__name__, **options)
         super().__init__(
             resume=resume,
             accelerator=accelerator,
@@ -164,14 +125,9 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        options = GossipOptions(
-            topology, combine, momentum, gossip_every, gossip_steps, gossip_buffers, eval_on, bucket_cap_mb, gossip_dtype,
-            staleness, delays, on_peer_failure, min_workers,
-        )
-        self.driver = StepDriver(options, epoch=self._epoch)  # bound to the world size with the launcher
+        self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
         self._replica: Optional[Replica] = None
-        self._mixer: Optional[Union[Gossip, StaleGossip]] = None
-        self._owns_default_group = False  # this run made the default process group (with its timeout)
+        self._mixer: Optional[Mixer] = None
 
     # -- public surface: the monitors, tests and benchmarks read the strategy through these (and Driven's) ------
 
@@ -180,17 +136,10 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
         """The flat buffers the trainable parameters are views of (one per device and dtype)."""
         return self._replica.flat_parameters if self._replica is not None else []
 
-    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
-        """For each trainable parameter `p`: its name, `‖p_i − p̄‖²` on this rank and `‖p̄‖²`.
-
-        0-dim float64 tensors, `p̄ = (1/n) Σ_i p_i` averaged in at least float32. Costs one all-reduce
-        of the parameters; every rank must call it together (`Ξ² = (1/n) Σ_i Σ_p ‖p_i − p̄‖²`).
-        """
-        return parameter_deviations(self._ranks, self.lightning_module)
-
-    def gradient_sum(self) -> list[Tensor]:
-        """This rank's gradient of each trainable parameter (zeros where it has none)."""
-        return own_gradients(self.lightning_module)
+    @property
+    def trained_module(self) -> LightningModule:
+        """The LightningModule this rank trains (its replica)."""
+        return self.lightning_module
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -215,10 +164,9 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
         if trainer.state.fn == TrainerFn.FITTING:
             self._ranks.check_same_optimizers(self.optimizers)
-            scaler = getattr(self.precision_plugin, "scaler", None)
             context = RuleContext(
                 bucket_bytes=self.options.bucket_bytes,
-                grad_scaler=scaler if scaler is not None and scaler.is_enabled() else None,
+                grad_scaler=enabled_grad_scaler(self.precision_plugin),
                 any_worker=self._ranks.any,
                 overlap_backward=backward_may_overlap(self.lightning_module),
                 warn=rank_zero_warn,
@@ -231,17 +179,12 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
         """Runs first in every Trainer run: join the default process group, or make it on this generation's
         namespace of the job's store ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), so that
         workers torchrun restarts never meet the keys of the workers they replace."""
-        self._owns_default_group = not (dist.is_available() and dist.is_initialized())
-        if not self._owns_default_group:
+        if dist.is_available() and dist.is_initialized():
             super().setup_distributed()
             return
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._get_process_group_backend()
-        assert self.cluster_environment is not None
-        init_default_group(
-            self.cluster_environment, self._process_group_backend, self.global_rank, self.world_size, self._timeout, self.root_device
-        )
+        self.make_default_group()
 
     @override
     def configure_ddp(self) -> None:
@@ -250,18 +193,7 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
         build the gossip engine."""
         self._start_replicas()
         self._replica = Replica(self.lightning_module, self.gossip_buffers)
-        if self.staleness:  # messages on a gloo group of their own, received by threads
-            self._mixer = StaleGossip.on_new_group(self.topology, self.staleness, self.delays, self._timeout)
-        elif self._owns_default_group:
-            # The default group has this strategy's timeout: when a rank hangs, any collective Lightning runs on
-            # it (and swallows the error of) times out first, but gloo has closed the connections to the silent rank:
-            # on the same group, the exchange that follows fails at once instead of waiting a second timeout.
-            self._mixer = Gossip(self.topology, dtype=self.gossip_dtype, timeout=self._timeout)
-        else:  # a group made earlier in this process, maybe with another timeout: the exchange gets one with ours
-            self._mixer = Gossip.on_new_group(
-                self.topology, self.root_device, self.process_group_backend, self._timeout, self.gossip_dtype
-            )
-        self.start_surviving(self._mixer, self.root_device, dist.get_backend(), self._timeout, rank_zero_warn)
+        self._mixer = self.start_gossip()
 
     # -- one optimizer step -----------------------------------------------------------------
 
@@ -316,11 +248,7 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
     def teardown(self) -> None:
         """After the stage: release the rule's hooks; after a clean fit, leave the gossip groups together."""
         self.driver.teardown()
-        if self._mixer is not None and not self._failed:
-            self._mixer.leave(self.lightning_module.trainer.global_step)  # every rank together; after an error the others may be gone
-        elif self._mixer is not None:
-            self._mixer.abort()  # a stale mixer's threads end, and its neighbours learn of the failure at once
-        self.stop_surviving()
+        self.end_gossip(self._mixer, self.lightning_module.trainer.global_step, self._failed)
         self._mixer = None  # and its receive buffers
         super().teardown()
 
@@ -344,10 +272,8 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`); not in the few steps
         the survivors of a failure take alone before they mix again (warned, on every survivor)."""
-        if self.driver.alone:
-            rank_zero_warn(f"{filepath} is not saved: the survivors of a failure take this step alone, before they mix again.")
-            return
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if not self.save_skipped(filepath):
+            super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))

@@ -1,0 +1,204 @@
+"""What both executors on processes (the Trainer's and Fabric's `DecentralizedStrategy`) share: the default process
+group made on this generation's namespace of the job's store
+([`init_default_group`][lightning_decentral.common.processes.init_default_group]), and
+[`OnProcesses`][lightning_decentral.common.processes.OnProcesses]: the mixer the driver builds for this rank, the
+survivors of a failure (`on_peer_failure="continue"`), the monitors' collectives, the end of the exchange."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import signal
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+
+from lightning_decentral.agreement import Ranks, parameter_deviations
+from lightning_decentral.driver import StepDriver
+from lightning_decentral.failures import Activities
+from lightning_decentral.measures import own_gradients
+from lightning_decentral.membership import Decision, Membership, Survivors
+from lightning_decentral.mixing import Mixer
+from lightning_decentral.options import GossipOptions
+from lightning_decentral.rendezvous import connect
+
+log = logging.getLogger(__name__)
+
+
+def init_default_group(
+    environment: ClusterEnvironment, backend: str, rank: int, world_size: int, timeout: timedelta, device: torch.device
+) -> None:
+    """Make the default process group on this generation's namespace of the job's store
+    ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), as Lightning would make it otherwise, so that
+    workers torchrun restarts never meet the keys of the workers they replace. As Lightning: `MASTER_ADDR` and
+    `MASTER_PORT` name the job's store (its clients read them), and NCCL's group is destroyed at exit."""
+    store = connect(environment.main_address, environment.main_port, rank, world_size, timeout)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
+    log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
+    device_id = device if device.type != "cpu" else None
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
+    if backend == "nccl":  # torch warns of an NCCL group left at exit
+        atexit.register(_destroy_default_group)
+    line = "-" * 100
+    rank_zero_info(
+        f"{line}\ndistributed_backend={backend}\nAll distributed processes registered. Starting with {world_size} processes\n{line}\n"
+    )
+
+
+def _destroy_default_group() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as Lightning: Ctrl+C does not interrupt it
+    if dist.is_initialized():  # the survivors of a failure may have replaced it: the current one
+        dist.destroy_process_group()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class OnProcesses:
+    """What an executor on processes adds to Lightning's DDP strategy (list it before Lightning's strategy class):
+    this rank's mixer and, with `on_peer_failure="continue"`, its [`Survivors`][lightning_decentral.membership.Survivors]
+    ([`start_gossip`][lightning_decentral.common.processes.OnProcesses.start_gossip],
+    [`end_gossip`][lightning_decentral.common.processes.OnProcesses.end_gossip]); its rank and world size follow the
+    survivors of a failure; the monitors' collectives over the module it trains (`trained_module`)."""
+
+    driver: StepDriver
+    options: GossipOptions
+    root_device: torch.device
+    activities: Optional[Activities]  # what each rank does (None before set-up): the executor's
+    survivors: Optional[Survivors] = None  # on_peer_failure="continue", once the gossip started
+    owns_default_group = False  # this run made the default process group (with its timeout)
+    _timeout: timedelta  # Lightning's DDPStrategy keeps it
+
+    @property
+    def trained_module(self) -> Module:
+        """The module this rank trains (its replica)."""
+        raise NotImplementedError
+
+    # -- the monitors' collectives ------------------------------------------------------------------------------
+
+    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
+        """For each trainable parameter `p`: its name, `‖p_i − p̄‖²` on this rank and `‖p̄‖²`.
+
+        0-dim float64 tensors, `p̄ = (1/n) Σ_i p_i` averaged in at least float32. Costs one all-reduce
+        of the parameters; every rank must call it together (`Ξ² = (1/n) Σ_i Σ_p ‖p_i − p̄‖²`).
+        """
+        return parameter_deviations(self._ranks, self.trained_module)
+
+    def gradient_sum(self) -> list[Tensor]:
+        """This rank's gradient of each trainable parameter (zeros where it has none)."""
+        return own_gradients(self.trained_module)
+
+    @property
+    def _ranks(self) -> Ranks:
+        return Ranks.of_world(self.root_device)
+
+    # -- ranks, after a failure ---------------------------------------------------------------------------------
+
+    @property
+    def global_rank(self) -> int:
+        """This rank's rank; after a failure, among the survivors (in the order of their first ranks)."""
+        regrouped = self._regrouped
+        return regrouped.rank if regrouped is not None else super().global_rank  # type: ignore[misc]
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks; after a failure, of survivors."""
+        regrouped = self._regrouped
+        return regrouped.world_size if regrouped is not None else super().world_size  # type: ignore[misc]
+
+    @property
+    def _regrouped(self) -> Optional[Membership]:
+        """The survivors' membership once a failure has regrouped them (`None` before: Lightning's ranks hold)."""
+        if self.survivors is not None and self.survivors.membership.generation:
+            return self.survivors.membership
+        return None
+
+    @property
+    def first_rank(self) -> int:
+        """This rank's global rank when the run started (a failure renumbers the survivors)."""
+        return self.survivors.membership.first_rank if self.survivors is not None else self.global_rank
+
+    @property
+    def failures_survived(self) -> list[Decision]:
+        """The survivors' decisions of the run so far (or of the last one), one per failure survived."""
+        return list(self.survivors.membership.decisions) if self.survivors is not None else []
+
+    @property
+    def start_method(self) -> str:
+        """How Lightning's launcher starts the ranks: `start_method=`, or the registered name's (`"dpsgd_fork"`:
+        `"fork"`); `"popen"` runs the script once per rank."""
+        return self._start_method  # type: ignore[attr-defined]  # Lightning's DDPStrategy keeps it
+
+    @property
+    def launched_by_lightning(self) -> bool:
+        """Whether Lightning's own launcher started this rank (`devices=n` from a script, or a `_spawn`/`_fork`
+        strategy): it ends every process as soon as one fails, so with it no rank survives a failure."""
+        return self.start_method != "popen" or not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]
+
+    # -- the process group and the exchange ----------------------------------------------------------------------
+
+    def make_default_group(self) -> None:
+        """Make the default process group, once the executor set its world ranks
+        ([`init_default_group`][lightning_decentral.common.processes.init_default_group])."""
+        backend = self._process_group_backend = self._get_process_group_backend()  # type: ignore[attr-defined]
+        assert self.cluster_environment is not None  # type: ignore[attr-defined]
+        init_default_group(
+            self.cluster_environment, backend, self.global_rank, self.world_size, self._timeout, self.root_device  # type: ignore[attr-defined]
+        )
+        self.owns_default_group = True
+
+    def start_gossip(self) -> Mixer:
+        """This rank's mixer, built by the driver (every rank together, on the default group); with
+        `on_peer_failure="continue"` first the survivors' membership: agree on a run number, start this rank's
+        heartbeat, and warn if the job's store cannot outlive a worker, or if Lightning's own launcher started the
+        ranks."""
+        backend = dist.get_backend()
+        if self.options.on_peer_failure == "continue":
+            self.survivors = self._start_surviving(backend)
+        return self.driver.process_mixer(self.root_device, backend, self._timeout, self.owns_default_group, self.survivors)
+
+    def _start_surviving(self, backend: str) -> Survivors:
+        if self.launched_by_lightning:
+            rank_zero_warn(
+                "on_peer_failure='continue' under Lightning's own launcher (devices=n, or a '_spawn'/'_fork' strategy): "
+                "it stops every process as soon as one fails, so no rank survives. Launch with lightning-decentral-launch "
+                "(or one process per worker, e.g. srun without --kill-on-bad-exit)."
+            )
+        run = int(self._ranks.gather([secrets.randbits(62)], "Starting the survivors' membership")[0, 0])
+        min_workers = self.options.min_workers_for(self.world_size)
+        survivors, warning = Survivors.start(self.driver, run, min_workers, backend, self._timeout, self.on_survivors)
+        if warning:
+            rank_zero_warn(warning)
+        return survivors
+
+    def on_survivors(self, decision: Decision) -> None:
+        """After a failure, in the survivors' process group (every survivor together): Lightning's rank-zero utilities
+        follow the new rank, and the ranks publish their activities among the survivors."""
+        rank_zero_only.rank = self.global_rank
+        if self.activities is not None:
+            self.activities = Activities.of_group(self._ranks, self._timeout)
+
+    def end_gossip(self, mixer: Optional[Any], step: int, failed: bool) -> None:
+        """The run is over: after a clean run every rank leaves the mixer's groups together (at `step`); after an
+        error (the others may be gone) the mixer is aborted (a stale mixer's threads end, and its neighbours learn of
+        the failure at once). The heartbeat stops; the ranks stay the survivors'."""
+        if mixer is not None and not failed:
+            mixer.leave(step)
+        elif mixer is not None:
+            mixer.abort()
+        if self.survivors is not None:
+            self.survivors.close()
+
+    def save_skipped(self, filepath: Any, warn: Callable[[str], None] = rank_zero_warn) -> bool:
+        """Whether a save of `filepath` is skipped (with a warning): in the steps the survivors of a failure take
+        alone, before they mix again, there is no `x̄` to agree on."""
+        if self.driver.alone:
+            warn(f"{filepath} is not saved: the survivors of a failure take this step alone, before they mix again.")
+        return self.driver.alone
