@@ -21,9 +21,15 @@ class Leg(Protocol):
 
     topology: Topology
     generation: int
-    observers: list[ExchangeObserver]
-    measure_residuals: bool
-    survival: Optional[Survival]
+
+    @property
+    def observers(self) -> list[ExchangeObserver]: ...
+
+    @property
+    def measure_residuals(self) -> bool: ...
+
+    @property
+    def survival(self) -> Optional[Survival]: ...
 
     def legs(self, step: int) -> list[Leg]: ...
 
