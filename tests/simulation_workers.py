@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import lightning.pytorch as pl
@@ -46,7 +47,7 @@ def _trainer(strategy: Any, config: Config, devices: int, **kwargs: Any) -> pl.T
         max_steps=config.steps,
         accumulate_grad_batches=config.accumulate,
         gradient_clip_val=config.clip,
-        precision="64-true" if config.dtype == torch.float64 else "32-true",
+        precision=kwargs.pop("precision", "64-true" if config.dtype == torch.float64 else "32-true"),
         **{"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
            "num_sanity_val_steps": 0, **kwargs},
     )
@@ -57,6 +58,11 @@ def _state(module: nn.Module) -> torch.Tensor:
     return torch.cat([flat(module)] + buffers)
 
 
+def _counts(module: nn.Module) -> list[int]:
+    """The module's integer buffers (BatchNorm's `num_batches_tracked`)."""
+    return [int(b) for b in module.buffers() if not b.is_floating_point()]
+
+
 def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: float = 0.0) -> dict[str, Any]:
     """Each config on ``world_size`` gloo processes: this rank's final state and its logged loss."""
     out = {}
@@ -65,21 +71,27 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
         pl.seed_everything(SEED, verbose=False)  # after the model, whose init seeds by rank: every rank alike
         trainer = _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size)
         trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, world_size))
-        out[config.name] = {"state": _state(model), "train_loss": float(trainer.callback_metrics["train_loss"])}
+        out[config.name] = {
+            "state": _state(model), "counts": _counts(model), "train_loss": float(trainer.callback_metrics["train_loss"])
+        }
     return out
 
 
 def fit_simulated(
-    config: Config, workers: int, dropout: float = 0.0, vectorize: Any = False, module: type = LoggingRegression
+    config: Config, workers: int, dropout: float = 0.0, vectorize: Any = False, module: type = LoggingRegression,
+    precision: str = "32-true",
 ) -> dict[str, Any]:
-    """The same config on ``workers`` simulated workers: every worker's final state and the logged loss."""
+    """The same config on ``workers`` simulated workers: every worker's final state, integer buffers and module, and
+    the logged loss."""
     model = module(dropout, seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
     pl.seed_everything(SEED, verbose=False)
     strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
-    trainer = _trainer(strategy, config, 1)
+    trainer = _trainer(strategy, config, 1, **({} if precision == "32-true" else {"precision": precision}))
     trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, workers))
     return {
         "states": [_state(module) for module in strategy.worker_modules()],
+        "counts": [_counts(module) for module in strategy.worker_modules()],
+        "modules": strategy.worker_modules(),
         "train_loss": float(trainer.callback_metrics["train_loss"]),
     }
 
@@ -277,6 +289,34 @@ class ReadsItsLoss(LoggingRegression):
         loss = super().training_step(batch, batch_idx)
         self.last_loss = loss.item()
         return loss
+
+
+class DrawsAtRandom(LoggingRegression):
+    """Draws from torch's generator when an epoch starts, from Python's and then torch's in every training_step (noise
+    on its inputs: random numbers, which stop a trial under torch.vmap), and counts its training steps."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shift, self.steps_seen = 0.0, 0
+
+    def on_train_epoch_start(self) -> None:
+        self.shift = 0.01 * float(torch.rand(()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps_seen += 1
+        x, y = batch
+        x = x * (1 + 0.01 * random.random()) + self.shift + 0.1 * torch.randn_like(x)
+        return super().training_step((x, y), batch_idx)
+
+
+class ChecksItsRangeUnderAutocast(LoggingRegression):
+    """Under autocast only, keeps its largest output as a Python float (`.item()`): a training_step that runs under
+    torch.vmap in full precision, not in the run's bf16-mixed."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu"):
+            self.largest = self(batch[0]).abs().max().item()
+        return super().training_step(batch, batch_idx)
 
 
 class FreezesBatchNorm(LoggingRegression):
