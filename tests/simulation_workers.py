@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
-from tests.models import Regression, flat, init_seed, rank_data
+from tests.models import HIDDEN, IN, OUT, Regression, flat, init_seed, rank_data
 from tests.reference import Config
 
 SEED = 7
@@ -307,6 +307,19 @@ class DrawsAtRandom(LoggingRegression):
         x, y = batch
         x = x * (1 + 0.01 * random.random()) + self.shift + 0.1 * torch.randn_like(x)
         return super().training_step((x, y), batch_idx)
+
+
+class BiasFreeBatchNorm(LoggingRegression):
+    """Linear without bias, then BatchNorm (as a conv without bias before BatchNorm in a ResNet): under bf16-mixed the
+    BatchNorm sees bf16 activations with float32 running statistics."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        torch.manual_seed(kwargs["seed"])
+        self.net = nn.Sequential(nn.Linear(IN, HIDDEN, bias=False), nn.BatchNorm1d(HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).float()
 
 
 class ChecksItsRangeUnderAutocast(LoggingRegression):

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader
+from torch.overrides import TorchFunctionMode
 
 from lightning_decentral.mixing import DenseMixer, StackedMixer
 from lightning_decentral.replicas import Replica
@@ -145,17 +146,47 @@ def rows_clipped_apart(precision: Any, stacked: Optional[StackedWorkers]) -> Ite
         del precision.clip_grad_by_norm
 
 
+class NormsInStatisticsDtype(TorchFunctionMode):
+    """Inside, `F.batch_norm` and `F.instance_norm` given running statistics of another dtype than their input
+    normalize the input cast to the statistics' dtype and return the result cast back to the input's: the dtypes a
+    call outside `torch.vmap` takes and gives (a bf16 input under `bf16-mixed`, float32 statistics, a bf16 output,
+    computed in float32 either way), where a vmapped call fails (`expected scalar type BFloat16 but found Float` on the
+    CPU, `Expected running_mean to have type BFloat16 but got Float` on CUDA). Other calls run as they are.
+
+    Examples:
+        >>> x, mean, var = torch.randn(2, 4, 3, dtype=torch.bfloat16), torch.zeros(2, 3), torch.ones(2, 3)
+        >>> def normalize(x, mean, var):
+        ...     with NormsInStatisticsDtype():
+        ...         return torch.nn.functional.batch_norm(x, mean, var, training=True)
+        >>> torch.vmap(normalize)(x, mean, var).dtype, mean.dtype
+        (torch.bfloat16, torch.float32)
+    """
+
+    NORMS = (torch.nn.functional.batch_norm, torch.nn.functional.instance_norm)
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.NORMS:
+            x, statistics = args[0], args[1] if len(args) > 1 else kwargs.get("running_mean")
+            if statistics is not None and statistics.dtype != x.dtype:
+                return func(x.to(statistics.dtype), *args[1:], **kwargs).to(x.dtype)
+        return func(*args, **kwargs)
+
+
 def vmapped_steps(
     module: Module, step: Callable[[Module, Any], Any], tensors: dict[str, Tensor], batch: StackedBatch
 ) -> tuple[list[Any], Logged]:
     """`step(module, part)` under one `torch.vmap` over the stacked `tensors` (`[n, ...]`, by their names in `module`,
-    in place of its own) and the workers' parts of `batch`: each worker's output, and what each logged."""
+    in place of its own) and the workers' parts of `batch`: each worker's output, and what each logged. A module with
+    running statistics normalizes under [`NormsInStatisticsDtype`][lightning_decentral.simulation.vectorized.NormsInStatisticsDtype]."""
     call = _Call(module, step)
     options: dict[str, dict[str, Any]] = {}
+    normalizes = any(name.endswith("running_mean") for name in tensors)  # BatchNorm, InstanceNorm
+    norms = NormsInStatisticsDtype if normalizes else contextlib.nullcontext
 
     def one_worker(tensors: dict[str, Tensor], part: Any) -> tuple[Any, dict[str, Tensor]]:
         logged: Logged = {}
-        with collect_logs(module, logged):
+        with collect_logs(module, logged), norms():
             output = torch.func.functional_call(call, tensors, (part,))
         values = {}
         for name, entries in logged.items():
