@@ -79,15 +79,17 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
 
 def fit_simulated(
     config: Config, workers: int, dropout: float = 0.0, vectorize: Any = False, module: type = LoggingRegression,
-    precision: str = "32-true",
+    precision: str = "32-true", dataset_class: type = TensorDataset,
 ) -> dict[str, Any]:
-    """The same config on ``workers`` simulated workers: every worker's final state, integer buffers and module, and
-    the logged loss."""
+    """The same config on ``workers`` simulated workers (the samples of ``shared_loader`` in a ``dataset_class``):
+    every worker's final state, integer buffers and module, and the logged loss."""
     model = module(dropout, seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
     pl.seed_everything(SEED, verbose=False)
     strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
     trainer = _trainer(strategy, config, 1, **({} if precision == "32-true" else {"precision": precision}))
-    trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, workers))
+    loader = shared_loader(config, workers)
+    loader = DataLoader(dataset_class(*loader.dataset.tensors), batch_size=loader.batch_size, shuffle=True)
+    trainer.fit(model.to(config.dtype), train_dataloaders=loader)
     return {
         "states": [_state(module) for module in strategy.worker_modules()],
         "counts": [_counts(module) for module in strategy.worker_modules()],
@@ -289,6 +291,14 @@ class ReadsItsLoss(LoggingRegression):
         loss = super().training_step(batch, batch_idx)
         self.last_loss = loss.item()
         return loss
+
+
+class Jittered(TensorDataset):
+    """Each sample's features plus a little noise: a random transform, drawn from torch's generator when loaded."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        x, y = super().__getitem__(index)
+        return x + 0.01 * torch.randn_like(x), y
 
 
 class DrawsAtRandom(LoggingRegression):

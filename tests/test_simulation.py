@@ -432,25 +432,26 @@ def test_the_trial_leaves_every_random_generator_and_attribute_as_the_per_worker
 
 def test_samples_that_load_at_random_keep_the_workers_apart(lightning_info, monkeypatch) -> None:
     """Stacked, the process would load every worker's samples from its own random state (one fetch for all): a
-    dataset's random transform would differ from the processes' and the per-worker path's."""
+    dataset's random transform would differ from the processes' and the per-worker path's. Before, "auto" stacked."""
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_decentral.simulation.vectorized import stacking_problem
-
-    class Jittered(TensorDataset):
-        def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
-            x, y = super().__getitem__(index)
-            return x + 0.01 * torch.randn_like(x), y
 
     net = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     data = (torch.zeros(4, 2), torch.zeros(4, 1))
     before = torch.get_rng_state()
-    assert stacking_problem(net, optimizer, 2, DataLoader(Jittered(*data), batch_size=2)) == (
+    assert stacking_problem(net, optimizer, 2, DataLoader(sim.Jittered(*data), batch_size=2)) == (
         "its training samples load at random (a random transform: each worker needs its own random state)"
     )
     assert torch.equal(torch.get_rng_state(), before)  # the look at the samples draws nothing
     assert stacking_problem(net, optimizer, 2, DataLoader(TensorDataset(*data), batch_size=2)) is None
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    config = Config("jittered", optimizer=SGD, steps=3)
+    auto, apart = (sim.fit_simulated(config, WORLD, vectorize=v, dataset_class=sim.Jittered)["states"] for v in ("auto", False))
+    (line,) = set(lightning_info())
+    assert "the per-worker path" in line and "samples load at random" in line, line
+    assert all(torch.equal(a, b) for a, b in zip(auto, apart))
 
 
 def test_bf16_mixed_batch_norm_runs_stacked(lightning_info, monkeypatch) -> None:
