@@ -238,3 +238,24 @@ def test_a_launch_by_lightning_is_told_apart_from_one_process_per_worker(monkeyp
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not trainer_for(2, DecentralizedStrategy(on_peer_failure="continue")).strategy.launched_by_lightning
+
+
+def test_continue_on_nccl_is_refused_when_the_trainer_or_fabric_is_built() -> None:
+    """Before: neither built nor refused (the survivors' regrouping relies on gloo). The backend passed, or a GPU's
+    default (NCCL), is checked when the Trainer or Fabric is built; gloo and `"stop"` on NCCL are accepted."""
+    from lightning.fabric import Fabric
+
+    from lightning_decentral import DecentralizedStrategy
+    from lightning_decentral import fabric
+    from lightning_decentral.options import GossipOptions
+    from tests.workers import trainer_for
+
+    refused = r"on_peer_failure='continue' is supported on the gloo backend only \(CPU training\), not nccl: .* use on_peer_failure='stop'"
+    with pytest.raises(ValueError, match=refused):
+        trainer_for(2, DecentralizedStrategy(on_peer_failure="continue", process_group_backend="nccl"))
+    with pytest.raises(ValueError, match=refused):
+        Fabric(strategy=fabric.DecentralizedStrategy(on_peer_failure="continue", process_group_backend="nccl"), accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match=refused):  # what a GPU's device gets by default
+        GossipOptions(on_peer_failure="continue").check_backend(torch.distributed.Backend.default_device_backend_map["cuda"])
+    trainer_for(2, DecentralizedStrategy(on_peer_failure="continue"))
+    trainer_for(2, DecentralizedStrategy(on_peer_failure="stop", process_group_backend="nccl"))

@@ -11,6 +11,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
 from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -43,6 +44,14 @@ class Survives:
     driver: StepDriver
     options: GossipOptions
     activities: Optional[Activities]  # what each rank does (None before set-up): the executor's
+
+    def _configure_launcher(self) -> None:
+        """Runs when the Trainer or Fabric is built: refuse `on_peer_failure="continue"` on a backend it does not run on
+        ([`check_backend`][lightning_decentral.options.GossipOptions.check_backend]: the backend passed, or the
+        device's default)."""
+        device_default = dist.Backend.default_device_backend_map.get(self.root_device.type, "gloo")  # type: ignore[attr-defined]
+        self.options.check_backend(self.process_group_backend or device_default)  # type: ignore[attr-defined]
+        super()._configure_launcher()  # type: ignore[misc]
 
     @property
     def global_rank(self) -> int:
@@ -94,6 +103,7 @@ class Survives:
         if Lightning's own launcher started the ranks."""
         if self.options.on_peer_failure != "continue":
             return
+        self.options.check_backend(backend)  # the process group's, which a user may have made before the strategy
         if self.launched_by_lightning:
             warn(
                 "on_peer_failure='continue' under Lightning's own launcher (devices=n, or a '_spawn'/'_fork' strategy): "
