@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -107,6 +108,14 @@ def survive_or_error(rank: int, world_size: int, **kwargs: Any) -> Any:
     except RuntimeError as error:
         Path(kwargs["root"], f"done-{rank}").touch()
         return f"{type(error).__name__}: {error}"
+
+
+def survive_or_traceback(rank: int, world_size: int, **kwargs: Any) -> Any:
+    """`survive(...)`, or what Python prints for the error it stopped with (its traceback, causes and context)."""
+    try:
+        return survive(rank, world_size, **kwargs)
+    except RuntimeError as error:
+        return "".join(traceback.format_exception(error))
 
 
 def resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], steps: int, topology: Any = "ring") -> torch.Tensor:

@@ -259,3 +259,33 @@ def test_continue_on_nccl_is_refused_when_the_trainer_or_fabric_is_built() -> No
         GossipOptions(on_peer_failure="continue").check_backend(torch.distributed.Backend.default_device_backend_map["cuda"])
     trainer_for(2, DecentralizedStrategy(on_peer_failure="continue"))
     trainer_for(2, DecentralizedStrategy(on_peer_failure="stop", process_group_backend="nccl"))
+
+
+def test_a_run_left_with_too_few_workers_ends_with_one_traceback_per_rank() -> None:
+    """Before: each survivor printed three tracebacks (gloo's error, the PeerFailure it caused, then TooFewWorkers
+    raised while handling that). 3 ranks, min_workers=3, rank 1 killed when step 3 starts: what Python prints for the
+    error of ranks 0 and 2 is one traceback, ending with TooFewWorkers' message."""
+    with tempfile.TemporaryDirectory() as root:
+        results, codes = _every_rank_exits(workers.survive_or_traceback, 3, root=root, deaths={1: 3}, steps=8, min_workers=3)
+    assert codes == [0, -9, 0]
+    for printed in (results[0], results[2]):
+        assert printed.count("Traceback (most recent call last)") == 1, printed
+        assert "The above exception was" not in printed and "During handling" not in printed
+        last = printed.rstrip().splitlines()[-1]
+        assert last.startswith("lightning_decentral.membership.protocol.TooFewWorkers: Only 2 workers are left after step 3")
+
+
+def test_a_peer_failure_prints_one_traceback_with_the_backends_error_in_one_line() -> None:
+    """The backend's error stays the `__cause__` (and in the message); its frames, in the package's waits, are not
+    printed: one traceback, then the PeerFailure."""
+    import traceback
+
+    from lightning_decentral.failures import PeerFailure, peers_answer
+
+    with pytest.raises(PeerFailure) as caught:
+        with peers_answer("The all-gather of step 3"):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:3736")
+    printed = "".join(traceback.format_exception(caught.value))
+    assert printed.count("Traceback (most recent call last)") == 1
+    assert printed.startswith("RuntimeError: Connection closed by peer [127.0.0.1]:3736\n\nThe above exception was the direct cause")
+    assert isinstance(caught.value.__cause__, RuntimeError) and "(Connection closed by peer" in str(caught.value)
