@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
 
 from lightning_decentral.agreement import Ranks
 from lightning_decentral.driver import StepDriver
 from lightning_decentral.failures import Activities
 from lightning_decentral.membership import Decision, Membership, Survivors
+from lightning_decentral.membership.report import losses, survivor_metrics
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.rendezvous import connect
 
@@ -33,6 +34,15 @@ def init_default_group(
     store = connect(environment.main_address, environment.main_port, rank, world_size, timeout)
     device_id = device if device.type != "cpu" else None
     _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id, store=store)
+
+
+LIGHTNING_LAUNCHER = (
+    "on_peer_failure='continue' has no effect under Lightning's own launcher (devices=n from a script, or a "
+    "'_spawn'/'_fork' strategy): it ends every process within seconds of one failing, so a failure stops every rank, as "
+    "with 'stop'. To survive failures, launch with lightning-decentral-launch (or one process per worker, e.g. srun "
+    "without --kill-on-bad-exit)."
+)
+"""The warning at start under Lightning's own launcher with `on_peer_failure="continue"`."""
 
 
 class Survives:
@@ -94,23 +104,26 @@ class Survives:
     @property
     def launched_by_lightning(self) -> bool:
         """Whether Lightning's own launcher started this rank (`devices=n` from a script, or a `_spawn`/`_fork`
-        strategy): it ends every process as soon as one fails, so with it no rank survives a failure."""
-        return self.start_method != "popen" or not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]
+        strategy): it ends every process within seconds of one failing, so with it no rank survives a failure. Known
+        on rank 0 (the script's process, whose launcher started the others, or is about to), not always on the others
+        (Lightning starts them with the environment of a process launched by anything else)."""
+        if self.start_method != "popen" or getattr(self.launcher, "procs", None):  # type: ignore[attr-defined]  # the ranks it started
+            return True
+        return not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]  # before it starts them
 
     def start_surviving(self, mixer: Any, device: Any, backend: str, timeout: timedelta, warn: Callable[[str], None]) -> None:
         """With `on_peer_failure="continue"`: agree on a run number (every rank together, on the default group), start
-        this rank's heartbeat, watch `mixer`'s exchanges, and `warn` if the job's store cannot outlive a worker, or
-        if Lightning's own launcher started the ranks."""
+        this rank's heartbeat, watch `mixer`'s exchanges, and `warn` if the job's store cannot outlive a worker. If
+        Lightning's own launcher started any rank, `warn` instead and survive nothing (a failure stops every rank, as
+        with `"stop"`): that launcher ends every process within seconds of one failing."""
         if self.options.on_peer_failure != "continue":
             return
         self.options.check_backend(backend)  # the process group's, which a user may have made before the strategy
-        if self.launched_by_lightning:
-            warn(
-                "on_peer_failure='continue' under Lightning's own launcher (devices=n, or a '_spawn'/'_fork' strategy): "
-                "it stops every process as soon as one fails, so no rank survives. Launch with lightning-decentral-launch "
-                "(or one process per worker, e.g. srun without --kill-on-bad-exit)."
-            )
-        run = int(Ranks.of_world(device).gather([secrets.randbits(62)], "Starting the survivors' membership")[0, 0])
+        agreed = Ranks.of_world(device).gather([secrets.randbits(62), int(self.launched_by_lightning)], "Starting the survivors' membership")
+        if agreed[:, 1].any():  # every rank alike: rank 0 knows
+            warn(LIGHTNING_LAUNCHER)
+            return
+        run = int(agreed[0, 0])
         min_workers = self.options.min_workers_for(self.world_size)
         survivors, warning = Survivors.start(self.driver, run, min_workers, backend, timeout, self.on_survivors)
         survivors.watch(mixer)
@@ -125,7 +138,19 @@ class Survives:
         if self.activities is not None:
             self.activities = Activities.of_group(Ranks.of_world(self.root_device), self._timeout)  # type: ignore[attr-defined]
 
+    @property
+    def survivor_metrics(self) -> dict[str, float]:
+        """With `on_peer_failure="continue"`: `survivors/workers` (the workers training now) and `survivors/lost` (the
+        workers lost so far), for a logger; else nothing."""
+        if self.driver.survivors is None:
+            return {}
+        return survivor_metrics(self.failures_survived, self.world_size)
+
     def stop_surviving(self) -> None:
-        """Stop the heartbeat (the run is over, or failed); the ranks stay the survivors'."""
+        """Stop the heartbeat (the run is over, or failed), and warn once if the run lost workers; the ranks stay the
+        survivors'."""
         if self.driver.survivors is not None:
             self.driver.survivors.close()
+            lost = losses(self.failures_survived)
+            if lost:
+                rank_zero_warn(lost)

@@ -276,6 +276,8 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
         if self.activities is not None:
             self.activities.start(f"training batch {batch_idx} (optimizer step {step})")
         self.driver.begin(step)
+        if self.survivor_metrics:  # on_peer_failure="continue": the workers training, the workers lost
+            self.lightning_module.log_dict(self.survivor_metrics, on_step=True, on_epoch=False)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
