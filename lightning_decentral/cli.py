@@ -73,7 +73,7 @@ class DecentralizedParser(LightningArgumentParser):
         if not self.exit_on_error or _debugging():
             super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self  # as jsonargparse finds the parser that failed
-        options = [option for action in parser._actions for option in action.option_strings]
+        options = sorted(set(re.findall(r"--[\w.]+", parser.format_usage())))  # every option the command takes
         first = first or headline(message, options)
         account = "" if message.strip() in first else f"\nThe parser's account of it:\n{message.rstrip()}\n"
         prog = parser.prog.replace(" [options]", "")
@@ -138,8 +138,8 @@ def headline(message: str, options: Optional[list[str]] = None) -> str:
         return message.strip().splitlines()[0] if message.strip() else message
     _, path, class_path, text = deepest
     where = ".".join(path)
-    if literal := _LITERAL.match(text):
-        choices, value = ast.literal_eval(f"[{literal[1]}]"), literal[2]
+    if (literal := _LITERAL.match(text)) and (choices := _literals(literal[1])):
+        value = literal[2]
         text = f"{value!r} is not one of {', '.join(map(repr, choices))}." + _did_you_mean(value, choices, repr)
     elif option := _OPTION.match(text):
         where, name = f"{where}.{option[1]}" if where else option[1], option[1]
@@ -156,6 +156,14 @@ def headline(message: str, options: Optional[list[str]] = None) -> str:
     elif given is not None and "Got value" not in text and not given.startswith(("NestedArg(", "Namespace(")):
         text = f"{text.rstrip('.')}. Got value: {given}"
     return f"{where}: {text}" if where else text
+
+
+def _literals(written: str) -> list[Any]:
+    """The values of a `Literal[...]` as its repr writes them (none if they are not Python literals)."""
+    try:
+        return list(ast.literal_eval(f"[{written}]"))
+    except (ValueError, SyntaxError):
+        return []
 
 
 def _did_you_mean(value: str, choices: list[Any], show: Any) -> str:
