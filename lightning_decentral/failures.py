@@ -83,7 +83,17 @@ def peers_answer(what: str, peers: str = "a peer") -> Iterator[None]:
             f"{what} failed on this rank: {peers} died, stopped with an error, or did not answer within the "
             "process-group timeout (DecentralizedStrategy(timeout=...)). The first error in the other ranks' logs is "
             f"the cause. ({exc})"
-        ) from exc
+        ) from _without_frames(exc)
+
+
+def _without_frames(error: BaseException) -> BaseException:
+    """`error` and the errors under it (`__cause__`) without their frames (where in this package's waits they were
+    raised, which says nothing): a `PeerFailure` prints its own traceback, then each cause in one line."""
+    cause: Optional[BaseException] = error
+    while cause is not None:
+        cause.__traceback__ = None
+        cause = cause.__cause__
+    return error
 
 
 def wait_works(

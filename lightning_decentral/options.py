@@ -191,6 +191,27 @@ class GossipOptions:
             )
         return self.min_workers
 
+    def check_backend(self, backend: str) -> None:
+        """Refuse `on_peer_failure="continue"` on a process-group backend other than gloo (NCCL: a GPU run), before
+        training: the survivors close the broken group by a behaviour of gloo's (a receive waited past its timeout
+        closes every connection of the group, here and at the peers), which the package has no counterpart of on NCCL.
+
+        Examples:
+            >>> GossipOptions(on_peer_failure="continue").check_backend("gloo")
+            >>> GossipOptions(on_peer_failure="stop").check_backend("nccl")
+            >>> GossipOptions(on_peer_failure="continue").check_backend("nccl")
+            Traceback (most recent call last):
+            ...
+            ValueError: on_peer_failure='continue' is supported on the gloo backend only (CPU training), not nccl: ...
+        """
+        if self.on_peer_failure == "continue" and backend != "gloo":
+            raise ValueError(
+                f"on_peer_failure='continue' is supported on the gloo backend only (CPU training), not {backend}: the "
+                "survivors regroup by closing the broken process group the way gloo allows, which is not built for "
+                f"{backend}. Train on CPU (accelerator='cpu') to survive a failure, or use on_peer_failure='stop' "
+                "(a restart resumes from the newest complete checkpoint)."
+            )
+
     @property
     def bucket_bytes(self) -> int:
         """DecentLaM's bucket size in bytes."""

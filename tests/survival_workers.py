@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
+import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -87,8 +90,13 @@ def survive(
     callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
     strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
     trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
-    trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
+    with _LoggedLines() as logged, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
     return {
+        "logged": logged.lines,
+        "warnings": [str(w.message) for w in warned],
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("survivors/")},
         "replica": flat(model),
         "recorded": model.recorded,
         "finished": model.finished,
@@ -100,6 +108,24 @@ def survive(
     }
 
 
+class _LoggedLines(logging.Handler):
+    """Inside its `with`: the lines the package logs (`logging.getLogger("lightning_decentral")`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> "_LoggedLines":
+        logging.getLogger("lightning_decentral").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger("lightning_decentral").removeHandler(self)
+
+
 def survive_or_error(rank: int, world_size: int, **kwargs: Any) -> Any:
     """`survive(...)`, or the error it stopped with (type and message; then `root/done-<rank>` is touched)."""
     try:
@@ -107,6 +133,14 @@ def survive_or_error(rank: int, world_size: int, **kwargs: Any) -> Any:
     except RuntimeError as error:
         Path(kwargs["root"], f"done-{rank}").touch()
         return f"{type(error).__name__}: {error}"
+
+
+def survive_or_traceback(rank: int, world_size: int, **kwargs: Any) -> Any:
+    """`survive(...)`, or what Python prints for the error it stopped with (its traceback, causes and context)."""
+    try:
+        return survive(rank, world_size, **kwargs)
+    except RuntimeError as error:
+        return "".join(traceback.format_exception(error))
 
 
 def resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], steps: int, topology: Any = "ring") -> torch.Tensor:

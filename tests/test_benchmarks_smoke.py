@@ -21,12 +21,14 @@ def test_step_time_smoke(tmp_path: Path) -> None:
 
 
 def test_gpu_smoke(tmp_path: Path) -> None:
-    """The GPU script's runs on the CPU: both rules train, save and resume; both simulation paths are timed."""
+    """The GPU script's runs on the CPU: both rules train, save and resume; both simulation paths are timed, on the MLP
+    and on the conv + BatchNorm ResNet-20 (small)."""
     out = tmp_path / "gpu.json"
     _run_smoke("gpu.py", "--out", str(out))
     result = json.loads(out.read_text())
     assert [(r["momentum"], r["ok"], r["ended_at"]) for r in result["paths"]] == [("local", True, 5), ("decentlam", True, 5)]
-    assert [(r["kind"], r["n"]) for r in result["simulation"]] == [("lightning", 1), ("apart", 4), ("stacked", 4)]
+    runs = [("lightning", 1), ("apart", 4), ("stacked", 4)]
+    assert [(r["model"], r["kind"], r["n"]) for r in result["simulation"]] == [(m, *run) for m in ("mlp", "resnet20") for run in runs]
     assert all(r["step_s"] > 0 and "error" not in r for r in result["simulation"])
 
 

@@ -4,6 +4,7 @@ and as the simulation predicts (docs/reliability.md, "Surviving a failure")."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
@@ -242,3 +243,116 @@ def test_a_launch_by_lightning_is_told_apart_from_one_process_per_worker(monkeyp
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not trainer_for(2, DecentralizedStrategy(on_peer_failure="continue")).strategy.launched_by_lightning
+
+
+def test_continue_on_nccl_is_refused_when_the_trainer_or_fabric_is_built() -> None:
+    """Before: neither built nor refused (the survivors' regrouping relies on gloo). The backend passed, or a GPU's
+    default (NCCL), is checked when the Trainer or Fabric is built; gloo and `"stop"` on NCCL are accepted."""
+    from lightning.fabric import Fabric
+
+    from lightning_decentral import DecentralizedStrategy
+    from lightning_decentral import fabric
+    from lightning_decentral.options import GossipOptions
+    from tests.workers import trainer_for
+
+    refused = r"on_peer_failure='continue' is supported on the gloo backend only \(CPU training\), not nccl: .* use on_peer_failure='stop'"
+    with pytest.raises(ValueError, match=refused):
+        trainer_for(2, DecentralizedStrategy(on_peer_failure="continue", process_group_backend="nccl"))
+    with pytest.raises(ValueError, match=refused):
+        Fabric(strategy=fabric.DecentralizedStrategy(on_peer_failure="continue", process_group_backend="nccl"), accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match=refused):  # what a GPU's device gets by default
+        GossipOptions(on_peer_failure="continue").check_backend(torch.distributed.Backend.default_device_backend_map["cuda"])
+    trainer_for(2, DecentralizedStrategy(on_peer_failure="continue"))
+    trainer_for(2, DecentralizedStrategy(on_peer_failure="stop", process_group_backend="nccl"))
+
+
+def test_a_run_left_with_too_few_workers_ends_with_one_traceback_per_rank() -> None:
+    """Before: each survivor printed three tracebacks (gloo's error, the PeerFailure it caused, then TooFewWorkers
+    raised while handling that). 3 ranks, min_workers=3, rank 1 killed when step 3 starts: what Python prints for the
+    error of ranks 0 and 2 is one traceback, ending with TooFewWorkers' message."""
+    with tempfile.TemporaryDirectory() as root:
+        results, codes = _every_rank_exits(workers.survive_or_traceback, 3, root=root, deaths={1: 3}, steps=8, min_workers=3)
+    assert codes == [0, -9, 0]
+    for printed in (results[0], results[2]):
+        assert printed.count("Traceback (most recent call last)") == 1, printed
+        assert "The above exception was" not in printed and "During handling" not in printed
+        last = printed.rstrip().splitlines()[-1]
+        assert last.startswith("lightning_decentral.membership.protocol.TooFewWorkers: Only 2 workers are left after step 3")
+
+
+def test_a_peer_failure_prints_one_traceback_with_the_backends_error_in_one_line() -> None:
+    """The backend's error stays the `__cause__` (and in the message); its frames, in the package's waits, are not
+    printed: one traceback, then the PeerFailure."""
+    import traceback
+
+    from lightning_decentral.failures import PeerFailure, peers_answer
+
+    with pytest.raises(PeerFailure) as caught:
+        with peers_answer("The all-gather of step 3"):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:3736")
+    printed = "".join(traceback.format_exception(caught.value))
+    assert printed.count("Traceback (most recent call last)") == 1
+    assert printed.startswith("RuntimeError: Connection closed by peer [127.0.0.1]:3736\n\nThe above exception was the direct cause")
+    assert isinstance(caught.value.__cause__, RuntimeError) and "(Connection closed by peer" in str(caught.value)
+
+
+def test_every_survivor_logs_each_decision_and_the_run_says_at_the_end_what_it_lost() -> None:
+    """Before: losing a worker printed nothing. 3 ranks on a ring, rank 1 killed when step 5 starts: ranks 0 and 2 each
+    log one line for the decision (the rank lost, the agreed step, the survivors' graph), `survivors/workers` and
+    `survivors/lost` are in the logged metrics, and the end of the run warns what was lost."""
+    with tempfile.TemporaryDirectory() as root:
+        results, codes = _every_rank_exits(workers.survive, 3, root=root, deaths={1: 5}, steps=10)
+    assert codes == [0, -9, 0]
+    for first_rank, r in ((0, results[0]), (2, results[2])):
+        (line,) = [line for line in r["logged"] if "Survived failure" in line]
+        assert line.startswith("Survived failure 1: lost rank 1 (ranks of the start). The 2 survivors [0, 2] agreed on step 5")
+        assert "mix again from step 6 on Ring(world_size=2)" in line
+        assert line.endswith(f"rank {first_rank} of the start, rank {first_rank // 2} now.")
+        assert r["metrics"] == {"survivors/workers": 2.0, "survivors/lost": 1.0}
+    ended = [w for w in results[0]["warnings"] if w.startswith("This run lost")]
+    assert ended == ["This run lost 1 of its 3 workers: rank 1 (the survivors agreed on step 5). It went on with 2 "
+                     "(strategy.failures_survived lists the decisions)."]
+    assert not [w for w in results[2]["warnings"] if w.startswith("This run lost")]  # once: on the survivors' rank 0
+
+
+def test_under_lightnings_own_launcher_continue_warns_and_a_killed_rank_stops_every_rank(tmp_path: Path) -> None:
+    """Before: no warning at start (rank 0 looked launched by someone else: Lightning sets LOCAL_RANK in it), and
+    with rank 1 killed the others trained to the end and the script exited 0, unless Lightning's launcher, which polls
+    its children every 5 s, killed them first. Now: `Trainer(devices=3)` from a script warns at start that
+    `"continue"` has no effect there, and a rank killed by its PID (a process Lightning started) stops every rank:
+    the script exits non-zero, no rank finishes, no process is left."""
+    script = Path(__file__).with_name("lightning_launcher_script.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    with open(tmp_path / "output.txt", "w+") as output:
+        main = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stdout=output, stderr=subprocess.STDOUT)
+        pids: list[int] = []
+        try:
+            deadline = time.monotonic() + BOUND
+            while not (tmp_path / "pid-1").exists() and main.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            pids = [int((tmp_path / f"pid-{rank}").read_text()) for rank in range(3) if (tmp_path / f"pid-{rank}").exists()]
+            os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGKILL)
+            code = main.wait(max(1.0, deadline - time.monotonic()))
+            while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = [pid for pid in pids if _running(pid)]
+        finally:
+            if main.poll() is None:
+                main.kill()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        output.seek(0)
+        printed = output.read()
+    assert code != 0, printed[-4000:]
+    assert "on_peer_failure='continue' has no effect under Lightning's own launcher" in " ".join(printed.split())
+    assert "finished" not in printed and not left
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

@@ -27,6 +27,7 @@ from lightning_decentral.driver import StepDriver
 from lightning_decentral.failures import Activities
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import Decision, Membership, Survivors
+from lightning_decentral.membership.report import losses, survivor_metrics
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.rendezvous import connect
@@ -61,6 +62,15 @@ def _destroy_default_group() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+LIGHTNING_LAUNCHER = (
+    "on_peer_failure='continue' has no effect under Lightning's own launcher (devices=n from a script, or a "
+    "'_spawn'/'_fork' strategy): it ends every process within seconds of one failing, so a failure stops every rank, as "
+    "with 'stop'. To survive failures, launch with lightning-decentral-launch (or one process per worker, e.g. srun "
+    "without --kill-on-bad-exit)."
+)
+"""The warning at start under Lightning's own launcher with `on_peer_failure="continue"`."""
+
+
 class OnProcesses:
     """What an executor on processes adds to Lightning's DDP strategy (list it before Lightning's strategy class):
     this rank's mixer and, with `on_peer_failure="continue"`, its [`Survivors`][lightning_decentral.membership.Survivors]
@@ -75,6 +85,15 @@ class OnProcesses:
     survivors: Optional[Survivors] = None  # on_peer_failure="continue", once the gossip started
     owns_default_group = False  # this run made the default process group (with its timeout)
     _timeout: timedelta  # Lightning's DDPStrategy keeps it
+
+    def _configure_launcher(self) -> None:
+        """Runs when the Trainer or Fabric is built, before any process starts: refuse `on_peer_failure="continue"` on
+        a backend it does not run on ([`check_backend`][lightning_decentral.options.GossipOptions.check_backend]: the
+        backend passed, or the device's default), and bind the topology (bad ones fail here)."""
+        device_default = dist.Backend.default_device_backend_map.get(self.root_device.type, "gloo")
+        self.options.check_backend(self.process_group_backend or device_default)  # type: ignore[attr-defined]
+        super()._configure_launcher()  # type: ignore[misc]
+        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)  # type: ignore[attr-defined]
 
     @property
     def trained_module(self) -> Module:
@@ -139,8 +158,12 @@ class OnProcesses:
     @property
     def launched_by_lightning(self) -> bool:
         """Whether Lightning's own launcher started this rank (`devices=n` from a script, or a `_spawn`/`_fork`
-        strategy): it ends every process as soon as one fails, so with it no rank survives a failure."""
-        return self.start_method != "popen" or not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]
+        strategy): it ends every process within seconds of one failing, so with it no rank survives a failure. Known
+        on rank 0 (the script's process, whose launcher started the others, or is about to), not always on the others
+        (Lightning starts them with the environment of a process launched by anything else)."""
+        if self.start_method != "popen" or getattr(self.launcher, "procs", None):  # type: ignore[attr-defined]  # the ranks it started
+            return True
+        return not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]  # before it starts them
 
     # -- the process group and the exchange ----------------------------------------------------------------------
 
@@ -157,21 +180,21 @@ class OnProcesses:
     def start_gossip(self) -> Mixer:
         """This rank's mixer, built by the driver (every rank together, on the default group); with
         `on_peer_failure="continue"` first the survivors' membership: agree on a run number, start this rank's
-        heartbeat, and warn if the job's store cannot outlive a worker, or if Lightning's own launcher started the
-        ranks."""
+        heartbeat, and warn if the job's store cannot outlive a worker. If Lightning's own launcher started any rank,
+        warn instead and survive nothing (a failure stops every rank, as with `"stop"`): that launcher ends every
+        process within seconds of one failing."""
         backend = dist.get_backend()
         if self.options.on_peer_failure == "continue":
             self.survivors = self._start_surviving(backend)
         return self.driver.process_mixer(self.root_device, backend, self._timeout, self.owns_default_group, self.survivors)
 
-    def _start_surviving(self, backend: str) -> Survivors:
-        if self.launched_by_lightning:
-            rank_zero_warn(
-                "on_peer_failure='continue' under Lightning's own launcher (devices=n, or a '_spawn'/'_fork' strategy): "
-                "it stops every process as soon as one fails, so no rank survives. Launch with lightning-decentral-launch "
-                "(or one process per worker, e.g. srun without --kill-on-bad-exit)."
-            )
-        run = int(self._ranks.gather([secrets.randbits(62)], "Starting the survivors' membership")[0, 0])
+    def _start_surviving(self, backend: str) -> Optional[Survivors]:
+        self.options.check_backend(backend)  # the process group's, which a user may have made before the strategy
+        agreed = self._ranks.gather([secrets.randbits(62), int(self.launched_by_lightning)], "Starting the survivors' membership")
+        if agreed[:, 1].any():  # every rank alike: rank 0 knows
+            rank_zero_warn(LIGHTNING_LAUNCHER)
+            return None
+        run = int(agreed[0, 0])
         min_workers = self.options.min_workers_for(self.world_size)
         survivors, warning = Survivors.start(self.driver, run, min_workers, backend, self._timeout, self.on_survivors)
         if warning:
@@ -185,16 +208,28 @@ class OnProcesses:
         if self.activities is not None:
             self.activities = Activities.of_group(self._ranks, self._timeout)
 
+    @property
+    def survivor_metrics(self) -> dict[str, float]:
+        """With `on_peer_failure="continue"`: `survivors/workers` (the workers training now) and `survivors/lost` (the
+        workers lost so far), for a logger; else nothing."""
+        if self.survivors is None:
+            return {}
+        return survivor_metrics(self.failures_survived, self.world_size)
+
     def end_gossip(self, mixer: Optional[Any], step: int, failed: bool) -> None:
         """The run is over: after a clean run every rank leaves the mixer's groups together (at `step`); after an
         error (the others may be gone) the mixer is aborted (a stale mixer's threads end, and its neighbours learn of
-        the failure at once). The heartbeat stops; the ranks stay the survivors'."""
+        the failure at once). The heartbeat stops, with one warning if the run lost workers; the ranks stay the
+        survivors'."""
         if mixer is not None and not failed:
             mixer.leave(step)
         elif mixer is not None:
             mixer.abort()
         if self.survivors is not None:
             self.survivors.close()
+            lost = losses(self.failures_survived)
+            if lost:
+                rank_zero_warn(lost)
 
     def save_skipped(self, filepath: Any, warn: Callable[[str], None] = rank_zero_warn) -> bool:
         """Whether a save of `filepath` is skipped (with a warning): in the steps the survivors of a failure take

@@ -171,12 +171,6 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
     # -- set-up -------------------------------------------------------------------------------
 
     @override
-    def _configure_launcher(self) -> None:
-        """Runs when Fabric is built, before any process starts: bind the topology (bad ones fail here)."""
-        super()._configure_launcher()
-        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)
-
-    @override
     def _setup_distributed(self) -> None:
         """Runs in `fabric.launch()`: make the default process group on this generation's namespace of the job's
         store ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), so that workers torchrun restarts

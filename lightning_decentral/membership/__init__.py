@@ -16,6 +16,8 @@ again, and a process group of their own. This package does that, Lightning-free,
 * [`store_client`][lightning_decentral.membership.store_client], [`GuardedStore`][lightning_decentral.membership.GuardedStore]
   (store calls that cannot hang) and [`store_host`][lightning_decentral.membership.store_host] (whether the store
   outlives the workers);
+* `report.py`: what a run says about its failures (a line per decision on every survivor, the metrics, the warning
+  at the end);
 * `launch.py`: `lightning-decentral-launch`, a launcher that hosts the store outside the workers and lets the
   survivors live when one of them dies.
 

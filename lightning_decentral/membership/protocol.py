@@ -221,7 +221,7 @@ class Membership:
                 f"The other ranks went on without rank {self.first_rank} after step {decided['step']}: it did not join "
                 f"their agreement in time (silent for more than {CONFIRM} s after a connection to it broke, or for "
                 f"{self.silence:.0f} s). It stops here; its replica is not part of the run any more."
-            )
+            ) from None  # the failure this rank saw first adds nothing: one traceback
         decision = Decision(
             generation=self.generation + 1,
             members=tuple(decided["members"]),
@@ -246,7 +246,7 @@ class Membership:
                 f"Only {len(self.members)} workers are left after step {decision.step} (ranks {list(decision.members)} "
                 f"of the start; lost: {list(decision.lost)}), fewer than min_workers={self.min_workers}: the run stops "
                 "on every survivor. Lower min_workers to go on with fewer, or resume from the last checkpoint."
-            )
+            ) from None  # the failure this rank saw first adds nothing: one traceback
         return decision
 
     def form_group(self, backend: str, timeout: timedelta) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -14,7 +15,10 @@ from lightning_decentral._compat import default_store
 from lightning_decentral.failures import Abandoned, PeerFailure
 from lightning_decentral.membership.groups import poison
 from lightning_decentral.membership.protocol import Decision, Membership
+from lightning_decentral.membership.report import decision_line
 from lightning_decentral.membership.store import GuardedStore, store_client, store_host
+
+log = logging.getLogger(__name__)  # shown as Lightning's own messages are (membership/report.py)
 
 
 class Keeper(Protocol):
@@ -28,6 +32,9 @@ class Keeper(Protocol):
     @property
     def mixers(self) -> list[Any]: ...
 
+    @property
+    def topology(self) -> Any: ...
+
 
 class Survivors:
     """The [`Survival`][lightning_decentral.failures.Survival] of a rank's mixer: when an exchange of step `k` fails
@@ -37,7 +44,8 @@ class Survivors:
        waits on them, here or at a peer, fails at once (Lightning's broadcast at a batch start included);
     2. agrees with the other survivors on the members and one step `s`
        ([`Membership.agree`][lightning_decentral.membership.Membership.agree]; `k` is what it joins with);
-    3. takes the steps up to `s` as local steps (`driver.keep(survivors, s + 1)`), on a process group of its own:
+    3. takes the steps up to `s` as local steps (`driver.keep(survivors, s + 1)`), logs one line saying so
+       ([`decision_line`][lightning_decentral.membership.report.decision_line]), on a process group of its own:
        what Lightning or the loop runs on the default group at every batch (a broadcast, `sync_dist` metrics) then
        stays paired among the survivors, who are not all at the same batch when they agree;
     4. when step `s + 1` begins ([`begin`][lightning_decentral.membership.Survivors.begin], every survivor
@@ -106,6 +114,7 @@ class Survivors:
         reason = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
         decision = self.membership.agree(step, reason, broken, any_broken=not broken and not isinstance(failure, Abandoned))
         self.driver.keep(decision.survivors, decision.step + 1)
+        log.warning(decision_line(decision, self.membership.first_rank, self.driver.topology))  # on every survivor
         dist.destroy_process_group()
         dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
         self.pending = decision

@@ -120,6 +120,14 @@ class WorkerLoaders:
             yield PerWorker(batches, origins)
 
 
+def first_batch_together(dataloader: torch.utils.data.DataLoader, workers: int) -> StackedBatch:
+    """Every worker's first batch (worker `i`'s from rank `i`'s sampler), loaded in this process and collated at once:
+    what the first stacked step would see, without starting the DataLoader's worker processes."""
+    samplers = [_rank_sampler(dataloader, _is_dataloader_shuffled(dataloader), workers, rank) for rank in range(workers)]
+    indices = next(iter(_StepBatches(samplers, dataloader.batch_size, dataloader.drop_last)))
+    return StackedBatch(dataloader.collate_fn([dataloader.dataset[i] for i in indices]), workers)
+
+
 def _together(dataloader: torch.utils.data.DataLoader, samplers: list[Any]) -> torch.utils.data.DataLoader:
     """A DataLoader over `dataloader`'s dataset whose batch at step `t` is every worker's batch `t`, in worker order."""
     if dataloader.batch_size is None:

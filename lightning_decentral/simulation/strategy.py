@@ -43,7 +43,8 @@ from lightning_decentral.driver import Driven, StepDriver, check_one_optimizer
 from lightning_decentral.mixing import SIMULATION
 from lightning_decentral.options import gossip_options, takes_gossip_options
 from lightning_decentral.rules import RuleContext
-from lightning_decentral.simulation.data import StackedBatch, WorkerLoaders
+from lightning_decentral.simulation.data import WorkerLoaders, first_batch_together
+from lightning_decentral.simulation.isolation import random_states_kept
 from lightning_decentral.simulation.hooks import WorkerHooks
 from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy, log_over_workers
 from lightning_decentral.simulation.workers import SimulatedWorkers, checked_failures, copy_of, optimizer_like
@@ -51,6 +52,7 @@ from lightning_decentral.simulation.vectorized import (
     StackedWorkers,
     rows_clipped_apart,
     stacking_problem,
+    stacking_trial,
     vectorization_problem,
 )
 
@@ -137,7 +139,6 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._hooks: Optional[WorkerHooks] = None  # the module's hooks on every worker (per-worker path)
         self._context: Optional[RuleContext] = None  # the rules' context, kept to stack the workers later
         self._undecided = False  # vectorize="auto": the path is chosen at the first training DataLoader
-        self._trial = False  # vectorize="auto" chose to stack: the first batch tries training_step under vmap
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -205,15 +206,20 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         )
 
     def _choose_path(self, dataloader: torch.utils.data.DataLoader) -> None:
-        """`vectorize="auto"`, before the first step: stack the workers if that gives the per-worker result, and say
-        which path runs and why (one info line)."""
+        """`vectorize="auto"`, before training: stack the workers if that gives the per-worker result (what can be seen
+        of the module, optimizer and data, then a trial of `training_step` under `torch.vmap` and the run's precision
+        on every worker's first batch, which changes nothing), and say which path runs and why (one info line)."""
         self._undecided = False
         optimizer = self.optimizers[0]
-        problem = stacking_problem(self.lightning_module, optimizer, dataloader.batch_size)
+        problem = stacking_problem(self.lightning_module, optimizer, dataloader.batch_size, dataloader)
         if self.workers == 1:
             problem = "there is one worker: nothing to stack"
         if self.failures:
             problem = "failures= drops workers one by one, which the stacked rows do not support"
+        if problem is None:
+            with random_states_kept(), self.precision_plugin.train_step_context():
+                batch = self.batch_to_device(first_batch_together(dataloader, self.workers))
+                problem = stacking_trial(self._group.modules, batch, lambda module, part: module.training_step(part, 0))
         if problem is not None:
             return _say_path(f"the per-worker path, one worker at a time, because {problem}")
         assert self._hooks is not None and self._context is not None
@@ -221,28 +227,11 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._hooks = None
         self._group = StackedWorkers.from_workers(self._group, optimizer, self.rule, self.gossip_buffers, self._context, self._mixer)
         self.driver.run(self._group)
-        self._trial = True  # the first batch tries training_step under torch.vmap
-
-    def _try_stacked(self, batch: Any, batch_idx: int) -> None:
-        """`vectorize="auto"`, at the first batch: keep the stacked path if `training_step` runs under `torch.vmap`
-        (a trial on a copy of the module, without gradients), else keep the workers apart; say which."""
-        self._trial = False
-        assert isinstance(self._group, StackedWorkers) and self._context is not None
-        problem = self._group.trial(batch, lambda module, part: module.training_step(part, batch_idx))
-        if problem is None:
-            optimizer = type(self.optimizers[0]).__name__
-            return _say_path(
-                f"the stacked path, every worker in one batched call ({optimizer} is elementwise, no layer draws random "
-                "numbers, no hook sees one worker's batch or gradients, training_step runs under torch.vmap)"
-            )
-        stacked = self._group
-        states = stacked.unstack()
-        self._group = self._workers_apart(stacked.modules, self._context)
-        for worker, state in zip(self._group.workers, states):
-            worker.optimizer.load_state_dict(state)
-        self._group.start_random_states()
-        self.driver.run(self._group)
-        _say_path(f"the per-worker path, one worker at a time, because {problem}")
+        optimizer_name = type(optimizer).__name__
+        _say_path(
+            f"the stacked path, every worker in one batched call ({optimizer_name} is elementwise, no layer draws random "
+            "numbers, no hook sees one worker's batch or gradients, training_step runs under torch.vmap)"
+        )
 
     # -- one optimizer step, every worker ---------------------------------------------------------
 
@@ -251,8 +240,6 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         """Before each training batch: the workers `failures` names for this step die; every worker begins the
         optimizer step (AWC posts `x(k)`)."""
         super().on_train_batch_start(batch, batch_idx)
-        if self._trial:
-            self._try_stacked(batch, batch_idx)
         step = self.lightning_module.trainer.global_step
         lost = [self._group.origins.index(w) for w in self.failures.get(step, []) if w in self._group.origins]
         if lost:
@@ -271,8 +258,6 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         trainer = self.lightning_module.trainer
         if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
             self._group.zero_grad_others()  # Lightning zeroes worker 0's gradients, as on every rank
-        if isinstance(batch, StackedBatch) and not isinstance(self._group, StackedWorkers):
-            batch = batch.parts()  # the stacked path's loader, and the workers kept apart after its first batch
         with self.precision_plugin.train_step_context():
             outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
         log_over_workers(self.lightning_module, logged, len(self._group.modules))

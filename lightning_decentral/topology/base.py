@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -30,12 +31,13 @@ def topology_class(name: str) -> type[Topology]:
         >>> topology_class("rign")
         Traceback (most recent call last):
         ...
-        ValueError: Unknown topology 'rign'. Choose one of ['complete', 'exponential', 'hierarchical', ...
+        ValueError: Unknown topology 'rign'. Choose one of ['complete', ...], or pass ... The closest name is 'ring'.
     """
     if name not in TOPOLOGIES:
+        close = difflib.get_close_matches(name, list(TOPOLOGIES), n=1)
         raise ValueError(
             f"Unknown topology {name!r}. Choose one of {sorted(TOPOLOGIES)}, or pass a Topology, "
-            "a mixing matrix or a networkx graph."
+            "a mixing matrix or a networkx graph." + (f" The closest name is {close[0]!r}." if close else "")
         )
     return TOPOLOGIES[name]
 

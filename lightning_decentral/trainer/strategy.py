@@ -145,7 +145,8 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """Runs when the Trainer is built, before any process starts: bind the topology (bad ones fail here)."""
+        """Runs when the Trainer is built, before any process starts: refuse what the options cannot run with the
+        plugins, then bind the topology (`OnProcesses`)."""
         if self.options.on_peer_failure == "continue" and isinstance(self.checkpoint_io, AsyncCheckpointIO):
             raise ValueError(
                 "on_peer_failure='continue' does not save in the background (AsyncCheckpointIO): its writer averages on a "
@@ -153,7 +154,6 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
                 "on_peer_failure='stop' (a restart resumes from the newest complete checkpoint)."
             )
         super()._configure_launcher()
-        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -208,6 +208,8 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         if self.activities is not None:
             self.activities.start(f"training batch {batch_idx} (optimizer step {step})")
         self.driver.begin(step)
+        if self.survivor_metrics:  # on_peer_failure="continue": the workers training, the workers lost
+            self.lightning_module.log_dict(self.survivor_metrics, on_step=True, on_epoch=False)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:

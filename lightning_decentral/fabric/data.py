@@ -1,0 +1,61 @@
+"""The data order of a Fabric loop, saved and restored with its checkpoint:
+[`DataOrder`][lightning_decentral.fabric.DataOrder]."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.wrappers import is_wrapped
+
+# _compat: lightning 2.6's `_FabricDataLoader` counts the epochs it has begun under this private name and calls
+# `sampler.set_epoch(count)` at each `iter(loader)`; Fabric has no public way to read or set it.
+_EPOCHS_BEGUN = "_num_iter_calls"
+
+
+class DataOrder:
+    """The epoch of a loader that `fabric.setup_dataloaders` returned, for `fabric.save` and `fabric.load`.
+
+    At every `for batch in loader`, Fabric sets the sampler's epoch to the number of epochs the loader has begun
+    (a shuffled `DistributedSampler` draws its order from `seed + epoch`). A new process counts from 0 again, so
+    a resumed loop would repeat the first epochs' orders. Put a `DataOrder` in the state; `fabric.load` restores
+    the count, and the next epoch draws the order the saved run would have drawn:
+
+    ```python
+    order = DataOrder(loader)
+    state = {"model": model, "optimizer": optimizer, "data": order}
+    fabric.load("last.ckpt", state)             # on resume
+    for epoch in range(order.epoch, epochs):    # the epoch the next `for batch in loader` draws the order of
+        for batch in loader: ...
+        fabric.save("last.ckpt", state)         # between epochs
+    ```
+
+    The position inside an epoch is not saved: a checkpoint saved during epoch `e` resumes at epoch `e + 1`.
+
+    Examples:
+        >>> from torch.utils.data import DataLoader
+        >>> DataOrder(DataLoader(range(4)))
+        Traceback (most recent call last):
+            ...
+        TypeError: DataOrder takes the loader `fabric.setup_dataloaders(loader)` returned (it counts the epochs), not a DataLoader.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        if not (is_wrapped(loader) and hasattr(loader, _EPOCHS_BEGUN)):
+            raise TypeError(
+                "DataOrder takes the loader `fabric.setup_dataloaders(loader)` returned (it counts the epochs), not a "
+                f"{type(loader).__name__}."
+            )
+        self.loader = loader
+
+    @property
+    def epoch(self) -> int:
+        """The epochs the loader has begun: the epoch whose order the next `for batch in loader` draws."""
+        return int(getattr(self.loader, _EPOCHS_BEGUN))
+
+    def state_dict(self) -> dict[str, int]:
+        """What `fabric.save` writes: `{"epoch": epoch}`."""
+        return {"epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Run by `fabric.load`: the loader's next epoch is `state_dict["epoch"]`."""
+        setattr(self.loader, _EPOCHS_BEGUN, int(state_dict["epoch"]))
