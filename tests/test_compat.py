@@ -210,8 +210,8 @@ def test_no_module_reaches_a_private_name_of_torch_or_lightning_outside_compat()
                 ok = True
             elif on_itself:  # a mixin's use of its host's member: the package's own, or a declared inherited one
                 ok = name in INHERITED or (name in own and name not in inherited)
-            else:  # another object's: the package's own, never one _compat declares
-                ok = (kind == "string" or name in own) and name not in declared
+            else:  # another object's (or a string naming one): the package's own, never one _compat declares
+                ok = name in own and name not in declared
             if not ok:
                 problems.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {text}")
     assert not problems, (

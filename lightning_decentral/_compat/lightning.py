@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Optional
+from typing import Any, Optional
 
 import lightning.fabric.wrappers as fabric_wrappers
 from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl
@@ -30,9 +30,11 @@ __all__ = [
     "ReadyCompletedTracker",
     "as_fabric_backward",
     "distributed_sampler",
+    "epochs_begun",
     "is_dataloader_shuffled",
     "mark_sigterm_received",
     "replace_sigterm_handling",
+    "set_epochs_begun",
     "set_update_count",
     "update_dataloader",
 ]
@@ -80,6 +82,11 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     (
         "lightning.fabric.wrappers", "_in_fabric_backward",
         "Fabric's mark of a backward inside fabric.backward, without which its module wrapper refuses torch.autograd.grad",
+    ),
+    (
+        "lightning.fabric.wrappers._FabricDataLoader", "_num_iter_calls",
+        "the epochs a loader of fabric.setup_dataloaders has begun, its sampler's epoch at the next iter: restored with "
+        "a checkpoint; no public reader or setter",
     ),
     (
         "torchmetrics.Metric", "_update_count",
@@ -156,6 +163,17 @@ def as_fabric_backward() -> Iterator[None]:
         yield
     finally:
         fabric_wrappers._in_fabric_backward = before
+
+
+def epochs_begun(loader: Any) -> Optional[int]:
+    """The epochs a loader `fabric.setup_dataloaders` returned has begun (the epoch it sets on its sampler at the next
+    `iter`); `None` for another object."""
+    return getattr(loader, "_num_iter_calls", None)
+
+
+def set_epochs_begun(loader: Any, epochs: int) -> None:
+    """Make the next `iter(loader)` of a loader `fabric.setup_dataloaders` returned begin epoch `epochs`."""
+    loader._num_iter_calls = epochs
 
 
 def set_update_count(metric: Metric, count: int) -> None:

@@ -7,9 +7,7 @@ from typing import Any
 
 from lightning.fabric.wrappers import is_wrapped
 
-# _compat: lightning 2.6's `_FabricDataLoader` counts the epochs it has begun under this private name and calls
-# `sampler.set_epoch(count)` at each `iter(loader)`; Fabric has no public way to read or set it.
-_EPOCHS_BEGUN = "_num_iter_calls"
+from lightning_decentral._compat.lightning import epochs_begun, set_epochs_begun
 
 
 class DataOrder:
@@ -40,7 +38,7 @@ class DataOrder:
     """
 
     def __init__(self, loader: Any) -> None:
-        if not (is_wrapped(loader) and hasattr(loader, _EPOCHS_BEGUN)):
+        if not (is_wrapped(loader) and epochs_begun(loader) is not None):
             raise TypeError(
                 "DataOrder takes the loader `fabric.setup_dataloaders(loader)` returned (it counts the epochs), not a "
                 f"{type(loader).__name__}."
@@ -50,7 +48,7 @@ class DataOrder:
     @property
     def epoch(self) -> int:
         """The epochs the loader has begun: the epoch whose order the next `for batch in loader` draws."""
-        return int(getattr(self.loader, _EPOCHS_BEGUN))
+        return int(epochs_begun(self.loader) or 0)
 
     def state_dict(self) -> dict[str, int]:
         """What `fabric.save` writes: `{"epoch": epoch}`."""
@@ -58,4 +56,4 @@ class DataOrder:
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         """Run by `fabric.load`: the loader's next epoch is `state_dict["epoch"]`."""
-        setattr(self.loader, _EPOCHS_BEGUN, int(state_dict["epoch"]))
+        set_epochs_begun(self.loader, int(state_dict["epoch"]))
