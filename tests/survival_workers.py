@@ -77,14 +77,16 @@ def survive(
     stops: Optional[dict[int, int]] = None,
     validate: bool = False,
     hold_at: int = -1,
+    top_k: int = -1,
     **strategy: Any,
 ) -> dict[str, Any]:
     """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there, those of `stops`
-    stop there; every rank waits for `root/released` at the start of step `hold_at` (see `Mortal`). A checkpoint at step `save_at` (0: none); with `validate`, a validation at the end of each epoch
+    stop there; every rank waits for `root/released` at the start of step `hold_at` (see `Mortal`). A checkpoint every
+    `save_at` steps (0: none), the best `top_k` kept (-1: all); with `validate`, a validation at the end of each epoch
     (`val_loss` logged with `sync_dist=True`). Each survivor's final replica, recorded replicas, step end times, the
-    decisions and the last `val_loss` (NaN without `validate`)."""
+    decisions, the last `val_loss` (NaN without `validate`) and the checkpoint callback's `best_model_path`."""
     model = Mortal(deaths, root, record, stops, hold_at, seed=init_seed(rank), **MOMENTUM_SGD)
-    callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
+    callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=top_k)] if save_at else []
     strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
     trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
     trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
@@ -97,6 +99,7 @@ def survive(
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+        "best_model_path": callbacks[0].best_model_path if callbacks else "",
     }
 
 

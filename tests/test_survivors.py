@@ -19,6 +19,7 @@ import networkx as nx
 import pytest
 import torch
 
+from lightning_decentral.checkpoint import shard_path
 from tests import survival_workers as workers
 from tests.helpers import free_port, run_distributed, start_processes, start_rank
 
@@ -93,6 +94,49 @@ def test_a_fabric_loop_survives_the_same_way(tmp_path: Path) -> None:
         workers.fabric_resume, 3, checkpoint=str(tmp_path / "step=30.ckpt"), data_of=[0, 1, 3], start=30, steps=60
     )
     for replica, survivor in zip(resumed, survivors):
+        torch.testing.assert_close(replica, survivor["replica"], atol=0, rtol=0)
+
+
+def _complete_checkpoints(directory: Path, lost: tuple[int, ...] = ()) -> dict[str, int]:
+    """Each checkpoint file in `directory` with the world size of its save, asserting that every shard of its save is
+    there, and that a shard folder without its file holds only shards of the `lost` ranks (each rank removes its own
+    shards of a checkpoint dropped, which a lost rank cannot do)."""
+    found = {}
+    for path in sorted(directory.glob("*.ckpt")):
+        meta = torch.load(path, weights_only=True)["decentralized_shards"]
+        for rank in range(meta["world_size"]):
+            assert Path(shard_path(str(path), rank, meta["world_size"], meta["save_id"])).exists(), (path, rank)
+        found[path.name] = meta["world_size"]
+    for folder in directory.glob("*.shards"):
+        if folder.name[: -len(".shards")] not in found:
+            assert all(int(shard.name[5:10]) in lost for shard in folder.iterdir()), sorted(folder.iterdir())
+    return found
+
+
+def test_a_save_in_the_steps_the_survivors_take_alone_is_written_by_them_and_keeps_the_best_path_true(tmp_path: Path) -> None:
+    """3 ranks, `ModelCheckpoint(every_n_train_steps=5, save_top_k=1)`; rank 2 is killed when step 9 starts. Ranks 0
+    and 1 agree on step 9, so the save of step 10 falls before they mix again, while each runs alone: they make their
+    process group for it (it was skipped, and ModelCheckpoint then removed the checkpoint of step 5, leaving none).
+    The checkpoint of step 10 is theirs (two shards) and `best_model_path` names it on both."""
+    results, codes = _every_rank_exits(workers.survive, 3, root=str(tmp_path), deaths={2: 9}, steps=12, save_at=5, top_k=1)
+    assert codes == [0, 0, -9]
+    for r in results[:2]:
+        assert r["decisions"] == [_decision((0, 1), (2,), 9)] and r["global_step"] == 12
+        assert r["best_model_path"] == str(tmp_path / "epoch=0-step=10.ckpt")
+    assert _complete_checkpoints(tmp_path, lost=(2,)) == {"epoch=0-step=10.ckpt": 2}
+
+
+def test_a_fabric_save_in_the_steps_the_survivors_take_alone_is_written_by_them(tmp_path: Path) -> None:
+    """The same under Fabric: rank 2 killed at step 9 of 12, `fabric.save` at step 10 by the two survivors, who take
+    it alone (it was skipped); resumed on 2 processes, each continues bit for bit."""
+    results, codes = _every_rank_exits(workers.fabric_survive, 3, root=str(tmp_path), deaths={2: 9}, steps=12, save_at=10)
+    assert codes == [0, 0, -9]
+    assert [r["decisions"][0]["step"] for r in results[:2]] == [9, 9]
+    assert _complete_checkpoints(tmp_path) == {"step=10.ckpt": 2}
+    resumed = run_distributed(
+        workers.fabric_resume, 2, checkpoint=str(tmp_path / "step=10.ckpt"), data_of=[0, 1], start=10, steps=12
+    )
+    for replica, survivor in zip(resumed, results[:2]):
         torch.testing.assert_close(replica, survivor["replica"], atol=0, rtol=0)
 
 

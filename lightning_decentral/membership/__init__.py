@@ -27,7 +27,7 @@ exchange, take local steps up to it, and mix from the next step on with the topo
 from lightning_decentral.membership.groups import poison, rebuild_world
 from lightning_decentral.membership.protocol import Decision, Excluded, Membership, TooFewWorkers
 from lightning_decentral.membership.store import LAUNCHER_KEY, GuardedStore, StoreLost, store_client, store_host
-from lightning_decentral.membership.survivors import Survivors
+from lightning_decentral.membership.survivors import Survivors, form_for_save
 
 __all__ = [
     "Decision",
@@ -39,6 +39,7 @@ __all__ = [
     "Survivors",
     "TooFewWorkers",
     "store_client",
+    "form_for_save",
     "poison",
     "rebuild_world",
     "store_host",

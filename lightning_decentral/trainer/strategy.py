@@ -41,6 +41,7 @@ from lightning_decentral.trainer.processes import Survives, init_default_group
 from lightning_decentral.failures import DEFAULT_TIMEOUT
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients
+from lightning_decentral.membership import form_for_save
 from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.options import GossipDtypeName, GossipOptions, TopologyArgument, register_strategies
 from lightning_decentral.rendezvous import job_store
@@ -335,19 +336,9 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Runs when a checkpoint is saved, on every rank, first: `x̄`'s state dict (`ReplicaStrategy`'s); in the steps
-        the survivors of a failure take alone, this rank's own, unagreed (the save is skipped: `save_checkpoint`)."""
-        if self.driver.alone:
-            return self.lightning_module.state_dict()
+        the survivors of a failure take alone, once they made their process group ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
+        form_for_save(self.driver.survivors)
         return super().lightning_module_state_dict()
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`); not in the few steps
-        the survivors of a failure take alone before they mix again (warned, on every survivor)."""
-        if self.driver.alone:
-            rank_zero_warn(f"{filepath} is not saved: the survivors of a failure take this step alone, before they mix again.")
-            return
-        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))
