@@ -26,7 +26,7 @@ from lightning_decentral.agreement import Ranks, parameter_deviations, run_confi
 from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
 from lightning_decentral.trainer.processes import Survives, init_default_group
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
-from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities
+from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities, checked_timeout
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients, random_state
 from lightning_decentral.mixing import FABRIC, DelaySchedule
@@ -101,7 +101,7 @@ class DecentralizedStrategy(Driven, Survives, ShardedCheckpoints, DDPStrategy):
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=checked_timeout(timeout),
             start_method=start_method,
         )
         self._backward_sync_control = _RuleBackwardSync(self._begin_step)

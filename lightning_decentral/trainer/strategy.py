@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_decentral.agreement import parameter_deviations, run_configuration
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.trainer.processes import Survives, init_default_group
-from lightning_decentral.failures import DEFAULT_TIMEOUT
+from lightning_decentral.failures import DEFAULT_TIMEOUT, checked_timeout
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import form_for_save
@@ -162,7 +162,7 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=checked_timeout(timeout),
             start_method=start_method,
         )
         options = GossipOptions(
