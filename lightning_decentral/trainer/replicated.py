@@ -22,7 +22,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -38,7 +38,7 @@ from lightning_decentral.failures import Activities, peers_answer
 from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
-from lightning_decentral.trainer.resume import RESUME, choose_checkpoint
+from lightning_decentral.trainer.resume import RESUME, InProcessLauncher, ResolvesLast, ScriptLauncher, choose_checkpoint
 
 
 class EvaluatesOnAverage:
@@ -140,10 +140,15 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica."""
+        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica; every launcher
+        gives Lightning a dangling `last.ckpt` link for `fit(ckpt_path="last")` ([`ResolvesLast`][lightning_decentral.trainer.resume.ResolvesLast])."""
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _AveragingLauncher(self, start_method=self._start_method)
+        elif isinstance(self._launcher, _SubprocessScriptLauncher):
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        elif self._launcher is None:
+            self._launcher = InProcessLauncher()
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -430,7 +435,7 @@ def backward_may_overlap(module: LightningModule) -> bool:
     return module.automatic_optimization and not edits_gradients
 
 
-class _AveragingLauncher(_MultiProcessingLauncher):
+class _AveragingLauncher(ResolvesLast, _MultiProcessingLauncher):
     """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process."""
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
