@@ -213,6 +213,37 @@ def test_a_silent_rank_is_left_behind_after_the_timeout_and_stops_when_it_wakes_
     assert results[1].startswith("Excluded: The other ranks went on without rank 1 after step 5")
 
 
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_when_the_store_host_stops_or_dies_every_survivor_ends_with_store_lost(tmp_path: Path, how: str) -> None:
+    """4 ranks on a ring, timeout 5 s, every rank waiting at the end of step 4; then rank 0, whose process hosts the
+    job's store (a launch like Lightning's), is stopped (SIGSTOP) or killed, and the others go on. Ranks 1, 2 and 3
+    end with `StoreLost` naming the store: every call to the store on a per-batch path runs under the watchdog.
+    Without it, the stop check at the start of step 5 (a call to the store) hung with the host stopped, and raised
+    `DistNetworkError: Connection reset by peer` with the host killed."""
+    with tempfile.TemporaryDirectory() as out:
+        procs = start_processes(
+            workers.survive_or_error, 4, out, root=str(tmp_path), deaths={}, steps=12, timeout=5.0, hold_after=4
+        )
+        try:
+            deadline = time.monotonic() + 120.0
+            while not all((tmp_path / f"held-{r}").exists() for r in range(4)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(procs[0].pid, signal.SIGSTOP if how == "stopped" else signal.SIGKILL)  # ours
+            (tmp_path / "released").touch()
+            for p in procs[1:]:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert [p.exitcode for p in procs[1:]] == [0, 0, 0], "a survivor hung or died"
+        finally:
+            for p in procs:  # rank 0, stopped: SIGKILL ends it too
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (1, 2, 3)]
+    for r in results:
+        assert r.startswith("StoreLost: The job's store at 127.0.0.1:"), r
+        assert ("did not answer within 5 s" if how == "stopped" else "is gone") in r
+
+
 def test_a_lost_rank_started_again_stops_at_once_while_the_survivors_go_on(tmp_path: Path) -> None:
     """3 ranks, rank 2 killed when step 3 starts. Once ranks 0 and 1 have decided to go on without it (they then wait
     at step 6), rank 2 is started again with the same command: it stops with `LeftOut` instead of waiting the 30 s

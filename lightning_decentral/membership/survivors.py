@@ -10,10 +10,10 @@ from typing import Any, Optional, Protocol
 
 import torch.distributed as dist
 
-from lightning_decentral.failures import Abandoned, PeerFailure
+from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure
 from lightning_decentral.membership.groups import poison
 from lightning_decentral.membership.protocol import Decision, Membership
-from lightning_decentral.membership.store import GuardedStore, default_store, store_client, store_host
+from lightning_decentral.membership.store import default_store, store_client, store_host
 
 
 class Keeper(Protocol):

@@ -328,7 +328,7 @@ class DecentralizedStrategy(Driven, Survives, ReplicaStrategy):
     def _agree_on_stops(self, trainer: Trainer) -> None:
         """A SIGTERM stops every rank at one step agreed through the store, not through a broadcast per batch."""
         margin = stop_margin(self.topology, self.staleness, self.gossip_every)
-        agreement = StopAgreement(job_store(), next_key(), margin)
+        agreement = StopAgreement(job_store(), next_key(), margin, self._timeout)
         if self.global_rank == 0:
             agreement.forget_earlier_runs()
         stop_together(trainer, agreement)
