@@ -38,7 +38,7 @@ from lightning_decentral.failures import Activities, peers_answer
 from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
-from lightning_decentral.trainer.resume import RESUME, InProcessLauncher, ResolvesLast, ScriptLauncher, choose_checkpoint
+from lightning_decentral.trainer.resume import RESUME, ResolvesLast, ScriptLauncher, choose_checkpoint
 
 
 class EvaluatesOnAverage:
@@ -147,8 +147,6 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self._launcher = _AveragingLauncher(self, start_method=self._start_method)
         elif isinstance(self._launcher, _SubprocessScriptLauncher):
             self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        elif self._launcher is None:
-            self._launcher = InProcessLauncher()
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -436,7 +434,8 @@ def backward_may_overlap(module: LightningModule) -> bool:
 
 
 class _AveragingLauncher(ResolvesLast, _MultiProcessingLauncher):
-    """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process."""
+    """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process (and resolves a `last.ckpt`
+    link whose file is gone: `ResolvesLast`)."""
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
         assert isinstance(self._strategy, ReplicaStrategy)

@@ -32,7 +32,6 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 
@@ -194,25 +193,8 @@ class ResolvesLast:
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 
-class _Here(_Launcher):
-    """What Lightning does without a launcher: run the function in this process."""
-
-    @property
-    def is_interactive_compatible(self) -> bool:
-        return True
-
-    def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
-        return function(*args, **kwargs)
-
-    def kill(self, signum: Any) -> None:
-        """Nothing to kill: this process started none."""
-
-
-class InProcessLauncher(ResolvesLast, _Here):
-    """The launcher of a process another launcher started (torchrun, srun, lightning-decentral-launch), where
-    Lightning would have none: `fit` runs here, after [`ResolvesLast`][lightning_decentral.trainer.resume.ResolvesLast]."""
-
-
 class ScriptLauncher(ResolvesLast, _SubprocessScriptLauncher):
-    """Lightning's launcher of `devices=n` from a script, after [`ResolvesLast`][lightning_decentral.trainer.resume.ResolvesLast]."""
+    """Lightning's launcher of `start_method="popen"` (it starts the other ranks of `devices=n` from a script, or none
+    when another launcher started them: torchrun, srun, lightning-decentral-launch), after
+    [`ResolvesLast`][lightning_decentral.trainer.resume.ResolvesLast]."""
 
