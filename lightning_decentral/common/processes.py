@@ -7,7 +7,6 @@ survivors of a failure (`on_peer_failure="continue"`), the monitors' collectives
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -209,10 +208,3 @@ class OnProcesses:
             lost = losses(self.failures_survived)
             if lost:
                 rank_zero_warn(lost)
-
-    def save_skipped(self, filepath: Any, warn: Callable[[str], None] = rank_zero_warn) -> bool:
-        """Whether a save of `filepath` is skipped (with a warning): in the steps the survivors of a failure take
-        alone, before they mix again, there is no `x̄` to agree on."""
-        if self.driver.alone:
-            warn(f"{filepath} is not saved: the survivors of a failure take this step alone, before they mix again.")
-        return self.driver.alone

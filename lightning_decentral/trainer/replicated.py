@@ -22,7 +22,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -38,7 +38,7 @@ from lightning_decentral.failures import Activities, peers_answer
 from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
-from lightning_decentral.trainer.resume import RESUME, choose_checkpoint
+from lightning_decentral.trainer.resume import RESUME, ResolvesLast, ScriptLauncher, choose_checkpoint
 
 
 class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
@@ -102,10 +102,13 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica."""
+        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica; every launcher
+        gives Lightning a dangling `last.ckpt` link for `fit(ckpt_path="last")` ([`ResolvesLast`][lightning_decentral.trainer.resume.ResolvesLast])."""
         super()._configure_launcher()
         if isinstance(self._launcher, _MultiProcessingLauncher):
             self._launcher = _AveragingLauncher(self, start_method=self._start_method)
+        elif isinstance(self._launcher, _SubprocessScriptLauncher):
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -383,8 +386,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         raise NotImplementedError
 
 
-class _AveragingLauncher(_MultiProcessingLauncher):
-    """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process."""
+class _AveragingLauncher(ResolvesLast, _MultiProcessingLauncher):
+    """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process (and resolves a `last.ckpt`
+    link whose file is gone: `ResolvesLast`)."""
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
         assert isinstance(self._strategy, ReplicaStrategy)
