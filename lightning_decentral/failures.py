@@ -3,20 +3,25 @@ backend's error as its cause. The collectives ([`agreement`][lightning_decentral
 exchange ([`gossip`][lightning_decentral.gossip]) both raise it. With `on_peer_failure="continue"` an exchange is
 waited for with [`wait_works`][lightning_decentral.failures.wait_works], which a failure announced elsewhere ends
 ([`Abandoned`][lightning_decentral.failures.Abandoned]), and handed to a [`Survival`][lightning_decentral.failures.Survival].
-Ranks about to run different collectives find out at once through [`Activities`][lightning_decentral.failures.Activities]."""
+Ranks about to run different collectives find out at once through [`Activities`][lightning_decentral.failures.Activities].
+Calls to the job's store that cannot hang: [`GuardedStore`][lightning_decentral.failures.GuardedStore]."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import secrets
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Optional, Protocol
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from lightning_decentral._compat import default_store
 
@@ -24,6 +29,45 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 """The strategies' default `timeout`: how long a rank waits for a silent peer (a collective, an exchange, the
 rendezvous) before it stops with an error naming it. Lightning's is 30 minutes, long enough to pass for a hang; ranks
 that run different collectives stop at once ([`Activities`][lightning_decentral.failures.Activities])."""
+
+
+def checked_timeout(timeout: Any) -> timedelta:
+    """The strategies' `timeout` argument, checked when they are built (the Trainer's and Fabric's
+    `DecentralizedStrategy` call it): a positive `datetime.timedelta`. A bare number is refused rather than taken as
+    seconds, as Lightning's and torch's `timeout` are (a `timedelta` says its unit); `None` is torch's default, 30
+    minutes. Without the check, a zero, negative or numeric timeout fails only when the ranks meet, with torch's
+    error.
+
+    Examples:
+        >>> checked_timeout(timedelta(seconds=30)), checked_timeout(None)
+        (datetime.timedelta(seconds=30), datetime.timedelta(seconds=1800))
+        >>> checked_timeout(30)
+        Traceback (most recent call last):
+        ...
+        TypeError: timeout=30 is a number: pass a datetime.timedelta, e.g. timeout=timedelta(seconds=30) ...
+        >>> checked_timeout(timedelta(0))
+        Traceback (most recent call last):
+        ...
+        ValueError: timeout=timedelta(0) is not positive: ...
+    """
+    if timeout is None:
+        return default_pg_timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        raise TypeError(
+            f"timeout={timeout!r} is a number: pass a datetime.timedelta, e.g. timeout=timedelta(seconds={timeout!r}) "
+            "(how long a rank waits for a silent peer; a number is refused, its unit would be a guess)."
+        )
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=5), got {type(timeout).__name__} {timeout!r}.")
+    if timeout <= timedelta(0):
+        shown = "timedelta(0)" if not timeout else f"timedelta(seconds={timeout.total_seconds():g})"
+        raise ValueError(
+            f"timeout={shown} is not positive: it is how long a rank waits for a silent peer before it stops with an "
+            f"error; pass a positive datetime.timedelta (the default is {DEFAULT_TIMEOUT})."
+        )
+    return timeout
+
+
 POLL = 0.01  # seconds between two looks for a failure announced elsewhere, while an exchange is in flight
 LATE = 1.0  # seconds the works may take to complete after a look failed (the store's host exits once its own did)
 
@@ -62,6 +106,118 @@ class Disagreement(RuntimeError):
     raised at once, naming what each rank does ([`Activities`][lightning_decentral.failures.Activities])."""
 
 
+class StoreLost(RuntimeError):
+    """The job's store did not answer within the timeout (its host is stopped or unreachable) or is gone (its host
+    died): ranks that agree through it (the survivors of a failure, a stop at one step, what each rank does) cannot,
+    and the run stops."""
+
+
+class GuardedStore:
+    """A client of the job's store whose calls raise [`StoreLost`][lightning_decentral.failures.StoreLost] when the
+    store does not answer within `timeout` seconds or is gone, instead of hanging (a store host that is stopped, not
+    dead, leaves a plain client waiting for ever) or raising torch's error (`DistNetworkError: Connection reset by
+    peer`). Every call to the job's store on a per-step path runs through one (`Activities`, the stop agreement, the
+    survivors' membership).
+
+    The calls run one at a time on a daemon thread; once one has timed out, every later call raises at once. The
+    thread ends with [`close`][lightning_decentral.failures.GuardedStore.close], or when the object is garbage.
+
+    Args:
+        connect: makes the client (a new connection), run under the same watchdog.
+        timeout: seconds a call may take.
+        where: the store's address, for the error.
+
+    Examples:
+        >>> store = GuardedStore.around(dist.HashStore(), timedelta(seconds=5))
+        >>> store.set("k", "v"), store.check(["k"]), store.get("k")
+        (None, True, b'v')
+    """
+
+    def __init__(self, connect: Callable[[], Any], timeout: float, where: str) -> None:
+        self.timeout, self.where = timeout, where
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._lost: Optional[str] = None
+        threading.Thread(target=_serve, args=(self._requests,), daemon=True, name="lightning_decentral-store").start()
+        weakref.finalize(self, self._requests.put, None)  # the thread ends when nobody can call any more
+        self._store = self._call(connect)
+
+    @classmethod
+    def around(cls, store: Any, timeout: timedelta) -> GuardedStore:
+        """`store`, a client of the job's store this process already has (the default group's), under the watchdog."""
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if "MASTER_PORT" in os.environ else "(in process)"
+        return cls(lambda: store, timeout.total_seconds(), where)
+
+    def _call(self, call: Callable[..., Any], *args: Any) -> Any:
+        if self._lost is not None:
+            raise StoreLost(self._lost)
+        answer: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._requests.put((call, args, answer, done))
+        if not done.wait(self.timeout):
+            self._lost = (
+                f"The job's store at {self.where} did not answer within {self.timeout:.0f} s (its host is stopped or "
+                "unreachable). It is the one process a run cannot lose: the ranks cannot agree without it."
+            )
+            raise StoreLost(self._lost)
+        ok, value = answer[0]
+        if ok:
+            return value
+        if isinstance(value, (dist.DistError, RuntimeError)):
+            self._lost = (
+                f"The job's store at {self.where} is gone ({type(value).__name__}: {str(value).splitlines()[0]}): its "
+                "host died. It is the one process a run cannot lose: the ranks cannot agree without it."
+            )
+            raise StoreLost(self._lost) from value
+        raise value
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key exists (never blocks on a missing key)."""
+        return self._call(self._store.check, keys)
+
+    def get(self, key: str) -> bytes:
+        """The value of `key`, which must exist."""
+        return self._call(self._store.get, key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of `keys`, which must exist."""
+        return self._call(self._store.multi_get, keys)
+
+    def set(self, key: str, value: str) -> None:
+        """Set `key`."""
+        self._call(self._store.set, key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        """Add to the counter `key` (0 reads it) and return its value."""
+        return self._call(self._store.add, key, amount)
+
+    def compare_set(self, key: str, expected: str, value: str) -> bytes:
+        """Set `key` to `value` if it holds `expected` (`""`: if it does not exist); the value it holds after."""
+        return self._call(self._store.compare_set, key, expected, value)
+
+    def delete_key(self, key: str) -> bool:
+        """Remove `key`; whether it existed."""
+        return self._call(self._store.delete_key, key)
+
+    def close(self) -> None:
+        """Stop the call thread (one stuck in a call stays until the call returns: it is a daemon)."""
+        self._requests.put(None)
+
+
+def _serve(requests: queue.SimpleQueue) -> None:
+    """A `GuardedStore`'s thread: run each call put in `requests` until `None` comes (it holds nothing else, so the
+    store object can be collected)."""
+    while True:
+        request = requests.get()
+        if request is None:
+            return
+        call, args, answer, done = request
+        try:
+            answer.append((True, call(*args)))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            answer.append((False, error))
+        done.set()
+
+
 @contextlib.contextmanager
 def peers_answer(what: str, peers: str = "a peer") -> Iterator[None]:
     """Raise the backend's error of a collective or exchange inside the block as a
@@ -76,7 +232,7 @@ def peers_answer(what: str, peers: str = "a peer") -> Iterator[None]:
     """
     try:
         yield
-    except PeerFailure:
+    except (PeerFailure, StoreLost):
         raise
     except RuntimeError as exc:  # gloo and NCCL (DistBackendError) raise this when a peer is gone or the timeout passed
         raise PeerFailure(
@@ -168,7 +324,8 @@ class Activities:
     gone on when no collective follows the agreement, an error raised before the collective, say. A rank
     that publishes nothing new (it is busy, or blocked in a collective it started earlier) is named after `timeout`
     seconds with its last activity ([`PeerFailure`][lightning_decentral.failures.PeerFailure]); after `warn_after`
-    seconds `warn` says who it waits for.
+    seconds `warn` says who it waits for. Its calls to the store run under a
+    [`GuardedStore`][lightning_decentral.failures.GuardedStore] of the same timeout (`start` runs at every step).
 
     Examples:
         Two ranks in one process, over an in-memory store: rank 1 loads while rank 0 trains.
@@ -191,7 +348,8 @@ class Activities:
         warn_after: float = 30.0,
         warn: Callable[[str], None] = lambda message: warnings.warn(message, stacklevel=3),
     ) -> None:
-        self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+        self.store = None if store is None else GuardedStore.around(store, timedelta(seconds=timeout))
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.warn_after, self.warn = warn_after, warn
         self.count = 0  # activities this rank has published
         self.current = ""

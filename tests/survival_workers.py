@@ -28,15 +28,17 @@ class Mortal(Regression):
     """The ranks of `deaths` ({first rank: step}) kill themselves (`SIGKILL`) when that step starts, after stamping
     the time in `stamps/killed-<rank>`; those of `stops` stop (`SIGSTOP`: alive and silent) after stamping their pid in
     `stamps/stopped-<rank>`. With `stops` or `hold_at`, the survivors of a failure touch `stamps/decided`; at the start
-    of step `hold_at` every rank waits (at most a minute) for `stamps/released`. Every rank records its replica when
-    each step of `record` starts, and when each step ends the time (`finished[step]`)."""
+    of step `hold_at` every rank waits (at most a minute) for `stamps/released`, and so at the end of step
+    `hold_after`, after stamping `stamps/held-<rank>` with its pid. Every rank records its replica when each step of
+    `record` starts, and when each step ends the time (`finished[step]`)."""
 
     def __init__(
         self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), stops: Optional[dict[int, int]] = None,
-        hold_at: int = -1, **kwargs: Any
+        hold_at: int = -1, hold_after: int = -1, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.deaths, self.stamps, self.record, self.stops, self.hold_at = deaths, stamps, record, stops or {}, hold_at
+        self.hold_after = hold_after
         self.recorded: dict[int, torch.Tensor] = {}
         self.finished: dict[int, float] = {}
 
@@ -51,9 +53,12 @@ class Mortal(Regression):
         if (self.stops or self.hold_at >= 0) and self.trainer.strategy.failures_survived:
             Path(self.stamps, "decided").touch()
         if self.global_step == self.hold_at:
-            deadline = time.monotonic() + 60
-            while not Path(self.stamps, "released").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            self._wait_for_release()
+
+    def _wait_for_release(self) -> None:
+        deadline = time.monotonic() + 60
+        while not Path(self.stamps, "released").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def on_train_end(self) -> None:
         """With stopped ranks: wait (at most a minute) until each has woken up and stopped, while the store lives."""
@@ -65,6 +70,9 @@ class Mortal(Regression):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.finished[self.global_step - 1] = time.time()
+        if self.global_step - 1 == self.hold_after:
+            Path(self.stamps, f"held-{self.trainer.strategy.first_rank}").write_text(str(os.getpid()))
+            self._wait_for_release()
 
 
 def survive(
@@ -80,14 +88,18 @@ def survive(
     stops: Optional[dict[int, int]] = None,
     validate: bool = False,
     hold_at: int = -1,
+    top_k: int = -1,
+    hold_after: int = -1,
     **strategy: Any,
 ) -> dict[str, Any]:
     """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there, those of `stops`
-    stop there; every rank waits for `root/released` at the start of step `hold_at` (see `Mortal`). A checkpoint at step `save_at` (0: none); with `validate`, a validation at the end of each epoch
+    stop there; every rank waits for `root/released` at the start of step `hold_at`, or at the end of step `hold_after`
+    (see `Mortal`). A checkpoint every
+    `save_at` steps (0: none), the best `top_k` kept (-1: all); with `validate`, a validation at the end of each epoch
     (`val_loss` logged with `sync_dist=True`). Each survivor's final replica, recorded replicas, step end times, the
-    decisions and the last `val_loss` (NaN without `validate`)."""
-    model = Mortal(deaths, root, record, stops, hold_at, seed=init_seed(rank), **MOMENTUM_SGD)
-    callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
+    decisions, the last `val_loss` (NaN without `validate`) and the checkpoint callback's `best_model_path`."""
+    model = Mortal(deaths, root, record, stops, hold_at, hold_after, seed=init_seed(rank), **MOMENTUM_SGD)
+    callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=top_k)] if save_at else []
     strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
     trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
     with _LoggedLines() as logged, warnings.catch_warnings(record=True) as warned:
@@ -105,6 +117,7 @@ def survive(
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+        "best_model_path": callbacks[0].best_model_path if callbacks else "",
     }
 
 

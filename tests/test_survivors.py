@@ -20,6 +20,7 @@ import networkx as nx
 import pytest
 import torch
 
+from lightning_decentral.checkpoint import shard_path
 from tests import survival_workers as workers
 from tests.helpers import free_port, run_distributed, start_processes, start_rank
 
@@ -97,6 +98,49 @@ def test_a_fabric_loop_survives_the_same_way(tmp_path: Path) -> None:
         torch.testing.assert_close(replica, survivor["replica"], atol=0, rtol=0)
 
 
+def _complete_checkpoints(directory: Path, lost: tuple[int, ...] = ()) -> dict[str, int]:
+    """Each checkpoint file in `directory` with the world size of its save, asserting that every shard of its save is
+    there, and that a shard folder without its file holds only shards of the `lost` ranks (each rank removes its own
+    shards of a checkpoint dropped, which a lost rank cannot do)."""
+    found = {}
+    for path in sorted(directory.glob("*.ckpt")):
+        meta = torch.load(path, weights_only=True)["decentralized_shards"]
+        for rank in range(meta["world_size"]):
+            assert Path(shard_path(str(path), rank, meta["world_size"], meta["save_id"])).exists(), (path, rank)
+        found[path.name] = meta["world_size"]
+    for folder in directory.glob("*.shards"):
+        if folder.name[: -len(".shards")] not in found:
+            assert all(int(shard.name[5:10]) in lost for shard in folder.iterdir()), sorted(folder.iterdir())
+    return found
+
+
+def test_a_save_in_the_steps_the_survivors_take_alone_is_written_by_them_and_keeps_the_best_path_true(tmp_path: Path) -> None:
+    """3 ranks, `ModelCheckpoint(every_n_train_steps=5, save_top_k=1)`; rank 2 is killed when step 9 starts. Ranks 0
+    and 1 agree on step 9, so the save of step 10 falls before they mix again, while each runs alone: they make their
+    process group for it (it was skipped, and ModelCheckpoint then removed the checkpoint of step 5, leaving none).
+    The checkpoint of step 10 is theirs (two shards) and `best_model_path` names it on both."""
+    results, codes = _every_rank_exits(workers.survive, 3, root=str(tmp_path), deaths={2: 9}, steps=12, save_at=5, top_k=1)
+    assert codes == [0, 0, -9]
+    for r in results[:2]:
+        assert r["decisions"] == [_decision((0, 1), (2,), 9)] and r["global_step"] == 12
+        assert r["best_model_path"] == str(tmp_path / "epoch=0-step=10.ckpt")
+    assert _complete_checkpoints(tmp_path, lost=(2,)) == {"epoch=0-step=10.ckpt": 2}
+
+
+def test_a_fabric_save_in_the_steps_the_survivors_take_alone_is_written_by_them(tmp_path: Path) -> None:
+    """The same under Fabric: rank 2 killed at step 9 of 12, `fabric.save` at step 10 by the two survivors, who take
+    it alone (it was skipped); resumed on 2 processes, each continues bit for bit."""
+    results, codes = _every_rank_exits(workers.fabric_survive, 3, root=str(tmp_path), deaths={2: 9}, steps=12, save_at=10)
+    assert codes == [0, 0, -9]
+    assert [r["decisions"][0]["step"] for r in results[:2]] == [9, 9]
+    assert _complete_checkpoints(tmp_path) == {"step=10.ckpt": 2}
+    resumed = run_distributed(
+        workers.fabric_resume, 2, checkpoint=str(tmp_path / "step=10.ckpt"), data_of=[0, 1], start=10, steps=12
+    )
+    for replica, survivor in zip(resumed, results[:2]):
+        torch.testing.assert_close(replica, survivor["replica"], atol=0, rtol=0)
+
+
 def test_the_simulation_loses_a_worker_as_the_processes_lose_a_rank() -> None:
     """Rank 2 neighbours every other rank, so none of them completes exchange 5 once it is killed there: they agree
     on step 5 everywhere. `SimulatedDecentralizedStrategy(failures={5: [2]})` gives the same replicas: step 5 local,
@@ -168,6 +212,37 @@ def test_a_silent_rank_is_left_behind_after_the_timeout_and_stops_when_it_wakes_
     for r in (results[0], results[2]):
         assert r["decisions"] == [_decision((0, 2), (1,), 5)] and (r["world_size"], r["global_step"]) == (2, 12)
     assert results[1].startswith("Excluded: The other ranks went on without rank 1 after step 5")
+
+
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_when_the_store_host_stops_or_dies_every_survivor_ends_with_store_lost(tmp_path: Path, how: str) -> None:
+    """4 ranks on a ring, timeout 5 s, every rank waiting at the end of step 4; then rank 0, whose process hosts the
+    job's store (a launch like Lightning's), is stopped (SIGSTOP) or killed, and the others go on. Ranks 1, 2 and 3
+    end with `StoreLost` naming the store: every call to the store on a per-batch path runs under the watchdog.
+    Without it, the stop check at the start of step 5 (a call to the store) hung with the host stopped, and raised
+    `DistNetworkError: Connection reset by peer` with the host killed."""
+    with tempfile.TemporaryDirectory() as out:
+        procs = start_processes(
+            workers.survive_or_error, 4, out, root=str(tmp_path), deaths={}, steps=12, timeout=5.0, hold_after=4
+        )
+        try:
+            deadline = time.monotonic() + 120.0
+            while not all((tmp_path / f"held-{r}").exists() for r in range(4)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(procs[0].pid, signal.SIGSTOP if how == "stopped" else signal.SIGKILL)  # ours
+            (tmp_path / "released").touch()
+            for p in procs[1:]:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert [p.exitcode for p in procs[1:]] == [0, 0, 0], "a survivor hung or died"
+        finally:
+            for p in procs:  # rank 0, stopped: SIGKILL ends it too
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (1, 2, 3)]
+    for r in results:
+        assert r.startswith("StoreLost: The job's store at 127.0.0.1:"), r
+        assert ("did not answer within 5 s" if how == "stopped" else "is gone") in r
 
 
 def test_a_lost_rank_started_again_stops_at_once_while_the_survivors_go_on(tmp_path: Path) -> None:

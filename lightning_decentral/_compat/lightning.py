@@ -16,6 +16,7 @@ from lightning.pytorch.loops.progress import _OptimizationProgress as Optimizati
 from lightning.pytorch.loops.progress import _Progress as Progress
 from lightning.pytorch.loops.progress import _ReadyCompletedTracker as ReadyCompletedTracker
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler as distributed_sampler
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled as is_dataloader_shuffled
 from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
@@ -28,6 +29,7 @@ __all__ = [
     "OptimizationProgress",
     "Progress",
     "ReadyCompletedTracker",
+    "SubprocessScriptLauncher",
     "as_fabric_backward",
     "distributed_sampler",
     "epochs_begun",
@@ -50,6 +52,10 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     (
         "lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher",
         "DDPStrategy's spawn/fork launcher, subclassed to hand back x̄: Lightning exports no public launcher",
+    ),
+    (
+        "lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher",
+        "DDPStrategy's popen launcher, subclassed to hand Lightning a dangling last.ckpt: no public launcher",
     ),
     ("lightning.pytorch.loops.progress", "_OptimizationProgress", _LOOP_STATE),
     ("lightning.pytorch.loops.progress", "_Progress", _LOOP_STATE),

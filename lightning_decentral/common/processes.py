@@ -11,7 +11,6 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -230,10 +229,3 @@ class OnProcesses:
             lost = losses(self.failures_survived)
             if lost:
                 rank_zero_warn(lost)
-
-    def save_skipped(self, filepath: Any, warn: Callable[[str], None] = rank_zero_warn) -> bool:
-        """Whether a save of `filepath` is skipped (with a warning): in the steps the survivors of a failure take
-        alone, before they mix again, there is no `x̄` to agree on."""
-        if self.driver.alone:
-            warn(f"{filepath} is not saved: the survivors of a failure take this step alone, before they mix again.")
-        return self.driver.alone

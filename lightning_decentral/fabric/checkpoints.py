@@ -19,6 +19,7 @@ from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.driver import StepDriver
 from lightning_decentral.files import StrPath, with_atomic_writes
+from lightning_decentral.membership import Survivors, form_for_save
 
 STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
 
@@ -108,7 +109,7 @@ class ShardedCheckpoints:
     averaged_model: Callable[..., AbstractContextManager]
     check_outside_the_graph: Callable[[str], None]
     agree: Callable[[str], None]
-    save_skipped: Callable[[Any], bool]
+    survivors: Optional[Survivors]
     rule_record: Callable[[], dict[str, str]]
 
     def save_checkpoint(
@@ -120,13 +121,13 @@ class ShardedCheckpoints:
     ) -> None:
         """Runs in `fabric.save`, on every rank: the file holds `x̄` and the averaged optimizer state; each
         rank writes its shard beside it, then rank 0 the file
-        ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards])."""
+        ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]). In the steps the survivors of a failure
+        take alone, they make their process group first ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
         module_key, optimizer_key = self._keys(state)
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
         self.check_outside_the_graph("fabric.save")
-        if self.save_skipped(path):
-            return None
+        form_for_save(self.survivors)  # in the steps the survivors of a failure take alone: their group first
         self.agree(f"fabric.save({str(path)!r})")
         with self.averaged_model(agree=False):  # agreed above: the averaging's all-reduce is the save's first collective
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})

@@ -26,7 +26,7 @@ from lightning_decentral.agreement import run_configuration
 from lightning_decentral.common import OnProcesses, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
-from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities
+from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities, checked_timeout
 from lightning_decentral.measures import random_state
 from lightning_decentral.mixing import FABRIC, Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
@@ -85,7 +85,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=checked_timeout(timeout),
             start_method=start_method,
         )
         self._backward_sync_control = _RuleBackwardSync(self._begin_step)

@@ -13,8 +13,8 @@ again, and a process group of their own. This package does that, Lightning-free,
 * [`poison`][lightning_decentral.membership.poison] closes a generation's process group for good (what makes every
   pending operation on it fail, here and at the peers), and `Membership.form_group` makes the survivors' default
   process group on a fresh prefix of the store;
-* [`store_client`][lightning_decentral.membership.store_client], [`GuardedStore`][lightning_decentral.membership.GuardedStore]
-  (store calls that cannot hang) and [`store_host`][lightning_decentral.membership.store_host] (whether the store
+* [`store_client`][lightning_decentral.membership.store_client], [`GuardedStore`][lightning_decentral.failures.GuardedStore]
+  (store calls that cannot hang, from `failures`) and [`store_host`][lightning_decentral.membership.store_host] (whether the store
   outlives the workers);
 * `report.py`: what a run says about its failures (a line per decision on every survivor, the metrics, the warning
   at the end);
@@ -29,7 +29,7 @@ exchange, take local steps up to it, and mix from the next step on with the topo
 from lightning_decentral.membership.groups import poison, rebuild_world
 from lightning_decentral.membership.protocol import Decision, Excluded, Membership, TooFewWorkers
 from lightning_decentral.membership.store import LAUNCHER_KEY, GuardedStore, StoreLost, store_client, store_host
-from lightning_decentral.membership.survivors import Survivors
+from lightning_decentral.membership.survivors import Survivors, form_for_save
 
 __all__ = [
     "Decision",
@@ -41,6 +41,7 @@ __all__ = [
     "Survivors",
     "TooFewWorkers",
     "store_client",
+    "form_for_save",
     "poison",
     "rebuild_world",
     "store_host",

@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any, Optional
 
 from lightning_decentral.membership.groups import rebuild_world
-from lightning_decentral.membership.store import GuardedStore, StoreLost
+from lightning_decentral.failures import GuardedStore, StoreLost
 from lightning_decentral.rendezvous import keep_out
 
 HEARTBEAT = 0.1  # seconds between two heartbeats of a rank

@@ -12,11 +12,11 @@ from typing import Any, Optional, Protocol
 import torch.distributed as dist
 
 from lightning_decentral._compat import default_store
-from lightning_decentral.failures import Abandoned, PeerFailure
+from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure
 from lightning_decentral.membership.groups import poison
 from lightning_decentral.membership.protocol import Decision, Membership
 from lightning_decentral.membership.report import decision_line
-from lightning_decentral.membership.store import GuardedStore, store_client, store_host
+from lightning_decentral.membership.store import store_client, store_host
 
 log = logging.getLogger(__name__)  # shown as Lightning's own messages are (membership/report.py)
 
@@ -138,4 +138,19 @@ class Survivors:
     def close(self) -> None:
         """Stop the heartbeat."""
         self.membership.close()
+
+
+def form_for_save(survivors: Optional[Survivors]) -> None:
+    """Before a checkpoint save (every rank calls it first): if this rank is in the steps the survivors of a failure
+    take alone, make their process group now, instead of at step `s + 1`, so that the save is theirs (`x̄` of the
+    survivors, a shard each) rather than skipped.
+
+    Every survivor is alone at the same save: a survivor becomes alone only when the decision is written, while each is
+    in the step it joined with, `s` the largest. A save after a step `k < s` would find the survivor that joined with
+    `s` still in the old generation, whose process groups the others closed: its save fails there. So the only
+    saves of a run that survives are those after step `s`, where every survivor is alone, and all form the group
+    together. No-op without `on_peer_failure="continue"` (`survivors` is `None`) or outside those steps.
+    """
+    if survivors is not None:
+        survivors.form()
 

@@ -30,14 +30,14 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral._compat.lightning import MultiProcessingLauncher
+from lightning_decentral._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.common import EvaluatesOnAverage
 from lightning_decentral.failures import Activities, peers_answer
 from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
-from lightning_decentral.trainer.resume import RESUME, choose_checkpoint
+from lightning_decentral.trainer.resume import RESUME, ResolvesLast, ScriptLauncher, choose_checkpoint
 
 
 class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
@@ -101,10 +101,13 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica."""
+        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica; every launcher
+        gives Lightning a dangling `last.ckpt` link for `fit(ckpt_path="last")` ([`ResolvesLast`][lightning_decentral.trainer.resume.ResolvesLast])."""
         super()._configure_launcher()
         if isinstance(self._launcher, MultiProcessingLauncher):
             self._launcher = _AveragingLauncher(self, start_method=self._start_method)
+        elif isinstance(self._launcher, SubprocessScriptLauncher):
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -382,8 +385,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         raise NotImplementedError
 
 
-class _AveragingLauncher(MultiProcessingLauncher):
-    """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process."""
+class _AveragingLauncher(ResolvesLast, MultiProcessingLauncher):
+    """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process (and resolves a `last.ckpt`
+    link whose file is gone: `ResolvesLast`)."""
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
         assert isinstance(self._strategy, ReplicaStrategy)

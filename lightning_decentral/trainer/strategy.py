@@ -38,7 +38,8 @@ from typing_extensions import override
 from lightning_decentral.agreement import run_configuration
 from lightning_decentral.common import OnProcesses, backward_may_overlap, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver
-from lightning_decentral.failures import DEFAULT_TIMEOUT
+from lightning_decentral.failures import DEFAULT_TIMEOUT, checked_timeout
+from lightning_decentral.membership import form_for_save
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.rendezvous import job_store
@@ -122,7 +123,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=checked_timeout(timeout),
             start_method=start_method,
         )
         self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
@@ -257,7 +258,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
     def _agree_on_stops(self, trainer: Trainer) -> None:
         """A SIGTERM stops every rank at one step agreed through the store, not through a broadcast per batch."""
         margin = stop_margin(self.topology, self.staleness, self.gossip_every)
-        agreement = StopAgreement(job_store(), next_key(), margin)
+        agreement = StopAgreement(job_store(), next_key(), margin, self._timeout)
         if self.global_rank == 0:
             agreement.forget_earlier_runs()
         stop_together(trainer, agreement)
@@ -265,17 +266,9 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Runs when a checkpoint is saved, on every rank, first: `x̄`'s state dict (`ReplicaStrategy`'s); in the steps
-        the survivors of a failure take alone, this rank's own, unagreed (the save is skipped: `save_checkpoint`)."""
-        if self.driver.alone:
-            return self.lightning_module.state_dict()
+        the survivors of a failure take alone, once they made their process group ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
+        form_for_save(self.survivors)
         return super().lightning_module_state_dict()
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`); not in the few steps
-        the survivors of a failure take alone before they mix again (warned, on every survivor)."""
-        if not self.save_skipped(filepath):
-            super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))
