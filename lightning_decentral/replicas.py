@@ -138,6 +138,26 @@ class AveragedModel:
         state = module.state_dict(keep_vars=True)
         return {name: self._own.get(id(value), value).detach() for name, value in state.items()}
 
+    def state_dict(self, module: Module, mean: Optional[MeanFn]) -> dict[str, Tensor]:
+        """`x̄`'s state dict, in new tensors where floating-point: this worker's own state dict averaged by `mean` (one
+        call, a collective every worker enters together; the module is not touched), or a copy of the module's while
+        `x̄` is swapped in or `mean` is `None` (one worker).
+
+        Examples:
+            >>> module, twice = torch.nn.Linear(1, 1, bias=False), lambda tensors: [2 * t for t in tensors]
+            >>> with torch.no_grad():
+            ...     _ = module.weight.fill_(1.0)
+            >>> averaged = AveragedModel()
+            >>> averaged.state_dict(module, twice)
+            {'weight': tensor([[2.]])}
+            >>> with averaged.swapped_in(module, twice):
+            ...     averaged.state_dict(module, twice)  # x̄ is in: copied, not averaged again
+            {'weight': tensor([[2.]])}
+        """
+        if self._depth or mean is None:
+            return {name: value.clone() for name, value in module.state_dict().items()}
+        return averaged_state_dict(self.own_state_dict(module), mean)
+
 
 def averaged_optimizer_state(states: list[dict[str, Any]], mean: MeanFn) -> dict[str, Any]:
     """`states[0]` (an optimizer `state_dict()`) with each floating per-parameter tensor (momentum, Adam's
@@ -163,3 +183,17 @@ def averaged_optimizer_state(states: list[dict[str, Any]], mean: MeanFn) -> dict
     for (values, name), average in zip(entries, mean([values[name] for values, name in entries])):
         values[name] = average
     return {**state, "state": per_param}
+
+
+def averaged_state_dict(state_dict: dict[str, Tensor], mean: MeanFn) -> dict[str, Tensor]:
+    """`state_dict` with each floating-point tensor replaced by its mean over the workers, `mean(tensors)` (one call);
+    the others (integer buffers such as BatchNorm's `num_batches_tracked`) as they are.
+
+    Examples:
+        >>> twice = lambda tensors: [2 * t for t in tensors]
+        >>> averaged_state_dict({"w": torch.ones(2), "n": torch.tensor(3)}, twice)
+        {'w': tensor([2., 2.]), 'n': tensor(3)}
+    """
+    names = [name for name, value in state_dict.items() if value.is_floating_point()]
+    means = dict(zip(names, mean([state_dict[name] for name in names]))) if names else {}
+    return {name: means.get(name, value) for name, value in state_dict.items()}

@@ -20,8 +20,6 @@ from typing import Any, Optional
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_decentral.replicas import MeanFn
-
 
 class BackgroundWriter:
     """A thread that runs the jobs given to [`submit`][lightning_decentral.trainer.background.BackgroundWriter.submit]
@@ -98,18 +96,3 @@ def host_copy(state: Any) -> Any:
         {'w': tensor([0., 0.]), 'step': 3}
     """
     return apply_to_collection(state, Tensor, lambda t: t.detach().to("cpu", copy=True))
-
-
-def averaged_state_dict(state_dict: dict[str, Tensor], mean: MeanFn) -> dict[str, Tensor]:
-    """`state_dict` with each floating-point tensor replaced by its mean over the workers, `mean(tensors)` (one call);
-    the others (integer buffers such as BatchNorm's `num_batches_tracked`) as they are.
-
-    Examples:
-        >>> import torch
-        >>> twice = lambda tensors: [2 * t for t in tensors]
-        >>> averaged_state_dict({"w": torch.ones(2), "n": torch.tensor(3)}, twice)
-        {'w': tensor([2., 2.]), 'n': tensor(3)}
-    """
-    names = [name for name, value in state_dict.items() if value.is_floating_point()]
-    means = dict(zip(names, mean([state_dict[name] for name in names]))) if names else {}
-    return {name: means.get(name, value) for name, value in state_dict.items()}

@@ -35,8 +35,8 @@ from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.common import EvaluatesOnAverage
 from lightning_decentral.failures import Activities, peers_answer
 from lightning_decentral.files import StrPath, with_atomic_writes
-from lightning_decentral.replicas import AveragedModel, state_tensors
-from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
+from lightning_decentral.replicas import AveragedModel, MeanFn, averaged_state_dict, state_tensors
+from lightning_decentral.trainer.background import BackgroundWriter, host_copy
 from lightning_decentral.trainer.resume import RESUME, ResolvesLast, ScriptLauncher, choose_checkpoint
 
 
@@ -93,11 +93,14 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         Parameters and floating-point buffers are averaged with one all-reduce per
         (device, dtype); a nested use is free. Every rank must enter it together.
         """
-        mean = None
-        if self.world_size > 1 and self.lightning_module is not None:
-            mean = functools.partial(self._ranks.mean, what="Averaging the replicas into x̄ (to evaluate or save)")
-        with self._averaged.swapped_in(self.lightning_module, mean):
+        with self._averaged.swapped_in(self.lightning_module, self._mean("Averaging the replicas into x̄ (to evaluate)")):
             yield
+
+    def _mean(self, what: str) -> Optional[MeanFn]:
+        """The mean over the ranks (`Ranks.mean`, naming `what` if a rank fails meanwhile); `None` on one rank."""
+        if self.world_size > 1 and self.lightning_module is not None:
+            return functools.partial(self._ranks.mean, what=what)
+        return None
 
     @override
     def _configure_launcher(self) -> None:
@@ -233,8 +236,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self.activities.agree("a checkpoint save (trainer.save_checkpoint or a checkpoint callback)")
         if self._writer is not None:
             return self._averaged.own_state_dict(self.lightning_module)
-        with self.averaged_model():
-            return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
+        return self._averaged.state_dict(self.lightning_module, self._mean("Averaging the replicas into x̄ (to save)"))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Optional[Any] = None) -> None:
