@@ -18,7 +18,7 @@ from torch import Tensor
 
 from lightning_decentral._compat import use_count
 from lightning_decentral.failures import PeerFailure, peers_answer
-from lightning_decentral.replicas import averaged_optimizer_state, group_by_layout
+from lightning_decentral.replicas import MeanFn, averaged_optimizer_state, group_by_layout
 from lightning_decentral.schedule import RoundsSchedule
 
 _STRING_SLOTS = 64  # a configuration string travels as this many code points
@@ -278,15 +278,16 @@ def _schedule_text(schedule: RoundsSchedule) -> str:
     return fitted(str(schedule)) if len(schedule.milestones) > 1 else ""
 
 
-def mean_optimizer_state(ranks: Ranks, state: dict[str, Any]) -> dict[str, Any]:
+def mean_optimizer_state(ranks: Ranks, state: dict[str, Any], mean: Optional[MeanFn] = None) -> dict[str, Any]:
     """An optimizer `state_dict` with every floating-point state tensor (momentum, Adam's moments) replaced
-    by its mean over the ranks, one all-reduce per (device, dtype); the live state is never touched.
+    by its mean over the ranks, one all-reduce per (device, dtype) (`mean`, default `ranks.mean`); the live state is
+    never touched.
 
     For DecentLaM this also cancels each rank's consensus term: `1ᵀ (I − W) = 0`.
     """
     if ranks.world_size == 1 or not state:
         return state
-    return averaged_optimizer_state([state], ranks.mean)
+    return averaged_optimizer_state([state], mean or ranks.mean)
 
 
 def _squared_norm(t: Tensor) -> Tensor:

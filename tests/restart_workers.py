@@ -153,6 +153,59 @@ def failed_background_save(rank: int, world_size: int, root: str) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+class AllReduces:
+    """Counts the all-reduces of tensors of `numel` elements (from any thread) while entered."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel, self.count = numel, 0
+
+    def __enter__(self) -> "AllReduces":
+        self.all_reduce = torch.distributed.all_reduce
+
+        def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.count += tensor.numel() == self.numel
+            return self.all_reduce(tensor, *args, **kwargs)
+
+        torch.distributed.all_reduce = counted
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.distributed.all_reduce = self.all_reduce
+
+
+class ChangedBetweenSaves(Callback):
+    """At step `step`: `trainer.save_checkpoint` to `before.ckpt`, add 1 to every parameter of rank `rank`'s replica,
+    save `after.ckpt` (then `ModelCheckpoint` saves the step's checkpoint and last.ckpt)."""
+
+    def __init__(self, rank: int, step: int, directory: str) -> None:
+        self.rank, self.step, self.directory = rank, step, directory
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(f"{self.directory}/before.ckpt")
+            if trainer.global_rank == self.rank:
+                with torch.no_grad():
+                    for p in module.parameters():
+                        p.add_(1.0)
+            trainer.save_checkpoint(f"{self.directory}/after.ckpt")
+
+
+def saves_of_one_step(rank: int, world_size: int, root: str) -> dict[str, int]:
+    """Synchronously and in the background: the all-reduces of the model's size during a fit without gossip (on 2
+    ranks the ring's exchange is one) saving a checkpoint and last.ckpt every `EVERY` of `2 * EVERY` steps; then, in
+    `root/<mode>-changed`, a fit whose step `EVERY` saves around an in-place change of rank 0's replica."""
+    numel = sum(p.numel() for p in Regression().parameters())
+    counts = {}
+    for mode in ("sync", "background"):
+        with AllReduces(numel) as all_reduces:
+            local = {"gossip_every": 4 * EVERY}
+            fit(rank, world_size, f"{root}/{mode}", 2 * EVERY, background=mode == "background", strategy=local)
+        counts[mode] = all_reduces.count
+        changed = ChangedBetweenSaves(0, EVERY, f"{root}/{mode}-changed")
+        fit(rank, world_size, f"{root}/{mode}-changed", EVERY, background=mode == "background", callbacks=[changed])
+    return counts
+
+
 def _own_shard(checkpoint: str, rank: int, world_size: int) -> str:
     save_id = torch.load(checkpoint, weights_only=True)[checkpoint_io.META_KEY]["save_id"]
     return checkpoint_io.shard_path(checkpoint, rank, world_size, save_id)

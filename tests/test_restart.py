@@ -106,6 +106,23 @@ def test_a_failed_background_save_stops_every_rank_and_removes_nothing(tmp_path:
     assert all(file["global_step"] == workers.EVERY for file, _ in saves.values())
 
 
+def test_the_saves_of_one_step_average_once_and_see_a_replica_changed_between_them(tmp_path: Path) -> None:
+    """`ModelCheckpoint(save_last=True)`: the step's checkpoint and last.ckpt share one x̄ and one averaged momentum
+    (synchronously and in the background); a replica written in place between two saves of a step, on one rank only,
+    is averaged again on every rank."""
+    counts = run_distributed(workers.saves_of_one_step, 2, timeout=240, root=str(tmp_path))
+    for rank_counts in counts:  # 2 save steps, each averaging the parameters and the momentum once
+        assert rank_counts == {"sync": 4, "background": 4}, rank_counts
+    for mode in ("sync", "background"):
+        directory = tmp_path / f"{mode}-changed"
+        files = {name: torch.load(directory / name, weights_only=True) for name in ("before.ckpt", "after.ckpt", "last.ckpt")}
+        before, after = files["before.ckpt"]["state_dict"], files["after.ckpt"]["state_dict"]
+        for key, value in before.items():  # rank 0's replica + 1, over 2 ranks
+            torch.testing.assert_close(after[key], value + 0.5, rtol=0, atol=1e-6)
+            assert torch.equal(files["last.ckpt"]["state_dict"][key], after[key]), (mode, key)  # after's x̄, reused
+        assert _equal(files["after.ckpt"]["optimizer_states"], files["before.ckpt"]["optimizer_states"])
+
+
 def _replica_in(checkpoint: Path, rank: int, world_size: int = WORLD) -> torch.Tensor:
     save_id = torch.load(checkpoint, weights_only=True)[META_KEY]["save_id"]
     shard = read_shard(shard_path(str(checkpoint), rank, world_size, save_id))

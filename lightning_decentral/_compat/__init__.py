@@ -29,6 +29,10 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
         "how many owners hold a tensor (a gloo work among them): sys.getrefcount counts Python's references only",
     ),
     (
+        "torch.Tensor", "_version",
+        "how many times a tensor was written in place (autograd's version counter): torch has no public accessor",
+    ),
+    (
         "torch.amp.GradScaler", "_scale",
         "the loss scale as a tensor on the device: get_scale() returns a float, a host sync at every step",
     ),
@@ -53,6 +57,21 @@ def use_count(tensor: Tensor) -> int:
         1
     """
     return tensor._use_count()
+
+
+def version(tensor: Tensor) -> int:
+    """How many times `tensor`'s data was written in place by a torch operation (autograd's version counter, which a
+    view shares with its base); a collective writing into it (`dist.all_reduce`) does not count.
+
+    Examples:
+        >>> import torch
+        >>> flat = torch.zeros(4)
+        >>> view, before = flat[:2], version(flat)
+        >>> _ = flat.add_(1)
+        >>> version(view) - before
+        1
+    """
+    return tensor._version
 
 
 def grad_scale(scaler: Any) -> Optional[Tensor]:

@@ -17,8 +17,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
-from lightning_utilities.core.apply_func import apply_to_collection
-from torch import Tensor
+from lightning_decentral import checkpoint as shards
+from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.files import StrPath
+from lightning_decentral.replicas import averaged_state_dict
+from lightning_decentral.trainer.reuse import StepSaves
 
 
 class BackgroundWriter:
@@ -83,16 +86,40 @@ class BackgroundWriter:
                 self._jobs.task_done()
 
 
-def host_copy(state: Any) -> Any:
-    """`state` with every tensor copied to host memory (new containers, the same non-tensor values): the only part
-    of a background save that blocks the training thread.
+def background_save(
+    checkpoint: dict[str, Any],
+    filepath: StrPath,
+    own: dict[str, Any],
+    ranks: Ranks,
+    shared: StepSaves,
+    write_file: Callable[[dict[str, Any]], None],
+) -> Callable[[], None]:
+    """Copy this rank's part of `checkpoint` (its own replica and optimizer state) and `own` (the rest of its shard:
+    `step`, `precision`, `rng`, `rule` of [`make_shard`][lightning_decentral.checkpoint.make_shard]) to host memory,
+    the only part that blocks training, and return the rest of the save for the writer thread: average the copies
+    into `x̄` and the averaged optimizer state on `ranks` (the writer's own group), then the shard protocol, with
+    `write_file(checkpoint)` writing the file on rank 0. A later save of the same step reuses the copies and the
+    means of unchanged tensors (`shared`)."""
+    copied = shared.copies.copy(checkpoint)
+    own_states = copied.get("optimizer_states")
+    shard = dict(state_dict=copied["state_dict"], optimizer_states=own_states, **shared.copies.copy(own))
+    means = shared.queued()
 
-    Examples:
-        >>> import torch
-        >>> live = {"w": torch.zeros(2), "step": 3}
-        >>> copy = host_copy(live)
-        >>> live["w"] += 1
-        >>> copy
-        {'w': tensor([0., 0.]), 'step': 3}
-    """
-    return apply_to_collection(state, Tensor, lambda t: t.detach().to("cpu", copy=True))
+    def save() -> None:
+        averaging = "Averaging the replicas into x̄ (to save)"
+        copied["state_dict"] = averaged_state_dict(shard["state_dict"], means.bound(ranks, "x̄", averaging))
+        if own_states is not None:
+            averaging = "Averaging the optimizer state (to save)"
+            copied["optimizer_states"] = [
+                mean_optimizer_state(ranks, state, means.bound(ranks, f"optimizer {i}", averaging))
+                for i, state in enumerate(own_states)
+            ]
+        shards.save_with_shards(
+            ranks,
+            copied,
+            filepath,
+            make_shard=lambda save_id: shards.make_shard(save_id, ranks.rank, ranks.world_size, **shard),
+            write_file=lambda: write_file(copied),
+        )
+
+    return save

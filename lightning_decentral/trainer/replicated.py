@@ -35,9 +35,10 @@ from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.common import EvaluatesOnAverage
 from lightning_decentral.failures import Activities, peers_answer
 from lightning_decentral.files import StrPath, with_atomic_writes
-from lightning_decentral.replicas import AveragedModel, MeanFn, averaged_state_dict, state_tensors
-from lightning_decentral.trainer.background import BackgroundWriter, host_copy
+from lightning_decentral.replicas import AveragedModel, MeanFn, state_tensors
+from lightning_decentral.trainer.background import BackgroundWriter, background_save
 from lightning_decentral.trainer.resume import RESUME, ResolvesLast, ScriptLauncher, choose_checkpoint
+from lightning_decentral.trainer.reuse import StepSaves
 
 
 class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
@@ -71,6 +72,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self._writer: Optional[BackgroundWriter] = None  # saves in the background (AsyncCheckpointIO), during fit
         self._writer_ranks: Optional[Ranks] = None  # the ranks on the writer's own gloo group
         self._writer_step = -1  # the step of the last save given to the writer
+        self._step_saves: Optional[StepSaves] = None  # during fit: what the saves of one step share
 
     @override
     def setup_environment(self) -> None:
@@ -96,11 +98,14 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         with self._averaged.swapped_in(self.lightning_module, self._mean("Averaging the replicas into x̄ (to evaluate)")):
             yield
 
-    def _mean(self, what: str) -> Optional[MeanFn]:
-        """The mean over the ranks (`Ranks.mean`, naming `what` if a rank fails meanwhile); `None` on one rank."""
-        if self.world_size > 1 and self.lightning_module is not None:
-            return functools.partial(self._ranks.mean, what=what)
-        return None
+    def _mean(self, what: str, label: Optional[str] = None) -> Optional[MeanFn]:
+        """The mean over the ranks (`Ranks.mean`, naming `what` if a rank fails meanwhile); `None` on one rank. With
+        a `label`, during fit, one that the saves of a step share ([`ReusedMeans`][lightning_decentral.trainer.reuse.ReusedMeans])."""
+        if self.world_size == 1 or self.lightning_module is None:
+            return None
+        if label is not None and self._step_saves is not None:
+            return self._step_saves.means.bound(self._ranks, label, what)
+        return functools.partial(self._ranks.mean, what=what)
 
     @override
     def _configure_launcher(self) -> None:
@@ -150,6 +155,15 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             group = dist.new_group(backend="gloo", timeout=self._timeout)
             self._writer_ranks = Ranks(self.global_rank, self.world_size, torch.device("cpu"), group)
             self._writer = BackgroundWriter()
+        self._step_saves = StepSaves(None if self._writer is None else self._writer.submit)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Runs before each training batch: the replicas change now, so forget what the saves of the step before
+        shared."""
+        if self._step_saves is not None:
+            self._step_saves.forget()
+        super().on_train_batch_start(batch, batch_idx)
 
     @override
     def on_train_end(self) -> None:
@@ -171,6 +185,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         """Runs after each stage: forget a shard not restored; let the background writer end (after an error
         without waiting: a save may wait on a dead peer), and save synchronously from now on."""
         self._resume_shard = None
+        self._step_saves = None
         if self._writer is not None:
             self._writer.close(wait=not self._failed)
             if not self._failed:
@@ -223,7 +238,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         """
         if self._writer is not None:
             return super().optimizer_state(optimizer)
-        return mean_optimizer_state(self._ranks, super().optimizer_state(optimizer))
+        label = next((f"optimizer {i}" for i, known in enumerate(self.optimizers) if known is optimizer), None)
+        mean = self._mean("Averaging the optimizer state (to save)", label)
+        return mean_optimizer_state(self._ranks, super().optimizer_state(optimizer), mean)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -236,7 +253,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self.activities.agree("a checkpoint save (trainer.save_checkpoint or a checkpoint callback)")
         if self._writer is not None:
             return self._averaged.own_state_dict(self.lightning_module)
-        return self._averaged.state_dict(self.lightning_module, self._mean("Averaging the replicas into x̄ (to save)"))
+        return self._averaged.state_dict(self.lightning_module, self._mean("Averaging the replicas into x̄ (to save)", "x̄"))
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Optional[Any] = None) -> None:
@@ -247,7 +264,16 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         step's saves are in flight, and a failed one raises at the same save on every rank)."""
         if self._writer is not None:
             self._finish_earlier_saves()
-            self._writer.submit(self._background_save(checkpoint, filepath, storage_options))
+            weights_only = "optimizer_states" not in checkpoint
+            own = dict(
+                step=self.lightning_module.trainer.global_step,
+                precision=None if weights_only else self.precision_plugin.state_dict(),
+                rng=shards.rng_state(),
+                rule=self.rule_record(),
+            )
+            assert self._writer_ranks is not None and self._step_saves is not None
+            write_file = functools.partial(self._write_file, filepath=filepath, storage_options=storage_options)
+            self._writer.submit(background_save(checkpoint, filepath, own, self._writer_ranks, self._step_saves, write_file))
             return
         shards.save_with_shards(
             self._ranks,
@@ -331,36 +357,6 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         shard, self._resume_shard = self._resume_shard, None
         if shard is not None:
             shards.resume_rank_state(shard, self.lightning_module.trainer.global_step)
-
-    def _background_save(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any) -> Callable[[], None]:
-        """Copy this rank's part of `checkpoint` (its own replica and optimizer state: see `optimizer_state`) to host
-        memory, and return the rest of the save: average the copies into `x̄` and the averaged optimizer state,
-        then the shard protocol, on the writer's own group."""
-        copied = host_copy(checkpoint)
-        own_states = copied.get("optimizer_states")
-        shard = dict(
-            state_dict=copied["state_dict"],
-            step=self.lightning_module.trainer.global_step,
-            optimizer_states=own_states,
-            precision=None if own_states is None else host_copy(self.precision_plugin.state_dict()),
-            rng=shards.rng_state(),
-            rule=self.rule_record(),
-        )
-        ranks = self._writer_ranks
-
-        def save() -> None:
-            copied["state_dict"] = averaged_state_dict(shard["state_dict"], ranks.mean)
-            if own_states is not None:
-                copied["optimizer_states"] = [mean_optimizer_state(ranks, state) for state in own_states]
-            shards.save_with_shards(
-                ranks,
-                copied,
-                filepath,
-                make_shard=lambda save_id: shards.make_shard(save_id, ranks.rank, ranks.world_size, **shard),
-                write_file=lambda: self._write_file(copied, filepath, storage_options),
-            )
-
-        return save
 
     def _shard(self, checkpoint: dict[str, Any], save_id: int) -> dict[str, Any]:
         """This rank's part of the checkpoint: replica, optimizer, precision, step and RNG state."""

@@ -1,0 +1,165 @@
+"""What the saves of one step share: `ModelCheckpoint(save_last=True)` saves the step's checkpoint, then `last.ckpt`,
+from the same replicas, and the second save reuses the first's `x̄`, averaged optimizer state and (in the background)
+host copies instead of averaging and copying again.
+
+A tensor counts as unchanged while it is the same data (the same address, shape, strides, dtype and device; the record
+keeps that memory alive, so no other tensor can take its address) and torch's version counter, which counts every
+in-place write by a torch operation, has not moved. The strategy forgets everything at the next training batch and at
+the end of fit: nothing is kept longer than one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any, Optional, Protocol
+
+import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+
+from lightning_decentral._compat import version
+from lightning_decentral.replicas import MeanFn
+
+
+class MeanGroup(Protocol):
+    """What [`ReusedMeans`][lightning_decentral.trainer.reuse.ReusedMeans] needs of
+    [`Ranks`][lightning_decentral.agreement.Ranks]."""
+
+    rank: int
+    world_size: int
+    group: Optional[dist.ProcessGroup]
+
+    def mean(self, tensors: list[Tensor], what: str = ...) -> list[Tensor]: ...
+
+    def gather(self, values: list[int], what: str = ...) -> Tensor: ...
+
+
+class _Record:
+    """A tensor as it was: an alias of its data (which keeps the memory) and its version counter."""
+
+    __slots__ = ("alias", "version")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.alias, self.version = tensor.detach(), version(tensor)
+
+    def matches(self, tensor: Tensor) -> bool:
+        """Whether `tensor` is the recorded data, not written in place since."""
+        alias = self.alias
+        return (
+            tensor.data_ptr() == alias.data_ptr() and tensor.shape == alias.shape and tensor.stride() == alias.stride()
+            and tensor.dtype == alias.dtype and tensor.device == alias.device and version(tensor) == self.version
+        )
+
+
+class ReusedMeans:
+    """Means over the ranks, each remembered under a label until `clear`: asked again under the label for the same
+    tensors, unchanged on every rank, it returns the same results without averaging again.
+
+    Whether every rank may reuse is agreed with one all-gather of a flag (no rank skips a collective another runs);
+    it is asked only when a mean is remembered under the label, which every rank running the same program remembers
+    alike. A result written in place since is not reused, and a change of process group forgets everything.
+
+    Examples:
+        >>> import torch
+        >>> class OneRank:  # a stand-in for Ranks, counting its averagings
+        ...     rank, world_size, group, calls = 0, 1, None, 0
+        ...     def mean(self, tensors, what): self.calls += 1; return [t.clone() for t in tensors]
+        ...     def gather(self, values, what): return torch.tensor([values])
+        >>> means, ranks, w = ReusedMeans(), OneRank(), torch.ones(3)
+        >>> first = means.mean(ranks, "x̄", [w], "Averaging")
+        >>> means.mean(ranks, "x̄", [w], "Averaging")[0].data_ptr() == first[0].data_ptr(), ranks.calls
+        (True, 1)
+        >>> _ = w.mul_(2)  # written in place: averaged again
+        >>> means.mean(ranks, "x̄", [w], "Averaging")[0].tolist(), ranks.calls
+        ([2.0, 2.0, 2.0], 2)
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[Hashable, tuple[list[_Record], list[_Record]]] = {}  # label -> (inputs, results)
+        self._scope: Optional[tuple[Any, ...]] = None
+
+    def mean(self, ranks: MeanGroup, label: Hashable, tensors: list[Tensor], what: str) -> list[Tensor]:
+        """`ranks.mean(tensors, what)`, or the results remembered under `label` for these tensors, unchanged."""
+        world = dist.group.WORLD if ranks.group is None and dist.is_initialized() else None
+        scope = (ranks.rank, ranks.world_size, ranks.group, world)
+        if scope != self._scope:
+            self._kept, self._scope = {}, scope
+        kept = self._kept.get(label)
+        if kept is not None:
+            inputs, results = kept
+            same = len(inputs) == len(tensors) and all(r.matches(t) for r, t in zip(inputs, tensors))
+            same = same and all(r.matches(r.alias) for r in results)
+            if bool(ranks.gather([same], f"{what}, agreeing whether an earlier save of this step did it,")[:, 0].all()):
+                return [r.alias for r in results]
+        means = ranks.mean(tensors, what)
+        self._kept[label] = ([_Record(t) for t in tensors], [_Record(m) for m in means])
+        return means
+
+    def bound(self, ranks: MeanGroup, label: Hashable, what: str) -> MeanFn:
+        """`mean` as a [`MeanFn`][lightning_decentral.replicas.MeanFn] of the tensors alone."""
+        return lambda tensors: self.mean(ranks, label, tensors, what)
+
+    def clear(self) -> None:
+        """Forget every mean (the replicas change, or fit ends)."""
+        self._kept = {}
+
+
+class HostCopies:
+    """Copies of tensors in host memory (a background save's copy of a checkpoint), each handed out again for the same
+    tensor, unchanged, until `clear`.
+
+    Examples:
+        >>> import torch
+        >>> copies, live = HostCopies(), {"w": torch.zeros(2), "step": 3}
+        >>> first, second = copies.copy(live), copies.copy(live)
+        >>> second["w"] is first["w"], first["w"] is live["w"], second["step"]
+        (True, False, 3)
+        >>> _ = live["w"].add_(1)
+        >>> copies.copy(live)["w"]
+        tensor([1., 1.])
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[Any, ...], tuple[_Record, Tensor]] = {}
+
+    def copy(self, state: Any) -> Any:
+        """`state` with every tensor copied to host memory (new containers, the same non-tensor values)."""
+        return apply_to_collection(state, Tensor, self._copy)
+
+    def _copy(self, tensor: Tensor) -> Tensor:
+        key = (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+        kept = self._kept.get(key)
+        if kept is not None and kept[0].matches(tensor):
+            return kept[1]
+        copy = tensor.detach().to("cpu", copy=True)
+        self._kept[key] = (_Record(tensor), copy)
+        return copy
+
+    def clear(self) -> None:
+        """Forget every copy."""
+        self._kept = {}
+
+
+class StepSaves:
+    """What the saves of one step share, `means` and `copies`, until `forget` (at the next training batch). With
+    `submit` (a [`BackgroundWriter`][lightning_decentral.trainer.background.BackgroundWriter]'s), the means are the
+    writer thread's: forgotten there, after the saves queued before."""
+
+    def __init__(self, submit: Optional[Callable[[Callable[[], None]], None]] = None) -> None:
+        self.means, self.copies = ReusedMeans(), HostCopies()
+        self._submit = submit
+        self._queued = False  # a save was given to the writer since the last `forget`
+
+    def queued(self) -> ReusedMeans:
+        """A save is given to the writer: the means it may share."""
+        self._queued = True
+        return self.means
+
+    def forget(self) -> None:
+        """Forget the copies now, and the means (with `submit`, once the saves queued so far are done)."""
+        self.copies.clear()
+        if self._submit is None:
+            self.means.clear()
+        elif self._queued:
+            self._submit(self.means.clear)
+            self._queued = False
