@@ -159,11 +159,17 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Runs before each training batch: the replicas change now, so forget what the saves of the step before
-        shared."""
+        """Runs before each training batch: forget what the saves of the step before shared (the replicas change)."""
         if self._step_saves is not None:
             self._step_saves.forget()
         super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def on_validation_start(self) -> None:
+        """Runs when validation starts: forget what the saves of the step shared (no memory held meanwhile)."""
+        if self._step_saves is not None:
+            self._step_saves.forget()
+        super().on_validation_start()
 
     @override
     def on_train_end(self) -> None:

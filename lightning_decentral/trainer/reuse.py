@@ -4,8 +4,8 @@ host copies instead of averaging and copying again.
 
 A tensor counts as unchanged while it is the same data (the same address, shape, strides, dtype and device; the record
 keeps that memory alive, so no other tensor can take its address) and torch's version counter, which counts every
-in-place write by a torch operation, has not moved. The strategy forgets everything at the next training batch and at
-the end of fit: nothing is kept longer than one step.
+in-place write by a torch operation, has not moved. The strategy forgets everything at the next training batch, when
+validation starts and at the end of fit: nothing is kept longer than one step, nor while validation runs.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class HostCopies:
 
 
 class StepSaves:
-    """What the saves of one step share, `means` and `copies`, until `forget` (at the next training batch). With
+    """What the saves of one step share, `means` and `copies`, until `forget`. With
     `submit` (a [`BackgroundWriter`][lightning_decentral.trainer.background.BackgroundWriter]'s), the means are the
     writer thread's: forgotten there, after the saves queued before."""
 
