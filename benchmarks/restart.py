@@ -19,8 +19,10 @@ saves), and ``every N link`` saves synchronously with ``last.ckpt`` a link to th
 (``save_last="link"``) instead of a second save. The cost of a method is its mean step over the ``--steps`` measured
 steps (the slowest rank's wall time from the end of the last warm-up step to the end of the last step, divided by the
 steps: saves included), against ``none``'s of the same strategy (``ddp_none`` for a ``ddp_`` method); the training
-time a save step costs is that difference times the measured steps, over the save steps among them; also the time
-``fit`` took after the last step (waiting for the saves still in flight, and the teardown).
+time a save step costs is that difference times the measured steps, over the save steps among them. The same for
+the CPU time of every rank together over those steps (each process's, all its threads: training, gloo's, the
+background writer's), which other jobs on the machine disturb much less than the wall time; also the time ``fit``
+took after the last step (waiting for the saves still in flight, and the teardown).
 
 **Kill to first step.** ``--kills K`` then runs one job under ``torchrun --nproc-per-node=W --max-restarts=K`` with
 background saves every ``--every`` steps and ``fit(ckpt_path="last")`` with ``resume="newest_complete"``; at attempt
@@ -107,16 +109,29 @@ def _trainer(config: dict[str, Any], every: Optional[int], background: bool, dir
     )
 
 
+class CpuClock(StepClock):
+    """``StepClock``, and this process's CPU time (all its threads': gloo's, the background writer's) at every batch
+    end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cpu: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        super().on_train_batch_end(*args)
+        self.cpu.append(time.process_time())
+
+
 def _train(config: dict[str, Any], name: str, directory: str, rank: int) -> dict[str, Any]:
-    """One rank of one method: its step ends, and when `fit` returned."""
+    """One rank of one method: its step ends (wall and CPU time), and when `fit` returned."""
     harness.use_threads(1)
     harness.quiet()
     strategy, every, background, save_last = _method(name)
-    clock = StepClock()
+    clock = CpuClock()
     trainer = _trainer(config, every, background, directory, [clock], save_last, strategy)
     widths = tuple(config["widths"])
     trainer.fit(MLP(widths, 0.01, 0.9), make_loader(rank, widths, config["batch_size"], config["warmup"] + config["steps"]))
-    return {"ends": clock.ends, "returned": time.perf_counter()}
+    return {"ends": clock.ends, "cpu": clock.cpu, "returned": time.perf_counter()}
 
 
 def cost_per_step(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -129,34 +144,50 @@ def cost_per_step(args: argparse.Namespace) -> list[dict[str, Any]]:
             w, s = args.warmup, args.steps
             run = {
                 "mean_step_s": max((r["ends"][w + s - 1] - r["ends"][w - 1]) / s for r in records),
+                "cpu_per_step_s": sum((r["cpu"][w + s - 1] - r["cpu"][w - 1]) / s for r in records),
                 "after_last_step_s": max(r["returned"] - r["ends"][-1] for r in records),
             }
             runs[name].append(run)
-            print(f"  repeat {repeat + 1}/{args.repeats}  {name:<20} mean step {run['mean_step_s']:.4f} s, after the last step {run['after_last_step_s']:.2f} s", flush=True)
+            print(
+                f"  repeat {repeat + 1}/{args.repeats}  {name:<22} mean step {run['mean_step_s']:.4f} s, CPU per step "
+                f"{run['cpu_per_step_s']:.4f} s, after the last step {run['after_last_step_s']:.2f} s", flush=True,
+            )
     rows = []
     for name in args.methods:
-        mean = statistics.mean(run["mean_step_s"] for run in runs[name])
-        rows.append({"method": name, "mean_step_s": mean, "repeats_s": [run["mean_step_s"] for run in runs[name]],
-                     "after_last_step_s": statistics.mean(run["after_last_step_s"] for run in runs[name])})
-    means = {row["method"]: row["mean_step_s"] for row in rows}
+        rows.append({
+            "method": name,
+            "mean_step_s": statistics.mean(run["mean_step_s"] for run in runs[name]),
+            "repeats_s": [run["mean_step_s"] for run in runs[name]],
+            "cpu_per_step_s": statistics.mean(run["cpu_per_step_s"] for run in runs[name]),
+            "after_last_step_s": statistics.mean(run["after_last_step_s"] for run in runs[name]),
+        })
+    by_name = {row["method"]: row for row in rows}
     for row in rows:
-        base = means.get(_baseline(row["method"]))
+        base = by_name.get(_baseline(row["method"]))
         saves = _saves(_method(row["method"])[1], args.warmup, args.steps)
-        row["ratio_to_none"] = row["mean_step_s"] / base if base else None
-        row["per_save_step_s"] = (row["mean_step_s"] - base) * args.steps / saves if base and saves else None
+        for key, ratio, per_save in (("mean_step_s", "ratio_to_none", "per_save_step_s"), ("cpu_per_step_s", "cpu_ratio_to_none", "cpu_per_save_step_s")):
+            row[ratio] = row[key] / base[key] if base else None
+            row[per_save] = (row[key] - base[key]) * args.steps / saves if base and saves else None
     return rows
 
 
 def render_cost(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| method | mean step (s) | each repeat (s) | ratio to its strategy's none | training time per save step (s) | fit after the last step (s) |",
-        "|---|---|---|---|---|---|",
+        "| method | mean step (s) | each repeat (s) | ratio to its strategy's none | training time per save step (s) "
+        "| CPU per step, all ranks (s) | CPU ratio to its none | CPU per save step (s) | fit after the last step (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
+
+    def shown(value: Optional[float], digits: int) -> str:
+        return "n/a" if value is None else f"{value:.{digits}f}"
+
     for r in rows:
-        ratio = "n/a" if r["ratio_to_none"] is None else f"{r['ratio_to_none']:.3f}"
-        per_save = "n/a" if r["per_save_step_s"] is None else f"{r['per_save_step_s']:.3f}"
         repeats = ", ".join(f"{t:.4f}" for t in r["repeats_s"])
-        lines.append(f"| {r['method']} | {r['mean_step_s']:.4f} | {repeats} | {ratio} | {per_save} | {r['after_last_step_s']:.2f} |")
+        lines.append(
+            f"| {r['method']} | {r['mean_step_s']:.4f} | {repeats} | {shown(r['ratio_to_none'], 3)} | {shown(r['per_save_step_s'], 3)} "
+            f"| {r['cpu_per_step_s']:.4f} | {shown(r['cpu_ratio_to_none'], 3)} | {shown(r['cpu_per_save_step_s'], 3)} "
+            f"| {r['after_last_step_s']:.2f} |"
+        )
     return "\n".join(lines)
 
 
