@@ -40,8 +40,10 @@ import time
 SCRIPT_STARTED = time.time()  # before the imports: a restarted worker's interpreter is up
 
 import argparse
+import cProfile
 import functools
 import os
+import pstats
 import signal
 import statistics
 import subprocess
@@ -98,9 +100,38 @@ def _saves(every: Optional[int], warmup: int, steps: int) -> int:
     return 0 if every is None else sum(1 for g in range(max(warmup, 1), warmup + steps) if g % every == 0)
 
 
+class ProfiledCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` whose hook at the end of a training batch (where it saves) runs under ``cProfile``, clocked
+    by this process's CPU time (all its threads', gloo's included; a background writer's work after the hook returned
+    is not in it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.profile = cProfile.Profile(time.process_time)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.profile.enable()
+        try:
+            super().on_train_batch_end(*args)
+        finally:
+            self.profile.disable()
+
+    def top(self, save_steps: int, count: int = 14) -> list[tuple[str, int, float]]:
+        """The library's functions, ``torch.save`` and the collectives that took the most CPU time inside the hook:
+        ``(name, calls, CPU s per save step)``."""
+        rows = []
+        for (path, _, function), (_, calls, _, cumulative, _) in pstats.Stats(self.profile).stats.items():
+            collective = "distributed_c10d" in path and function in ("all_reduce", "all_gather", "barrier", "broadcast")
+            if "lightning_decentral" in path or collective or ("torch/serialization" in path and function == "save"):
+                name = f"{path.rpartition('lightning_decentral/')[2] if 'lightning_decentral' in path else Path(path).name}:{function}"
+                rows.append((name, calls, cumulative / save_steps))
+        return sorted(rows, key=lambda row: -row[2])[:count]
+
+
 def _trainer(config: dict[str, Any], every: Optional[int], background: bool, directory: str, callbacks: list,
              save_last: Union[bool, str] = True, strategy: str = "dpsgd", **kwargs: Any) -> Any:
-    saves = [ModelCheckpoint(directory, every_n_train_steps=every, save_last=save_last)] if every else []
+    saving = ProfiledCheckpoint if config.get("profile") else ModelCheckpoint
+    saves = [saving(directory, every_n_train_steps=every, save_last=save_last)] if every else []
     return quiet_trainer(
         "ddp" if strategy == "ddp" else DecentralizedStrategy(**kwargs), config["warmup"] + config["steps"], [*callbacks, *saves],
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
@@ -130,17 +161,26 @@ def _train(config: dict[str, Any], name: str, directory: str, rank: int) -> dict
     clock = CpuClock()
     trainer = _trainer(config, every, background, directory, [clock], save_last, strategy)
     widths = tuple(config["widths"])
-    trainer.fit(MLP(widths, 0.01, 0.9), make_loader(rank, widths, config["batch_size"], config["warmup"] + config["steps"]))
-    return {"ends": clock.ends, "cpu": clock.cpu, "returned": time.perf_counter()}
+    total = config["warmup"] + config["steps"]
+    trainer.fit(MLP(widths, 0.01, 0.9), make_loader(rank, widths, config["batch_size"], total))
+    record = {"ends": clock.ends, "cpu": clock.cpu, "returned": time.perf_counter()}
+    for callback in trainer.callbacks:
+        if isinstance(callback, ProfiledCheckpoint):
+            record["profile"] = callback.top(total // every)
+    return record
 
 
 def cost_per_step(args: argparse.Namespace) -> list[dict[str, Any]]:
     config = {"warmup": args.warmup, "steps": args.steps, "widths": list(args.widths), "batch_size": args.batch_size}
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in args.methods}
+    profiles: dict[str, list[Any]] = {}
     for repeat in range(args.repeats):
         for name in args.methods[repeat % len(args.methods) :] + args.methods[: repeat % len(args.methods)]:
             with tempfile.TemporaryDirectory(dir=args.directory) as directory:  # the parent's: outlives every rank
-                records = harness.run_ranks(functools.partial(_train, config, name, directory), args.workers, timeout=args.timeout, one_node=True)
+                profiled = {**config, "profile": args.profile and repeat == 0}
+                records = harness.run_ranks(functools.partial(_train, profiled, name, directory), args.workers, timeout=args.timeout, one_node=True)
+            if "profile" in records[0]:
+                profiles[name] = [records[0]["profile"], records[-1]["profile"]]
             w, s = args.warmup, args.steps
             run = {
                 "mean_step_s": max((r["ends"][w + s - 1] - r["ends"][w - 1]) / s for r in records),
@@ -160,6 +200,7 @@ def cost_per_step(args: argparse.Namespace) -> list[dict[str, Any]]:
             "repeats_s": [run["mean_step_s"] for run in runs[name]],
             "cpu_per_step_s": statistics.mean(run["cpu_per_step_s"] for run in runs[name]),
             "after_last_step_s": statistics.mean(run["after_last_step_s"] for run in runs[name]),
+            **({"profile": profiles[name]} if name in profiles else {}),
         })
     by_name = {row["method"]: row for row in rows}
     for row in rows:
@@ -189,6 +230,20 @@ def render_cost(rows: list[dict[str, Any]]) -> str:
             f"| {r['after_last_step_s']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def render_profiles(rows: list[dict[str, Any]]) -> str:
+    """``--profile``: per method, the functions that took the most CPU time per save step, on rank 0 and the last
+    rank."""
+    parts = []
+    for r in rows:
+        if "profile" in r:
+            first, last = ({name: (calls, cpu) for name, calls, cpu in ranks} for ranks in r["profile"])
+            lines = [f"{r['method']}: CPU s per save step inside the save hook", "", "| function | calls, rank 0 | rank 0 | last rank |", "|---|---|---|---|"]
+            for name, (calls, cpu) in first.items():
+                lines.append(f"| {name} | {calls} | {cpu:.4f} | {last.get(name, (0, 0.0))[1]:.4f} |")
+            parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 # -- kill to first step, under torchrun ---------------------------------------------------------------------------
@@ -308,6 +363,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--directory", default=None, help="where checkpoints are written (default: the system's temporary directory)")
     parser.add_argument("--out", action="append", default=[], help="write results: .md (tables) or .json; repeatable")
+    parser.add_argument("--profile", action="store_true", help="profile the saves of the first repeat: CPU time per function, rank 0 and the last rank (the process's: in the background, the writer thread's counts for what the hook runs meanwhile)")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
@@ -344,7 +400,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.methods:
         body["cost"] = cost_per_step(args)
         tables.append(render_cost(body["cost"]))
-        print("\n" + tables[-1] + "\n", flush=True)
+        if args.profile:
+            tables.append(render_profiles(body["cost"]))
+        print("\n" + "\n\n".join(tables) + "\n", flush=True)
     if args.kills:
         body["kills"] = kill_to_first_step(args)
         tables.append(render_kills(body["kills"]))
