@@ -16,7 +16,7 @@ LAYERS = [
     ["simulation", "trainer", "fabric"],
     ["common"],
     ["driver"],
-    ["rules"],
+    ["rules", "outer"],
     ["overlap"],
     ["schedule", "options", "agreement"],
     ["replicas", "checkpoint", "measures", "data"],
@@ -27,7 +27,7 @@ LAYERS = [
     ["topology"],
     ["failures", "rendezvous"],
 ]
-WITHOUT_LIGHTNING = ["failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "outer", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:
