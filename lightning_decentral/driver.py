@@ -237,9 +237,9 @@ class StepDriver:
     def make_rule(self, replica: Replica, mixer: Mixer, optimizer: Any, context: Optional[RuleContext] = None) -> UpdateRule:
         """One worker's rule (a [`RuleFactory`][lightning_decentral.rules.RuleFactory], for the simulation's workers):
         [`OuterStep`][lightning_decentral.outer.OuterStep] with an `outer_optimizer`, else `RULES[options.rule]`."""
-        outer, overlap = self.options.outer_optimizer, self.options.outer_overlap
+        outer, every, overlap = self.options.outer_optimizer, self.options.gossip_every, self.options.outer_overlap
         if outer is not None:
-            return OuterStep(replica, mixer, optimizer, context, outer_optimizer=outer, overlap=overlap)
+            return OuterStep(replica, mixer, optimizer, context, outer_optimizer=outer, every=every, overlap=overlap)
         return RULES[self.options.rule](replica, mixer, optimizer, context)
 
     def rule_state(self) -> dict[str, Any]:
@@ -307,10 +307,10 @@ class StepDriver:
         self._plan = None
 
     def teardown(self) -> None:
-        """The run is over: release the rule's hooks and forget it, its mixers and its survival."""
+        """The run is over: release the rule's hooks, forget its mixers and survival (`rule_state` stays for a save)."""
         if self.runner is not None:
             self.runner.teardown()
-        self.runner, self._plan, self._mixers, self._rule = None, None, [], None
+        self.runner, self._plan, self._mixers = None, None, []
         self.survival = self.watch.survival = None
         self.failed = False
 

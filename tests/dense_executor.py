@@ -84,7 +84,9 @@ class DenseExecutor:
         )
         cls = RULES[rule_name(config.momentum, config.combine)]
         if config.outer is not None:
-            cls = functools.partial(OuterStep, outer_optimizer=config.outer_optimizer(), overlap=config.outer_overlap)
+            cls = functools.partial(
+                OuterStep, outer_optimizer=config.outer_optimizer(), every=config.gossip_every, overlap=config.outer_overlap
+            )
         self.rules: list[UpdateRule] = [
             cls(replica, self.mixer.worker(i), optimizer, self.context)
             for i, (replica, optimizer) in enumerate(zip(self.replicas, self.optimizers))

@@ -7,7 +7,9 @@ the outer gradient is ``Δ = (1/n) Σ_i (θ − θ_i)``, and ``θ <- OuterOpt(θ
 
 ``gossip(config, n)`` is docs/algorithms.md's decentralized form: one anchor per worker, the outer gradient
 ``Δ̃_i = θ_i − Σ_j w_ij x_j`` from the mixed models; with ``config.outer_overlap`` the outer step of a round is
-taken at the end of the next one, with that round's progress kept: ``x_i <- θ_i + (x_i − y_i)``.
+taken at the end of the next one, with that round's progress kept: ``x_i <- θ_i + (x_i − y_i)``. With
+``config.failures``, the workers lost at step ``k`` leave before it, ``W(k) = I`` for the others, and from ``k + 1``
+they mix with the named topology at their number.
 
 The outer optimizer is SGD with (Nesterov) momentum, written out as torch documents ``torch.optim.SGD``
 (no dampening): ``b <- μ b + g`` (``b = g`` at the first step), ``d = g + μ b`` with Nesterov, else ``b``;
@@ -52,6 +54,10 @@ class _Workers:
         self.nets = [copy.deepcopy(start) for _ in range(n)]
         self.optimizers = [make_optimizer(net.parameters(), **config.optimizer) for net in self.nets]
         self.data = [rank_data(i, config.samples, config.dtype) for i in range(n)]
+
+    def keep(self, rows: list[int]) -> None:
+        """Only the workers at positions ``rows`` go on."""
+        self.nets, self.optimizers, self.data = ([v[i] for i in rows] for v in (self.nets, self.optimizers, self.data))
 
     def inner_step(self, k: int) -> None:
         rows = slice(k * self.config.batch_size, (k + 1) * self.config.batch_size)
@@ -103,13 +109,22 @@ def gossip(config: Config, n: int) -> torch.Tensor:
     anchors = workers.parameters()
     outer = OuterSGD(**config.outer)
     sent: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None  # overlap: (step, y, its buffers)
+    alive = list(range(n))
     for k in range(config.steps):
+        lost = config.failures.get(k, [])
+        if lost:
+            rows = [i for i, rank in enumerate(alive) if rank not in lost]
+            alive, anchors = [alive[i] for i in rows], anchors[rows]
+            workers.keep(rows)
+            if outer.buffer is not None:
+                outer.buffer = outer.buffer[rows]
+        n = len(alive)
         workers.inner_step(k)
         if (k + 1) % config.gossip_every:
             continue
         x, b = workers.parameters(), workers.buffers()
         if not config.outer_overlap:
-            w = mixing(config.topology, n, k)
+            w = torch.eye(n, dtype=torch.float64) if lost else mixing(config.topology, n, k)
             anchors = outer.step(anchors, anchors - w @ x)
             workers.assign(anchors, w @ b)
             continue

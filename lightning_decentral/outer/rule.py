@@ -21,8 +21,8 @@ LATE_TAG = 1
 
 
 class OuterStep(UpdateRule):
-    """Inner steps of the user's optimizer `U`; at the end of each round (a step that gossips: every
-    `gossip_every = H` steps), an outer step of the anchor `θ_i` with the mixed models `Σ_j w_ij x_j`:
+    """Inner steps of the user's optimizer `U`; at the end of each round (steps `k` with `(k + 1) % every == 0`,
+    `every = gossip_every = H`), an outer step of the anchor `θ_i` with the mixed models `Σ_j w_ij x_j`:
 
     ```text
     x_i <- U(x_i, g_i)                                  every step (U keeps its state across rounds)
@@ -33,7 +33,9 @@ class OuterStep(UpdateRule):
     `Δ̃ = W (θ − x) + (I − W) θ`: the mixed pseudo-gradients plus the anchors' disagreement with their neighbours,
     both under the outer optimizer's momentum. With `W = 11ᵀ/n` (the anchors start and stay equal) it is DiLoCo;
     with `OuterOpt = SGD(lr=1)` it is ATC every `H` steps, `x <- W x`. Mixed module buffers are mixed, `b <- W b`.
-    The anchor is taken from the replica when the first step begins (after a resume from `x̄`, from `x̄`).
+    The anchor is taken from the replica when the first step begins (after a resume from `x̄`, from `x̄`). A round
+    that ends on a step that exchanges nothing (`W(k) = I`; the survivors' first steps after a failure, or an
+    exchange a failure discarded) takes the outer step with `W = I`: `Δ̃_i = θ_i − x_i`.
 
     With `overlap`, the round's exchange travels during the next round, whose inner steps go on from the
     models as they were sent, `y_i`; at its end the outer step uses `W y`, and the progress made meanwhile is
@@ -43,6 +45,7 @@ class OuterStep(UpdateRule):
     Args:
         replica, mixer, optimizer, context: as for every [`UpdateRule`][lightning_decentral.rules.UpdateRule].
         outer_optimizer: `parameters -> optimizer`, the outer optimizer of the anchor.
+        every: the steps of a round, `H`.
         overlap: apply each round's outer step one round late, its exchange in flight meanwhile.
 
     Examples:
@@ -59,7 +62,7 @@ class OuterStep(UpdateRule):
         ...     _ = torch.nn.init.constant_(model.weight, 2.0)
         ...     rules.append(OuterStep(Replica(model, mix_buffers=False), mixer.worker(i),
         ...                            torch.optim.SGD(model.parameters(), lr=0.5), None,
-        ...                            outer_optimizer=functools.partial(torch.optim.SGD, lr=0.5)))
+        ...                            outer_optimizer=functools.partial(torch.optim.SGD, lr=0.5), every=1))
         >>> for rule in rules:
         ...     rule.begin_step(StepPlan(step=0, rounds=1))  # the anchor: θ = 2
         >>> for i, (rule, model) in enumerate(zip(rules, models)):
@@ -79,10 +82,11 @@ class OuterStep(UpdateRule):
         context: Optional[RuleContext] = None,
         *,
         outer_optimizer: OptimizerFactory,
+        every: int,
         overlap: bool = False,
     ) -> None:
         super().__init__(replica, mixer, optimizer, context)
-        self.overlap = overlap
+        self.every, self.overlap = every, overlap
         self.anchor = [torch.nn.Parameter(flat.detach().clone()) for flat in replica.flat_parameters]
         for anchor in self.anchor:
             anchor.grad = torch.zeros_like(anchor)  # Δ̃, written at each outer step
@@ -100,12 +104,18 @@ class OuterStep(UpdateRule):
                     anchor.copy_(x)
             self._anchored = True
 
+    @property
+    def ends_round(self) -> bool:
+        """Whether the step begun ends a round: `(k + 1) % every == 0`."""
+        return self.plan is not None and (self.plan.step + 1) % self.every == 0
+
     def end_step(self) -> None:
         assert self.plan is not None
-        if not self.plan.gossips:
+        if not self.ends_round:
             return
         if not self.overlap:
-            self._post(self.replica.mixed)  # x <- W x when finish_step waits
+            if self.plan.gossips:
+                self._post(self.replica.mixed)  # x <- W x when finish_step waits
             return
         if self._sent:
             self._wait_late()
@@ -113,9 +123,9 @@ class OuterStep(UpdateRule):
         self._send_late()
 
     def finish_step(self) -> None:
-        mixed = self._pending is not None
+        ends_round = self.ends_round and not self.overlap
         super().finish_step()
-        if mixed:
+        if ends_round:
             self._outer_step(self.replica.flat_parameters)
             with torch.no_grad():
                 for x, anchor in zip(self.replica.flat_parameters, self.anchor):
@@ -144,6 +154,10 @@ class OuterStep(UpdateRule):
             self._change = [torch.empty_like(b) for b in self.replica.mixed]
         for sent, x in zip(self._sent, self.replica.mixed):
             sent.copy_(x)
+        if not self.plan.gossips:  # W = I
+            for change in self._change:
+                change.zero_()
+            return
         self._late = self.mixer.start(self._sent, self.plan.step, self.plan.rounds, tag=LATE_TAG, out=self._change)
 
     def _wait_late(self) -> None:
@@ -165,32 +179,70 @@ class OuterStep(UpdateRule):
 
     def state_dict(self) -> dict[str, Any]:
         """The anchor and the outer optimizer's state; with `overlap`, the models sent and their mixing (the
-        exchange in flight is waited for first). `{}` before the first step."""
+        exchange in flight is waited for first). One flat tensor per parameter (and mixed buffer), so that a
+        stacked simulation's state and a process's are alike ([`Replica.split`][lightning_decentral.replicas.Replica.split]).
+        `{}` before the first step."""
         if not self._anchored:
             return {}
         self._wait_late()
-        state: dict[str, Any] = {
-            "anchor": [anchor.detach().clone() for anchor in self.anchor],
-            "outer_optimizer": _cloned(self.outer_optimizer.state_dict()),
-        }
+        split = self.replica.split
+        state: dict[str, Any] = {"anchor": _cloned(split(self.anchor)), "outer_optimizer": self._outer_state()}
         if self._sent:
-            state["sent"] = [t.clone() for t in self._sent]
-            state["change"] = [t.clone() for t in self._change]
+            state.update(sent=_cloned(split(self._sent)), change=_cloned(split(self._change)))
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._late = None
         self._anchored = bool(state)
+        self._sent, self._change = [], []
         if not state:
-            self._sent, self._change = [], []
             self.outer_optimizer.state.clear()
             return
+        join = self.replica.join
         with torch.no_grad():
-            for anchor, saved in zip(self.anchor, state["anchor"]):
+            for anchor, saved in zip(self.anchor, join(state["anchor"])):
                 anchor.copy_(saved)
-        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
-        self._sent = [torch.empty_like(b).copy_(t) for b, t in zip(self.replica.mixed, state.get("sent", []))]
-        self._change = [torch.empty_like(b).copy_(t) for b, t in zip(self.replica.mixed, state.get("change", []))]
+        self._load_outer_state(state["outer_optimizer"])
+        if "sent" in state:
+            self._sent = [torch.empty_like(b).copy_(t) for b, t in zip(self.replica.mixed, join(state["sent"]))]
+            self._change = [torch.empty_like(b).copy_(t) for b, t in zip(self.replica.mixed, join(state["change"]))]
+
+    def _outer_state(self) -> dict[str, Any]:
+        """The outer optimizer's `state_dict` with one entry per parameter: per-element state split as the anchor is,
+        a scalar (a step count) given to each parameter of its anchor buffer."""
+        saved = self.outer_optimizer.state_dict()
+        entries = [saved["state"].get(i, {}) for i in range(len(self.anchor))]
+        owners = [i for i, _, _ in self.replica.layout() if i < len(self.anchor)]  # each parameter's anchor buffer
+        pieces: list[dict[str, Any]] = [{} for _ in owners]
+        for name in entries[0]:
+            values = [entry[name] for entry in entries]
+            per_element = all(_per_element(v, anchor) for v, anchor in zip(values, self.anchor))
+            split = self.replica.split(values) if per_element else [values[i] for i in owners]
+            for piece, value in zip(pieces, split):
+                piece[name] = _cloned(value)
+        groups = [{**group, "params": list(range(len(pieces)))} for group in saved["param_groups"]]
+        return {"state": dict(enumerate(pieces)) if entries[0] else {}, "param_groups": groups}
+
+    def _load_outer_state(self, saved: dict[str, Any]) -> None:
+        """The inverse of `_outer_state`, into the outer optimizer."""
+        pieces = [saved["state"][k] for k in sorted(saved["state"])]
+        owners = [i for i, _, _ in self.replica.layout() if i < len(self.anchor)]
+        entries: list[dict[str, Any]] = [{} for _ in self.anchor]
+        for name in pieces[0] if pieces else []:
+            values = [piece[name] for piece in pieces]
+            if isinstance(values[0], Tensor) and values[0].dim() >= 1:
+                joined = [t.view_as(anchor) for t, anchor in zip(self.replica.join(values), self.anchor)]
+            else:
+                joined = [values[owners.index(i)] for i in range(len(self.anchor))]
+            for entry, value in zip(entries, joined):
+                entry[name] = value
+        groups = [{**group, "params": list(range(len(self.anchor)))} for group in saved["param_groups"]]
+        self.outer_optimizer.load_state_dict({"state": dict(enumerate(entries)) if pieces else {}, "param_groups": groups})
+
+
+def _per_element(value: Any, anchor: Tensor) -> bool:
+    """Whether an optimizer state entry holds one value per element of its `anchor` (momentum, Adam's moments)."""
+    return isinstance(value, Tensor) and value.dim() >= 1 and value.numel() == anchor.numel()
 
 
 def _cloned(value: Any) -> Any:

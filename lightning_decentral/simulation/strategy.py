@@ -131,6 +131,11 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         )
         self.vectorize = vectorize
         self.failures = checked_failures(failures, workers, vectorize, gossip.staleness)
+        if self.failures and gossip.outer_overlap:
+            raise ValueError(
+                "SimulatedDecentralizedStrategy(failures=...) rebuilds the graph between two steps, which outer_overlap=True "
+                "(an exchange in flight across steps) does not support: use outer_overlap=False with failures."
+            )
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
         self._outputs: list[Any] = []  # each worker's training_step output of this batch

@@ -177,8 +177,8 @@ class StackedWorkers(WorkerGroup):
         for group in optimizer.param_groups:
             group["params"] = [stacked_of[id(p)] for p in group["params"]]
         optimizer.state.clear()
-        mixed = [b.view(-1) for b in self.buffers if b.is_floating_point()] if mix_buffers else []
-        self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], mixed)
+        buffers = [b for b in self.buffers if b.is_floating_point()] if mix_buffers else []
+        self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], [b.view(-1) for b in buffers], buffers)
         self.rules = [make_rule(self.replica, StackedMixer(mixer), optimizer, context)]
 
     @classmethod

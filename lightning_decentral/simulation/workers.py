@@ -11,6 +11,7 @@ what the monitors and checkpoints need of them (their data: [`simulation.data`][
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -385,10 +386,14 @@ def collect_logs(module: Module, logged: Logged) -> Iterator[None]:
 
 def optimizer_like(optimizer: Optimizer, parameter: Callable[[Tensor], Tensor]) -> Optimizer:
     """An optimizer of `optimizer`'s class and param groups over `parameter(p)` for each of its parameters `p`
-    (a fresh state)."""
+    (a fresh state), built with the defaults its constructor takes (AdamW keeps `decoupled_weight_decay` in its
+    defaults but does not take it)."""
     groups = [{**group, "params": [parameter(p) for p in group["params"]]} for group in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if any_keyword or k in accepted}
     try:
-        return type(optimizer)(groups, **optimizer.defaults)
+        return type(optimizer)(groups, **defaults)
     except Exception as error:
         raise ValueError(
             f"The simulation gives every worker its own {type(optimizer).__name__}, built as "
