@@ -5,7 +5,7 @@ Training of Language Models"): one global model ``θ``; at each outer step every
 inner steps of its own optimizer on its own data (the inner optimizer's state carries over from round to round),
 the outer gradient is ``Δ = (1/n) Σ_i (θ − θ_i)``, and ``θ <- OuterOpt(θ, Δ)``.
 
-``gossip(config, n)`` is docs/algorithms.md's decentralized form: one anchor per worker, the outer gradient
+``decentralized(config, n)`` is docs/algorithms.md's decentralized form: one anchor per worker, the outer gradient
 ``Δ̃_i = θ_i − Σ_j w_ij x_j`` from the mixed models; with ``config.outer_overlap`` the outer step of a round is
 taken at the end of the next one, with that round's progress kept: ``x_i <- θ_i + (x_i − y_i)``. With
 ``config.failures``, the workers lost at step ``k`` leave before it, ``W(k) = I`` for the others, and from ``k + 1``
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tests.models import init_seed, initial_net, make_optimizer, rank_data
-from tests.reference import Config, mixing
+from tests.reference import Config, gossip, scheduled_rounds
 
 
 class OuterSGD:
@@ -87,6 +87,12 @@ class _Workers:
         return torch.cat([self.parameters(), self.buffers()], dim=1)
 
 
+def mixed(y: torch.Tensor, config: Config, step: int, rounds: int) -> torch.Tensor:
+    """``W(step)^rounds y`` (with ``config.gossip_dtype``, the low-precision rule) for the rows of ``y``, as
+    ``tests.reference.gossip`` writes it; a row of width 0 (no buffers) as it is."""
+    return gossip(y, config, step, rounds) if y.shape[1] else y
+
+
 def diloco(config: Config, n: int) -> torch.Tensor:
     """DiLoCo's Algorithm 1 (see the module docstring): every worker's parameters and floating buffers after
     ``config.steps`` inner steps (the buffers, not in the paper, are averaged at each outer step)."""
@@ -103,7 +109,7 @@ def diloco(config: Config, n: int) -> torch.Tensor:
     return workers.state()
 
 
-def gossip(config: Config, n: int) -> torch.Tensor:
+def decentralized(config: Config, n: int) -> torch.Tensor:
     """The decentralized form (see the module docstring), with ``W(k)`` of ``tests.reference.mixing``."""
     workers = _Workers(config, n)
     anchors = workers.parameters()
@@ -123,16 +129,16 @@ def gossip(config: Config, n: int) -> torch.Tensor:
         if (k + 1) % config.gossip_every:
             continue
         x, b = workers.parameters(), workers.buffers()
+        rounds = 0 if lost else scheduled_rounds(config, k)
+        mix = lambda y, step=k: mixed(y, config, step, rounds)  # noqa: E731
         if not config.outer_overlap:
-            w = torch.eye(n, dtype=torch.float64) if lost else mixing(config.topology, n, k)
-            anchors = outer.step(anchors, anchors - w @ x)
-            workers.assign(anchors, w @ b)
+            anchors = outer.step(anchors, anchors - mix(x))
+            workers.assign(anchors, mix(b))
             continue
         if sent is not None:
-            step, y, y_buffers = sent
-            w = mixing(config.topology, n, step)
-            anchors = outer.step(anchors, anchors - w @ y)
-            x, b = anchors + (x - y), b + w @ y_buffers - y_buffers
+            step, y, y_buffers, mix = sent
+            anchors = outer.step(anchors, anchors - mix(y, step))
+            x, b = anchors + (x - y), b + mix(y_buffers, step) - y_buffers
             workers.assign(x, b)
-        sent = (k, x, b)
+        sent = (k, x, b, mix)
     return workers.state()

@@ -46,7 +46,7 @@ def test_simulated_workers_equal_the_ranks(config: Config, vectorize: bool, on_p
 
 
 def _expected(config: Config) -> torch.Tensor:
-    expected = outer_reference.gossip(config, WORLD)
+    expected = outer_reference.decentralized(config, WORLD)
     if config.topology == "complete" and not config.outer_overlap:  # DiLoCo exactly
         torch.testing.assert_close(expected, outer_reference.diloco(config, WORLD), atol=1e-5, rtol=0)
     return expected
@@ -66,7 +66,7 @@ def test_workers_lost_on_the_way_match_the_reference(failures: dict[int, list[in
     then the survivors mix with the topology at their number, each keeping its anchor and outer momentum."""
     config = Config("outer_ring_failures", optimizer=SGD, outer=NESTEROV, gossip_every=3, steps=9, failures=failures)
     simulated = sim.fit_simulated_on_rank_data(config, 6)
-    expected = outer_reference.gossip(config, 6)
+    expected = outer_reference.decentralized(config, 6)
     assert simulated.shape == expected.shape == (6 - sum(len(v) for v in failures.values()), expected.shape[1])
     torch.testing.assert_close(simulated.double(), expected, atol=1e-5, rtol=0)
 

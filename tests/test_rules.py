@@ -332,6 +332,9 @@ OUTER_CASES = [
            batch_norm=True),
     Config("outer-complete-overlap", topology="complete", optimizer=MOMENTUM, outer=NESTEROV_OUTER, outer_overlap=True,
            gossip_every=3, steps=10),
+    Config("outer-ring-bf16", optimizer=MOMENTUM, outer=NESTEROV_OUTER, gossip_every=2, steps=8, gossip_dtype=BF16),
+    Config("outer-exponential-rounds2-overlap-bf16", topology="exponential", optimizer=MOMENTUM, outer=NESTEROV_OUTER,
+           outer_overlap=True, gossip_every=2, gossip_steps=2, steps=9, gossip_dtype=BF16, batch_norm=True),
 ]
 
 
@@ -343,7 +346,7 @@ def test_outer_steps_match_the_reference_written_from_the_papers(config: Config)
     from tests import outer_reference
 
     trained = DenseExecutor(config, N).run().double()
-    expected = outer_reference.gossip(config, N)
+    expected = outer_reference.decentralized(config, N)
     torch.testing.assert_close(trained, expected, atol=ATOL, rtol=0)
     if config.topology == "complete" and not config.outer_overlap:
         torch.testing.assert_close(trained, outer_reference.diloco(config, N), atol=ATOL, rtol=0)
