@@ -183,3 +183,19 @@ def test_the_rule_is_recorded_and_a_resume_under_another_warns(tmp_path: Path) -
     assert read_shard(shard_path(checkpoint, 0, WORLD, torch.load(checkpoint, weights_only=True)["decentralized_shards"]["save_id"]))["strategy"]["rule"] == "outer"
     with pytest.warns(UserWarning, match="'outer' -> 'awc'"):
         sim.resume_simulated(WORLD, load=checkpoint, dropout=0.0)
+
+
+def test_every_rank_must_run_the_same_outer_optimizer() -> None:
+    """What the ranks compare before the first exchange names the outer optimizer by its class and defaults (a
+    functools.partial or jsonargparse's callable has an address in its repr: that would differ from rank to rank)."""
+    from lightning_decentral.agreement import run_configuration
+    from tests.models import make_net
+
+    def configuration(**options: Any) -> dict[str, Any]:
+        return run_configuration(SimulatedDecentralizedStrategy(workers=4, gossip_every=4, **options), make_net(), "32-true")
+
+    seven = configuration(outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+    assert seven["outer_optimizer"].startswith("SGD(lr=0.7, momentum=0.9, dampening=0,") and seven["outer_overlap"] == 0
+    assert seven == configuration(outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
+    assert seven["outer_optimizer"] != configuration(outer_optimizer=functools.partial(torch.optim.SGD, lr=0.5))["outer_optimizer"]
+    assert configuration()["outer_optimizer"] == ""
