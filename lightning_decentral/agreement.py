@@ -18,6 +18,7 @@ from torch import Tensor
 
 from lightning_decentral._compat import use_count
 from lightning_decentral.failures import PeerFailure, peers_answer
+from lightning_decentral.options import outer_optimizer_name
 from lightning_decentral.replicas import averaged_optimizer_state, group_by_layout
 from lightning_decentral.schedule import RoundsSchedule
 
@@ -237,6 +238,8 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "delays": schedule_name(options.delays),
         "on_peer_failure": options.on_peer_failure,
         "min_workers": options.min_workers_for(strategy.world_size),
+        "outer_optimizer": "" if options.outer_optimizer is None else fitted(outer_optimizer_name(options.outer_optimizer)),
+        "outer_overlap": int(options.outer_overlap),
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),

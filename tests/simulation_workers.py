@@ -184,11 +184,12 @@ def _resume_model(rank: int, dropout: float = 0.2) -> LoggingRegression:
     return model
 
 
-def resume_processes(rank: int, world_size: int, save: str = "", load: str = "") -> torch.Tensor:
+def resume_processes(rank: int, world_size: int, save: str = "", load: str = "", **strategy_kwargs: Any) -> torch.Tensor:
     """On processes: fit 1 epoch and save to ``save``, or resume from ``load`` to epoch 2, or (neither) fit 2
     epochs straight; this rank's final state."""
     model = _resume_model(rank)
-    trainer = _resume_trainer(DecentralizedStrategy(**RESUME.strategy_kwargs()), world_size, 1 if save else 2)
+    strategy = DecentralizedStrategy(**{**RESUME.strategy_kwargs(), **strategy_kwargs})
+    trainer = _resume_trainer(strategy, world_size, 1 if save else 2)
     trainer.fit(model, train_dataloaders=shared_loader(RESUME, world_size), ckpt_path=load or None)
     if save:
         trainer.save_checkpoint(save)

@@ -111,6 +111,8 @@ class ShardedCheckpoints:
     agree: Callable[[str], None]
     survivors: Optional[Survivors]
     rule_record: Callable[[], dict[str, str]]
+    rule_state: Callable[[], dict[str, Any]]
+    load_rule_state: Callable[[dict[str, Any]], None]
 
     def save_checkpoint(
         self,
@@ -141,6 +143,7 @@ class ShardedCheckpoints:
                 save_id, self.global_rank, self.world_size, state_dict=state[module_key].state_dict(),
                 step=self.step, optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
                 precision=self.precision.state_dict(), rule=self.rule_record(),
+                rule_state=self.rule_state() if optimizer_key is not None else None,
             )
 
         def write_file() -> None:
@@ -188,6 +191,8 @@ class ShardedCheckpoints:
             set_up_first(self._optimizer).load_state_dict(shard["optimizer_states"][0])
         if shard.get("precision"):
             self.precision.load_state_dict(shard["precision"])
+        if optimizer_key is not None:
+            self.load_rule_state(shard.get("rule_state", {}))
         return remainder
 
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:

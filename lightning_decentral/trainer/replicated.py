@@ -44,7 +44,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     """`DDPStrategy` without the wrapper and the gradient all-reduce: each rank trains its own replica.
 
     Subclasses define the update (`optimizer_step`), `eval_on` (`"average"` evaluates `x̄`, `"local"` each rank's
-    own replica), `rule_record()` (what the shards record of the update rule) and `_configuration()`, the fields
+    own replica), `rule_record()` (what the shards record of the update rule), `rule_state()` and
+    `load_rule_state(state)` (what the rule carries across steps, in the shard) and `_configuration()`, the fields
     every rank must agree on; they call `_start_replicas()` from `configure_ddp`.
 
     Args:
@@ -56,6 +57,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     eval_on: str
     rule_record: Callable[[], dict[str, str]]
+    rule_state: Callable[[], dict[str, Any]]
+    load_rule_state: Callable[[dict[str, Any]], None]
 
     def __init__(self, resume: str = "checkpoint", **kwargs: Any) -> None:
         if resume not in RESUME:
@@ -329,6 +332,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         shard, self._resume_shard = self._resume_shard, None
         if shard is not None:
             shards.resume_rank_state(shard, self.lightning_module.trainer.global_step)
+            self.load_rule_state(shard.get("rule_state", {}))
 
     def _background_save(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any) -> Callable[[], None]:
         """Copy this rank's part of `checkpoint` (its own replica and optimizer state: see `optimizer_state`) to host
@@ -343,6 +347,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             precision=None if own_states is None else host_copy(self.precision_plugin.state_dict()),
             rng=shards.rng_state(),
             rule=self.rule_record(),
+            rule_state=None if own_states is None else self.rule_state(),
         )
         ranks = self._writer_ranks
 
@@ -372,6 +377,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             optimizer_states=None if weights_only else [o.state_dict() for o in self.optimizers],
             precision=None if weights_only else self.precision_plugin.state_dict(),
             rule=self.rule_record(),
+            rule_state=None if weights_only else self.rule_state(),
         )
 
     # -- every rank runs the same configuration ----------------------------------------------

@@ -62,11 +62,14 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
     * `combine="atc"`: `x_i(k+1) = Σ_j w_ij(k) U(x_j(k), g_j)`.
     * `momentum="decentlam"`: `z_j = x_j − γ g_j`, `g̃_i = (x_i − Σ_j w_ij z_j) / γ`,
       `x_i(k+1) = U(x_i(k), g̃_i)`; each bucket of `z` is exchanged as soon as its gradients exist.
+    * `outer_optimizer=...` with `gossip_every=H`: `H` local steps of `U`, then `θ_i <- OuterOpt(θ_i, θ_i − Σ_j w_ij x_j)`
+      and `x_i <- θ_i`; DiLoCo on `topology="complete"`.
 
     Args:
         **options: the update-rule arguments, keyword only: `topology`, `combine`, `momentum`, `gossip_every`,
             `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`, `gossip_dtype`, `staleness`, `delays`,
-            `on_peer_failure`, `min_workers` ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes
+            `on_peer_failure`, `min_workers`, `outer_optimizer`, `outer_overlap`
+            ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes
             each); a misspelled name is a `TypeError`.
         resume: what `fit(ckpt_path=...)` resumes from: `"checkpoint"`, the checkpoint it names (`"last"` as Lightning
             resolves it); `"newest_complete"`, that one if every rank can read it and finds its shard, else the newest
@@ -95,6 +98,8 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         trainer = Trainer(strategy="dpsgd", accelerator="cpu", devices=4)
         trainer = Trainer(strategy=DecentralizedStrategy(topology="one_peer_exponential"), devices=8)
         trainer = Trainer(strategy="decentlam", devices=8)  # large batch, momentum SGD
+        diloco = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        trainer = Trainer(strategy=DecentralizedStrategy(topology="complete", gossip_every=50, outer_optimizer=diloco))
         ```
     """
 
