@@ -208,8 +208,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         """Before each training batch: begin its optimizer step (AWC posts `x(k)` here)."""
         super().on_train_batch_start(batch, batch_idx)
         if batch_idx == 0:
-            assert self._replica is not None, "the replicas are packed when fit starts"
-            self._replica.check_trainable_unchanged(self.lightning_module)
+            self._check_replica()
         step = self.lightning_module.trainer.global_step
         if self.activities is not None:
             self.activities.start(f"training batch {batch_idx} (optimizer step {step})")
@@ -266,7 +265,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         agreement = StopAgreement(job_store(), next_key(), margin, self._timeout)
         if self.global_rank == 0:
             agreement.forget_earlier_runs()
-        stop_together(trainer, agreement)
+        stop_together(trainer, agreement, self._check_replica)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -274,6 +273,11 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         the survivors of a failure take alone, once they made their process group ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
         form_for_save(self.survivors)
         return super().lightning_module_state_dict()
+
+    def _check_replica(self) -> None:
+        """At an epoch's first batch: the trainable parameters are still those packed when fit started."""
+        assert self._replica is not None, "the replicas are packed when fit starts"
+        self._replica.check_trainable_unchanged(self.lightning_module)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))
