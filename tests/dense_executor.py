@@ -39,6 +39,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_decentral.compression import resolve_compression
 from lightning_decentral.mixing import DelayedMixing, DenseMixer, ExchangeObserver
 from lightning_decentral.replicas import Replica
 from lightning_decentral.options import rule_name
@@ -72,7 +73,8 @@ class DenseExecutor:
         self.data = [rank_data(i, config.samples, config.dtype) for i in range(n)]
         topology = resolve_topology(config.topology, n)
         delayed = DelayedMixing(topology, config.staleness, config.delays) if config.staleness else None
-        self.mixer = DenseMixer(topology, dtype=config.gossip_dtype, delayed=delayed)
+        compression = resolve_compression(config.compression)
+        self.mixer = DenseMixer(topology, config.gossip_dtype, delayed, compression=compression, consensus_step=config.consensus_step)
         self.mixer.measure_residuals = measure_residuals
         self.mixer.observers.extend(observers)
         self.schedule = GossipSchedule(topology, config.gossip_every, config.gossip_steps)

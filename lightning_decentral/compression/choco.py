@@ -98,6 +98,7 @@ class Choco:
     def __init__(self, compressor: Compressor, consensus_step: float, rank: int) -> None:
         self.compressor, self.consensus_step, self.rank = compressor, consensus_step, rank
         self.copies: dict[int, EdgeCopies] = {}
+        self._loaded: dict[int, Any] = {}  # saved copies of buffers not exchanged since the load
         self.wire_bytes = 0
 
     def message_bytes(self, buffers: Sequence[Tensor]) -> int:
@@ -111,9 +112,13 @@ class Choco:
         return self.message_bytes(buffers) * len(topology.out_neighbors(self.rank, step))
 
     def copies_of(self, key: int, buffer: Tensor) -> EdgeCopies:
+        """The public copies of buffer `key` (made, or restored from a loaded state, at its first exchange)."""
         copies = self.copies.get(key)
         if copies is None:
             copies = self.copies[key] = EdgeCopies(buffer)
+            saved = self._loaded.pop(key, None)
+            if saved is not None:
+                copies.load_state_dict(saved)
         elif copies.numel != buffer.numel() or copies.like.dtype != state_dtype(buffer.dtype):
             raise ValueError(
                 f"Buffer {key} of compressed gossip has {buffer.numel()} elements of {buffer.dtype}; its public copies "
@@ -123,20 +128,18 @@ class Choco:
 
     def reset(self) -> None:
         """Forget every public copy (both ends of every edge do it together: a new topology)."""
-        self.copies = {}
+        self.copies, self._loaded = {}, {}
 
-    def state_dict(self) -> dict[int, Any]:
-        """The public copies, by buffer key (tensors and integers: a checkpoint shard holds them)."""
-        return {key: copies.state_dict() for key, copies in self.copies.items()}
+    def state_dict(self) -> dict[str, Any]:
+        """The public copies by buffer key, and `wire_bytes` (tensors and integers: a checkpoint shard holds them)."""
+        copies = {key: copies.state_dict() for key, copies in self.copies.items()}
+        return {"copies": {**self._loaded, **copies}, "wire_bytes": self.wire_bytes}
 
-    def load_state_dict(self, state: Mapping[int, Any], buffers: Sequence[Tensor], tag: int = 0) -> None:
-        """Restore the copies of `state`, made for `buffers` (the flat buffers exchanged under `tag`)."""
-        self.copies = {}
-        for key, saved in state.items():
-            index = int(key) - tag
-            if not 0 <= index < len(buffers):
-                raise ValueError(f"The saved public copies name buffer {key}; {len(buffers)} buffers are exchanged.")
-            self.copies_of(int(key), buffers[index]).load_state_dict(saved)
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state` ([`state_dict`][lightning_decentral.compression.Choco.state_dict]); each buffer's
+        copies are restored, on its device, at its first exchange."""
+        self.copies, self._loaded = {}, {int(key): saved for key, saved in state["copies"].items()}
+        self.wire_bytes = int(state["wire_bytes"])
 
 
 class ChocoExchange:

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_decentral.compression import Choco, ChocoExchange, Compressor, exchange_in_process
 from lightning_decentral.mixing.delays import DelayedMixing
 from lightning_decentral.mixing.protocol import (
     SIMULATION,
@@ -64,6 +65,10 @@ class DenseMixer(Watched):
             [`DelayedMixing`][lightning_decentral.mixing.DelayedMixing] says (one round, full precision).
         watch: the observers (of every worker's exchanges), residual measurement and error phrasing its owner shares
             with it ([`Watch`][lightning_decentral.mixing.Watch]); `None`: a new one, speaking of workers.
+        compression: compressed gossip: each worker runs [`Choco`][lightning_decentral.compression.Choco] with this
+            compressor, its messages handed to its in-neighbours in the process (the arithmetic of
+            [`CompressedGossip`][lightning_decentral.gossip.CompressedGossip] on processes).
+        consensus_step: CHOCO's `γ` (`None`: the compressor's `consensus_step`).
 
     Examples:
         >>> from lightning_decentral.topology import Ring
@@ -81,19 +86,42 @@ class DenseMixer(Watched):
         dtype: Optional[torch.dtype] = None,
         delayed: Optional[DelayedMixing] = None,
         watch: Optional[Watch] = None,
+        compression: Optional[Compressor] = None,
+        consensus_step: Optional[float] = None,
     ) -> None:
         self.topology = topology
         self.dtype = dtype
         self.delayed = delayed
         self.watch = watch if watch is not None else Watch(phrasing=SIMULATION)
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
+        self.chocos: Optional[list[Choco]] = None  # compressed gossip: worker i's side
+        if compression is not None:
+            step = compression.consensus_step if consensus_step is None else consensus_step
+            self.chocos = [Choco(compression, step, rank) for rank in range(topology.world_size)]
 
     def rebind(self, topology: Topology) -> None:
         """Mix with `topology` from now on (the survivors of a failure; nothing may be in flight). Worker `i` of
-        the new topology talks to a view of rank `i`: whoever runs the workers re-numbers its views."""
+        the new topology talks to a view of rank `i`: whoever runs the workers re-numbers its views. Compressed
+        gossip starts again from empty public copies."""
         if self._posted:
             raise RuntimeError(f"{len(self._posted)} exchanges are in flight: rebind the mixer between steps.")
         self.topology = topology
+        if self.chocos is not None:
+            first = self.chocos[0]
+            self.chocos = [Choco(first.compressor, first.consensus_step, rank) for rank in range(topology.world_size)]
+
+    def exchange_compressed(
+        self, buffers: Sequence[Sequence[Tensor]], outs: Sequence[Optional[Sequence[Tensor]]], step: int, rounds: int, tag: int
+    ) -> list[Optional[list[Tensor]]]:
+        """Compressed gossip of every worker's `buffers[i]` (with `outs[i]`: the correction there), in one process;
+        each worker's residuals (with `measure_residuals`)."""
+        assert self.chocos is not None
+        exchanges = [
+            ChocoExchange(choco, self.topology, b, step, rounds, tag, out, self.measure_residuals)
+            for choco, b, out in zip(self.chocos, buffers, outs)
+        ]
+        exchange_in_process(exchanges)
+        return [e.residuals for e in exchanges]
 
     @property
     def in_flight(self) -> int:
@@ -108,6 +136,8 @@ class DenseMixer(Watched):
 
     def bytes_sent(self, buffers: Sequence[Tensor], rank: int, step: int) -> int:
         """Bytes rank `rank` would send for one round on processes (an exact average: the ring all-reduce figure)."""
+        if self.chocos is not None:
+            return self.chocos[rank].bytes_sent(buffers, self.topology, step)
         total = 0
         for matrix, averaged in stages(self.topology, step):
             size = sum(b.numel() * b.element_size() for b in buffers)
@@ -138,6 +168,11 @@ class DenseMixer(Watched):
                 "worker starts an exchange before any worker waits for it."
             )
         order = [posted[i] for i in range(n)]
+        if self.chocos is not None:
+            residuals = self.exchange_compressed([p.buffers for p in order], [p.out for p in order], step, order[0].rounds, tag)
+            for worker, measured in zip(order, residuals):
+                worker.residuals, worker.done = measured, True
+            return
         for index in range(len(order[0].buffers)):
             x = torch.stack([p.buffers[index].detach().reshape(-1) for p in order]).double()
             mixed, change = self.mix(x, step, order[0].rounds, order[0].buffers[index].dtype, key=(tag, index))
