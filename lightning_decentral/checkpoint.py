@@ -183,13 +183,16 @@ def make_shard(
     rng: Optional[dict[str, Any]] = None,
     rule: Optional[dict[str, str]] = None,
     rule_state: Optional[dict[str, Any]] = None,
+    gossip: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """A rank's shard: its own `state_dict`, the optimizer step and the update rule it ran (`rule`, e.g.
     `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this
-    process's [`rng_state`][lightning_decentral.checkpoint.rng_state]), and (unless the checkpoint is
-    weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s, its precision plugin's state and what
-    its update rule carries across steps (`rule_state`, [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]:
-    an outer step's anchor and outer optimizer; kept when not empty)."""
+    process's [`rng_state`][lightning_decentral.checkpoint.rng_state]), the state of its compressed gossip
+    (`gossip`: the public copies, [`ChocoStates.state`][lightning_decentral.compression.ChocoStates.state]), and
+    (unless the checkpoint is weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s, its precision
+    plugin's state and what its update rule carries across steps (`rule_state`,
+    [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]: an outer step's anchor and outer
+    optimizer; kept when not empty)."""
     shard = {
         "save_id": save_id,
         "rank": rank,
@@ -198,6 +201,8 @@ def make_shard(
         "strategy": {"step": step, **(rule or {})},
         "rng": rng if rng is not None else rng_state(),
     }
+    if gossip is not None:
+        shard["gossip"] = gossip
     if optimizer_states is not None:
         shard["optimizer_states"] = optimizer_states
         shard["precision"] = precision

@@ -10,7 +10,7 @@ and keeps the monitoring surface ([`Driven`][lightning_decentral.driver.Driven])
 
 ```text
 driver.bind(world_size, num_nodes)                  topology and schedule, checked
-driver.process_mixer(...), dense_mixer()          the exchange the options select (plain, stale), by constructor
+driver.process_mixer(...), dense_mixer()          the exchange the options select (plain, stale, compressed), by constructor
 driver.build_rule(replica, mixer, optimizers, ...)  make_rule: RULES[options.rule](...) or OuterStep (or driver.run(workers))
 driver.begin(k)                                     plan = schedule.plan(k, epoch); runner.begin_step(plan)
 driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
@@ -36,8 +36,9 @@ import torch
 from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral.compression import ChocoStates
 from lightning_decentral.failures import Survival
-from lightning_decentral.gossip import Gossip, StaleGossip
+from lightning_decentral.gossip import CompressedGossip, Gossip, StaleGossip
 from lightning_decentral.measures import random_state
 from lightning_decentral.mixing import (
     TRAINER,
@@ -52,7 +53,7 @@ from lightning_decentral.mixing import (
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.outer import OuterStep
 from lightning_decentral.replicas import Replica
-from lightning_decentral.rules import RULES, Closure, RuleContext, UpdateRule
+from lightning_decentral.rules import RULES, Closure, RuleContext, UpdateRule, check_one_optimizer
 from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
 from lightning_decentral.topology import Topology, resolve_topology
 
@@ -131,6 +132,7 @@ class StepDriver:
         self.failed = False  # an error left a step: no collective when the run ends (the others may be gone)
         self._epoch = epoch
         self._mixers: list[Mixer] = []
+        self.copies = ChocoStates()  # compressed gossip: the workers' public copies, their bytes, from run to run
         self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
         self._rule: Optional[UpdateRule] = None  # what build_rule built (processes)
 
@@ -200,8 +202,9 @@ class StepDriver:
         [`StaleGossip`][lightning_decentral.gossip.StaleGossip] (its own gloo group), else
         [`Gossip`][lightning_decentral.gossip.Gossip] on the default group when this run made it with `timeout`
         (`on_default_group`: after a collective of Lightning's times out, the exchange on the same group fails at
-        once instead of waiting a second timeout), or on a new group of every rank with `timeout`. With
-        `survival`, a failed exchange asks it, and each step begins with it."""
+        once instead of waiting a second timeout), or on a new group of every rank with `timeout`; with
+        `compression`, CHOCO's messages over that engine ([`CompressedGossip`][lightning_decentral.gossip.CompressedGossip]).
+        With `survival`, a failed exchange asks it, and each step begins with it."""
         options, topology = self.options, self.topology
         self.survival = self.watch.survival = survival
         if options.staleness:
@@ -210,6 +213,8 @@ class StepDriver:
             mixer = Gossip(topology, dtype=options.gossip_dtype, timeout=timeout, watch=self.watch)
         else:
             mixer = Gossip.on_new_group(topology, device, backend, timeout, options.gossip_dtype, self.watch)
+        if options.compression is not None:  # over the engine just built (staleness is refused with compression)
+            mixer = CompressedGossip(mixer, options.compression, options.consensus_step)  # type: ignore[arg-type]
         return self._built(mixer)
 
     def dense_mixer(self) -> DenseMixer:
@@ -218,10 +223,12 @@ class StepDriver:
         worker `i`'s."""
         options, topology = self.options, self.topology
         delayed = DelayedMixing(topology, options.staleness, options.delays) if options.staleness else None
-        return self._built(DenseMixer(topology, dtype=options.gossip_dtype, delayed=delayed, watch=self.watch))
+        mixer = DenseMixer(topology, options.gossip_dtype, delayed, self.watch, options.compression, options.consensus_step)
+        return self._built(mixer)
 
     def _built(self, mixer: AnyMixer) -> AnyMixer:
         self._mixers.append(mixer)
+        self.copies.attach(mixer)  # compressed gossip: a later fit goes on from the public copies the last one left
         return mixer
 
     def build_rule(
@@ -358,15 +365,6 @@ class StepDriver:
         return self.runner
 
 
-def check_one_optimizer(optimizers: list[Any], source: str) -> None:
-    """Raise unless there is exactly one optimizer (`source` says where they came from)."""
-    if len(optimizers) != 1:
-        raise ValueError(
-            f"Decentralized training mixes the whole model once per optimizer step and needs exactly one optimizer, "
-            f"but {source} {len(optimizers)}. Put the parameters into one optimizer with several parameter groups."
-        )
-
-
 class Driven:
     """The monitoring surface and the update-rule arguments every executor shares, read from its `driver`
     ([`Monitored`][lightning_decentral.measures.Monitored] is what the monitors read)."""
@@ -448,3 +446,5 @@ def _option(name: str) -> property:
 for _field in fields(GossipOptions):
     if _field.name != "topology":  # Driven.topology is the bound one
         setattr(Driven, _field.name, _option(_field.name))
+Driven.bytes_sent = property(lambda self: self.driver.copies.bytes_sent,  # type: ignore[attr-defined]
+                             doc="Bytes compressed gossip put on the wire (this process's workers; `gossip/bytes_sent`).")

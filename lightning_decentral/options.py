@@ -12,6 +12,7 @@ from typing import Any, Literal, Optional, TypeVar, Union, get_type_hints
 import torch
 from torch.optim import Optimizer
 
+from lightning_decentral.compression import Compressor, resolve_compression
 from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.topology import TOPOLOGIES, Topology, topology_class
@@ -110,6 +111,18 @@ class GossipOptions:
         outer_overlap: with `outer_optimizer`, the round's exchange travels during the next round's inner steps and
             its outer step is applied one round late, the local progress made meanwhile kept on top of it
             (docs/algorithms.md, "Overlapping the exchange").
+        compression: compressed gossip (CHOCO, docs/algorithms.md, "Compressed gossip (CHOCO)"): each worker sends
+            each neighbour `C(x_i − x̂)`, `x̂` the public copy both ends of the edge keep, and moves by `γ` towards its
+            neighbours' copies. `"sign"` (1 bit per element and a scale per 1024), `"int8"`, `"int4"` (also `"int2"` …
+            `"int8"`: codes and a scale per 1024), `"top_k:0.01"` (the largest 1 % with packed indices),
+            `"random_k:0.01"` (1 % of the coordinates drawn from a seed both ends share, values only), or a
+            [`Compressor`][lightning_decentral.compression.Compressor] (`Sign()`, `Quantize(bits=4)`, `TopK(0.01)`,
+            `RandomK(0.01)`, or your own). Kept as the compressor object. `None`: plain gossip. Runs with AWC and ATC
+            (any topology, rounds, `gossip_every`); not with DecentLaM, staleness, `gossip_dtype`,
+            `on_peer_failure="continue"` or an `outer_optimizer`.
+        consensus_step: `γ` of compressed gossip, in `(0, 1]`; `None`: the compressor's `consensus_step` (sign, int8,
+            int4: 1; int2, int3: 0.3; `top_k:f`: `3f`; `random_k:f`: `f`; measured in docs/benchmarks.md,
+            "Compressed gossip"). Kept as the value used.
 
     Examples:
         >>> options = GossipOptions(combine="atc", gossip_steps={"epoch": {0: 4, 5: 1}}, gossip_dtype="bfloat16")
@@ -123,6 +136,12 @@ class GossipOptions:
         Traceback (most recent call last):
         ...
         ValueError: staleness=2 mixes one round of W per step with the neighbours' newest replicas, but gossip_steps=2 ...
+        >>> GossipOptions(compression="top_k:0.05").consensus_step
+        0.15
+        >>> GossipOptions(compression="sign", momentum="decentlam")
+        Traceback (most recent call last):
+        ...
+        ValueError: compression=Sign(block=1024, consensus_step=1.0) runs with combine='awc' or 'atc', ... momentum='local' ...
     """
 
     topology: TopologyArgument = "ring"
@@ -140,6 +159,8 @@ class GossipOptions:
     min_workers: Optional[int] = None
     outer_optimizer: Optional[OptimizerFactory] = None
     outer_overlap: bool = False
+    compression: Optional[Union[str, Compressor]] = None
+    consensus_step: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_choice("combine", self.combine, COMBINE)
@@ -158,6 +179,7 @@ class GossipOptions:
         object.__setattr__(self, "gossip_dtype", _check_gossip_dtype(self.gossip_dtype))
         self._check_staleness()
         self._check_outer()
+        self._check_compression()
 
     def _check_staleness(self) -> None:
         """`staleness` is an integer ≥ 0; above 0 it takes AWC or ATC, one round every step, full precision;
@@ -212,6 +234,40 @@ class GossipOptions:
             if bad:
                 raise ValueError(f"outer_optimizer runs local steps and one outer step per gossip round, but {what} is "
                                  f"not supported with it: {fix}, or outer_optimizer=None.")
+    def _check_compression(self) -> None:
+        """`compression` resolves to a compressor (or `None`); `consensus_step` is in `(0, 1]`, and only with one; they
+        run with AWC and ATC, synchronous, in the compressor's own format, while every rank lives."""
+        compressor = resolve_compression(self.compression)  # raises naming the choices
+        object.__setattr__(self, "compression", compressor)
+        step = self.consensus_step
+        if compressor is None:
+            if step is not None:
+                raise ValueError(
+                    f"`consensus_step={step!r}` is the step γ of compressed gossip: pass compression= too (e.g. "
+                    "compression='sign'), or leave consensus_step=None."
+                )
+            return
+        step = compressor.consensus_step if step is None else step
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step <= 1:
+            raise ValueError(f"`consensus_step` (CHOCO's γ) must be in (0, 1], got {step!r}.")
+        object.__setattr__(self, "consensus_step", float(step))
+        unsupported = [
+            (self.rule == "decentlam", "momentum='decentlam' (its correction needs Σ_j w_ij z_j exactly)",
+             "use momentum='local' with combine='awc' or 'atc'"),
+            (self.staleness > 0, f"staleness={self.staleness}", "use staleness=0"),
+            (self.gossip_dtype is not None, f"gossip_dtype={self.gossip_dtype} (the compressor decides what travels)",
+             "use gossip_dtype=None"),
+            (self.on_peer_failure != "stop", f"on_peer_failure={self.on_peer_failure!r} (the survivors' graph would need "
+             "new public copies on both ends of every edge)", "use on_peer_failure='stop'"),
+            (self.outer_optimizer is not None, "an outer_optimizer (its pseudo-gradient needs Σ_j w_ij x_j exactly)",
+             "use outer_optimizer=None"),
+        ]
+        for bad, what, fix in unsupported:
+            if bad:
+                raise ValueError(
+                    f"compression={compressor!r} runs with combine='awc' or 'atc', staleness=0, full-precision buffers and "
+                    f"on_peer_failure='stop'; {what} is not supported with it: {fix}, or compression=None."
+                )
 
     @property
     def rule(self) -> str:

@@ -387,3 +387,11 @@ RULES: dict[str, type[UpdateRule]] = {
 """The update rules by name; [`rule_name`][lightning_decentral.options.rule_name] picks the entry of a
 strategy's `momentum` and `combine`."""
 
+
+def check_one_optimizer(optimizers: list[Any], source: str) -> None:
+    """Raise unless there is exactly one optimizer (`source` says where they came from)."""
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"Decentralized training mixes the whole model once per optimizer step and needs exactly one optimizer, "
+            f"but {source} {len(optimizers)}. Put the parameters into one optimizer with several parameter groups."
+        )

@@ -72,7 +72,8 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
         trainer = _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size)
         trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, world_size))
         out[config.name] = {
-            "state": _state(model), "counts": _counts(model), "train_loss": float(trainer.callback_metrics["train_loss"])
+            "state": _state(model), "counts": _counts(model), "train_loss": float(trainer.callback_metrics["train_loss"]),
+            "bytes_sent": trainer.strategy.bytes_sent, "logged_bytes": _logged_bytes(trainer),
         }
     return out
 
@@ -95,7 +96,15 @@ def fit_simulated(
         "counts": [_counts(module) for module in strategy.worker_modules()],
         "modules": strategy.worker_modules(),
         "train_loss": float(trainer.callback_metrics["train_loss"]),
+        "bytes_sent": strategy.bytes_sent,
+        "logged_bytes": _logged_bytes(trainer),
     }
+
+
+def _logged_bytes(trainer: pl.Trainer) -> Any:
+    """What the strategy logged as `gossip/bytes_sent` at the last step (compressed gossip), else `None`."""
+    value = trainer.callback_metrics.get("gossip/bytes_sent")
+    return None if value is None else float(value)
 
 
 def interleaved_loader(config: Config, workers: int) -> DataLoader:

@@ -1,16 +1,14 @@
 """Compressed gossip (CHOCO, a public copy per edge) in one process: the rules over a compressing ``DenseMixer``
-against the float64 dense reference (``tests/choco_reference.py``), the stacked mixer against the dense one, the
-consensus it reaches (and what compressing the models themselves reaches), and a resume from its state."""
+against the float64 dense reference (``tests/choco_reference.py``), the consensus it reaches (and what compressing
+the models themselves reaches), and a resume from its state."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 
 from lightning_decentral.compression import Sign, resolve_compression
-from lightning_decentral.mixing import DenseMixer, ExchangeEvent, ExchangeObserver, StackedMixer
+from lightning_decentral.mixing import DenseMixer, ExchangeEvent, ExchangeObserver
 from lightning_decentral.topology import resolve_topology
 from tests import reference
 from tests.dense_executor import DenseExecutor
@@ -44,34 +42,6 @@ def test_rules_over_a_compressing_dense_mixer_match_the_reference(config: Config
 
 def _random_rows(n: int, d: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, d, generator=torch.Generator().manual_seed(seed))
-
-
-@pytest.mark.parametrize("compression", ["sign", "top_k:0.1", "random_k:0.2"])
-def test_the_stacked_mixer_is_the_dense_mixer(compression: str) -> None:
-    n, topology = 8, resolve_topology("one_peer_exponential", 8)
-    dense, stacked_dense = (DenseMixer(topology, compression=resolve_compression(compression)) for _ in range(2))
-    stacked = StackedMixer(stacked_dense)
-    dense.measure_residuals = stacked.measure_residuals = True
-    x, b = _random_rows(n, 300), _random_rows(n, 20, seed=1)
-    apart = [[x[i].clone(), b[i].clone()] for i in range(n)]
-    together = [x.clone(), b.clone()]
-    for step in range(5):
-        rounds, outs = 1 + step % 2, [[torch.empty(300), torch.empty(20)] for _ in range(n)]
-        pending = [dense.worker(i).start(apart[i], step, rounds, out=outs[i]) for i in range(n)]
-        for p in pending:
-            p.wait()
-        out = [torch.empty(n, 300), torch.empty(n, 20)]
-        mixed = stacked.start([t.view(-1) for t in together], step, rounds, out=[o.view(-1) for o in out])
-        mixed.wait()
-        assert torch.equal(out[0], torch.stack([o[0] for o in outs])) and torch.equal(out[1], torch.stack([o[1] for o in outs]))
-        total = sum(float(r) for p in pending for r in p.residuals[:1])
-        assert math.isclose(float(mixed.residuals[0]), total, rel_tol=1e-5)
-        for i in range(n):  # adapt-with-combine adds the correction
-            apart[i][0] += outs[i][0]
-            apart[i][1] += outs[i][1]
-        together[0] += out[0]
-        together[1] += out[1]
-    assert [c.wire_bytes for c in dense.chocos] == [c.wire_bytes for c in stacked_dense.chocos]
 
 
 def consensus(x: torch.Tensor, mean: torch.Tensor) -> float:

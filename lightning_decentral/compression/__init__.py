@@ -33,7 +33,7 @@ Examples:
 """
 
 from lightning_decentral.compression.bits import pack_bits, packed_bytes, unpack_bits
-from lightning_decentral.compression.choco import Choco, ChocoExchange, EdgeCopies, exchange_in_process, exchange_seed, state_dtype
+from lightning_decentral.compression.choco import Choco, ChocoExchange, ChocoStates, Compressing, EdgeCopies, exchange_in_process, exchange_seed, state_dtype
 from lightning_decentral.compression.compressors import (
     NAMES,
     CompressionArgument,
@@ -50,6 +50,8 @@ __all__ = [
     "NAMES",
     "Choco",
     "ChocoExchange",
+    "ChocoStates",
+    "Compressing",
     "CompressionArgument",
     "Compressor",
     "EdgeCopies",

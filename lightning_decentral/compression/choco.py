@@ -19,7 +19,7 @@ one process; the arithmetic is this module's in both.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -126,9 +126,9 @@ class Choco:
             )
         return copies
 
-    def reset(self) -> None:
-        """Forget every public copy (both ends of every edge do it together: a new topology)."""
-        self.copies, self._loaded = {}, {}
+    def rebind(self, rank: int) -> None:
+        """Be worker `rank` of a new topology, from empty copies (every worker does it together)."""
+        self.rank, self.copies, self._loaded = rank, {}, {}
 
     def state_dict(self) -> dict[str, Any]:
         """The public copies by buffer key, and `wire_bytes` (tensors and integers: a checkpoint shard holds them)."""
@@ -235,13 +235,70 @@ class ChocoExchange:
         return change
 
 
-def exchange_in_process(exchanges: Sequence[ChocoExchange]) -> None:
+@runtime_checkable
+class Compressing(Protocol):
+    """A mixer of compressed gossip: `chocos`, the side of the rule of each worker it serves, in order."""
+
+    @property
+    def chocos(self) -> list[Choco]: ...
+
+
+class ChocoStates:
+    """The public copies of a process's workers as their executor keeps them from run to run: the compressing mixer
+    attached last (a later fit's goes on from the copies the earlier one left), the bytes sent, each worker's state
+    for its checkpoint shard, and a state loaded from a shard before the mixer exists."""
+
+    def __init__(self) -> None:
+        self._mixer: Optional[Compressing] = None
+        self._loaded: dict[int, Mapping[str, Any]] = {}
+
+    @property
+    def chocos(self) -> list[Choco]:
+        """Each worker's side of the rule (none before a compressing mixer is attached)."""
+        return list(self._mixer.chocos) if self._mixer is not None else []
+
+    def attach(self, mixer: Any) -> None:
+        """Serve `mixer`'s workers from now on, if it compresses (a [`Compressing`][lightning_decentral.compression.Compressing]
+        mixer with sides of the rule); they continue from the copies of the mixer attached before."""
+        if not isinstance(mixer, Compressing) or not mixer.chocos:
+            return
+        earlier, self._mixer = self.chocos, mixer
+        for choco, before in zip(self.chocos, earlier):
+            choco.load_state_dict(before.state_dict())
+        self._restore()
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes of every worker's messages so far."""
+        return sum(choco.wire_bytes for choco in self.chocos)
+
+    def state(self, worker: int = 0) -> Optional[dict[str, Any]]:
+        """Worker `worker`'s [`state_dict`][lightning_decentral.compression.Choco.state_dict]; `None` without a mixer."""
+        chocos = self.chocos
+        return chocos[worker].state_dict() if chocos else None
+
+    def load(self, state: Optional[Mapping[str, Any]], worker: int = 0) -> None:
+        """Continue worker `worker` from `state` (`None`: nothing to load), now or when a mixer is attached."""
+        if state is not None:
+            self._loaded[worker] = state
+            self._restore()
+
+    def _restore(self) -> None:
+        chocos = self.chocos
+        if chocos:
+            for worker, state in self._loaded.items():
+                chocos[worker].load_state_dict(state)
+            self._loaded = {}
+
+
+def exchange_in_process(exchanges: Sequence[ChocoExchange], first: Optional[Sequence[Mapping[int, Tensor]]] = None) -> None:
     """Run the exchanges of every worker of one process (`exchanges[i]` is worker `i`'s, all of one step), round by
-    round: every worker's messages, then every worker's receipt of its in-neighbours' messages."""
+    round: every worker's messages (round one's may be given: `first[i]`, worker `i`'s `outgoing(0)`), then every
+    worker's receipt of its in-neighbours' messages."""
     if not exchanges:
         return
     for round in range(exchanges[0].rounds):
-        messages = [e.outgoing(round) for e in exchanges]
+        messages = first if round == 0 and first is not None else [e.outgoing(round) for e in exchanges]
         for rank, exchange in enumerate(exchanges):
             senders = exchange.topology.in_neighbors(rank, exchange.step)
             exchange.incoming(round, {j: messages[j][rank] for j, _ in senders})

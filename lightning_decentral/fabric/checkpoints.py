@@ -143,7 +143,7 @@ class ShardedCheckpoints:
                 save_id, self.global_rank, self.world_size, state_dict=state[module_key].state_dict(),
                 step=self.step, optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
                 precision=self.precision.state_dict(), rule=self.rule_record(),
-                rule_state=self.rule_state() if optimizer_key is not None else None,
+                rule_state=self.rule_state() if optimizer_key is not None else None, gossip=self.driver.copies.state(),
             )
 
         def write_file() -> None:
@@ -193,6 +193,7 @@ class ShardedCheckpoints:
             self.precision.load_state_dict(shard["precision"])
         if optimizer_key is not None:
             self.load_rule_state(shard.get("rule_state", {}))
+        self.driver.copies.load(shard.get("gossip"))
         return remainder
 
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:

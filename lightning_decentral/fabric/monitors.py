@@ -41,6 +41,15 @@ def consensus_metrics(strategy: DecentralizedStrategy, per_layer: bool = False) 
     return metrics
 
 
+def gossip_metrics(strategy: DecentralizedStrategy) -> dict[str, Tensor]:
+    """What the Trainer's strategies log of the exchange: `gossip/bytes_sent`, the bytes this rank has put on the wire
+    for compressed gossip so far ([`bytes_sent`][lightning_decentral.driver.Driven.bytes_sent]); empty without
+    compression. Call it on any rank, any time."""
+    if strategy.options.compression is None:
+        return {}
+    return {"gossip/bytes_sent": torch.tensor(float(strategy.bytes_sent))}
+
+
 def effective_lr_metrics(
     strategy: DecentralizedStrategy, lr: float, loss_fn: Callable[[Any], Tensor], batches: Iterable[Any]
 ) -> dict[str, Tensor]:

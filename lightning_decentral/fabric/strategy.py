@@ -24,14 +24,14 @@ from typing_extensions import override
 from lightning_decentral._compat.lightning import BackwardSyncControl
 from lightning_decentral.agreement import run_configuration
 from lightning_decentral.common import OnProcesses, enabled_grad_scaler
-from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
+from lightning_decentral.driver import Driven, StepDriver, StepRunner
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
 from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities, checked_timeout
 from lightning_decentral.measures import random_state
 from lightning_decentral.mixing import FABRIC, Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
-from lightning_decentral.rules import RuleContext
+from lightning_decentral.rules import RuleContext, check_one_optimizer
 
 
 

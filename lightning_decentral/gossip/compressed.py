@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -16,11 +15,11 @@ from torch import Tensor
 from lightning_decentral.compression import Choco, ChocoExchange, Compressor
 from lightning_decentral.failures import peers_answer, wait_works
 from lightning_decentral.gossip.engine import Gossip
-from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver, Phrasing, notify_post, notify_wait, raise_if_not_finite
+from lightning_decentral.mixing import ExchangeEvent, Watched, notify_post, notify_wait, raise_if_not_finite
 from lightning_decentral.topology import Topology
 
 
-class CompressedGossip:
+class CompressedGossip(Watched):
     """The [`Mixer`][lightning_decentral.mixing.Mixer] of rank `i` under compressed gossip: each round of `W(k)`
     sends every out-neighbour one uint8 message of a size fixed in advance (the payloads of `C(x_i − x̂_{i→j})`, one
     per buffer), receives one from every in-neighbour, and moves `x_i` by `γ (Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j})`
@@ -33,7 +32,8 @@ class CompressedGossip:
     public copies) belongs in the rank's checkpoint shard: a resume from it continues bit for bit.
 
     Args:
-        gossip: the engine whose group, topology and point-to-point transport carry the messages.
+        gossip: the engine whose group, topology, point-to-point transport and
+            [`Watch`][lightning_decentral.mixing.Watch] (observers, residual measurement, phrasing) serve this mixer.
         compression: the compressor `C`.
         consensus_step: `γ` (`None`: the compressor's `consensus_step`).
 
@@ -50,48 +50,23 @@ class CompressedGossip:
         self.gossip = gossip
         step = compression.consensus_step if consensus_step is None else consensus_step
         self.choco = Choco(compression, step, gossip.rank)
-        self.observers: list[ExchangeObserver] = []
-        self.measure_residuals = False
+        self.watch = gossip.watch
         self._receive: dict[tuple[int, int], Tensor] = {}  # (tag, peer) -> a message's worth of bytes
 
-    @classmethod
-    def on_new_group(
-        cls,
-        topology: Topology,
-        device: torch.device,
-        compression: Compressor,
-        consensus_step: Optional[float] = None,
-        backend: Optional[str] = None,
-        timeout: Optional[timedelta] = None,
-    ) -> "CompressedGossip":
-        """Over a [`Gossip.on_new_group`][lightning_decentral.gossip.Gossip.on_new_group] engine; every rank calls it
-        together."""
-        return cls(Gossip.on_new_group(topology, device, backend, timeout), compression, consensus_step)
-
-    # the engine's, for the executors and the survivors' machinery
     @property
     def topology(self) -> Topology:
+        """The engine's topology."""
         return self.gossip.topology
 
     @property
     def rank(self) -> int:
+        """This rank in the engine's group."""
         return self.gossip.rank
 
     @property
-    def phrasing(self) -> Phrasing:
-        return self.gossip.phrasing
-
-    @phrasing.setter
-    def phrasing(self, value: Phrasing) -> None:
-        self.gossip.phrasing = value
-
-    @property
-    def survival(self) -> Any:
-        return self.gossip.survival
-
-    @survival.setter
-    def survival(self, value: Any) -> None:
-        self.gossip.survival = value
+    def chocos(self) -> list[Choco]:
+        """This rank's side of the rule, as the only worker this mixer serves."""
+        return [self.choco]
 
     @property
     def wire_bytes(self) -> int:
@@ -113,7 +88,7 @@ class CompressedGossip:
         """[`Gossip.rebind`][lightning_decentral.gossip.Gossip.rebind]; every public copy is forgotten (every rank
         rebinds together, so both ends of every edge start again from zero)."""
         self.gossip.rebind(topology)
-        self.choco = Choco(self.choco.compressor, self.choco.consensus_step, self.gossip.rank)
+        self.choco.rebind(self.gossip.rank)
         self._receive = {}
 
     def groups(self) -> list[dist.ProcessGroup]:

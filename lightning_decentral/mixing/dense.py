@@ -94,7 +94,7 @@ class DenseMixer(Watched):
         self.delayed = delayed
         self.watch = watch if watch is not None else Watch(phrasing=SIMULATION)
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
-        self.chocos: Optional[list[Choco]] = None  # compressed gossip: worker i's side
+        self.chocos: list[Choco] = []  # compressed gossip: worker i's side of the rule
         if compression is not None:
             step = compression.consensus_step if consensus_step is None else consensus_step
             self.chocos = [Choco(compression, step, rank) for rank in range(topology.world_size)]
@@ -106,22 +106,16 @@ class DenseMixer(Watched):
         if self._posted:
             raise RuntimeError(f"{len(self._posted)} exchanges are in flight: rebind the mixer between steps.")
         self.topology = topology
-        if self.chocos is not None:
+        if self.chocos:
             first = self.chocos[0]
-            self.chocos = [Choco(first.compressor, first.consensus_step, rank) for rank in range(topology.world_size)]
+            self.chocos[:] = [Choco(first.compressor, first.consensus_step, rank) for rank in range(topology.world_size)]
 
-    def exchange_compressed(
-        self, buffers: Sequence[Sequence[Tensor]], outs: Sequence[Optional[Sequence[Tensor]]], step: int, rounds: int, tag: int
-    ) -> list[Optional[list[Tensor]]]:
-        """Compressed gossip of every worker's `buffers[i]` (with `outs[i]`: the correction there), in one process;
-        each worker's residuals (with `measure_residuals`)."""
-        assert self.chocos is not None
-        exchanges = [
-            ChocoExchange(choco, self.topology, b, step, rounds, tag, out, self.measure_residuals)
-            for choco, b, out in zip(self.chocos, buffers, outs)
-        ]
-        exchange_in_process(exchanges)
-        return [e.residuals for e in exchanges]
+    def choco_exchange(
+        self, rank: int, buffers: Sequence[Tensor], step: int, rounds: int, tag: int, out: Optional[Sequence[Tensor]]
+    ) -> ChocoExchange:
+        """Compressed gossip: worker `rank`'s exchange of `buffers` (with `out`: the correction there); the messages
+        move between the workers in [`exchange_in_process`][lightning_decentral.compression.exchange_in_process]."""
+        return ChocoExchange(self.chocos[rank], self.topology, buffers, step, rounds, tag, out, self.measure_residuals)
 
     @property
     def in_flight(self) -> int:
@@ -136,7 +130,7 @@ class DenseMixer(Watched):
 
     def bytes_sent(self, buffers: Sequence[Tensor], rank: int, step: int) -> int:
         """Bytes rank `rank` would send for one round on processes (an exact average: the ring all-reduce figure)."""
-        if self.chocos is not None:
+        if self.chocos:
             return self.chocos[rank].bytes_sent(buffers, self.topology, step)
         total = 0
         for matrix, averaged in stages(self.topology, step):
@@ -168,10 +162,10 @@ class DenseMixer(Watched):
                 "worker starts an exchange before any worker waits for it."
             )
         order = [posted[i] for i in range(n)]
-        if self.chocos is not None:
-            residuals = self.exchange_compressed([p.buffers for p in order], [p.out for p in order], step, order[0].rounds, tag)
-            for worker, measured in zip(order, residuals):
-                worker.residuals, worker.done = measured, True
+        if self.chocos:  # each worker compressed its round one when it started
+            exchange_in_process([p.exchange for p in order], first=[p.messages for p in order])
+            for worker in order:
+                worker.residuals, worker.done = worker.exchange.residuals, True
             return
         for index in range(len(order[0].buffers)):
             x = torch.stack([p.buffers[index].detach().reshape(-1) for p in order]).double()
@@ -259,6 +253,9 @@ class _WorkerMixer(DenseView):
                 o.zero_()
             pending.done = True
         else:
+            if self.dense.chocos:  # compressed as on processes: now, from the buffers as they are
+                pending.exchange = self.dense.choco_exchange(self.rank, buffers, step, rounds, tag, out)
+                pending.messages = pending.exchange.outgoing(0)
             self.dense.post(pending)
         notify_post(observers, event)
         return pending
@@ -281,6 +278,8 @@ class _DensePending:
         self.out = None if out is None else list(out)
         self.observers, self.event = observers, event
         self.residuals: Optional[list[Tensor]] = None
+        self.exchange: Optional[ChocoExchange] = None  # compressed gossip: this worker's, and its round-one messages
+        self.messages: dict[int, Tensor] = {}
         self.done = False
         self._reported = False
 

@@ -39,6 +39,8 @@ class StackedMixer(DenseView):
     """
 
     def __init__(self, dense: DenseMixer) -> None:
+        if dense.chocos:
+            raise ValueError("Compressed gossip compresses each worker's flat buffers: run it on DenseMixer.worker(i).")
         super().__init__(dense)
         self._space: dict[int, Tensor] = {}
 
@@ -73,11 +75,6 @@ class StackedMixer(DenseView):
         if not stages(self.dense.topology, step):  # W = I: nothing moves
             for o in out or []:
                 o.zero_()
-        elif self.dense.chocos is not None:  # compressed: each worker's row through its own side of the rule
-            outs = [None if out is None else [o.view(n, -1)[i] for o in out] for i in range(n)]
-            measured = self.dense.exchange_compressed([[r[i] for r in rows] for i in range(n)], outs, step, rounds, tag)
-            if measured[0] is not None:
-                residuals = [torch.stack(parts).sum() for parts in zip(*measured)]
         else:
             found: dict[int, Tensor] = {}  # buffer index -> its residual
             for group in _same_dtype(range(len(rows)), lambda i: rows[i].dtype):

@@ -39,10 +39,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral.common import backward_may_overlap
-from lightning_decentral.driver import Driven, StepDriver, check_one_optimizer
+from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.mixing import SIMULATION
 from lightning_decentral.options import gossip_options, probe_outer_optimizer, takes_gossip_options
-from lightning_decentral.rules import RuleContext
+from lightning_decentral.rules import RuleContext, check_one_optimizer
 from lightning_decentral.simulation.data import WorkerLoaders, first_batch_together
 from lightning_decentral.simulation.isolation import random_states_kept
 from lightning_decentral.simulation.hooks import WorkerHooks
@@ -56,6 +56,10 @@ from lightning_decentral.simulation.vectorized import (
     vectorization_problem,
 )
 
+STACKED_COMPRESSION = (
+    "compression= compresses each worker's flat buffers (scales and indices over all its parameters), which the "
+    "stacked rows, one tensor per parameter, do not hold together"
+)
 
 
 @takes_gossip_options
@@ -137,6 +141,13 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             raise ValueError(
                 "SimulatedDecentralizedStrategy(failures=...) rebuilds the graph between two steps, which outer_overlap=True "
                 "(an exchange in flight across steps) does not support: use outer_overlap=False with failures."
+            )
+        if vectorize is True and gossip.compression is not None:
+            raise ValueError(f"vectorize=True cannot run compression=: {STACKED_COMPRESSION}. Use vectorize=False or 'auto'.")
+        if self.failures and gossip.compression is not None:
+            raise ValueError(
+                "failures= simulates on_peer_failure='continue', which compressed gossip does not support (the survivors' "
+                "graph would need new public copies on both ends of every edge): drop failures= or compression=."
             )
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
@@ -227,6 +238,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             problem = "there is one worker: nothing to stack"
         if self.failures:
             problem = "failures= drops workers one by one, which the stacked rows do not support"
+        if self.options.compression is not None:
+            problem = STACKED_COMPRESSION
         if problem is None:
             with random_states_kept(), self.precision_plugin.train_step_context():
                 batch = self.batch_to_device(first_batch_together(dataloader, self.workers))
@@ -274,6 +287,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         with self.precision_plugin.train_step_context():
             outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
         log_over_workers(self.lightning_module, logged, len(self._group.modules))
+        self.log_bytes_sent(self.lightning_module, workers=len(self._group.modules))
         self._outputs = outputs
         self._losses = [_loss_of(output) for output in outputs]
         if any(loss is None for loss in self._losses):

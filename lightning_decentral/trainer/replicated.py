@@ -59,6 +59,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     rule_record: Callable[[], dict[str, str]]
     rule_state: Callable[[], dict[str, Any]]
     load_rule_state: Callable[[dict[str, Any]], None]
+    driver: Any  # the subclass's StepDriver: its `copies` (compressed gossip) go into the shards
 
     def __init__(self, resume: str = "checkpoint", **kwargs: Any) -> None:
         if resume not in RESUME:
@@ -333,6 +334,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         if shard is not None:
             shards.resume_rank_state(shard, self.lightning_module.trainer.global_step)
             self.load_rule_state(shard.get("rule_state", {}))
+            self.driver.copies.load(shard.get("gossip"))
 
     def _background_save(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any) -> Callable[[], None]:
         """Copy this rank's part of `checkpoint` (its own replica and optimizer state: see `optimizer_state`) to host
@@ -348,6 +350,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             rng=shards.rng_state(),
             rule=self.rule_record(),
             rule_state=None if own_states is None else self.rule_state(),
+            gossip=host_copy(self.driver.copies.state()),
         )
         ranks = self._writer_ranks
 
@@ -378,6 +381,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             precision=None if weights_only else self.precision_plugin.state_dict(),
             rule=self.rule_record(),
             rule_state=None if weights_only else self.rule_state(),
+            gossip=self.driver.copies.state(),
         )
 
     # -- every rank runs the same configuration ----------------------------------------------

@@ -217,6 +217,13 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
             self.lightning_module.log_dict(self.survivor_metrics, on_step=True, on_epoch=False)
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's `training_step`; with compression, `gossip/bytes_sent` is logged too."""
+        output = super().training_step(*args, **kwargs)
+        self.log_bytes_sent(self.lightning_module)
+        return output
+
+    @override
     def pre_backward(self, closure_loss: Tensor) -> None:
         """Before each backward pass (DecentLaM: gradients go into flat buffers)."""
         super().pre_backward(closure_loss)
