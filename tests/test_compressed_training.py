@@ -1,5 +1,5 @@
-"""Compressed gossip end to end: the Trainer's strategy on 4 gloo processes, the simulation (per worker and
-vectorized) and the dense reference agree; `gossip/bytes_sent` is logged and counts every payload; a resume from a
+"""Compressed gossip end to end: the Trainer's strategy on 4 gloo processes, the simulation, Fabric loops and the
+dense reference agree; `gossip/bytes_sent` is logged and counts every payload; a resume from a
 checkpoint continues bit for bit (the shards hold the public copies); what cannot run is refused naming the fix."""
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import torch
 from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
 from lightning_decentral.compression import Sign, resolve_compression
 from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
+from tests import fabric_workers
 from tests import simulation_workers as sim
 from tests.helpers import run_distributed
 from tests.models import make_net
-from tests.reference import Config, run
+from tests.reference import Config, assert_every_rank_matches, run
 
 WORLD = 4
 SGD = {"lr": 0.05, "momentum": 0.9}
@@ -77,6 +78,26 @@ def test_the_simulation_equals_the_processes_and_counts_the_same_bytes(
 def test_the_simulation_matches_the_dense_reference(config: Config) -> None:
     simulated = sim.fit_simulated_on_rank_data(config, WORLD)
     torch.testing.assert_close(simulated, run(config, WORLD), atol=1e-9, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def in_fabric(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Fabric loops on 4 processes: two configs against the dense reference, and a run saved and loaded halfway."""
+    configs = CONFIGS[:2]
+    root = tmp_path_factory.mktemp("compressed_fabric")
+    resume = Config("fabric_resume", topology="one_peer_exponential", optimizer=SGD, compression="int4", steps=6)
+    return {
+        "configs": configs,
+        "trained": run_distributed(fabric_workers.fit_configs, WORLD, configs=configs),
+        "resumed": run_distributed(fabric_workers.resume, WORLD, config=resume, root=str(root)),
+    }
+
+
+def test_fabric_loops_match_the_dense_reference_and_resume_bit_for_bit(in_fabric: dict[str, Any]) -> None:
+    for config in in_fabric["configs"]:
+        assert_every_rank_matches(in_fabric["trained"], config, WORLD, atol=1e-6)
+    for rank, result in enumerate(in_fabric["resumed"]):
+        assert torch.equal(result["resumed"], result["full"]), f"rank {rank}"
 
 
 @pytest.fixture(scope="module")
