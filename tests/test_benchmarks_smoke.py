@@ -70,6 +70,20 @@ def test_survive_accuracy_smoke(tmp_path: Path) -> None:
     assert all(len(values) == 1 and 0 <= values[0] <= 1 for values in result["accuracy"].values())
 
 
+def test_compression_smoke(tmp_path: Path) -> None:
+    """Bytes counted and read on the loopback per compressor, and the consensus-vs-γ sweep, for a few steps."""
+    out = tmp_path / "bytes.json"
+    _run_smoke("compression.py", "bytes", "--compressions", "sign,top_k:0.01", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["compression"] for row in rows] == ["None", "sign", "top_k:0.01"]
+    assert all(row["measured_per_rank_step"] >= row["counted_per_rank_step"] > 0 for row in rows)
+    out = tmp_path / "sweep.json"
+    _run_smoke("compression.py", "sweep", "--compressions", "int8", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["topology"], row["compression"]) for row in rows] == [("ring", "int8"), ("one_peer_exponential", "int8")]
+    assert all(0 < ratio < 1 for row in rows for ratio in row["ratio"].values())
+
+
 def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
