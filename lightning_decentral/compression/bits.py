@@ -33,24 +33,28 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     if not 1 <= bits <= 32:
         raise ValueError(f"bits must be in [1, 32], got {bits}.")
     device = codes.device
+    if bits == 8:
+        return codes.to(torch.uint8)
     if 8 % bits == 0:
         per_byte = 8 // bits
         small = codes.to(torch.uint8)
         padded = torch.nn.functional.pad(small, (0, -len(small) % per_byte)).view(-1, per_byte)
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
-        return (padded << shifts).sum(1, dtype=torch.int32).to(torch.uint8)
+        return (padded << shifts).sum(1, dtype=torch.uint8)  # the codes' bits do not overlap: no carry
     stream = ((codes.to(torch.int64)[:, None] >> torch.arange(bits, device=device)) & 1).to(torch.uint8).view(-1)
     stream = torch.nn.functional.pad(stream, (0, -len(stream) % 8)).view(-1, 8)
-    return (stream << torch.arange(8, dtype=torch.uint8, device=device)).sum(1, dtype=torch.int32).to(torch.uint8)
+    return (stream << torch.arange(8, dtype=torch.uint8, device=device)).sum(1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: Tensor, count: int, bits: int) -> Tensor:
-    """The `count` codes of [`pack_bits`][lightning_decentral.compression.bits.pack_bits], as int64."""
+    """The `count` codes of [`pack_bits`][lightning_decentral.compression.bits.pack_bits]: uint8 up to 8 bits per
+    code, else int64."""
     device = packed.device
+    if bits == 8:
+        return packed[:count]
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
-        codes = (packed[:, None] >> shifts) & ((1 << bits) - 1)
-        return codes.view(-1)[:count].to(torch.int64)
+        return ((packed[:, None] >> shifts) & ((1 << bits) - 1)).view(-1)[:count]
     stream = ((packed[:, None] >> torch.arange(8, dtype=torch.uint8, device=device)) & 1).view(-1)[: count * bits]
     weights = torch.ones(bits, dtype=torch.int64, device=device) << torch.arange(bits, device=device)
     return (stream.view(count, bits).to(torch.int64) * weights).sum(1)

@@ -53,6 +53,14 @@ class EdgeCopies:
         self.sent: list[Tensor] = []
         self.slot_of: dict[int, int] = {}
         self.received: dict[int, Tensor] = {}
+        self._work: Optional[Tensor] = None
+
+    @property
+    def work(self) -> Tensor:
+        """Space for one buffer's worth of arithmetic (`x − x̂`, then `Δ`), kept from round to round."""
+        if self._work is None:
+            self._work = self.like.new_empty(self.numel)
+        return self._work
 
     def slots_for(self, peers: Sequence[int]) -> dict[int, list[int]]:
         """The slots of `peers` (out-neighbours this round), `{slot: peers}`, split first where a slot is shared with an
@@ -186,8 +194,10 @@ class ChocoExchange:
         for index, (x, copies) in enumerate(zip(self.current, self.copies)):
             seed = exchange_seed(self.step, round, self.tag + index, choco.rank)
             for slot, members in copies.slots_for(peers).items():
-                sent = copies.sent[slot]
-                payload = compressor.compress((x.reshape(-1).to(sent.dtype) - sent), seed)
+                sent, difference = copies.sent[slot], copies.work
+                payload = compressor.compress(torch.sub(x.reshape(-1), sent, out=difference), seed)
+                if payload.untyped_storage().data_ptr() == difference.untyped_storage().data_ptr():
+                    payload = payload.clone()  # a view of the work space, which the next buffer overwrites
                 sent.add_(compressor.decompress(payload, copies.numel, sent.dtype, seed))
                 for peer in members:
                     parts[peer].append(payload)
@@ -223,15 +233,15 @@ class ChocoExchange:
     def _change(self, copies: EdgeCopies) -> Tensor:
         """`Δ = Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j}` over the edges of `W(step)` (the out-edges of one copy together)."""
         rank = self.choco.rank
-        change = copies.like.new_zeros(copies.numel)
-        for peer, weight in self.topology.in_neighbors(rank, self.step):
-            change.add_(copies.received[peer], alpha=weight)
+        terms = [(copies.received[peer], weight) for peer, weight in self.topology.in_neighbors(rank, self.step)]
         by_slot: dict[int, float] = {}
         for peer, weight in self.topology.out_neighbors(rank, self.step):
             slot = copies.slot_of[peer]
-            by_slot[slot] = by_slot.get(slot, 0.0) + weight
-        for slot, weight in by_slot.items():
-            change.add_(copies.sent[slot], alpha=-weight)
+            by_slot[slot] = by_slot.get(slot, 0.0) - weight
+        terms += [(copies.sent[slot], weight) for slot, weight in by_slot.items()]
+        change = torch.mul(terms[0][0], terms[0][1], out=copies.work)
+        for copy, weight in terms[1:]:
+            change.add_(copy, alpha=weight)
         return change
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Optional, Protocol, Union, runtime_checkable
+from typing import Callable, Optional, Protocol, Union, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -39,7 +39,7 @@ class Compressor(Protocol):
         ...     def payload_bytes(self, numel, dtype):
         ...         return (numel // 2) * dtype.itemsize
         ...     def compress(self, v, seed):
-        ...         return v[: len(v) // 2].contiguous().view(torch.uint8)
+        ...         return v[: len(v) // 2].clone().view(torch.uint8)
         ...     def decompress(self, payload, numel, dtype, seed):
         ...         head = payload.view(dtype)
         ...         return torch.cat([head, head.new_zeros(numel - len(head))])
@@ -67,10 +67,30 @@ def _blocks(numel: int, block: Optional[int]) -> int:
     return 1 if block is None or numel <= block else math.ceil(numel / block)
 
 
-def _per_block(v: Tensor, block: Optional[int]) -> Tensor:
-    """`v` as `[blocks, width]` rows (the last one padded with zeros)."""
-    width = len(v) if block is None or len(v) <= block else block
-    return torch.nn.functional.pad(v, (0, -len(v) % max(width, 1))).view(-1, max(width, 1))
+def _width(numel: int, block: Optional[int]) -> int:
+    return max(1, numel if block is None or numel <= block else block)
+
+
+def _per_block(v: Tensor, block: Optional[int], reduce: Callable[[Tensor], Tensor]) -> Tensor:
+    """`reduce(rows)` over the blocks of `v` as rows of `block` elements (the last one may be shorter), one value per
+    block; no copy of `v`."""
+    width = _width(len(v), block)
+    full = len(v) // width * width
+    parts = [reduce(v[:full].view(-1, width))] if full else []
+    if full < len(v):
+        parts.append(reduce(v[full:].view(1, -1)))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def _scale_blocks_(x: Tensor, scales: Tensor, block: Optional[int]) -> Tensor:
+    """`x *= scales[b]` on each block `b` of `x`, in place; returns `x`."""
+    width = _width(len(x), block)
+    full = len(x) // width * width
+    if full:
+        x[:full].view(-1, width).mul_(scales[: full // width, None])
+    if full < len(x):
+        x[full:].mul_(scales[-1])
+    return x
 
 
 def _check_block(block: Optional[int]) -> None:
@@ -105,17 +125,15 @@ class Sign:
         return _blocks(numel, self.block) * SCALE.itemsize + packed_bytes(numel, 1)
 
     def compress(self, v: Tensor, seed: int) -> Tensor:
-        rows = _per_block(v, self.block)
-        sizes = torch.full((len(rows),), rows.shape[1], dtype=v.dtype, device=v.device)
-        sizes[-1] = len(v) - rows.shape[1] * (len(rows) - 1)
-        scales = (rows.abs().sum(1) / sizes).to(SCALE)
-        return torch.cat([scales.view(torch.uint8), pack_bits(v >= 0, 1)])
+        scales = _per_block(v, self.block, lambda rows: torch.linalg.vector_norm(rows, 1, dim=1) / rows.shape[1])
+        return torch.cat([scales.to(SCALE).view(torch.uint8), pack_bits(v >= 0, 1)])
 
     def decompress(self, payload: Tensor, numel: int, dtype: torch.dtype, seed: int) -> Tensor:
         blocks = _blocks(numel, self.block)
         scales = as_dtype(payload[: blocks * SCALE.itemsize], SCALE).to(dtype)
-        signs = unpack_bits(payload[blocks * SCALE.itemsize :], numel, 1).to(dtype) * 2 - 1
-        return (_per_block(signs, self.block) * scales[:, None]).view(-1)[:numel]
+        bits = unpack_bits(payload[blocks * SCALE.itemsize :], numel, 1)
+        signs = torch.mul(bits, 2, out=torch.empty(numel, dtype=dtype, device=payload.device)).sub_(1)  # ±1
+        return _scale_blocks_(signs, scales, self.block)
 
 
 @dataclass(frozen=True)
@@ -156,18 +174,17 @@ class Quantize:
         return _blocks(numel, self.block) * SCALE.itemsize + packed_bytes(numel, self.bits)
 
     def compress(self, v: Tensor, seed: int) -> Tensor:
-        rows = _per_block(v, self.block)
-        scales = (rows.abs().amax(1) / self.levels).to(SCALE)
-        divisor = scales.to(v.dtype)[:, None]
-        scaled = torch.where(divisor > 0, rows / torch.where(divisor > 0, divisor, 1), 0)
-        codes = scaled.round().clamp(-self.levels, self.levels).view(-1)[: len(v)] + self.levels
+        scales = (_per_block(v, self.block, lambda rows: rows.abs().amax(1)) / self.levels).to(SCALE)
+        inverse = scales.to(v.dtype)
+        inverse = torch.where(inverse > 0, 1 / torch.where(inverse > 0, inverse, 1), 0)  # a zero block: codes 0
+        codes = _scale_blocks_(v.clone(), inverse, self.block).round_().clamp_(-self.levels, self.levels).add_(self.levels)
         return torch.cat([scales.view(torch.uint8), pack_bits(codes, self.bits)])
 
     def decompress(self, payload: Tensor, numel: int, dtype: torch.dtype, seed: int) -> Tensor:
         blocks = _blocks(numel, self.block)
         scales = as_dtype(payload[: blocks * SCALE.itemsize], SCALE).to(dtype)
-        codes = unpack_bits(payload[blocks * SCALE.itemsize :], numel, self.bits) - self.levels
-        return (_per_block(codes.to(dtype), self.block) * scales[:, None]).view(-1)[:numel]
+        codes = unpack_bits(payload[blocks * SCALE.itemsize :], numel, self.bits).to(dtype).sub_(self.levels)
+        return _scale_blocks_(codes, scales, self.block)
 
 
 def kept(numel: int, fraction: float) -> int:
@@ -230,7 +247,7 @@ class TopK:
     def decompress(self, payload: Tensor, numel: int, dtype: torch.dtype, seed: int) -> Tensor:
         k = kept(numel, self.fraction)
         values = as_dtype(payload[: k * dtype.itemsize], dtype)
-        return _scatter(values, unpack_bits(payload[k * dtype.itemsize :], k, _index_bits(numel)), numel, dtype)
+        return _scatter(values, unpack_bits(payload[k * dtype.itemsize :], k, _index_bits(numel)).long(), numel, dtype)
 
 
 @dataclass(frozen=True)
