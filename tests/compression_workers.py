@@ -82,16 +82,16 @@ def loopback_bytes() -> int:
     raise RuntimeError("no loopback interface in /proc/net/dev")
 
 
-def wire_bytes(rank: int, world_size: int, numel: int, compressions: list, repeats: int, steps: int) -> dict[Any, list]:
-    """For each compression (`None`: plain gossip) on a ring: `repeats` times, `(counted, measured)`, the bytes every
-    rank counted for `steps` exchanges of a `numel`-element buffer, and the loopback counter's growth meanwhile (read
+def wire_bytes(rank: int, world_size: int, sizes: dict[Any, int], repeats: int, steps: int) -> dict[Any, list]:
+    """For each compression of `sizes` (`None`: plain gossip) on a ring: `repeats` times, `(counted, measured)`, the
+    bytes every rank counted for `steps` exchanges of a buffer of `sizes[compression]` elements, and the loopback counter's growth meanwhile (read
     on rank 0, before the others start and after they all finished)."""
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         topology = resolve_topology("ring", world_size)
-        x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         out: dict[Any, list] = {}
-        for compression in compressions:
+        for compression, numel in sizes.items():
+            x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
             gossip = Gossip(topology)
             mixer = gossip if compression is None else CompressedGossip(gossip, resolve_compression(compression))
             out[compression] = []

@@ -52,21 +52,23 @@ def test_processes_equal_the_dense_mixer_and_resume_bit_for_bit(runs: list[dict[
 
 
 def test_bytes_counted_are_the_bytes_on_the_loopback() -> None:
-    """A ring of 4 ranks, 3 exchanges of a 2M-element float32 buffer: what the ranks counted against the loopback
-    counter's growth. Other processes may use the loopback too (their bytes only add to the count): of 3 repeats,
-    the least overhead must be under 5 % (TCP/IP headers and gloo's own small messages)."""
-    numel, compressions = 2_000_000, [None, "sign", "top_k:0.01", "int4"]
-    results = run_distributed(compression_workers.wire_bytes, WORLD, numel=numel, compressions=compressions, repeats=3, steps=3)
-    measured = results[0]
-    for compression in compressions:
+    """A ring of 4 ranks, 4 exchanges of a float32 buffer (1M elements plain, 4M compressed), 5 times: what the ranks
+    counted against the loopback counter's growth. Every byte counted crossed the loopback (never fewer measured than
+    counted). Other processes may use the loopback too, and their bytes only add: of the repetitions, the one with the
+    least overhead must be under 25 % (sending the dense buffer while counting a compressed one would be 8 to 50 times
+    over; on a quiet loopback the overhead is under 1.5 %, docs/benchmarks.md "Compressed gossip")."""
+    numel, steps, repeats = 4_000_000, 4, 5
+    sizes = {None: numel // 4, "sign": numel, "top_k:0.01": numel, "int4": numel}
+    measured = run_distributed(compression_workers.wire_bytes, WORLD, sizes=sizes, repeats=repeats, steps=steps)[0]
+    for compression in sizes:
         pairs = measured[compression]
         counted = pairs[0][0]
         assert all(c == counted for c, _ in pairs)
         overheads = [(m - c) / c for c, m in pairs]
-        assert min(overheads) >= 0 and min(overheads) < 0.05, (compression, pairs)
+        assert min(overheads) >= 0 and min(overheads) < 0.25, (compression, pairs)
         if compression is not None:
             per_message = resolve_compression(compression).payload_bytes(numel, torch.float32)
-            assert counted == WORLD * 2 * 3 * per_message  # 2 neighbours, 3 steps
-    plain = measured[None][0][0]
-    assert plain == WORLD * 2 * 3 * numel * 4
+            assert counted == WORLD * 2 * steps * per_message  # 2 neighbours
+    plain = measured[None][0][0] * 4  # at the compressed buffers' size
+    assert plain == WORLD * 2 * steps * numel * 4
     assert plain / measured["sign"][0][0] > 30 and plain / measured["top_k:0.01"][0][0] > 50

@@ -4,6 +4,7 @@ checkpoint continues bit for bit (the shards hold the public copies); what canno
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,8 @@ def test_a_shard_holds_the_workers_public_copies(resumed: dict[str, Any]) -> Non
         ({"consensus_step": 0.5}, "pass compression= too"),
         ({"compression": "sign", "consensus_step": 1.5}, r"must be in \(0, 1\]"),
         ({"compression": "top-k"}, "'top_k:<fraction>'"),
+        ({"compression": "sign", "outer_optimizer": functools.partial(torch.optim.SGD, lr=0.7), "gossip_every": 4},
+         "use outer_optimizer=None"),
     ],
 )
 def test_what_cannot_run_is_refused_naming_the_fix(kwargs: dict, match: str) -> None:

@@ -282,6 +282,12 @@ class ChocoStates:
         """Bytes of every worker's messages so far."""
         return sum(choco.wire_bytes for choco in self.chocos)
 
+    def metrics(self) -> dict[str, float]:
+        """`{"gossip/bytes_sent": bytes per worker so far}` (the mean over this process's workers); `{}` without a
+        compressing mixer. What the executors log at each step."""
+        chocos = self.chocos
+        return {"gossip/bytes_sent": self.bytes_sent / len(chocos)} if chocos else {}
+
     def state(self, worker: int = 0) -> Optional[dict[str, Any]]:
         """Worker `worker`'s [`state_dict`][lightning_decentral.compression.Choco.state_dict]; `None` without a mixer."""
         chocos = self.chocos

@@ -45,9 +45,7 @@ def gossip_metrics(strategy: DecentralizedStrategy) -> dict[str, Tensor]:
     """What the Trainer's strategies log of the exchange: `gossip/bytes_sent`, the bytes this rank has put on the wire
     for compressed gossip so far ([`bytes_sent`][lightning_decentral.driver.Driven.bytes_sent]); empty without
     compression. Call it on any rank, any time."""
-    if strategy.options.compression is None:
-        return {}
-    return {"gossip/bytes_sent": torch.tensor(float(strategy.bytes_sent))}
+    return {name: torch.tensor(value) for name, value in strategy.driver.copies.metrics().items()}
 
 
 def effective_lr_metrics(

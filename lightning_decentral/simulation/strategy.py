@@ -287,7 +287,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         with self.precision_plugin.train_step_context():
             outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
         log_over_workers(self.lightning_module, logged, len(self._group.modules))
-        self.log_bytes_sent(self.lightning_module, workers=len(self._group.modules))
+        self.lightning_module.log_dict(self.driver.copies.metrics(), on_step=True, on_epoch=False)
         self._outputs = outputs
         self._losses = [_loss_of(output) for output in outputs]
         if any(loss is None for loss in self._losses):

@@ -220,7 +220,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """The module's `training_step`; with compression, `gossip/bytes_sent` is logged too."""
         output = super().training_step(*args, **kwargs)
-        self.log_bytes_sent(self.lightning_module)
+        self.lightning_module.log_dict(self.driver.copies.metrics(), on_step=True, on_epoch=False)
         return output
 
     @override
