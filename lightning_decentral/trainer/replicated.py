@@ -45,8 +45,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     Subclasses define the update (`optimizer_step`), `eval_on` (`"average"` evaluates `x̄`, `"local"` each rank's
     own replica), `rule_record()` (what the shards record of the update rule), `rule_state()` and
-    `load_rule_state(state)` (what the rule carries across steps, in the shard) and `_configuration()`, the fields
-    every rank must agree on; they call `_start_replicas()` from `configure_ddp`.
+    `load_rule_state(state)` (what the rule and, `driver.copies`, compressed gossip carry across steps, in the shard)
+    and `_configuration()`, the fields every rank must agree on; they call `_start_replicas()` from `configure_ddp`.
 
     Args:
         resume: `"checkpoint"`: `fit(ckpt_path=...)` resumes from the checkpoint it names; `"newest_complete"`: from
@@ -59,7 +59,6 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     rule_record: Callable[[], dict[str, str]]
     rule_state: Callable[[], dict[str, Any]]
     load_rule_state: Callable[[dict[str, Any]], None]
-    driver: Any  # the subclass's StepDriver: its `copies` (compressed gossip) go into the shards
 
     def __init__(self, resume: str = "checkpoint", **kwargs: Any) -> None:
         if resume not in RESUME:
@@ -349,8 +348,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             precision=None if own_states is None else host_copy(self.precision_plugin.state_dict()),
             rng=shards.rng_state(),
             rule=self.rule_record(),
-            rule_state=None if own_states is None else self.rule_state(),
-            gossip=host_copy(self.driver.copies.state()),
+            rule_state=None if own_states is None else self.rule_state(), gossip=host_copy(self.driver.copies.state()),
         )
         ranks = self._writer_ranks
 
@@ -380,8 +378,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             optimizer_states=None if weights_only else [o.state_dict() for o in self.optimizers],
             precision=None if weights_only else self.precision_plugin.state_dict(),
             rule=self.rule_record(),
-            rule_state=None if weights_only else self.rule_state(),
-            gossip=self.driver.copies.state(),
+            rule_state=None if weights_only else self.rule_state(), gossip=self.driver.copies.state(),
         )
 
     # -- every rank runs the same configuration ----------------------------------------------
