@@ -35,16 +35,8 @@ from lightning_decentral.simulation.isolation import loads_at_random, random_sta
 from lightning_decentral.simulation.workers import Logged, WorkerGroup, collect_logs
 
 ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.Rprop,
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Rprop,
 )
 """The optimizers whose update of an element reads only that element's gradient and state: stepping them
 over stacked parameters equals stepping one per worker."""
@@ -292,8 +284,8 @@ class StackedWorkers(WorkerGroup):
     ) -> StackedWorkers:
         """The workers of `workers` (kept apart, not stepped yet), stacked, with their optimizer and rule states (a
         resume restored them); `workers` is torn down. `optimizer` is worker 0's."""
-        states = [workers.optimizer_state_of(rank) for rank in range(len(workers.modules))]
-        rule_states = [workers.rule_state_of(rank) for rank in range(len(workers.modules))]
+        ranks = range(len(workers.modules))
+        states, rule_states = [workers.optimizer_state_of(r) for r in ranks], [workers.rule_state_of(r) for r in ranks]
         workers.teardown()
         stacked = cls(workers.modules, optimizer, make_rule, mix_buffers, context, mixer, workers.device)
         stacked.load_optimizer_states(states)
@@ -349,30 +341,26 @@ class StackedWorkers(WorkerGroup):
     def optimizer_state_of(self, rank: int) -> dict[str, Any]:
         """Row `rank` of every per-element state tensor (momentum, Adam's moments), copied; scalars such as `step`
         as they are."""
-        state = self.optimizer.state_dict()
-        shapes = self._parameter_shapes()
-        rows = {
-            key: {name: v[rank].clone() if _per_element(name, v, shapes[key]) else v for name, v in values.items()}
-            for key, values in state["state"].items()
-        }
-        return {**state, "state": rows}
+        return self._per_element_state(lambda rows: rows[rank].clone())
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer `state_dict` with every per-element state tensor averaged over its rows (the workers)."""
-        state = self.optimizer.state_dict()
-        shapes = self._parameter_shapes()
-        averaged = {
-            key: {name: v.mean(0) if _per_element(name, v, shapes[key]) else v for name, v in values.items()}
+        return self._per_element_state(lambda rows: rows.mean(0))
+
+    def _per_element_state(self, of_rows: Callable[[Tensor], Tensor]) -> dict[str, Any]:
+        """The optimizer `state_dict` with `of_rows(v)` in place of every per-element state tensor `v` (a row a worker)."""
+        state, shapes = self.optimizer.state_dict(), self._parameter_shapes()
+        mapped = {
+            key: {name: of_rows(v) if _per_element(name, v, shapes[key]) else v for name, v in values.items()}
             for key, values in state["state"].items()
         }
-        return {**state, "state": averaged}
+        return {**state, "state": mapped}
 
     def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
         """Workers 1..n-1's replicas from their shards; the stacked optimizer and rule states from every worker's
         shard (or the averaged optimizer state on every row)."""
-        for i, module in enumerate(self.modules[1:], start=1):
-            if resumed:
-                module.load_state_dict(resumed[i]["state_dict"])
+        for module, shard in zip(self.modules[1:], resumed[1:]):
+            module.load_state_dict(shard["state_dict"])
         self.load_optimizer_states([shard["optimizer_states"][0] for shard in resumed] or [averaged_optimizer] * len(self.modules))
         if resumed:
             self.load_rule_states([shard.get("rule_state", {}) for shard in resumed])
@@ -384,10 +372,7 @@ class StackedWorkers(WorkerGroup):
 
     def load_rule_states(self, states: list[dict[str, Any]]) -> None:
         """The rule's state from every worker's (`rule_state_of`'s), its rows stacked."""
-        if not all(states):
-            self.rules[0].load_state_dict({})
-            return
-        self.rules[0].load_state_dict(_stacked_rows(states))
+        self.rules[0].load_state_dict(_stacked_rows(states) if all(states) else {})
 
     def load_optimizer_states(self, states: list[dict[str, Any]]) -> None:
         """The stacked optimizer state from each worker's optimizer `state_dict` (per-element entries stacked as rows)."""
