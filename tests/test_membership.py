@@ -90,6 +90,32 @@ def test_survivors_agree_on_the_members_and_the_largest_step(connect: Callable) 
     assert [(m.rank, m.world_size, m.generation) for m in (members[0], members[1], members[3])] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)]
 
 
+def test_members_dying_together_are_all_found_gone_at_once(connect: Callable) -> None:
+    """Ranks 1 and 2 die together; ranks 0, 3 and 4 each learn of it from the store (each gave up an exchange on an
+    announcement: nobody names a broken connection). Each probes the members that have not joined: both are gone
+    (their beacons refuse connections), and the survivors agree at once, not after the silence (a minute here; the
+    threads are given 30 s)."""
+    members = _members(connect, 5, silence=60.0)
+    members[1].close()
+    members[2].close()
+    out = _in_threads({r: lambda r=r: members[r].agree(5, "announced") for r in (0, 3, 4)})
+    expected = Decision(generation=1, members=(0, 3, 4), survivors=(0, 3, 4), lost=(1, 2), step=5)
+    assert out == {0: expected, 3: expected, 4: expected}
+
+
+def test_a_member_whose_process_is_gone_is_polled_before_the_silence(connect: Callable) -> None:
+    """Rank 1 dies while rank 0 waits for the others (a collective, an agreement on what each rank does) and nobody
+    announces anything: once rank 1 has been silent for the confirmation window, its beacon is probed and `poll` says
+    it is gone, long before the silence (a minute)."""
+    members = _members(connect, 3, silence=60.0)
+    members[1].close()
+    deadline = time.monotonic() + 30
+    while (reason := members[0].poll()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reason is not None and reason.startswith("rank 1's process is gone (silent for")
+    assert members[2].gone(1)  # marked for every member
+
+
 def test_every_member_sees_the_announcement_in_one_poll(connect: Callable) -> None:
     members = _members(connect, 3)
     assert members[0].poll() is None
