@@ -16,6 +16,7 @@ driver.begin(k)                                     plan = schedule.plan(k, epoc
 driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
 driver.drain(); driver.teardown()                   at the end of training; when the run is over
 driver.keep(members, first_step)                    after a failure: W of the survivors (then rebind_mixers)
+driver.guard.run(what, collective)                  every collective besides the exchange (survived like it)
 ```
 
 Lightning-free: a single process drives the same lifecycle over a
@@ -35,7 +36,7 @@ import torch
 from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.failures import Survival
+from lightning_decentral.failures import Guard, Survival
 from lightning_decentral.gossip import Gossip, StaleGossip
 from lightning_decentral.measures import random_state
 from lightning_decentral.mixing import (
@@ -84,10 +85,6 @@ class Surviving(Survival, Protocol):
     """What the driver asks of the survival of a run on processes (`on_peer_failure="continue"`,
     [`Survivors`][lightning_decentral.membership.Survivors]) besides what its mixers ask."""
 
-    @property
-    def alone(self) -> bool:
-        """Between the survivors' agreement and their process group: this rank runs alone."""
-
     def begin(self, step: int) -> None:
         """Before step `step`: make the survivors' group if they mix again from this step on."""
 
@@ -126,6 +123,7 @@ class StepDriver:
         self.runner: Optional[StepRunner] = None
         self.watch = Watch(phrasing=phrasing)  # shared with every mixer the driver builds
         self.survival: Optional[Surviving] = None  # on_peer_failure="continue" on processes
+        self.guard = Guard()  # every collective besides the exchange goes through it; its step: the step begun, or the next
         self.failed = False  # an error left a step: no collective when the run ends (the others may be gone)
         self._epoch = epoch
         self._mixers: list[Mixer] = []
@@ -198,9 +196,9 @@ class StepDriver:
         [`Gossip`][lightning_decentral.gossip.Gossip] on the default group when this run made it with `timeout`
         (`on_default_group`: after a collective of Lightning's times out, the exchange on the same group fails at
         once instead of waiting a second timeout), or on a new group of every rank with `timeout`. With
-        `survival`, a failed exchange asks it, and each step begins with it."""
+        `survival`, a failed exchange or collective (`guard`) asks it, and each step begins with it."""
         options, topology = self.options, self.topology
-        self.survival = self.watch.survival = survival
+        self.survival = self.watch.survival = self.guard.survival = survival
         if options.staleness:
             mixer: Mixer = StaleGossip.on_new_group(topology, options.staleness, options.delays, timeout, self.watch)
         elif on_default_group:
@@ -254,6 +252,7 @@ class StepDriver:
     def begin(self, step: int) -> StepRunner:
         """The runner, with optimizer step `step` begun: planned once, whoever calls first (AWC posts `x(k)` here)."""
         runner = self._live()
+        self.guard.step = step
         with self._failing():
             if self.survival is not None:
                 self.survival.begin(step)  # the survivors of a failure mix again from here: their group first
@@ -273,6 +272,7 @@ class StepDriver:
                 self._plan = None
             runner.end_step()
             runner.finish_step()
+        self.guard.step = step + 1
         return output
 
     @contextlib.contextmanager
@@ -295,7 +295,7 @@ class StepDriver:
         if self.runner is not None:
             self.runner.teardown()
         self.runner, self._plan, self._mixers = None, None, []
-        self.survival = self.watch.survival = None
+        self.survival = self.watch.survival = self.guard.survival = None
         self.failed = False
 
     # -- the monitoring surface ---------------------------------------------------------------

@@ -2,7 +2,9 @@
 backend's error as its cause. The collectives ([`agreement`][lightning_decentral.agreement]) and the gossip
 exchange ([`gossip`][lightning_decentral.gossip]) both raise it. With `on_peer_failure="continue"` an exchange is
 waited for with [`wait_works`][lightning_decentral.failures.wait_works], which a failure announced elsewhere ends
-([`Abandoned`][lightning_decentral.failures.Abandoned]), and handed to a [`Survival`][lightning_decentral.failures.Survival].
+([`Abandoned`][lightning_decentral.failures.Abandoned]), and handed to a [`Survival`][lightning_decentral.failures.Survival];
+every other collective goes through a [`Guard`][lightning_decentral.failures.Guard], which hands its failure to the
+same survival and then runs it again among the survivors.
 Ranks about to run different collectives find out at once through [`Activities`][lightning_decentral.failures.Activities]."""
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, TypeVar
 
 import torch.distributed as dist
 
@@ -41,18 +43,95 @@ class Abandoned(PeerFailure):
 
 
 class Survival(Protocol):
-    """What a mixer asks when a peer may have failed, with `on_peer_failure="continue"` (the driver's
-    [`Survivors`][lightning_decentral.driver.Survivors])."""
+    """What a mixer or a [`Guard`][lightning_decentral.failures.Guard] asks when a peer may have failed, with
+    `on_peer_failure="continue"` (the driver's [`Survivors`][lightning_decentral.membership.Survivors])."""
 
     def poll(self) -> Optional[str]:
         """Why the exchange in flight should be given up now (a member failed), or `None`."""
 
     def survive(self, step: int, failure: PeerFailure) -> None:
         """Agree with the other survivors on the members and one step (the mixer is rebound to them before the
-        first step they mix again); raise if the run cannot go on."""
+        first step they mix again); raise if the run cannot go on. Nothing once this rank is `alone`."""
 
     def form(self) -> None:
         """Make the survivors' process group now, if they agreed and have not made it yet (the mixer is rebound)."""
+
+    @property
+    def alone(self) -> bool:
+        """Between the survivors' agreement and their process group: the default group is this rank's alone."""
+
+
+Result = TypeVar("Result")
+
+
+class Guard:
+    """The one path every collective of a run goes through besides the gossip exchange (which discards a failed
+    exchange instead): [`run`][lightning_decentral.failures.Guard.run] for a collective,
+    [`operation`][lightning_decentral.failures.Guard.operation] for several that stand or fall together. Without a
+    `survival` it only names a failure ([`peers_answer`][lightning_decentral.failures.peers_answer]).
+
+    With `on_peer_failure="continue"`, the driver sets `survival` and keeps `step` (the optimizer step this rank is
+    in, or begins next: what it joins the survivors' agreement with). A collective that fails then has the survivors agree
+    (`survival.survive(step, failure)`) and runs again: on the survivors' default process group, which is this rank
+    alone until they mix again. So its caller gets the collective's result among the ranks it can still reach: a
+    metric reduced over this rank, `x̄` of this replica, a barrier passed. An operation (a checkpoint save) runs again
+    as a whole, and its collectives leave their failure to it: a save starts again and finds it cannot save alone.
+    Called on the training thread.
+
+    Examples:
+        Without a survival, a failure is named (and raised):
+
+        >>> Guard().run("Lightning's reduce", lambda: 1 + 1)
+        2
+        >>> def dies():
+        ...     raise RuntimeError("Connection closed by peer")
+        >>> Guard().run("Lightning's reduce", dies)
+        Traceback (most recent call last):
+        ...
+        lightning_decentral.failures.PeerFailure: Lightning's reduce failed on this rank: a peer died, ...
+    """
+
+    def __init__(self) -> None:
+        self.survival: Optional[Survival] = None
+        self.step = 0
+        self._depth = 0  # operations running on this thread, one inside the other
+
+    def run(self, what: str, collective: Callable[[], Result], peers: str = "a peer") -> Result:
+        """`collective()`, whose backend error is a [`PeerFailure`][lightning_decentral.failures.PeerFailure]
+        naming `what` and `peers`; an [`operation`][lightning_decentral.failures.Guard.operation] of its own."""
+
+        def answered() -> Result:
+            with peers_answer(what, peers):
+                return collective()
+
+        return self.operation(answered)
+
+    def operation(self, body: Callable[[], Result]) -> Result:
+        """`body()`; a [`PeerFailure`][lightning_decentral.failures.PeerFailure] it raises is raised on, unless this
+        is the outermost operation and the survivors of the failure agree: then `body()` again (see the class
+        docstring). Any other error is raised as it is."""
+        while True:
+            outermost = self._depth == 0
+            self._depth += 1
+            try:
+                return body()
+            except PeerFailure as failure:
+                survival = self.survival
+                if not outermost or survival is None or survival.alone:
+                    raise  # the enclosing operation's; no survivors; or a group of a generation given up
+                failed = failure
+            finally:
+                self._depth -= 1
+            survival.survive(self.step, failed)
+
+    def poll(self) -> Optional[str]:
+        """Why a wait for the other ranks should end now: a member failed (see `Survival.poll`); `None` without one."""
+        return self.survival.poll() if self.survival is not None else None
+
+    @property
+    def alone(self) -> bool:
+        """Whether this rank is alone: the survivors of a failure agreed and have not made their group yet."""
+        return self.survival is not None and self.survival.alone
 
 
 class Disagreement(RuntimeError):
@@ -82,6 +161,24 @@ def peers_answer(what: str, peers: str = "a peer") -> Iterator[None]:
             "process-group timeout (DecentralizedStrategy(timeout=...)). The first error in the other ranks' logs is "
             f"the cause. ({exc})"
         ) from exc
+
+
+def from_its_value_now(tensor: Any, collective: Callable[[], Result]) -> Callable[[], Result]:
+    """`collective`, which writes `tensor` in place (an all-reduce), made to start each try from `tensor`'s value now:
+    a try that failed may have written part of it before a [`Guard`][lightning_decentral.failures.Guard] runs it again."""
+    if not hasattr(tensor, "detach"):
+        return collective
+    value = tensor.detach().clone()
+    tries = 0
+
+    def each_try() -> Result:
+        nonlocal tries
+        if tries:
+            tensor.detach().copy_(value)
+        tries += 1
+        return collective()
+
+    return each_try
 
 
 def wait_works(
@@ -156,7 +253,8 @@ class Activities:
     gone on when no collective follows the agreement, an error raised before the collective, say. A rank
     that publishes nothing new (it is busy, or blocked in a collective it started earlier) is named after `timeout`
     seconds with its last activity ([`PeerFailure`][lightning_decentral.failures.PeerFailure]); after `warn_after`
-    seconds `warn` says who it waits for.
+    seconds `warn` says who it waits for. With a `guard`, the wait is one of its operations: a member failed
+    (`guard.poll()`) ends it at once, the survivors agree, and a rank alone agrees with nobody.
 
     Examples:
         Two ranks in one process, over an in-memory store: rank 1 loads while rank 0 trains.
@@ -178,24 +276,26 @@ class Activities:
         timeout: float,
         warn_after: float = 30.0,
         warn: Callable[[str], None] = lambda message: warnings.warn(message, stacklevel=3),
+        guard: Optional[Guard] = None,
     ) -> None:
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
         self.warn_after, self.warn = warn_after, warn
+        self.guard = guard if guard is not None else Guard()
         self.count = 0  # activities this rank has published
         self.current = ""
 
     @classmethod
     def of_group(cls, ranks: Any, timeout: Optional[timedelta]) -> Activities:
-        """Activities of the ranks of the default process group (`ranks`, a [`Ranks`][lightning_decentral.agreement.Ranks]),
-        under keys of their own (one all-gather agrees on them); published nowhere without a process group, or with
-        a store torch does not expose."""
+        """Activities of the ranks of the default process group (`ranks`, a [`Ranks`][lightning_decentral.agreement.Ranks],
+        whose guard they share), under keys of their own (one all-gather agrees on them); published nowhere without a
+        process group, or with a store torch does not expose."""
         seconds = (timeout or timedelta(minutes=30)).total_seconds()
         if not dist.is_initialized() or ranks.world_size == 1:
-            return cls(None, ranks.rank, ranks.world_size, seconds)
+            return cls(None, ranks.rank, ranks.world_size, seconds, guard=ranks.guard)
         tag = int(ranks.gather([secrets.randbits(62)], "Agreeing on where the ranks publish their activities")[0, 0])
         store = getattr(dist.distributed_c10d, "_get_default_store", lambda: None)()  # torch has no public accessor
         prefixed = dist.PrefixStore(f"lightning_decentral/activities/{tag}/", store) if store is not None else None
-        return cls(prefixed, ranks.rank, ranks.world_size, seconds)
+        return cls(prefixed, ranks.rank, ranks.world_size, seconds, guard=ranks.guard)
 
     def start(self, what: str) -> None:
         """This rank begins `what` (its activity number `count + 1`), which needs no agreement."""
@@ -210,11 +310,17 @@ class Activities:
         Call it right before the collective's first exchange, and begin or agree on nothing else until then: a rank
         that passed may publish its next activity only once every rank has passed (entered that collective)."""
         self.start(what)
-        if self.store is None:
+        self.guard.operation(lambda: self._wait_for_every_rank(what))
+
+    def _wait_for_every_rank(self, what: str) -> None:
+        if self.store is None or self.guard.alone:
             return
         started = time.monotonic()
         pause, warned = 0.005, False
         while True:
+            reason = self.guard.poll()
+            if reason is not None:
+                raise Abandoned(f"{what} was given up on rank {self.rank}: {reason}.")
             with peers_answer(f"{what}, reading what the other ranks do,"):
                 seen = self._published()
             ahead = [r for r, (c, _) in seen.items() if c > self.count]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -9,10 +10,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
+from unittest import mock
+
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_decentral import DecentralizedStrategy
+from lightning_decentral import checkpoint as shards
 from tests.models import Regression, flat, init_seed, loader
 from tests.workers import trainer_for
 
@@ -21,27 +25,40 @@ EPOCH = 10  # batches per epoch: a checkpoint every multiple of it resumes at an
 MOMENTUM_SGD = {"lr": 0.05, "momentum": 0.9}
 
 
+DIES_IN = ("batch", "validation", "shard write", "file_exists")
+"""Where a rank of `deaths` dies at its step: when the step starts; in the validation after it (`validation_step`);
+inside the write of its shard of the save after it; or in `ModelCheckpoint.file_exists` (the broadcast that starts
+that save)."""
+
+
+def _die(stamps: str, rank: int) -> None:
+    """`SIGKILL` to this process, after stamping the time in `stamps/killed-<rank>`."""
+    Path(stamps, f"killed-{rank}").write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Mortal(Regression):
-    """The ranks of `deaths` ({first rank: step}) kill themselves (`SIGKILL`) when that step starts, after stamping
-    the time in `stamps/killed-<rank>`; those of `stops` stop (`SIGSTOP`: alive and silent) after stamping their pid in
+    """The ranks of `deaths` ({first rank: step}) kill themselves (`SIGKILL`) at that step, where `dies_in` says
+    (`DIES_IN`; the strategy and the checkpoint callback die in the others), after stamping the time in
+    `stamps/killed-<rank>`; those of `stops` stop (`SIGSTOP`: alive and silent) after stamping their pid in
     `stamps/stopped-<rank>`. With `stops` or `hold_at`, the survivors of a failure touch `stamps/decided`; at the start
     of step `hold_at` every rank waits (at most a minute) for `stamps/released`. Every rank records its replica when
     each step of `record` starts, and when each step ends the time (`finished[step]`)."""
 
     def __init__(
         self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), stops: Optional[dict[int, int]] = None,
-        hold_at: int = -1, **kwargs: Any
+        hold_at: int = -1, dies_in: str = "batch", **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.deaths, self.stamps, self.record, self.stops, self.hold_at = deaths, stamps, record, stops or {}, hold_at
+        self.dies_in = dies_in
         self.recorded: dict[int, torch.Tensor] = {}
         self.finished: dict[int, float] = {}
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         rank = self.trainer.strategy.first_rank
-        if self.deaths.get(rank) == self.global_step:
-            Path(self.stamps, f"killed-{rank}").write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.dies_in == "batch" and self.deaths.get(rank) == self.global_step:
+            _die(self.stamps, rank)
         if self.stops.get(rank) == self.global_step:
             Path(self.stamps, f"stopped-{rank}").write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -63,6 +80,39 @@ class Mortal(Regression):
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.finished[self.global_step - 1] = time.time()
 
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        rank = self.trainer.strategy.first_rank
+        if self.dies_in == "validation" and self.deaths.get(rank) == self.global_step:
+            _die(self.stamps, rank)
+        return super().validation_step(batch, batch_idx)
+
+
+class MortalCheckpoint(ModelCheckpoint):
+    """`ModelCheckpoint` whose ranks of `deaths` die at the first `file_exists` (the broadcast that starts a save) of
+    their step, with `dies_in="file_exists"`."""
+
+    def __init__(self, deaths: dict[int, int], stamps: str, dies_in: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.deaths, self.stamps, self.dies_in = deaths, stamps, dies_in
+
+    def file_exists(self, filepath: Any, trainer: Any) -> bool:
+        rank = trainer.strategy.first_rank
+        if self.dies_in == "file_exists" and self.deaths.get(rank) == trainer.global_step:
+            _die(self.stamps, rank)
+        return super().file_exists(filepath, trainer)
+
+
+def _mortal_shard_writes(rank: int, step: Optional[int], stamps: str) -> Any:
+    """A patch of `write_shard` in which this rank dies when it writes its shard of a save at `step`."""
+    original = shards.write_shard
+
+    def write_shard(shard: dict[str, Any], path: str) -> None:
+        if shard["strategy"]["step"] == step:
+            _die(stamps, rank)
+        original(shard, path)
+
+    return mock.patch.object(shards, "write_shard", write_shard)
+
 
 def survive(
     rank: int,
@@ -77,17 +127,22 @@ def survive(
     stops: Optional[dict[int, int]] = None,
     validate: bool = False,
     hold_at: int = -1,
+    dies_in: str = "batch",
     **strategy: Any,
 ) -> dict[str, Any]:
-    """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there, those of `stops`
-    stop there; every rank waits for `root/released` at the start of step `hold_at` (see `Mortal`). A checkpoint at step `save_at` (0: none); with `validate`, a validation at the end of each epoch
+    """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there (where `dies_in`
+    says: `DIES_IN`), those of `stops` stop there; every rank waits for `root/released` at the start of step `hold_at`
+    (see `Mortal`). A checkpoint every `save_at` steps (0: none); with `validate`, a validation at the end of each epoch
     (`val_loss` logged with `sync_dist=True`). Each survivor's final replica, recorded replicas, step end times, the
     decisions and the last `val_loss` (NaN without `validate`)."""
-    model = Mortal(deaths, root, record, stops, hold_at, seed=init_seed(rank), **MOMENTUM_SGD)
-    callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
+    assert dies_in in DIES_IN, dies_in
+    model = Mortal(deaths, root, record, stops, hold_at, dies_in, seed=init_seed(rank), **MOMENTUM_SGD)
+    callbacks = [MortalCheckpoint(deaths, root, dies_in, dirpath=root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
     strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
     trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
-    trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
+    dying = _mortal_shard_writes(rank, deaths.get(rank), root) if dies_in == "shard write" else contextlib.nullcontext()
+    with dying:
+        trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
     return {
         "replica": flat(model),
         "recorded": model.recorded,
@@ -194,3 +249,4 @@ def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any) ->
     )
     trainer.fit(Regression(seed=init_seed(0), **MOMENTUM_SGD), DataLoader(TensorDataset(*interleaved), batch_size=BATCH))
     return [flat(module) for module in strategy.worker_modules()]
+

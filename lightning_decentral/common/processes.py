@@ -21,7 +21,7 @@ from torch.nn import Module
 
 from lightning_decentral.agreement import Ranks, parameter_deviations
 from lightning_decentral.driver import StepDriver
-from lightning_decentral.failures import Activities
+from lightning_decentral.failures import Activities, Guard
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import Decision, Membership, Survivors
 from lightning_decentral.mixing import Mixer
@@ -76,7 +76,16 @@ class OnProcesses:
 
     @property
     def _ranks(self) -> Ranks:
-        return Ranks.of_world(self.root_device)
+        return Ranks.of_world(self.root_device, self.guard)
+
+    # -- every collective goes through the driver's guard ---------------------------------------------------------
+
+    @property
+    def guard(self) -> Guard:
+        """The path every collective of this rank goes through besides the exchange
+        ([`Guard`][lightning_decentral.failures.Guard]): with `on_peer_failure="continue"`, a failure in any of them is
+        survived (a checkpoint save is then skipped, see `save_skipped`)."""
+        return self.driver.guard
 
     # -- ranks, after a failure ---------------------------------------------------------------------------------
 
@@ -177,7 +186,8 @@ class OnProcesses:
 
     def save_skipped(self, filepath: Any, warn: Callable[[str], None] = rank_zero_warn) -> bool:
         """Whether a save of `filepath` is skipped (with a warning): in the steps the survivors of a failure take
-        alone, before they mix again, there is no `x̄` to agree on."""
+        alone, before they mix again, there is no `x̄` to agree on (a failure during a save leaves every survivor
+        there: the save, one operation of the guard, starts again and is skipped)."""
         if self.driver.alone:
             warn(f"{filepath} is not saved: the survivors of a failure take this step alone, before they mix again.")
         return self.driver.alone

@@ -246,9 +246,10 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
 
     @override
     def teardown(self) -> None:
-        """After the stage: release the rule's hooks; after a clean fit, leave the gossip groups together."""
-        self.driver.teardown()
+        """After the stage: after a clean fit, leave the gossip groups together (the survivors of a failure first make
+        theirs); release the rule's hooks."""
         self.end_gossip(self._mixer, self.lightning_module.trainer.global_step, self._failed)
+        self.driver.teardown()
         self._mixer = None  # and its receive buffers
         super().teardown()
 
@@ -270,10 +271,16 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`); not in the few steps
-        the survivors of a failure take alone before they mix again (warned, on every survivor)."""
-        if not self.save_skipped(filepath):
-            super().save_checkpoint(checkpoint, filepath, storage_options)
+        """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`), as one operation of
+        the guard; not in the few steps the survivors of a failure take alone before they mix again (warned, on every
+        survivor), nor when a failure during it is survived (it starts again, alone)."""
+        save = super().save_checkpoint
+
+        def unless_skipped() -> None:
+            if not self.save_skipped(filepath):
+                save(checkpoint, filepath, storage_options)
+
+        self.guard.operation(unless_skipped)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))
