@@ -3,6 +3,9 @@ clients of one TCPStore, as ranks would be."""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
+import signal
 import threading
 import time
 from datetime import timedelta
@@ -103,17 +106,42 @@ def test_members_dying_together_are_all_found_gone_at_once(connect: Callable) ->
     assert out == {0: expected, 3: expected, 4: expected}
 
 
-def test_a_member_whose_process_is_gone_is_polled_before_the_silence(connect: Callable) -> None:
-    """Rank 1 dies while rank 0 waits for the others (a collective, an agreement on what each rank does) and nobody
-    announces anything: once rank 1 has been silent for the confirmation window, its beacon is probed and `poll` says
-    it is gone, long before the silence (a minute)."""
-    members = _members(connect, 3, silence=60.0)
-    members[1].close()
-    deadline = time.monotonic() + 30
-    while (reason := members[0].poll()) is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert reason is not None and reason.startswith("rank 1's process is gone (silent for")
-    assert members[2].gone(1)  # marked for every member
+def _member_until_killed(port: int, rank: int, world_size: int) -> None:
+    """A member in a process of its own: it starts (heartbeat, beacon), says so, and beats until it is killed."""
+    connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
+    member = Membership(GuardedStore(connect, timeout=10.0, where="test"), connect, "run", rank, world_size, silence=60.0, min_workers=1)
+    member.start()
+    connect().set(f"started/{rank}", "1")
+    time.sleep(120)
+
+
+def test_a_member_whose_process_is_gone_is_polled_before_the_silence() -> None:
+    """Rank 1 is killed (`SIGKILL`) while rank 0 waits for the others (a collective, an agreement on what each rank
+    does) and nobody announces anything: once rank 1 has been silent for the confirmation window, its beacon is probed
+    and `poll` says it is gone, long before the silence (a minute). A member that said it leaves (its run is over) is
+    no failure to poll for."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
+    process = multiprocessing.get_context("spawn").Process(target=_member_until_killed, args=(port, 1, 3))
+    process.start()
+    members = [Membership(GuardedStore(connect, timeout=10.0, where="test"), connect, "run", r, 3, silence=60.0, min_workers=1) for r in (0, 2)]
+    try:
+        for member in members:
+            member.start()
+        server.wait(["started/1"], timedelta(seconds=60))
+        members[1].close()  # rank 2 leaves
+        time.sleep(1.0)
+        assert members[0].poll() is None
+        os.kill(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (reason := members[0].poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reason is not None and reason.startswith("rank 1's process is gone (silent for"), reason
+    finally:
+        process.kill()
+        process.join()
+        members[0].close()
 
 
 def test_every_member_sees_the_announcement_in_one_poll(connect: Callable) -> None:

@@ -3,6 +3,7 @@ one step, all through the job's store ([`Membership`][lightning_decentral.member
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -106,6 +107,7 @@ class Membership:
         self._addresses: dict[int, str] = {}  # member -> its beacon's address
         self._probed: dict[int, float] = {}  # member -> when this rank last probed it
         self._gone: set[int] = set()  # members whose process is gone
+        self._left: set[int] = set()  # members that said they leave (their run is over: it ended, or raised)
 
     @property
     def rank(self) -> int:
@@ -175,6 +177,16 @@ class Membership:
             self._gone.add(member)
         return member in self._gone
 
+    def left(self, member: int) -> bool:
+        """Whether `member` said it leaves ([`close`][lightning_decentral.membership.Membership.close]): its run is
+        over, and no failure to look for (an exchange with it, if one still waits, fails on its own)."""
+        if member not in self._left and self.store.check([self._key("left", member)]):
+            self._left.add(member)
+        return member in self._left
+
+    def _silent_and_left(self, member: int) -> bool:
+        return member != self.first_rank and self.silent_for(member) > CONFIRM and self.left(member)
+
     def _address(self, member: int) -> Optional[str]:
         """`member`'s beacon address (`None` before it published one)."""
         if member not in self._addresses:
@@ -185,8 +197,10 @@ class Membership:
         return self._addresses[member]
 
     def close(self) -> None:
-        """Stop the heartbeat (the others then see this rank silent), the beacon (they find it gone) and the store's
-        call thread."""
+        """Say this rank leaves, then stop the heartbeat (the others then see this rank silent), the beacon (they find
+        it gone) and the store's call thread."""
+        with contextlib.suppress(StoreLost):  # the run is over anyway
+            self.store.set(self._key("left", self.first_rank), "1")
         self._stopped.set()
         if self._beacon is not None:
             self._beacon.close()
@@ -196,14 +210,17 @@ class Membership:
 
     def poll(self) -> Optional[str]:
         """Why this rank should give up what it waits for, or `None`: a member announced a failure, a member's
-        heartbeat has been silent for `silence` seconds, or for `CONFIRM` seconds and its process is gone. One look at
-        the store (and the heartbeats every `HEARTBEAT` seconds)."""
+        heartbeat has been silent for `silence` seconds, or for `CONFIRM` seconds and its process is gone, unless it
+        said it leaves (a rank that stopped at the step every rank agreed on, say). One look at the store (and the
+        heartbeats every `HEARTBEAT` seconds)."""
         abort = self._key("abort", self.generation)
         if self.store.check([abort]):
             return json.loads(self.store.get(abort))["reason"]
         if time.monotonic() - self._listened > HEARTBEAT:
             self._listen()
             for member in self.members:
+                if self._silent_and_left(member):
+                    continue
                 silent = self.silent_for(member) if member != self.first_rank else 0.0
                 if silent > self.silence:
                     return f"rank {member} has been silent for {silent:.1f} s (no heartbeat)"
@@ -308,9 +325,12 @@ class Membership:
         [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
         g = self.generation
         self.store.set(self._key("here", g, self.first_rank), "1")
-        here = [self._key("here", g, m) for m in self.members]
-        while not self.store.check(here):
-            reason = self.poll()
+        here = {m: self._key("here", g, m) for m in self.members}
+        while not self.store.check(list(here.values())):
+            reason = self.poll() or next(
+                (f"rank {m} left" for m, key in here.items() if self._silent_and_left(m) and not self.store.check([key])),
+                None,
+            )
             if reason is not None:
                 raise Abandoned(f"Making the survivors' process group (generation {g}) was given up on rank {self.first_rank}: {reason}.")
             time.sleep(POLL)
