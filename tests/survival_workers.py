@@ -250,3 +250,38 @@ def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any) ->
     trainer.fit(Regression(seed=init_seed(0), **MOMENTUM_SGD), DataLoader(TensorDataset(*interleaved), batch_size=BATCH))
     return [flat(module) for module in strategy.worker_modules()]
 
+
+class Signalled(Mortal):
+    """`Mortal`, and the rank `slow` (a first rank) sleeps `pause` seconds in each training step (its neighbours wait
+    for it: the farther a rank, the farther ahead it may run) and sends itself `SIGTERM` when step `signal_at` starts."""
+
+    def __init__(self, slow: int, pause: float, signal_at: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.slow, self.pause, self.signal_at = slow, pause, signal_at
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.trainer.strategy.first_rank == self.slow and self.global_step == self.signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.strategy.first_rank == self.slow:
+            time.sleep(self.pause)
+        return super().training_step(batch, batch_idx)
+
+
+def stop_after_failure(
+    rank: int, world_size: int, root: str, deaths: dict[int, int], topology: Any, slow: int, signal_at: int, steps: int
+) -> dict[str, Any]:
+    """`on_peer_failure="continue"` on `topology`: the ranks of `deaths` die when their step starts; later the slow
+    rank `slow` is sent `SIGTERM` at step `signal_at` (see `Signalled`). What stopped this rank, where, and the
+    decisions."""
+    model = Signalled(slow, 0.15, signal_at, deaths=deaths, stamps=root, seed=init_seed(rank), **MOMENTUM_SGD)
+    strategy = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=10))
+    trainer = trainer_for(world_size, strategy, max_steps=steps)
+    try:
+        trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH))
+        stopped = "no error"
+    except BaseException as error:  # SIGTERMException is a SystemExit
+        stopped = f"{type(error).__name__}: {error}"
+    return {"stopped": stopped, "global_step": trainer.global_step, "decisions": [d.__dict__ for d in strategy.failures_survived]}

@@ -1,13 +1,16 @@
 """`on_peer_failure="continue"` survives a death wherever the survivors are when it happens, not only inside a gossip
 exchange: in a checkpoint save (its shard writes and the broadcast that starts it), in a validation with
 `self.log(..., sync_dist=True)`, while the survivors of a first failure have not regrouped yet; several deaths at
-once cost what one costs (docs/reliability.md, "Surviving a failure")."""
+once cost what one costs; and a SIGTERM after a failure stops every survivor at one step of their graph
+(docs/reliability.md, "Surviving a failure")."""
 
 from __future__ import annotations
 
 import math
+import tempfile
 from pathlib import Path
 
+import networkx as nx
 import pytest
 import torch
 
@@ -82,3 +85,19 @@ def test_two_ranks_dying_together_cost_what_one_costs(tmp_path: Path) -> None:
     mixed_again = max(r["finished"][decision["step"] + 1] for r in survivors)
     assert mixed_again - killed < timeout / 2, f"the survivors mixed again {mixed_again - killed:.1f} s after the deaths"
 
+
+def test_a_sigterm_after_a_failure_stops_every_survivor_at_one_step(tmp_path: Path) -> None:
+    """A fan of 7 (rank 6 the hub, ranks 0 - 1 - ... - 5 a path): its diameter is 2 (stop margin 4), the survivors'
+    path's 5 (margin 7). The hub dies at step 3; at step 15 the slow rank 0, at one end of the path, is sent SIGTERM.
+    Rank 5 runs up to 5 steps ahead of it: with the fan's margin, it would have begun the agreed step before it learns
+    of it, and fail past it; with the margin of the survivors' graph, every survivor stops at the same step."""
+    graph = nx.Graph([(6, i) for i in range(6)] + [(i, i + 1) for i in range(5)])
+    with tempfile.TemporaryDirectory() as root:
+        results, codes = _every_rank_exits(
+            workers.stop_after_failure, 7, root=root, deaths={6: 3}, topology=graph, slow=0, signal_at=15, steps=60
+        )
+    assert codes == [0, 0, 0, 0, 0, 0, -9]
+    survivors = results[:6]
+    assert all(r["stopped"].startswith("SIGTERMException") for r in survivors), [r["stopped"] for r in survivors]
+    assert len({r["global_step"] for r in survivors}) == 1 and 15 < survivors[0]["global_step"] < 60
+    assert all(r["decisions"][0]["lost"] == (6,) for r in survivors)

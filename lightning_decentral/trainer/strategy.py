@@ -39,6 +39,7 @@ from lightning_decentral.agreement import run_configuration
 from lightning_decentral.common import OnProcesses, backward_may_overlap, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.failures import DEFAULT_TIMEOUT
+from lightning_decentral.membership import Decision
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.rendezvous import job_store
@@ -128,6 +129,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
         self._replica: Optional[Replica] = None
         self._mixer: Optional[Mixer] = None
+        self._stops: Optional[StopAgreement] = None  # this fit's agreement on a step to stop at after a SIGTERM
 
     # -- public surface: the monitors, tests and benchmarks read the strategy through these (and Driven's) ------
 
@@ -251,15 +253,26 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         self.end_gossip(self._mixer, self.lightning_module.trainer.global_step, self._failed)
         self.driver.teardown()
         self._mixer = None  # and its receive buffers
+        self._stops = None
         super().teardown()
 
     def _agree_on_stops(self, trainer: Trainer) -> None:
         """A SIGTERM stops every rank at one step agreed through the store, not through a broadcast per batch."""
-        margin = stop_margin(self.topology, self.staleness, self.gossip_every)
-        agreement = StopAgreement(job_store(), next_key(), margin)
+        self._stops = StopAgreement(job_store(), next_key(), self._stop_margin())
         if self.global_rank == 0:
-            agreement.forget_earlier_runs()
-        stop_together(trainer, agreement)
+            self._stops.forget_earlier_runs()
+        stop_together(trainer, self._stops)
+
+    def _stop_margin(self) -> int:
+        return stop_margin(self.topology, self.staleness, self.gossip_every)
+
+    @override
+    def on_survivors(self, decision: Decision) -> None:
+        """After a failure, in the survivors' process group (every survivor together): besides `OnProcesses`', a
+        SIGTERM stops them at one step of their own graph (its diameter may be longer: the stop margin follows)."""
+        super().on_survivors(decision)
+        if self._stops is not None:
+            self._stops.margin = self._stop_margin()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
