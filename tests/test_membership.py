@@ -3,9 +3,9 @@ clients of one TCPStore, as ranks would be."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import signal
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -25,7 +25,7 @@ from lightning_decentral.membership import (
     store_host,
 )
 from lightning_decentral.failures import LATE, wait_works
-from tests.helpers import free_port
+from tests.helpers import free_port, start_rank
 
 
 _MADE: list[Membership] = []
@@ -96,9 +96,9 @@ def test_survivors_agree_on_the_members_and_the_largest_step(connect: Callable) 
 def test_members_dying_together_are_all_found_gone_at_once(connect: Callable) -> None:
     """Ranks 1 and 2 die together; ranks 0, 3 and 4 each learn of it from the store (each gave up an exchange on an
     announcement: nobody names a broken connection). Each probes the members that have not joined: both are gone
-    (their beacons refuse connections), and the survivors agree at once, not after the silence (a minute here; the
-    threads are given 30 s)."""
-    members = _members(connect, 5, silence=60.0)
+    (their beacons refuse connections), and the survivors agree at once, not after the silence (five minutes here;
+    the threads are given 30 s each)."""
+    members = _members(connect, 5, silence=300.0)
     members[1].close()
     members[2].close()
     out = _in_threads({r: lambda r=r: members[r].agree(5, "announced") for r in (0, 3, 4)})
@@ -106,9 +106,9 @@ def test_members_dying_together_are_all_found_gone_at_once(connect: Callable) ->
     assert out == {0: expected, 3: expected, 4: expected}
 
 
-def _member_until_killed(port: int, rank: int, world_size: int) -> None:
+def _member_until_killed(rank: int, world_size: int, store_port: int) -> None:
     """A member in a process of its own: it starts (heartbeat, beacon), says so, and beats until it is killed."""
-    connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
+    connect = lambda: dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
     member = Membership(GuardedStore(connect, timeout=10.0, where="test"), connect, "run", rank, world_size, silence=60.0, min_workers=1)
     member.start()
     connect().set(f"started/{rank}", "1")
@@ -123,8 +123,7 @@ def test_a_member_whose_process_is_gone_is_polled_before_the_silence() -> None:
     port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
-    process = multiprocessing.get_context("spawn").Process(target=_member_until_killed, args=(port, 1, 3))
-    process.start()
+    process = start_rank(_member_until_killed, 1, 3, port, tempfile.gettempdir(), store_port=port)
     members = [Membership(GuardedStore(connect, timeout=10.0, where="test"), connect, "run", r, 3, silence=60.0, min_workers=1) for r in (0, 2)]
     try:
         for member in members:

@@ -198,7 +198,9 @@ class Membership:
 
     def close(self) -> None:
         """Say this rank leaves, then stop the heartbeat (the others then see this rank silent), the beacon (they find
-        it gone) and the store's call thread."""
+        it gone) and the store's call thread; once."""
+        if self._stopped.is_set():
+            return
         with contextlib.suppress(StoreLost):  # the run is over anyway
             self.store.set(self._key("left", self.first_rank), "1")
         self._stopped.set()
