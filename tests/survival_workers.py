@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -25,10 +26,11 @@ EPOCH = 10  # batches per epoch: a checkpoint every multiple of it resumes at an
 MOMENTUM_SGD = {"lr": 0.05, "momentum": 0.9}
 
 
-DIES_IN = ("batch", "validation", "shard write", "file_exists")
+DIES_IN = ("batch", "validation", "shard write", "file_exists", "save agreement")
 """Where a rank of `deaths` dies at its step: when the step starts; in the validation after it (`validation_step`);
-inside the write of its shard of the save after it; or in `ModelCheckpoint.file_exists` (the broadcast that starts
-that save)."""
+inside the write of its shard of the save after it; in `ModelCheckpoint.file_exists` (the broadcast that starts
+that save); or right after it, so that the others wait for it in the agreement that every rank is in the save
+(`Activities.agree`)."""
 
 
 def _die(stamps: str, rank: int) -> None:
@@ -88,18 +90,23 @@ class Mortal(Regression):
 
 
 class MortalCheckpoint(ModelCheckpoint):
-    """`ModelCheckpoint` whose ranks of `deaths` die at the first `file_exists` (the broadcast that starts a save) of
-    their step, with `dies_in="file_exists"`."""
+    """`ModelCheckpoint` whose ranks of `deaths` die in the first `file_exists` (the broadcast that starts a save) of
+    their step, with `dies_in="file_exists"`, or right after it (`"save agreement"`)."""
 
     def __init__(self, deaths: dict[int, int], stamps: str, dies_in: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.deaths, self.stamps, self.dies_in = deaths, stamps, dies_in
 
     def file_exists(self, filepath: Any, trainer: Any) -> bool:
+        self._dies(trainer, "file_exists")
+        exists = super().file_exists(filepath, trainer)
+        self._dies(trainer, "save agreement")
+        return exists
+
+    def _dies(self, trainer: Any, where: str) -> None:
         rank = trainer.strategy.first_rank
-        if self.dies_in == "file_exists" and self.deaths.get(rank) == trainer.global_step:
+        if self.dies_in == where and self.deaths.get(rank) == trainer.global_step:
             _die(self.stamps, rank)
-        return super().file_exists(filepath, trainer)
 
 
 def _mortal_shard_writes(rank: int, step: Optional[int], stamps: str) -> Any:
@@ -134,14 +141,15 @@ def survive(
     says: `DIES_IN`), those of `stops` stop there; every rank waits for `root/released` at the start of step `hold_at`
     (see `Mortal`). A checkpoint every `save_at` steps (0: none); with `validate`, a validation at the end of each epoch
     (`val_loss` logged with `sync_dist=True`). Each survivor's final replica, recorded replicas, step end times, the
-    decisions and the last `val_loss` (NaN without `validate`)."""
+    decisions, the last `val_loss` (NaN without `validate`) and the warnings of the fit."""
     assert dies_in in DIES_IN, dies_in
     model = Mortal(deaths, root, record, stops, hold_at, dies_in, seed=init_seed(rank), **MOMENTUM_SGD)
     callbacks = [MortalCheckpoint(deaths, root, dies_in, dirpath=root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
     strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
     trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
     dying = _mortal_shard_writes(rank, deaths.get(rank), root) if dies_in == "shard write" else contextlib.nullcontext()
-    with dying:
+    with dying, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
         trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
     return {
         "replica": flat(model),
@@ -152,6 +160,7 @@ def survive(
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
+        "warnings": [str(warning.message) for warning in warned],
     }
 
 

@@ -1,5 +1,6 @@
 """`on_peer_failure="continue"` survives a death wherever the survivors are when it happens, not only inside a gossip
-exchange: in a checkpoint save (its shard writes and the broadcast that starts it), in a validation with
+exchange: in a checkpoint save (its shard writes, the broadcast that starts it, the agreement that every rank is in
+it), in a validation with
 `self.log(..., sync_dist=True)`, while the survivors of a first failure have not regrouped yet; several deaths at
 once cost what one costs; and a SIGTERM after a failure stops every survivor at one step of their graph
 (docs/reliability.md, "Surviving a failure")."""
@@ -28,16 +29,18 @@ def _survivors_finished(results: list, codes: list[int], dead: tuple[int, ...], 
     return survivors
 
 
-@pytest.mark.parametrize("dies_in", ["shard write", "file_exists"])
+@pytest.mark.parametrize("dies_in", ["shard write", "file_exists", "save agreement"])
 def test_a_rank_killed_in_a_save_is_survived_and_that_save_skipped(dies_in: str, tmp_path: Path) -> None:
-    """4 ranks, a checkpoint every 5 steps; rank 2 dies in the save of step 10: inside the write of its shard, or in
-    `ModelCheckpoint.file_exists` (the broadcast that starts the save). Every survivor is in that save: they agree on
-    step 10, skip the save, and write the saves of steps 15 and 20 as 3 ranks."""
+    """4 ranks, a checkpoint every 5 steps; rank 2 dies in the save of step 10: inside the write of its shard, in
+    `ModelCheckpoint.file_exists` (the broadcast that starts the save), or right after it (the others wait for it to
+    begin the save: `Activities.agree`, which took the timeout). Every survivor is in that save: they agree on step 10,
+    skip the save (rank 0 warns), and write the saves of steps 15 and 20 as 3 ranks."""
     results, codes = _every_rank_exits(
         workers.survive, 4, root=str(tmp_path), deaths={2: 10}, steps=20, save_at=5, timeout=10.0, dies_in=dies_in
     )
     survivors = _survivors_finished(results, codes, dead=(2,), steps=20)
     assert survivors[0]["decisions"] == [_decision((0, 1, 3), (2,), 10)]
+    assert any("step=10.ckpt is not saved: the survivors of a failure take this step alone" in w for w in survivors[0]["warnings"])
     assert not list(tmp_path.glob("*step=10.ckpt"))
     for step in (15, 20):
         (checkpoint,) = tmp_path.glob(f"*step={step}.ckpt")
