@@ -4,7 +4,8 @@
     python benchmarks/gpu.py --smoke --out smoke.json           # any machine, seconds (tests/test_benchmarks_smoke.py)
 
 Everything runs in this process, one fresh Trainer after the other, on the digits MLP of ``simulate.py``
-(64-128-128-10, momentum SGD, lr 0.1, a global batch of 512 samples, ring, AWC):
+(64-128-128-10, momentum SGD, lr 0.1, a global batch of 512 samples, ring, AWC), and for ``sim`` also on ``ResNet20``
+(convolutions without bias, each followed by BatchNorm, on 32 x 32 images; a global batch of 1024 synthetic images):
 
 * ``paths``: ``DecentralizedStrategy`` (D-PSGD and DecentLaM) on one device (``devices=1``, one process) under
   ``32-true`` and ``bf16-mixed``: the loss stays finite, ``trainer.save_checkpoint`` writes ``x̄`` and the shard,
@@ -32,14 +33,67 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import lightning.pytorch as pl
+import torch
+from mlp import MLP, digits, digits_loader, quiet_trainer
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from mlp import MLP, quiet_trainer  # noqa: E402
-from simulate import _digits, _loader  # noqa: E402
+from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
 
-from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy  # noqa: E402
+
+class ResNet20(pl.LightningModule):
+    """ResNet-20 for 32 x 32 images (He et al. 2016, section 4.2): a 3x3 convolution to ``width`` channels, three stages of
+    three basic blocks (``width``, ``2 width``, ``4 width`` channels; stride 2 into stages 2 and 3, with a 1x1
+    convolution shortcut there), global average pooling and a linear layer to 10 classes: 19 convolutions and a linear
+    layer (and the two shortcuts), every convolution without bias and followed by BatchNorm; 0.27 M parameters at
+    ``width=16``. Cross-entropy, SGD(lr=0.1, momentum=0.9)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layers = [_conv_bn(3, width, 3, stride=1), torch.nn.ReLU()]
+        channels = width
+        for stage in range(3):
+            for block in range(3):
+                layers.append(_BasicBlock(channels, width * 2**stage, stride=2 if stage and not block else 1))
+                channels = width * 2**stage
+        head = [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(channels, 10)]
+        self.net = torch.nn.Sequential(*layers, *head)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class _BasicBlock(torch.nn.Module):
+    """``relu(bn(conv(relu(bn(conv(x))))) + shortcut(x))``."""
+
+    def __init__(self, inputs: int, outputs: int, stride: int) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            _conv_bn(inputs, outputs, 3, stride), torch.nn.ReLU(), _conv_bn(outputs, outputs, 3, stride=1)
+        )
+        same = stride == 1 and inputs == outputs
+        self.shortcut = torch.nn.Identity() if same else _conv_bn(inputs, outputs, 1, stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.body(x) + self.shortcut(x))
+
+
+def _conv_bn(inputs: int, outputs: int, kernel: int, stride: int) -> torch.nn.Sequential:
+    """A ``kernel x kernel`` convolution without bias (padded to keep the size at stride 1), then BatchNorm."""
+    conv = torch.nn.Conv2d(inputs, outputs, kernel, stride=stride, padding=kernel // 2, bias=False)
+    return torch.nn.Sequential(conv, torch.nn.BatchNorm2d(outputs))
+
+
+def _images(size: int, samples: int, batch: int) -> torch.utils.data.DataLoader:
+    """``samples`` synthetic images of ``3 x size x size`` (standard normal) with labels in ``0..9``, from a fixed seed."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, 3, size, size, generator=generator)
+    y = torch.randint(0, 10, (samples,), generator=generator)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch, shuffle=True, drop_last=True)
 
 
 class SyncedClock(pl.Callback):
@@ -62,16 +116,22 @@ def _peak_mb() -> Optional[float]:
 
 
 def _fit(
-    strategy: Any, args: argparse.Namespace, precision: str, batch: int, steps: int, ckpt_path: Optional[str] = None
+    strategy: Any, args: argparse.Namespace, precision: str, batch: int, steps: int, ckpt_path: Optional[str] = None,
+    model: str = "mlp",
 ) -> dict[str, Any]:
-    """One fit up to optimizer step ``steps``: its median step time and peak memory, and the Trainer."""
+    """One fit of ``model`` (``"mlp"`` or ``"resnet20"``) up to optimizer step ``steps``: its median step time and peak
+    memory, and the Trainer."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     clock = SyncedClock()
     trainer = quiet_trainer(strategy, steps, [clock], accelerator=args.accelerator, devices=1, precision=precision)
-    x, y = _digits()
-    trainer.fit(MLP(tuple(args.widths), 0.1, 0.9), train_dataloaders=_loader(x, y, batch), ckpt_path=ckpt_path)
+    if model == "resnet20":  # 8 steps of data per epoch
+        module, loader = ResNet20(args.conv_width), _images(args.image_size, 8 * args.conv_global_batch, batch)
+    else:
+        x, y = digits()
+        module, loader = MLP(tuple(args.widths), 0.1, 0.9), digits_loader(x, y, batch)
+    trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     gaps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][args.warmup - 1 :]
     return {"step_s": statistics.median(gaps) if gaps else None, "peak_mb": _peak_mb(), "trainer": trainer, "device": clock.device}
 
@@ -101,21 +161,22 @@ def check_paths(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def measure_simulation(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The plain Trainer, then the simulation at each n, apart and stacked, in each precision."""
+    """For each model and precision: the plain Trainer, then the simulation at each n, apart and stacked."""
     rows = []
     steps = args.warmup + args.steps
-    for precision in args.precisions:
-        base = _fit("auto", args, precision, args.global_batch, steps)
-        base_row = {"kind": "lightning", "n": 1, "precision": precision, "device": base["device"], "step_s": base["step_s"],
-                    "peak_mb": base["peak_mb"]}
+    for model, precision in [(model, precision) for model in args.models for precision in args.precisions]:
+        global_batch = args.conv_global_batch if model == "resnet20" else args.global_batch
+        base = _fit("auto", args, precision, global_batch, steps, model=model)
+        base_row = {"model": model, "kind": "lightning", "n": 1, "precision": precision, "device": base["device"],
+                    "step_s": base["step_s"], "peak_mb": base["peak_mb"]}
         rows.append(base_row)
         print(json.dumps(base_row), flush=True)
         for n in args.workers:
             for vectorize in (False, True):
-                row: dict[str, Any] = {"kind": "stacked" if vectorize else "apart", "n": n, "precision": precision}
+                row: dict[str, Any] = {"model": model, "kind": "stacked" if vectorize else "apart", "n": n, "precision": precision}
                 try:
                     strategy = SimulatedDecentralizedStrategy(workers=n, topology="ring", vectorize=vectorize)
-                    run = _fit(strategy, args, precision, args.global_batch // n, steps)
+                    run = _fit(strategy, args, precision, global_batch // n, steps, model=model)
                     row.update(step_s=run["step_s"], peak_mb=run["peak_mb"], device=run["device"])
                     row["ratio_to_lightning"] = run["step_s"] / base["step_s"]
                     if run["peak_mb"] is not None and base["peak_mb"] is not None:
@@ -134,14 +195,14 @@ def render(result: dict[str, Any]) -> str:
     for r in result["paths"]:
         lines.append(f"| {r['momentum']} | {r['precision']} | {r.get('device', '')} | {r.get('finite', '')} | "
                      f"{r.get('resumed_at', '')}, {r.get('ended_at', '')} | {r.get('error', '')} |")
-    lines += ["", "| run | n | precision | device | median step (ms) | × plain Trainer | peak memory (MB) | MB per worker | error |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | run | n | precision | device | median step (ms) | × plain Trainer | peak memory (MB) | MB per worker | error |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
 
     def number(value: Any, scale: float = 1.0, digits: int = 2) -> str:
         return "" if value is None else f"{value * scale:.{digits}f}"
 
     for r in result["simulation"]:
-        lines.append(f"| {r['kind']} | {r['n']} | {r['precision']} | {r.get('device', '')} | {number(r.get('step_s'), 1e3)} | "
+        lines.append(f"| {r['model']} | {r['kind']} | {r['n']} | {r['precision']} | {r.get('device', '')} | {number(r.get('step_s'), 1e3)} | "
                      f"{number(r.get('ratio_to_lightning'))} | {number(r.get('peak_mb'), digits=1)} | "
                      f"{number(r.get('mb_per_worker'), digits=2)} | {r.get('error', '')} |")
     return "\n".join(lines) + "\n"
@@ -155,14 +216,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="measured optimizer steps per run (default 30)")
     parser.add_argument("--warmup", type=int, default=5, help="steps before measuring, >= 1 (default 5)")
     parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--models", default="mlp,resnet20", help="the simulation's models (default mlp,resnet20)")
+    parser.add_argument("--conv-global-batch", type=int, default=1024, help="resnet20's global batch (default 1024)")
     parser.add_argument("--out", action="append", default=[], help=".json or .md; repeatable")
-    parser.add_argument("--smoke", action="store_true", help="n = 4, 32-true, 2 + 2 steps, a 64-16-10 MLP")
+    parser.add_argument("--smoke", action="store_true",
+                        help="n = 4, 32-true, 2 + 2 steps, a 64-16-10 MLP, resnet20 of width 4 on 8 x 8 images, batch 16")
     args = parser.parse_args(argv)
     args.workers = [int(n) for n in args.workers.split(",")]
     args.precisions = args.precisions.split(",")
-    args.widths = (64, 128, 128, 10)
+    args.models = args.models.split(",")
+    args.widths, args.conv_width, args.image_size = (64, 128, 128, 10), 16, 32
     if args.smoke:
         args.workers, args.precisions, args.steps, args.warmup, args.widths = [4], ["32-true"], 2, 2, (64, 16, 10)
+        args.conv_width, args.image_size, args.conv_global_batch = 4, 8, 16
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     result = {"device": device, "torch": torch.__version__, "lightning": pl.__version__,
               "paths": check_paths(args), "simulation": measure_simulation(args)}

@@ -1,5 +1,5 @@
-"""The model the step-time benchmarks train (its widths: ``harness.FULL_WIDTHS``), each rank's data, a
-step clock, and a Trainer that logs, checkpoints and prints nothing."""
+"""The model the step-time benchmarks train (its widths: ``harness.FULL_WIDTHS``), each rank's data, the digits
+data of ``simulate.py`` and ``gpu.py``, a step clock, and a Trainer that logs, checkpoints and prints nothing."""
 
 from __future__ import annotations
 
@@ -42,6 +42,23 @@ def make_loader(rank: int, widths: tuple[int, ...], batch_size: int, batches: in
     x = torch.randn(batch_size * batches, widths[0], generator=generator)
     y = torch.randint(0, widths[-1], (batch_size * batches,), generator=generator)
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False, num_workers=0)
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits (1797 samples, 64 features, 10 classes) as float32 features, standardized per feature (a
+    constant feature stays 0), and labels."""
+    from sklearn.datasets import load_digits  # scikit-learn: only these benchmarks need it
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32)
+    std = x.std(0, unbiased=False)
+    x = (x - x.mean(0)) / torch.where(std > 0, std, torch.ones_like(std))
+    return x, torch.tensor(y, dtype=torch.long)
+
+
+def digits_loader(x: torch.Tensor, y: torch.Tensor, batch_size: int) -> DataLoader:
+    """``(x, y)`` in shuffled batches of ``batch_size``, the last partial one dropped."""
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0)
 
 
 class StepClock(pl.Callback):

@@ -67,24 +67,6 @@ SMOKE_WIDTHS = (64, 16, 10)
 # -- inside one run's process ---------------------------------------------------------------------------
 
 
-def _digits() -> tuple[Any, Any]:
-    """scikit-learn's digits as float32 features, standardized per feature (a constant feature stays 0), and labels."""
-    import torch
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32)
-    std = x.std(0, unbiased=False)
-    x = (x - x.mean(0)) / torch.where(std > 0, std, torch.ones_like(std))
-    return x, torch.tensor(y, dtype=torch.long)
-
-
-def _loader(x: Any, y: Any, batch_size: int) -> Any:
-    from torch.utils.data import DataLoader, TensorDataset
-
-    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, drop_last=True, num_workers=0)
-
-
 def _maxrss_mb() -> float:
     import resource
 
@@ -96,7 +78,7 @@ def _lightning(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     import torch
 
     from lightning_decentral import SimulatedDecentralizedStrategy
-    from mlp import MLP, StepClock, quiet_trainer
+    from mlp import MLP, StepClock, digits_loader, quiet_trainer
 
     n, total = job["n"], job["warmup"] + job["steps"]
     t0 = time.perf_counter()
@@ -110,7 +92,7 @@ def _lightning(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     clock = StepClock()
     trainer = quiet_trainer(strategy, total, [clock], devices=1, num_sanity_val_steps=0)
     module = MLP(tuple(job["widths"]), job["lr"], job["momentum"])
-    trainer.fit(module, train_dataloaders=_loader(x, y, job["global_batch"] // n))
+    trainer.fit(module, train_dataloaders=digits_loader(x, y, job["global_batch"] // n))
     if len(clock.ends) != total:
         raise RuntimeError(f"expected {total} optimizer steps, the callback saw {len(clock.ends)}")
     out: dict[str, Any] = {"ends": [clock.ends], "t0": t0, "wall0": wall0}
@@ -124,7 +106,7 @@ def _lightning(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
 def _rank(job: dict[str, Any], x: Any, y: Any, rank: int) -> dict[str, Any]:
     """One rank of ``DecentralizedStrategy`` on ``n`` processes."""
     from lightning_decentral import DecentralizedStrategy
-    from mlp import MLP, StepClock, quiet_trainer
+    from mlp import MLP, StepClock, digits_loader, quiet_trainer
 
     harness.use_threads(job["threads"])
     harness.quiet()
@@ -133,7 +115,7 @@ def _rank(job: dict[str, Any], x: Any, y: Any, rank: int) -> dict[str, Any]:
     strategy = DecentralizedStrategy(topology="ring", combine="awc", momentum="local")
     trainer = quiet_trainer(strategy, total, [clock], devices=job["n"], num_sanity_val_steps=0)
     module = MLP(tuple(job["widths"]), job["lr"], job["momentum"])
-    trainer.fit(module, train_dataloaders=_loader(x, y, job["global_batch"] // job["n"]))
+    trainer.fit(module, train_dataloaders=digits_loader(x, y, job["global_batch"] // job["n"]))
     if len(clock.ends) != total:
         raise RuntimeError(f"expected {total} optimizer steps, the callback saw {len(clock.ends)}")
     return {"ends": clock.ends, "maxrss_mb": _maxrss_mb()}
@@ -214,8 +196,9 @@ def _child(job: dict[str, Any]) -> None:
 
     import lightning.pytorch  # noqa: F401
     import lightning_decentral  # noqa: F401
+    from mlp import digits
 
-    x, y = _digits()
+    x, y = digits()
     run = {"sim": _lightning, "vectorized": _lightning, "lightning": _lightning, "processes": _processes, "bare": _bare}[job["kind"]]
     record = run(job, x, y)
     record["maxrss_mb"] = _maxrss_mb()

@@ -83,15 +83,11 @@ def compute_ms(case: str, rank: int, step: int, seed: int, base: float, ranks: i
 
 def _digits(validation: bool) -> Any:
     """The digits (standardized), the first 80 % for training, the rest for validation."""
-    import torch
-    from sklearn.datasets import load_digits
     from torch.utils.data import TensorDataset
 
-    x, y = load_digits(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32)
-    std = x.std(0, unbiased=False)
-    x = (x - x.mean(0)) / torch.where(std > 0, std, torch.ones_like(std))
-    y = torch.tensor(y, dtype=torch.long)
+    from mlp import digits
+
+    x, y = digits()
     split = int(0.8 * len(x))
     return TensorDataset(x[split:], y[split:]) if validation else TensorDataset(x[:split], y[:split])
 

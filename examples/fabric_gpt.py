@@ -26,7 +26,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_decentral  # noqa: F401  (registers strategy="decentlam" in Fabric)
-from lightning_decentral.fabric import consensus_metrics
+from lightning_decentral.fabric import DataOrder, consensus_metrics
 
 SUBJECTS = ["the cat", "a dog", "my friend", "the old man", "every bird", "the teacher"]
 VERBS = ["sees", "likes", "follows", "finds", "paints", "calls"]
@@ -125,7 +125,7 @@ def main(args: argparse.Namespace) -> dict[str, float]:
     model = GPT(len(vocabulary), args.block_size, args.n_layer, args.n_head, args.n_embd)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)  # DecentLaM: momentum SGD
     model, optimizer = fabric.setup(model, optimizer)
-    state = {"model": model, "optimizer": optimizer, "iter_num": 0}
+    state = {"model": model, "optimizer": optimizer, "data": DataOrder(train), "iter_num": 0}  # data: the epoch
     checkpoint, resumed_from, val_loss = Path(args.out_dir) / "last.ckpt", 0, math.nan
     if args.resume and checkpoint.exists():
         fabric.load(checkpoint, state)  # every replica continues exactly (same number of workers)
@@ -133,14 +133,12 @@ def main(args: argparse.Namespace) -> dict[str, float]:
         fabric.print(f"Resumed from {checkpoint} at step {resumed_from}")
 
     strategy = fabric.strategy
-    iterator, epoch = iter(train), 0
+    iterator = iter(train)  # Fabric sets the sampler's epoch at each iter(train): the epochs begun, restored by load
     while strategy.step < args.steps:
         for micro in range(args.accumulate):
             try:
                 batch = next(iterator)
             except StopIteration:
-                epoch += 1
-                train.sampler.set_epoch(epoch)
                 iterator = iter(train)
                 batch = next(iterator)
             with fabric.no_backward_sync(model, enabled=micro < args.accumulate - 1):

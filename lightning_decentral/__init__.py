@@ -6,6 +6,8 @@ a hand-written loop ([`lightning_decentral.fabric`][lightning_decentral.fabric])
 `Trainer(strategy="dpsgd_sim", devices=1)` simulates the same run in one process.
 """
 
+import logging
+
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -28,6 +30,14 @@ from lightning_decentral.topology import (
 )
 
 __version__ = "0.1.0"
+
+# The package's messages (a worker lost, a step agreed) are shown as Lightning's are: INFO and above on stderr, unless
+# the application configured logging itself (the root logger has handlers: they get them).
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 DecentralizedStrategy.register_strategies(StrategyRegistry)
 SimulatedDecentralizedStrategy.register_strategies(StrategyRegistry)

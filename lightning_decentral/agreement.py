@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_decentral.failures import Guard, PeerFailure
+from lightning_decentral._compat import use_count
+from lightning_decentral.failures import PeerFailure
+from lightning_decentral.membership.guard import Guard
+from lightning_decentral.options import outer_optimizer_name
 from lightning_decentral.replicas import averaged_optimizer_state, group_by_layout
 from lightning_decentral.schedule import RoundsSchedule
 
@@ -29,7 +32,7 @@ _SAME_BUILD = (
 class Ranks:
     """Collectives over the ranks of one job, run on this rank's device.
 
-    Each goes through `guard` ([`Guard.run`][lightning_decentral.failures.Guard.run]): a collective that cannot
+    Each goes through `guard` ([`Guard.run`][lightning_decentral.membership.guard.Guard.run]): a collective that cannot
     complete (a rank died, raised, or hangs past the process-group timeout) raises
     [`PeerFailure`][lightning_decentral.failures.PeerFailure], naming what the ranks were doing; with the survivors
     of a failure it runs again among them (these ranks then follow the default group: `rank`, `world_size`).
@@ -269,6 +272,8 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "delays": schedule_name(options.delays),
         "on_peer_failure": options.on_peer_failure,
         "min_workers": options.min_workers_for(strategy.world_size),
+        "outer_optimizer": "" if options.outer_optimizer is None else fitted(outer_optimizer_name(options.outer_optimizer)),
+        "outer_overlap": int(options.outer_overlap),
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),
@@ -350,7 +355,7 @@ def released_by_gloo(tensor: Tensor, limit: float = 1.0) -> None:
     if tensor.device.type != "cpu":
         return
     deadline = time.monotonic() + limit
-    while tensor._use_count() > 1 and time.monotonic() < deadline:
+    while use_count(tensor) > 1 and time.monotonic() < deadline:
         time.sleep(1e-4)
 
 

@@ -32,11 +32,10 @@ import numpy as np
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.fabric.utilities.types import _PATH
 from torch import Tensor
 
 from lightning_decentral.failures import PeerFailure
-from lightning_decentral.files import adopt, atomic_write, disown, owned, removable_temporary, temporary_name
+from lightning_decentral.files import StrPath, adopt, atomic_write, disown, owned, removable_temporary, temporary_name
 
 META_KEY = "decentralized_shards"  # in the checkpoint file: {"save_id", "world_size"}
 
@@ -88,7 +87,7 @@ class ShardProblem(enum.IntEnum):
 def save_with_shards(
     ranks: RankGroup,
     checkpoint: dict[str, Any],
-    filepath: _PATH,
+    filepath: StrPath,
     make_shard: Callable[[int], dict[str, Any]],
     write_file: Callable[[], None],
 ) -> None:
@@ -127,19 +126,19 @@ def save_with_shards(
     remove_shards(filepath, ranks.rank, keep=shard)
 
 
-def refuse_non_finite(ranks: RankGroup, shard: dict[str, Any], filepath: _PATH) -> None:
+def refuse_non_finite(ranks: RankGroup, shard: dict[str, Any], filepath: StrPath) -> None:
     """Raise `FloatingPointError` on every rank if a rank's `shard` holds a NaN or an Inf in its replica or its
     optimizer state (so would `x̄` and the averaged optimizer state of the checkpoint file). One all-gather;
     nothing is written."""
     step = shard["strategy"]["step"]
-    own = holds_finite([shard["state_dict"], shard.get("optimizer_states")])
+    own = holds_finite([shard["state_dict"], shard.get("optimizer_states"), shard.get("rule_state")])
     table = ranks.gather([own], f"Saving {filepath} at step {step}, checking its values,")
     bad = [rank for rank, finite in enumerate(table[:, 0].tolist()) if not finite]
     if bad:
         raise not_finite_error(bad, step, filepath)
 
 
-def not_finite_error(ranks: list[int], step: int, filepath: _PATH, who: str = "Rank(s)") -> FloatingPointError:
+def not_finite_error(ranks: list[int], step: int, filepath: StrPath, who: str = "Rank(s)") -> FloatingPointError:
     """The error of a save refused because `ranks` (`who`: `"Worker(s)"` in a simulation) hold a NaN or an Inf."""
     return FloatingPointError(
         f"{who} {ranks} hold a NaN or an Inf in the replica or the optimizer state at step {step}: the checkpoint "
@@ -183,11 +182,14 @@ def make_shard(
     precision: Optional[dict[str, Any]] = None,
     rng: Optional[dict[str, Any]] = None,
     rule: Optional[dict[str, str]] = None,
+    rule_state: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """A rank's shard: its own `state_dict`, the optimizer step and the update rule it ran (`rule`, e.g.
     `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this
     process's [`rng_state`][lightning_decentral.checkpoint.rng_state]), and (unless the checkpoint is
-    weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s and its precision plugin's state."""
+    weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s, its precision plugin's state and what
+    its update rule carries across steps (`rule_state`, [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]:
+    an outer step's anchor and outer optimizer; kept when not empty)."""
     shard = {
         "save_id": save_id,
         "rank": rank,
@@ -199,6 +201,8 @@ def make_shard(
     if optimizer_states is not None:
         shard["optimizer_states"] = optimizer_states
         shard["precision"] = precision
+        if rule_state:
+            shard["rule_state"] = rule_state
     return shard
 
 
@@ -224,7 +228,7 @@ def rule_record(rule: str, topology: Any) -> dict[str, str]:
     return {"rule": rule, "topology": repr(topology)}
 
 
-def rule_change_warning(checkpoint_path: _PATH, shard: dict[str, Any], rule: dict[str, str]) -> Optional[str]:
+def rule_change_warning(checkpoint_path: StrPath, shard: dict[str, Any], rule: dict[str, str]) -> Optional[str]:
     """The warning of an exact resume under another update rule or topology than `shard` was saved with
     (`rule`: this run's, as [`make_shard`][lightning_decentral.checkpoint.make_shard] records it); `None` if
     nothing recorded changed. A key the shard lacks (an older shard) is unknown, not a change."""
@@ -248,7 +252,7 @@ def resume_rank_state(shard: dict[str, Any], step: int) -> None:
 
 
 def load_own_shard(
-    ranks: RankGroup, checkpoint_path: _PATH, meta: Optional[dict[str, int]], warn: Callable[[str], None]
+    ranks: RankGroup, checkpoint_path: StrPath, meta: Optional[dict[str, int]], warn: Callable[[str], None]
 ) -> Optional[dict[str, Any]]:
     """This rank's shard of the save `meta` names, if every rank has its own; else `None` on every
     rank, and `warn` (rank 0's) says why each rank could not."""
@@ -261,7 +265,7 @@ def load_own_shard(
 
 
 def read_own_shard(
-    checkpoint_path: _PATH, meta: Optional[dict[str, int]], rank: int, world_size: int
+    checkpoint_path: StrPath, meta: Optional[dict[str, int]], rank: int, world_size: int
 ) -> tuple[Optional[dict[str, Any]], ShardProblem]:
     """`(shard, ShardProblem.NONE)`, or `(None, problem)`."""
     if meta is None:
@@ -282,7 +286,7 @@ def read_own_shard(
     return shard, ShardProblem.NONE
 
 
-def resume_warning(path: _PATH, problems: list[ShardProblem], meta: Optional[dict[str, int]], world_size: int) -> str:
+def resume_warning(path: StrPath, problems: list[ShardProblem], meta: Optional[dict[str, int]], world_size: int) -> str:
     """The one warning of a resume from `x̄`: why each rank could not resume from its shard."""
     if problems[0] in (ShardProblem.NOT_SHARDED, ShardProblem.OTHER_WORLD_SIZE):  # the same file everywhere
         reason = problems[0].describe(saved=meta and meta["world_size"], now=world_size)
@@ -299,25 +303,25 @@ def resume_warning(path: _PATH, problems: list[ShardProblem], meta: Optional[dic
     )
 
 
-def resolve(checkpoint_path: _PATH) -> str:
+def resolve(checkpoint_path: StrPath) -> str:
     """The file a local `checkpoint_path` links to (`ModelCheckpoint(save_last="link")`): its shards sit there."""
     fs = get_filesystem(checkpoint_path)
     return os.path.realpath(checkpoint_path) if isinstance(fs, LocalFileSystem) else str(checkpoint_path)
 
 
-def comparable(checkpoint_path: _PATH) -> str:
+def comparable(checkpoint_path: StrPath) -> str:
     """`checkpoint_path` as the ranks compare it: absolute if local (a relative path and its absolute form
     name the same file; a link is not followed), else as given."""
     fs = get_filesystem(checkpoint_path)
     return os.path.abspath(checkpoint_path) if isinstance(fs, LocalFileSystem) else str(checkpoint_path)
 
 
-def shard_directory(checkpoint_path: _PATH) -> str:
+def shard_directory(checkpoint_path: StrPath) -> str:
     """The directory beside `checkpoint_path` that holds its shards: `<checkpoint_path>.shards`."""
     return f"{checkpoint_path}.shards"
 
 
-def shard_path(checkpoint_path: _PATH, rank: int, world_size: int, save_id: int) -> str:
+def shard_path(checkpoint_path: StrPath, rank: int, world_size: int, save_id: int) -> str:
     """Where rank `rank` of `world_size` writes its shard of the save `save_id` of `checkpoint_path`.
 
     Examples:
@@ -350,18 +354,18 @@ def read_shard(path: str) -> dict[str, Any]:
         return torch.load(f, map_location="cpu", weights_only=True)
 
 
-def shards_of_rank(checkpoint_path: _PATH, rank: int) -> list[str]:
+def shards_of_rank(checkpoint_path: StrPath, rank: int) -> list[str]:
     """This rank's shard files for `checkpoint_path`, of any save and world size."""
     return _files_of_rank(checkpoint_path, rank, "-of-*.pt")
 
 
-def temporary_files_of_rank(checkpoint_path: _PATH, rank: int) -> list[str]:
+def temporary_files_of_rank(checkpoint_path: StrPath, rank: int) -> list[str]:
     """This rank's temporary shard files for `checkpoint_path` (writes in progress, or that never finished), of any
     save and writer."""
     return _files_of_rank(checkpoint_path, rank, "-of-*.pt*.tmp")
 
 
-def _files_of_rank(checkpoint_path: _PATH, rank: int, pattern: str) -> list[str]:
+def _files_of_rank(checkpoint_path: StrPath, rank: int, pattern: str) -> list[str]:
     """This rank's files matching `pattern` in the shard directory; none when another rank removes the directory
     (emptied of its own files) while this one lists it."""
     try:
@@ -370,7 +374,7 @@ def _files_of_rank(checkpoint_path: _PATH, rank: int, pattern: str) -> list[str]
         return []
 
 
-def remove_shards(checkpoint_path: _PATH, rank: int, keep: Optional[str] = None) -> None:
+def remove_shards(checkpoint_path: StrPath, rank: int, keep: Optional[str] = None) -> None:
     """Delete this rank's shards of `checkpoint_path` that this process wrote or resumed from, but the file `keep`,
     and the temporary files this process or a dead one left; the directory too once empty.
 

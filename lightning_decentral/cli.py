@@ -25,16 +25,21 @@ and checkpoints are, and the plots [`plot_runs`][lightning_decentral.plot.plot_r
 
 from __future__ import annotations
 
+import ast
+import difflib
+import importlib
+import inspect
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.accelerators import AcceleratorRegistry
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -58,6 +63,128 @@ STRATEGY_HELP = (
 """The hint, in every `--help`, to see the strategy's options."""
 
 
+class DecentralizedParser(LightningArgumentParser):
+    """`LightningArgumentParser` whose errors fit on a screen: the one line that matters first (the option's path,
+    what is wrong, the close match of a misspelled option or choice: [`headline`][lightning_decentral.cli.headline]),
+    then the parser's own account, without the usage of every option. `JSONARGPARSE_DEBUG=true` raises instead."""
+
+    def error(self, message: str, ex: Optional[Exception] = None, first: Optional[str] = None) -> NoReturn:
+        """Write `first` (default: the headline of `message`), then `message` if it says more; exit with code 2."""
+        if not self.exit_on_error or _debugging():
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self  # as jsonargparse finds the parser that failed
+        options = sorted(set(re.findall(r"--[\w.]+", parser.format_usage())))  # every option the command takes
+        first = first or headline(message, options)
+        account = "" if message.strip() in first else f"\nThe parser's account of it:\n{message.rstrip()}\n"
+        prog = parser.prog.replace(" [options]", "")
+        sys.stderr.write(f"error: {first}\n{account}\n`{prog} --help` lists every option.\n")
+        self.exit(2)
+
+
+def _debugging() -> bool:
+    return os.environ.get("JSONARGPARSE_DEBUG", "").lower() == "true"  # jsonargparse refuses any other value
+
+
+_KEY = re.compile(r'(?:- )?Parser key "([^"]+)":$')
+_CLASS = re.compile(r"(?:- )?Problem with given class_path '([^']+)':$")
+_NOISE = re.compile(r"(?:Does not validate against any of the Union subtypes|Subtypes:|Errors:|Given value type:)")
+_GIVEN = re.compile(r"Given value: (.*)$")
+_LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$")
+_OPTION = re.compile(r"Option '([^']+)' is not accepted$")
+_UNRECOGNIZED = re.compile(r"[Uu]nrecognized arguments: (\S+)|does not accept option '([^']+)'")  # command line, file
+_UNREGISTERED = re.compile(r"invalid (strategy|accelerator) name: `\w+='([^']*)'`")  # Lightning's registries
+_REGISTERED = {
+    "strategy": lambda: StrategyRegistry.available_strategies(),
+    "accelerator": lambda: AcceleratorRegistry.available_accelerators(),
+}
+
+
+def headline(message: str, options: Optional[list[str]] = None) -> str:
+    """The one line of a jsonargparse error `message` that matters: the deepest error in its tree of `Parser key`
+    and `class_path` entries, with the path of the option it concerns, and the close match of a misspelled
+    `Literal` value, option of a class, or command-line option (one of `options`).
+
+    Examples:
+        >>> message = '''Parser key "trainer.strategy":
+        ...   Does not validate against any of the Union subtypes
+        ...   Errors:
+        ...     - Expected a <class 'str'>
+        ...     - Problem with given class_path 'lightning_decentral.DecentralizedStrategy':
+        ...         Parser key "combine":
+        ...           Expected a typing.Literal['awc', 'atc']. Got value: acw
+        ...   Given value type: <class 'jsonargparse._util.NestedArg'>'''
+        >>> headline(message)
+        "trainer.strategy.init_args.combine: 'acw' is not one of 'awc', 'atc'. Did you mean 'awc'?"
+        >>> headline("unrecognized arguments: --trainer.max_epohcs 3", ["--trainer.max_epochs", "--trainer.max_steps"])
+        'unrecognized arguments: --trainer.max_epohcs 3. Did you mean --trainer.max_epochs?'
+    """
+    stack: list[tuple[int, str, Optional[str]]] = []  # (indent, path component, class_path) of the open entries
+    deepest: Optional[tuple[int, list[str], Optional[str], str]] = None
+    given = None
+    for line in message.splitlines():
+        text, indent = line.strip(), len(line) - len(line.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if key := _KEY.match(text):
+            stack.append((indent, key[1], None))
+        elif class_path := _CLASS.match(text):
+            stack.append((indent, "init_args", class_path[1]))
+        elif value := _GIVEN.match(text):
+            given = given or value[1]
+        elif text and not _NOISE.match(text) and (deepest is None or len(stack) > deepest[0]):
+            classes = [entry[2] for entry in stack if entry[2] is not None]
+            deepest = (len(stack), [entry[1] for entry in stack], classes[-1] if classes else None, text.removeprefix("- "))
+    if deepest is None:
+        return message.strip().splitlines()[0] if message.strip() else message
+    _, path, class_path, text = deepest
+    where = ".".join(path)
+    if (literal := _LITERAL.match(text)) and (choices := _literals(literal[1])):
+        value = literal[2]
+        text = f"{value!r} is not one of {', '.join(map(repr, choices))}." + _did_you_mean(value, choices, repr)
+    elif option := _OPTION.match(text):
+        where, name = f"{where}.{option[1]}" if where else option[1], option[1]
+        text = f"{class_path or 'the class'} has no option {name!r}." + _did_you_mean(name, _parameters(class_path), repr)
+    elif unregistered := _UNREGISTERED.search(text):
+        kind, name = unregistered[1], unregistered[2]
+        where = f"trainer.{kind}"
+        text = f"{name!r} is not a registered {kind} name." + _did_you_mean(name, list(_REGISTERED[kind]()), repr)
+    elif unrecognized := _UNRECOGNIZED.search(text):
+        name = (unrecognized[1] or unrecognized[2]).split("=")[0]
+        dashes = "--" if name.startswith("--") else ""
+        known = [option.lstrip("-") for option in options or []]
+        text = text.rstrip(".") + "." + _did_you_mean(name.lstrip("-"), known, lambda option: dashes + option)
+    elif given is not None and "Got value" not in text and not given.startswith(("NestedArg(", "Namespace(")):
+        text = f"{text.rstrip('.')}. Got value: {given}"
+    return f"{where}: {text}" if where else text
+
+
+def _literals(written: str) -> list[Any]:
+    """The values of a `Literal[...]` as its repr writes them (none if they are not Python literals)."""
+    try:
+        return list(ast.literal_eval(f"[{written}]"))
+    except (ValueError, SyntaxError):
+        return []
+
+
+def _did_you_mean(value: str, choices: list[Any], show: Any) -> str:
+    """` Did you mean X?` with the close match of `value` among `choices` (as `show` writes it), or nothing."""
+    names = {str(choice): choice for choice in choices}
+    match = difflib.get_close_matches(str(value), list(names), n=1)
+    return f" Did you mean {show(names[match[0]])}?" if match else ""
+
+
+def _parameters(class_path: Optional[str]) -> list[str]:
+    """The constructor arguments of the class at `class_path` (none if it does not import)."""
+    if class_path is None or "." not in class_path:
+        return []
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        return [p.name for p in inspect.signature(cls).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return []
+
+
 class DecentralizedCLI(LightningCLI):
     """`LightningCLI` in subclass mode for model and data, reporting on the averaged model after `fit`.
 
@@ -72,6 +199,7 @@ class DecentralizedCLI(LightningCLI):
         kwargs.setdefault("datamodule_class", LightningDataModule)
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("parser_class", DecentralizedParser)
         super().__init__(args=args, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -107,11 +235,11 @@ class DecentralizedCLI(LightningCLI):
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, MisconfigurationException) as error:
+            parser = self._parser(self.subcommand)
             message = f"The configuration could not be instantiated: {error}"
-            if self._refused is None or os.environ.get("JSONARGPARSE_DEBUG", "").lower() in ("1", "true", "yes"):
-                self._parser(self.subcommand).error(message, error)
-            sys.stderr.write(f"error: {self._refused}\n\nThe parser's account of it:\n{message}\n")
-            sys.exit(2)
+            if isinstance(parser, DecentralizedParser):
+                parser.error(message, error, first=self._refused)
+            parser.error(message, error)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         trainer = super().instantiate_trainer(**kwargs)
@@ -169,7 +297,7 @@ def _report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> s
     workers = trainer.world_size
     if isinstance(strategy, Monitored):
         what = "the averaged model x̄" if strategy.eval_on == "average" else "worker 0's own replica"
-        rule = "decentlam" if strategy.rule == "decentlam" else f"dpsgd {strategy.rule}"
+        rule = {"decentlam": "decentlam", "outer": "local steps with an outer optimizer"}.get(strategy.rule, f"dpsgd {strategy.rule}")
         how = f"{rule}, {strategy.topology!r}"
         workers = strategy.num_workers
         if workers > trainer.world_size:  # several workers in each process

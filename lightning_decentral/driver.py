@@ -11,9 +11,10 @@ and keeps the monitoring surface ([`Driven`][lightning_decentral.driver.Driven])
 ```text
 driver.bind(world_size, num_nodes)                  topology and schedule, checked
 driver.process_mixer(...), dense_mixer()          the exchange the options select (plain, stale), by constructor
-driver.build_rule(replica, mixer, optimizers, ...)  RULES[options.rule](...)   (or driver.run(workers))
+driver.build_rule(replica, mixer, optimizers, ...)  make_rule: RULES[options.rule](...) or OuterStep (or driver.run(workers))
 driver.begin(k)                                     plan = schedule.plan(k, epoch); runner.begin_step(plan)
 driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
+driver.rule_state(), load_rule_state(state)         a save, a resume: what the rule carries across steps
 driver.drain(); driver.teardown()                   at the end of training; when the run is over
 driver.keep(members, first_step)                    after a failure: W of the survivors (then rebind_mixers)
 driver.guard.run(what, collective)                  every collective besides the exchange (survived like it)
@@ -36,8 +37,8 @@ import torch
 from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.failures import Guard, Survival
 from lightning_decentral.gossip import Gossip, StaleGossip
+from lightning_decentral.membership.guard import Guard, Surviving as Guarded
 from lightning_decentral.measures import random_state
 from lightning_decentral.mixing import (
     TRAINER,
@@ -50,6 +51,7 @@ from lightning_decentral.mixing import (
     check_stale_topology,
 )
 from lightning_decentral.options import GossipOptions
+from lightning_decentral.outer import OuterStep
 from lightning_decentral.replicas import Replica
 from lightning_decentral.rules import RULES, Closure, RuleContext, UpdateRule
 from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
@@ -81,9 +83,9 @@ class StepRunner(Protocol):
     def mix(self, step: int, rounds: int) -> None: ...
 
 
-class Surviving(Survival, Protocol):
+class Surviving(Guarded, Protocol):
     """What the driver asks of the survival of a run on processes (`on_peer_failure="continue"`,
-    [`Survivors`][lightning_decentral.membership.Survivors]) besides what its mixers ask."""
+    [`Survivors`][lightning_decentral.membership.Survivors]) besides what its mixers and guard ask."""
 
     def begin(self, step: int) -> None:
         """Before step `step`: make the survivors' group if they mix again from this step on."""
@@ -128,6 +130,7 @@ class StepDriver:
         self._epoch = epoch
         self._mixers: list[Mixer] = []
         self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
+        self._rule: Optional[UpdateRule] = None  # what build_rule built (processes)
 
     # -- binding ------------------------------------------------------------------------------
 
@@ -220,18 +223,31 @@ class StepDriver:
         return mixer
 
     def build_rule(
-        self,
-        replica: Replica,
-        mixer: Mixer,
-        optimizers: list[Any],
-        context: Optional[RuleContext] = None,
+        self, replica: Replica, mixer: Mixer, optimizers: list[Any], context: Optional[RuleContext] = None,
         source: str = "`configure_optimizers` returned",
     ) -> UpdateRule:
         """The rule the options select, over `replica`, `mixer` and the one optimizer; from now on the runner."""
         check_one_optimizer(optimizers, source)
-        rule = RULES[self.options.rule](replica, mixer, optimizers[0], context)
-        self.run(rule)
-        return rule
+        self._rule = self.make_rule(replica, mixer, optimizers[0], context)
+        self.run(self._rule)
+        return self._rule
+
+    def make_rule(self, replica: Replica, mixer: Mixer, optimizer: Any, context: Optional[RuleContext] = None) -> UpdateRule:
+        """One worker's rule (a [`RuleFactory`][lightning_decentral.rules.RuleFactory], for the simulation's workers):
+        [`OuterStep`][lightning_decentral.outer.OuterStep] with an `outer_optimizer`, else `RULES[options.rule]`."""
+        outer, every, overlap = self.options.outer_optimizer, self.options.gossip_every, self.options.outer_overlap
+        if outer is not None:
+            return OuterStep(replica, mixer, optimizer, context, outer_optimizer=outer, every=every, overlap=overlap)
+        return RULES[self.options.rule](replica, mixer, optimizer, context)
+
+    def rule_state(self) -> dict[str, Any]:
+        """For this rank's shard: what the rule `build_rule` built carries across steps (`{}` before)."""
+        return self._rule.state_dict() if self._rule is not None else {}
+
+    def load_rule_state(self, state: dict[str, Any]) -> None:
+        """An exact resume: the rule `build_rule` built continues from its shard's `state`."""
+        if self._rule is not None:
+            self._rule.load_state_dict(state)
 
     def run(self, runner: StepRunner) -> None:
         """Drive `runner` from now on (the simulation's worker group; `build_rule` calls it for a rule)."""
@@ -291,7 +307,7 @@ class StepDriver:
         self._plan = None
 
     def teardown(self) -> None:
-        """The run is over: release the rule's hooks and forget it, its mixers and its survival."""
+        """The run is over: release the rule's hooks, forget its mixers and survival (`rule_state` stays for a save)."""
         if self.runner is not None:
             self.runner.teardown()
         self.runner, self._plan, self._mixers = None, None, []
@@ -366,7 +382,7 @@ class Driven:
 
     @property
     def rule(self) -> str:
-        """The update rule: `"awc"`, `"atc"` or `"decentlam"`."""
+        """The update rule: `"awc"`, `"atc"`, `"decentlam"` or `"outer"` (with an `outer_optimizer`)."""
         return self.driver.options.rule
 
     @property
@@ -407,6 +423,14 @@ class Driven:
     def rule_record(self) -> dict[str, str]:
         """The update rule and topology the shards record; a resume under another one warns."""
         return self.driver.rule_record()
+
+    def rule_state(self) -> dict[str, Any]:
+        """What this rank's update rule carries across steps, which its shard keeps (an outer step's anchor)."""
+        return self.driver.rule_state()
+
+    def load_rule_state(self, state: dict[str, Any]) -> None:
+        """This rank's update rule continues from `state` (its shard's `rule_state`)."""
+        self.driver.load_rule_state(state)
 
     def worker_batches(self, batch: Any) -> list[Any]:
         """The batch of each of this process's workers: a rank's own."""

@@ -2,28 +2,72 @@
 backend's error as its cause. The collectives ([`agreement`][lightning_decentral.agreement]) and the gossip
 exchange ([`gossip`][lightning_decentral.gossip]) both raise it. With `on_peer_failure="continue"` an exchange is
 waited for with [`wait_works`][lightning_decentral.failures.wait_works], which a failure announced elsewhere ends
-([`Abandoned`][lightning_decentral.failures.Abandoned]), and handed to a [`Survival`][lightning_decentral.failures.Survival];
-every other collective goes through a [`Guard`][lightning_decentral.failures.Guard], which hands its failure to the
-same survival and then runs it again among the survivors.
-Ranks about to run different collectives find out at once through [`Activities`][lightning_decentral.failures.Activities]."""
+([`Abandoned`][lightning_decentral.failures.Abandoned]), and handed to a [`Survival`][lightning_decentral.failures.Survival].
+Ranks about to run different collectives find out at once through [`Activities`][lightning_decentral.failures.Activities].
+Calls to the job's store that cannot hang: [`GuardedStore`][lightning_decentral.failures.GuardedStore]."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import secrets
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Optional, Protocol, TypeVar
+from typing import Any, Optional, Protocol
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+from lightning_decentral._compat import default_store
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """The strategies' default `timeout`: how long a rank waits for a silent peer (a collective, an exchange, the
 rendezvous) before it stops with an error naming it. Lightning's is 30 minutes, long enough to pass for a hang; ranks
 that run different collectives stop at once ([`Activities`][lightning_decentral.failures.Activities])."""
+
+
+def checked_timeout(timeout: Any) -> timedelta:
+    """The strategies' `timeout` argument, checked when they are built (the Trainer's and Fabric's
+    `DecentralizedStrategy` call it): a positive `datetime.timedelta`. A bare number is refused rather than taken as
+    seconds, as Lightning's and torch's `timeout` are (a `timedelta` says its unit); `None` is torch's default, 30
+    minutes. Without the check, a zero, negative or numeric timeout fails only when the ranks meet, with torch's
+    error.
+
+    Examples:
+        >>> checked_timeout(timedelta(seconds=30)), checked_timeout(None)
+        (datetime.timedelta(seconds=30), datetime.timedelta(seconds=1800))
+        >>> checked_timeout(30)
+        Traceback (most recent call last):
+        ...
+        TypeError: timeout=30 is a number: pass a datetime.timedelta, e.g. timeout=timedelta(seconds=30) ...
+        >>> checked_timeout(timedelta(0))
+        Traceback (most recent call last):
+        ...
+        ValueError: timeout=timedelta(0) is not positive: ...
+    """
+    if timeout is None:
+        return default_pg_timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        raise TypeError(
+            f"timeout={timeout!r} is a number: pass a datetime.timedelta, e.g. timeout=timedelta(seconds={timeout!r}) "
+            "(how long a rank waits for a silent peer; a number is refused, its unit would be a guess)."
+        )
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=5), got {type(timeout).__name__} {timeout!r}.")
+    if timeout <= timedelta(0):
+        shown = "timedelta(0)" if not timeout else f"timedelta(seconds={timeout.total_seconds():g})"
+        raise ValueError(
+            f"timeout={shown} is not positive: it is how long a rank waits for a silent peer before it stops with an "
+            f"error; pass a positive datetime.timedelta (the default is {DEFAULT_TIMEOUT})."
+        )
+    return timeout
+
+
 POLL = 0.01  # seconds between two looks for a failure announced elsewhere, while an exchange is in flight
 LATE = 1.0  # seconds the works may take to complete after a look failed (the store's host exits once its own did)
 
@@ -43,7 +87,7 @@ class Abandoned(PeerFailure):
 
 
 class Survival(Protocol):
-    """What a mixer or a [`Guard`][lightning_decentral.failures.Guard] asks when a peer may have failed, with
+    """What a mixer or a [`Guard`][lightning_decentral.membership.guard.Guard] asks when a peer may have failed, with
     `on_peer_failure="continue"` (the driver's [`Survivors`][lightning_decentral.membership.Survivors])."""
 
     def poll(self) -> Optional[str]:
@@ -51,92 +95,127 @@ class Survival(Protocol):
 
     def survive(self, step: int, failure: PeerFailure) -> None:
         """Agree with the other survivors on the members and one step (the mixer is rebound to them before the
-        first step they mix again); raise if the run cannot go on. Nothing once this rank is `alone`."""
+        first step they mix again); raise if the run cannot go on."""
 
     def form(self) -> None:
         """Make the survivors' process group now, if they agreed and have not made it yet (the mixer is rebound)."""
-
-    @property
-    def alone(self) -> bool:
-        """Between the survivors' agreement and their process group: the default group is this rank's alone."""
-
-
-Result = TypeVar("Result")
-
-
-class Guard:
-    """The one path every collective of a run goes through besides the gossip exchange (which discards a failed
-    exchange instead): [`run`][lightning_decentral.failures.Guard.run] for a collective,
-    [`operation`][lightning_decentral.failures.Guard.operation] for several that stand or fall together. Without a
-    `survival` it only names a failure ([`peers_answer`][lightning_decentral.failures.peers_answer]).
-
-    With `on_peer_failure="continue"`, the driver sets `survival` and keeps `step` (the optimizer step this rank is
-    in, or begins next: what it joins the survivors' agreement with). A collective that fails then has the survivors agree
-    (`survival.survive(step, failure)`) and runs again: on the survivors' default process group, which is this rank
-    alone until they mix again. So its caller gets the collective's result among the ranks it can still reach: a
-    metric reduced over this rank, `x̄` of this replica, a barrier passed. An operation (a checkpoint save) runs again
-    as a whole, and its collectives leave their failure to it: a save starts again and finds it cannot save alone.
-    Called on the training thread.
-
-    Examples:
-        Without a survival, a failure is named (and raised):
-
-        >>> Guard().run("Lightning's reduce", lambda: 1 + 1)
-        2
-        >>> def dies():
-        ...     raise RuntimeError("Connection closed by peer")
-        >>> Guard().run("Lightning's reduce", dies)
-        Traceback (most recent call last):
-        ...
-        lightning_decentral.failures.PeerFailure: Lightning's reduce failed on this rank: a peer died, ...
-    """
-
-    def __init__(self) -> None:
-        self.survival: Optional[Survival] = None
-        self.step = 0
-        self._depth = 0  # operations running on this thread, one inside the other
-
-    def run(self, what: str, collective: Callable[[], Result], peers: str = "a peer") -> Result:
-        """`collective()`, whose backend error is a [`PeerFailure`][lightning_decentral.failures.PeerFailure]
-        naming `what` and `peers`; an [`operation`][lightning_decentral.failures.Guard.operation] of its own."""
-
-        def answered() -> Result:
-            with peers_answer(what, peers):
-                return collective()
-
-        return self.operation(answered)
-
-    def operation(self, body: Callable[[], Result]) -> Result:
-        """`body()`; a [`PeerFailure`][lightning_decentral.failures.PeerFailure] it raises is raised on, unless this
-        is the outermost operation and the survivors of the failure agree: then `body()` again (see the class
-        docstring). Any other error is raised as it is."""
-        while True:
-            outermost = self._depth == 0
-            self._depth += 1
-            try:
-                return body()
-            except PeerFailure as failure:
-                survival = self.survival
-                if not outermost or survival is None or survival.alone:
-                    raise  # the enclosing operation's; no survivors; or a group of a generation given up
-                failed = failure
-            finally:
-                self._depth -= 1
-            survival.survive(self.step, failed)
-
-    def poll(self) -> Optional[str]:
-        """Why a wait for the other ranks should end now: a member failed (see `Survival.poll`); `None` without one."""
-        return self.survival.poll() if self.survival is not None else None
-
-    @property
-    def alone(self) -> bool:
-        """Whether this rank is alone: the survivors of a failure agreed and have not made their group yet."""
-        return self.survival is not None and self.survival.alone
 
 
 class Disagreement(RuntimeError):
     """The ranks were about to run different collectives (a checkpoint load on one, an optimizer step on another):
     raised at once, naming what each rank does ([`Activities`][lightning_decentral.failures.Activities])."""
+
+
+class StoreLost(RuntimeError):
+    """The job's store did not answer within the timeout (its host is stopped or unreachable) or is gone (its host
+    died): ranks that agree through it (the survivors of a failure, a stop at one step, what each rank does) cannot,
+    and the run stops."""
+
+
+class GuardedStore:
+    """A client of the job's store whose calls raise [`StoreLost`][lightning_decentral.failures.StoreLost] when the
+    store does not answer within `timeout` seconds or is gone, instead of hanging (a store host that is stopped, not
+    dead, leaves a plain client waiting for ever) or raising torch's error (`DistNetworkError: Connection reset by
+    peer`). Every call to the job's store on a per-step path runs through one (`Activities`, the stop agreement, the
+    survivors' membership).
+
+    The calls run one at a time on a daemon thread; once one has timed out, every later call raises at once. The
+    thread ends with [`close`][lightning_decentral.failures.GuardedStore.close], or when the object is garbage.
+
+    Args:
+        connect: makes the client (a new connection), run under the same watchdog.
+        timeout: seconds a call may take.
+        where: the store's address, for the error.
+
+    Examples:
+        >>> store = GuardedStore.around(dist.HashStore(), timedelta(seconds=5))
+        >>> store.set("k", "v"), store.check(["k"]), store.get("k")
+        (None, True, b'v')
+    """
+
+    def __init__(self, connect: Callable[[], Any], timeout: float, where: str) -> None:
+        self.timeout, self.where = timeout, where
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._lost: Optional[str] = None
+        threading.Thread(target=_serve, args=(self._requests,), daemon=True, name="lightning_decentral-store").start()
+        weakref.finalize(self, self._requests.put, None)  # the thread ends when nobody can call any more
+        self._store = self._call(connect)
+
+    @classmethod
+    def around(cls, store: Any, timeout: timedelta) -> GuardedStore:
+        """`store`, a client of the job's store this process already has (the default group's), under the watchdog."""
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if "MASTER_PORT" in os.environ else "(in process)"
+        return cls(lambda: store, timeout.total_seconds(), where)
+
+    def _call(self, call: Callable[..., Any], *args: Any) -> Any:
+        if self._lost is not None:
+            raise StoreLost(self._lost)
+        answer: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._requests.put((call, args, answer, done))
+        if not done.wait(self.timeout):
+            self._lost = (
+                f"The job's store at {self.where} did not answer within {self.timeout:.0f} s (its host is stopped or "
+                "unreachable). It is the one process a run cannot lose: the ranks cannot agree without it."
+            )
+            raise StoreLost(self._lost)
+        ok, value = answer[0]
+        if ok:
+            return value
+        if isinstance(value, (dist.DistError, RuntimeError)):
+            self._lost = (
+                f"The job's store at {self.where} is gone ({type(value).__name__}: {str(value).splitlines()[0]}): its "
+                "host died. It is the one process a run cannot lose: the ranks cannot agree without it."
+            )
+            raise StoreLost(self._lost) from value
+        raise value
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key exists (never blocks on a missing key)."""
+        return self._call(self._store.check, keys)
+
+    def get(self, key: str) -> bytes:
+        """The value of `key`, which must exist."""
+        return self._call(self._store.get, key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of `keys`, which must exist."""
+        return self._call(self._store.multi_get, keys)
+
+    def set(self, key: str, value: str) -> None:
+        """Set `key`."""
+        self._call(self._store.set, key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        """Add to the counter `key` (0 reads it) and return its value."""
+        return self._call(self._store.add, key, amount)
+
+    def compare_set(self, key: str, expected: str, value: str) -> bytes:
+        """Set `key` to `value` if it holds `expected` (`""`: if it does not exist); the value it holds after."""
+        return self._call(self._store.compare_set, key, expected, value)
+
+    def delete_key(self, key: str) -> bool:
+        """Remove `key`; whether it existed."""
+        return self._call(self._store.delete_key, key)
+
+    def close(self) -> None:
+        """Stop the call thread (one stuck in a call stays until the call returns: it is a daemon)."""
+        self._requests.put(None)
+
+
+def _serve(requests: queue.SimpleQueue) -> None:
+    """A `GuardedStore`'s thread: run each call put in `requests` until `None` comes (it holds nothing else, so the
+    store object can be collected)."""
+    while True:
+        request = requests.get()
+        if request is None:
+            return
+        call, args, answer, done = request
+        try:
+            answer.append((True, call(*args)))
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            answer.append((False, error))
+        done.set()
 
 
 @contextlib.contextmanager
@@ -153,32 +232,24 @@ def peers_answer(what: str, peers: str = "a peer") -> Iterator[None]:
     """
     try:
         yield
-    except PeerFailure:
+    except (PeerFailure, StoreLost):
         raise
     except RuntimeError as exc:  # gloo and NCCL (DistBackendError) raise this when a peer is gone or the timeout passed
         raise PeerFailure(
             f"{what} failed on this rank: {peers} died, stopped with an error, or did not answer within the "
             "process-group timeout (DecentralizedStrategy(timeout=...)). The first error in the other ranks' logs is "
             f"the cause. ({exc})"
-        ) from exc
+        ) from _without_frames(exc)
 
 
-def from_its_value_now(tensor: Any, collective: Callable[[], Result]) -> Callable[[], Result]:
-    """`collective`, which writes `tensor` in place (an all-reduce), made to start each try from `tensor`'s value now:
-    a try that failed may have written part of it before a [`Guard`][lightning_decentral.failures.Guard] runs it again."""
-    if not hasattr(tensor, "detach"):
-        return collective
-    value = tensor.detach().clone()
-    tries = 0
-
-    def each_try() -> Result:
-        nonlocal tries
-        if tries:
-            tensor.detach().copy_(value)
-        tries += 1
-        return collective()
-
-    return each_try
+def _without_frames(error: BaseException) -> BaseException:
+    """`error` and the errors under it (`__cause__`) without their frames (where in this package's waits they were
+    raised, which says nothing): a `PeerFailure` prints its own traceback, then each cause in one line."""
+    cause: Optional[BaseException] = error
+    while cause is not None:
+        cause.__traceback__ = None
+        cause = cause.__cause__
+    return error
 
 
 def wait_works(
@@ -253,8 +324,10 @@ class Activities:
     gone on when no collective follows the agreement, an error raised before the collective, say. A rank
     that publishes nothing new (it is busy, or blocked in a collective it started earlier) is named after `timeout`
     seconds with its last activity ([`PeerFailure`][lightning_decentral.failures.PeerFailure]); after `warn_after`
-    seconds `warn` says who it waits for. With a `guard`, the wait is one of its operations: a member failed
-    (`guard.poll()`) ends it at once, the survivors agree, and a rank alone agrees with nobody.
+    seconds `warn` says who it waits for. Its calls to the store run under a
+    [`GuardedStore`][lightning_decentral.failures.GuardedStore] of the same timeout (`start` runs at every step). With
+    a [`Guard`][lightning_decentral.membership.guard.Guard], the wait is one of its operations, ended by a failure it
+    polls; a rank alone agrees with nobody.
 
     Examples:
         Two ranks in one process, over an in-memory store: rank 1 loads while rank 0 trains.
@@ -276,25 +349,25 @@ class Activities:
         timeout: float,
         warn_after: float = 30.0,
         warn: Callable[[str], None] = lambda message: warnings.warn(message, stacklevel=3),
-        guard: Optional[Guard] = None,
+        guard: Any = None,
     ) -> None:
-        self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+        self.store = None if store is None else GuardedStore.around(store, timedelta(seconds=timeout))
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.warn_after, self.warn = warn_after, warn
-        self.guard = guard if guard is not None else Guard()
+        self.guard = guard
         self.count = 0  # activities this rank has published
         self.current = ""
 
     @classmethod
     def of_group(cls, ranks: Any, timeout: Optional[timedelta]) -> Activities:
         """Activities of the ranks of the default process group (`ranks`, a [`Ranks`][lightning_decentral.agreement.Ranks],
-        whose guard they share), under keys of their own (one all-gather agrees on them); published nowhere without a
-        process group, or with a store torch does not expose."""
+        whose guard they share), under keys of their own (one all-gather agrees on them) of the default group's store;
+        published nowhere without a process group, or with one rank."""
         seconds = (timeout or timedelta(minutes=30)).total_seconds()
         if not dist.is_initialized() or ranks.world_size == 1:
             return cls(None, ranks.rank, ranks.world_size, seconds, guard=ranks.guard)
         tag = int(ranks.gather([secrets.randbits(62)], "Agreeing on where the ranks publish their activities")[0, 0])
-        store = getattr(dist.distributed_c10d, "_get_default_store", lambda: None)()  # torch has no public accessor
-        prefixed = dist.PrefixStore(f"lightning_decentral/activities/{tag}/", store) if store is not None else None
+        prefixed = dist.PrefixStore(f"lightning_decentral/activities/{tag}/", default_store())
         return cls(prefixed, ranks.rank, ranks.world_size, seconds, guard=ranks.guard)
 
     def start(self, what: str) -> None:
@@ -310,15 +383,17 @@ class Activities:
         Call it right before the collective's first exchange, and begin or agree on nothing else until then: a rank
         that passed may publish its next activity only once every rank has passed (entered that collective)."""
         self.start(what)
+        if self.guard is None:
+            return self._wait_for_every_rank(what)
         self.guard.operation(lambda: self._wait_for_every_rank(what))
 
     def _wait_for_every_rank(self, what: str) -> None:
-        if self.store is None or self.guard.alone:
+        if self.store is None or (self.guard is not None and self.guard.alone):
             return
         started = time.monotonic()
         pause, warned = 0.005, False
         while True:
-            reason = self.guard.poll()
+            reason = self.guard.poll() if self.guard is not None else None
             if reason is not None:
                 raise Abandoned(f"{what} was given up on rank {self.rank}: {reason}.")
             with peers_answer(f"{what}, reading what the other ranks do,"):

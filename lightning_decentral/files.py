@@ -19,13 +19,12 @@ import hashlib
 import os
 import socket
 from collections.abc import Callable
-from typing import IO, Any, Optional
+from typing import IO, Any, Optional, Union
 
 import fsspec
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.fabric.utilities.types import _PATH
 
 
 def _machine() -> str:
@@ -38,6 +37,9 @@ def _machine() -> str:
         parts.append(os.readlink("/proc/self/ns/pid"))
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=6).hexdigest()
 
+
+StrPath = Union[str, "os.PathLike[str]"]
+"""A path the package reads or writes: a local one (a string, a `pathlib.Path`) or an fsspec URL (`"s3://..."`)."""
 
 MACHINE = _machine()
 _OWNED: set[str] = set()  # the files this process wrote or resumed from (absolute local paths, or URLs)
@@ -110,7 +112,7 @@ def _key(path: str) -> str:
     return os.path.abspath(local) if isinstance(fs, LocalFileSystem) else str(path)
 
 
-def atomic_write(path: _PATH, write: Callable[[IO[bytes]], Any]) -> None:
+def atomic_write(path: StrPath, write: Callable[[IO[bytes]], Any]) -> None:
     """`write(f)` into `path`, all of it or nothing: into the temporary file `temporary_name(path)` beside it, flushed
     and synced, then renamed over `path`, and the directory synced (locally); an error deletes the temporary file and
     leaves `path` as it was. The directory is created if needed. `path` counts as this process's from then on.
@@ -187,7 +189,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     your own; it also serves any Lightning strategy: `Trainer(plugins=[AtomicCheckpointIO()])`.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: StrPath, storage_options: Optional[Any] = None) -> None:
         """Write `checkpoint` to `path` with `torch.save`, atomically where `path` is local."""
         if storage_options is not None or not isinstance(fsspec.core.url_to_fs(str(path))[0], LocalFileSystem):
             return super().save_checkpoint(checkpoint, path, storage_options)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Optional, TypeVar, Union, get_type_hints
 
 import torch
+from torch.optim import Optimizer
 
 from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.schedule import RoundsSchedule
@@ -29,6 +31,11 @@ ON_PEER_FAILURE = ("stop", "continue")
 GOSSIP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GossipDtypeName = Literal[tuple(str(d).removeprefix("torch.") for d in GOSSIP_DTYPES)]  # type: ignore[valid-type]
 """`gossip_dtype` by name (`"bfloat16"`, `"float16"`, `"float32"`): what a YAML config or the command line gives."""
+
+OptimizerFactory = Callable[[Iterable], Optimizer]
+"""`parameters -> optimizer`, what `outer_optimizer` takes: `functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
+nesterov=True)` in Python; in a YAML config `class_path: torch.optim.SGD` with `init_args: {lr: 0.7, ...}` (Lightning's
+`OptimizerCallable`)."""
 
 
 def rule_name(momentum: str, combine: str) -> str:
@@ -92,6 +99,17 @@ class GossipOptions:
             runs the same rule in one process.
         min_workers: with `"continue"`, the run stops when fewer workers survive; `None`: half of them, rounded up
             ([`min_workers_for`][lightning_decentral.options.GossipOptions.min_workers_for]).
+        outer_optimizer: local steps with an outer optimizer over gossip (docs/algorithms.md, "Outer steps"): a
+            factory `parameters -> torch optimizer`, e.g. `functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
+            nesterov=True)` (YAML: `class_path: torch.optim.SGD`, `init_args: {lr: 0.7, momentum: 0.9, nesterov:
+            true}`). Every `gossip_every = H` steps of the user's optimizer, worker `i` sends its model `x_i`, takes
+            the pseudo-gradient `Δ̃_i = θ_i − Σ_j w_ij x_j` from its anchor `θ_i`, steps the anchor with this
+            optimizer, `θ_i <- OuterOpt(θ_i, Δ̃_i)`, and starts the next round from it, `x_i <- θ_i`. With
+            `topology="complete"` it is DiLoCo. `combine` is ignored; `momentum="decentlam"` and `staleness` are refused.
+            `None`: `gossip_every` mixes the models, as ATC or AWC.
+        outer_overlap: with `outer_optimizer`, the round's exchange travels during the next round's inner steps and
+            its outer step is applied one round late, the local progress made meanwhile kept on top of it
+            (docs/algorithms.md, "Overlapping the exchange").
 
     Examples:
         >>> options = GossipOptions(combine="atc", gossip_steps={"epoch": {0: 4, 5: 1}}, gossip_dtype="bfloat16")
@@ -120,6 +138,8 @@ class GossipOptions:
     delays: Optional[DelaySchedule] = None
     on_peer_failure: Literal["stop", "continue"] = "stop"
     min_workers: Optional[int] = None
+    outer_optimizer: Optional[OptimizerFactory] = None
+    outer_overlap: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("combine", self.combine, COMBINE)
@@ -137,6 +157,7 @@ class GossipOptions:
         object.__setattr__(self, "gossip_steps", RoundsSchedule.of(self.gossip_steps))
         object.__setattr__(self, "gossip_dtype", _check_gossip_dtype(self.gossip_dtype))
         self._check_staleness()
+        self._check_outer()
 
     def _check_staleness(self) -> None:
         """`staleness` is an integer ≥ 0; above 0 it takes AWC or ATC, one round every step, full precision;
@@ -169,10 +190,34 @@ class GossipOptions:
                     f"not supported with it: {fix}, or staleness=0."
                 )
 
+    def _check_outer(self) -> None:
+        """`outer_optimizer` builds a torch optimizer; it takes `momentum="local"`, `staleness=0`; `outer_overlap` needs
+        it and `on_peer_failure="stop"`."""
+        if not isinstance(self.outer_overlap, bool):
+            raise ValueError(f"`outer_overlap` must be True or False, got {self.outer_overlap!r}.")
+        if self.outer_optimizer is None:
+            if self.outer_overlap:
+                raise ValueError("outer_overlap=True overlaps the exchange of an outer step: it needs an outer_optimizer.")
+            return
+        probe_outer_optimizer(self.outer_optimizer)  # raises naming the fix
+        unsupported = [
+            (self.momentum == "decentlam", "momentum='decentlam' (its correction needs an exchange at every step)",
+             "use momentum='local'"),
+            (self.staleness > 0, f"staleness={self.staleness} (an outer step waits for its round's exchange)",
+             "use staleness=0"),
+            (self.outer_overlap and self.on_peer_failure != "stop", "outer_overlap=True with on_peer_failure='continue' "
+             "(an exchange in flight across steps cannot be discarded at one agreed step)", "use outer_overlap=False"),
+        ]
+        for bad, what, fix in unsupported:
+            if bad:
+                raise ValueError(f"outer_optimizer runs local steps and one outer step per gossip round, but {what} is "
+                                 f"not supported with it: {fix}, or outer_optimizer=None.")
+
     @property
     def rule(self) -> str:
-        """The update rule `momentum` and `combine` select ([`rule_name`][lightning_decentral.options.rule_name])."""
-        return rule_name(self.momentum, self.combine)
+        """The update rule: `"outer"` with an `outer_optimizer`, else what `momentum` and `combine` select
+        ([`rule_name`][lightning_decentral.options.rule_name])."""
+        return "outer" if self.outer_optimizer is not None else rule_name(self.momentum, self.combine)
 
     def min_workers_for(self, world_size: int) -> int:
         """The fewest survivors a run of `world_size` workers goes on with: `min_workers`, or half the workers
@@ -190,6 +235,27 @@ class GossipOptions:
                 f"min_workers={self.min_workers} is more than the {world_size} workers of the run: pass at most {world_size}."
             )
         return self.min_workers
+
+    def check_backend(self, backend: str) -> None:
+        """Refuse `on_peer_failure="continue"` on a process-group backend other than gloo (NCCL: a GPU run), before
+        training: the survivors close the broken group by a behaviour of gloo's (a receive waited past its timeout
+        closes every connection of the group, here and at the peers), which the package has no counterpart of on NCCL.
+
+        Examples:
+            >>> GossipOptions(on_peer_failure="continue").check_backend("gloo")
+            >>> GossipOptions(on_peer_failure="stop").check_backend("nccl")
+            >>> GossipOptions(on_peer_failure="continue").check_backend("nccl")
+            Traceback (most recent call last):
+            ...
+            ValueError: on_peer_failure='continue' is supported on the gloo backend only (CPU training), not nccl: ...
+        """
+        if self.on_peer_failure == "continue" and backend != "gloo":
+            raise ValueError(
+                f"on_peer_failure='continue' is supported on the gloo backend only (CPU training), not {backend}: the "
+                "survivors regroup by closing the broken process group the way gloo allows, which is not built for "
+                f"{backend}. Train on CPU (accelerator='cpu') to survive a failure, or use on_peer_failure='stop' "
+                "(a restart resumes from the newest complete checkpoint)."
+            )
 
     @property
     def bucket_bytes(self) -> int:
@@ -256,6 +322,44 @@ def _check_gossip_dtype(dtype: Any) -> Optional[torch.dtype]:
             "Use gossip_dtype=torch.bfloat16 to halve the bytes of a float32 model."
         )
     return resolved
+
+
+def outer_optimizer_name(factory: Any) -> str:
+    """What `factory` builds, as the ranks compare it: the optimizer's class and its defaults.
+
+    Examples:
+        >>> import functools
+        >>> outer_optimizer_name(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)).split(", weight")[0]
+        'SGD(lr=0.7, momentum=0.9, dampening=0'
+    """
+    built = probe_outer_optimizer(factory)
+    defaults = ", ".join(f"{k}={v}" for k, v in built.defaults.items())
+    return f"{type(built).__name__}({defaults})"
+
+
+def probe_outer_optimizer(factory: Any) -> Optimizer:
+    """What `factory` builds, on a probe tensor; `ValueError` naming the fix if it does not build a torch optimizer.
+
+    Examples:
+        >>> import functools
+        >>> type(probe_outer_optimizer(functools.partial(torch.optim.Adam, lr=0.1))).__name__
+        'Adam'
+        >>> probe_outer_optimizer(functools.partial(torch.optim.SGD, lr=-1.0))
+        Traceback (most recent call last):
+        ...
+        ValueError: `outer_optimizer` must be a factory, ...; building it failed: ValueError: Invalid learning rate: -1.0
+    """
+    fix = ("`outer_optimizer` must be a factory, parameters -> optimizer, such as functools.partial(torch.optim.SGD, "
+           "lr=0.7, momentum=0.9, nesterov=True) (YAML: class_path: torch.optim.SGD, init_args: {lr: 0.7, ...})")
+    if not callable(factory) or isinstance(factory, Optimizer):
+        raise ValueError(f"{fix}, got a {type(factory).__name__}.")
+    try:
+        built = factory([torch.zeros(1, requires_grad=True)])
+    except Exception as error:
+        raise ValueError(f"{fix}; building it failed: {type(error).__name__}: {error}") from error
+    if not isinstance(built, Optimizer):
+        raise ValueError(f"{fix}; it built a {type(built).__name__}.")
+    return built
 
 
 def _check_positive_int(name: str, value: Any, meaning: str = "1 = every step") -> None:

@@ -36,6 +36,8 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
+from lightning_decentral._compat import default_store
+
 NAMESPACE = "lightning_decentral"
 HANDSHAKE = f"{NAMESPACE}/handshake"  # agree_generation's keys, the same for every generation
 _POLL_SECONDS = 0.01
@@ -80,7 +82,7 @@ def job_store() -> dist.Store:
     if _current is not None:
         return _current
     if dist.is_initialized():
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     raise RuntimeError(
         "This process has no job store: no default process group yet. The strategies make it when the Trainer or "
         "Fabric launches; elsewhere call lightning_decentral.rendezvous.connect(...) and pass its store to "

@@ -15,6 +15,7 @@ rule.end_step()                        after the step               AWC adds W x
 rule.finish_step()                     (may be later)               ATC, DecentLaM buffers: wait and combine
 rule.drain()                           on an error, at the end      finish anything in flight
 rule.teardown()                        once, when the run is over   release hooks (DecentLaM)
+rule.state_dict(), load_state_dict()   a save, a resume             what the rule carries across steps
 ```
 
 Backward passes of accumulated micro-batches run inside `rule.no_backward_sync()`.
@@ -40,6 +41,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_decentral import algorithms
+from lightning_decentral._compat import grad_scale, unscales_in_step
 from lightning_decentral.mixing import Mixer, Pending
 from lightning_decentral.overlap import GradientBuckets
 from lightning_decentral.replicas import Replica
@@ -124,6 +126,15 @@ class UpdateRule:
 
     def teardown(self) -> None:
         """The run is over (also after an error: nothing is waited for here); release hooks."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the rule carries from step to step besides the replica and the optimizer (copies, saved in the
+        worker's shard; a tensor of one dimension holds one value per element of the flat parameters, which a
+        stacked executor splits by worker): nothing, for the rules of this module."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`, what `state_dict` returned (`{}`: start afresh from the replica as it is)."""
 
     def mix(self, step: int, rounds: int) -> None:
         """`x <- W(step)^rounds x` for the parameters and the mixed buffers, now, between two steps (no exchange
@@ -260,7 +271,7 @@ class DecentLaM(UpdateRule):
                 "with the modified gradient, without that guarantee."
             )
         scaler = context.grad_scaler
-        if scaler is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
+        if scaler is not None and unscales_in_step(optimizer):
             raise ValueError(
                 f"{type(optimizer).__name__} unscales its gradients inside step() (fused=True), after DecentLaM has "
                 "replaced them. Use the optimizer without fused=True, or bf16-mixed precision."
@@ -346,7 +357,7 @@ class DecentLaM(UpdateRule):
 
     def _grad_scale(self) -> Any:
         scaler = self.context.grad_scaler
-        return scaler._scale if scaler is not None else 1.0  # the scale tensor: get_scale() would sync the host
+        return grad_scale(scaler) if scaler is not None else 1.0  # the scale tensor: get_scale() would sync the host
 
     def _before_update(self, optimizer: Optimizer, args: Any, kwargs: dict[str, Any]) -> Any:
         """Optimizer step pre-hook: run the closure (backward, unscale, clip), then `g <- g̃`."""
@@ -363,6 +374,10 @@ class DecentLaM(UpdateRule):
             return None
         return args, {**kwargs, "closure": lambda: result}
 
+
+RuleFactory = Callable[[Replica, Mixer, Optimizer, Optional[RuleContext]], UpdateRule]
+"""`(replica, mixer, optimizer, context) -> rule`: a class of `RULES`, or what the
+[driver][lightning_decentral.driver.StepDriver.make_rule] builds from the options."""
 
 RULES: dict[str, type[UpdateRule]] = {
     "awc": AdaptWithCombine,

@@ -32,6 +32,7 @@ Running one worker's whole step before the next worker's fails with the DenseMix
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -41,6 +42,7 @@ from torch import nn
 from lightning_decentral.mixing import DelayedMixing, DenseMixer, ExchangeObserver
 from lightning_decentral.replicas import Replica
 from lightning_decentral.options import rule_name
+from lightning_decentral.outer import OuterStep
 from lightning_decentral.rules import RULES, RuleContext, UpdateRule
 from lightning_decentral.schedule import GossipSchedule
 from lightning_decentral.topology import resolve_topology
@@ -81,6 +83,10 @@ class DenseExecutor:
             warn=self.warnings.append,
         )
         cls = RULES[rule_name(config.momentum, config.combine)]
+        if config.outer is not None:
+            cls = functools.partial(
+                OuterStep, outer_optimizer=config.outer_optimizer(), every=config.gossip_every, overlap=config.outer_overlap
+            )
         self.rules: list[UpdateRule] = [
             cls(replica, self.mixer.worker(i), optimizer, self.context)
             for i, (replica, optimizer) in enumerate(zip(self.replicas, self.optimizers))

@@ -16,7 +16,7 @@ from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_decentral.fabric import DecentralizedStrategy, consensus_metrics, effective_lr_metrics, under_prefix
+from lightning_decentral.fabric import DataOrder, DecentralizedStrategy, consensus_metrics, effective_lr_metrics, under_prefix
 from tests.models import Regression, flat, init_seed, initial_net, loader, make_optimizer, make_scheduler
 from tests.reference import Config
 
@@ -118,6 +118,42 @@ def resume(rank: int, world_size: int, config: Config, root: str) -> dict[str, A
     half = _run(rank, world_size, config, range(k), path=f"{root}/half.ckpt")
     resumed = flat(_run(rank, world_size, config, range(k, config.steps), load=f"{root}/half.ckpt"))
     return {"full": full, "half": flat(half), "resumed": resumed}
+
+
+def _shuffled_epochs(world_size: int, epochs: range, load: Optional[str], save: Optional[str], order: bool) -> torch.Tensor:
+    """Epochs ``epochs`` of a loop over a shuffled loader (Fabric's distributed sampler), after loading ``load``, then
+    saving to ``save``; the data order in the state when ``order``. This rank's replica."""
+    fabric = fabric_for(world_size, DecentralizedStrategy())
+    torch.manual_seed(3)
+    data = TensorDataset(torch.randn(64, 5), torch.randn(64, 3))
+    loader = fabric.setup_dataloaders(DataLoader(data, batch_size=4, shuffle=True))
+    net = initial_net(init_seed(fabric.global_rank))
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer}
+    if order:
+        state["data"] = DataOrder(loader)
+    if load is not None:
+        fabric.load(load, state)
+        assert not order or state["data"].epoch == epochs.start, state["data"].epoch
+    for _ in epochs:
+        for x, y in loader:
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    if save is not None:
+        fabric.save(save, state)
+    fabric.strategy.teardown()
+    return flat(model)
+
+
+def resume_shuffled(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
+    """4 epochs straight, against 2 + save + load into new objects + 2: with the data order in the state, and without."""
+    out = {"full": _shuffled_epochs(world_size, range(4), None, None, order=False)}
+    for order in (True, False):
+        path = f"{root}/order-{order}.ckpt"
+        _shuffled_epochs(world_size, range(2), None, path, order)
+        out[f"order={order}"] = _shuffled_epochs(world_size, range(2, 4), path, None, order)
+    return out
 
 
 def resume_from_average(rank: int, world_size: int, config: Config, checkpoint: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ neighbour ``j``'s row of step ``τ_ij(k) = max(k − d, k₀)``, ``d = delays(i,
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -107,6 +108,8 @@ class Config:
     restarts: tuple[int, ...] = ()  # steps a run resumed at: a neighbour's earlier steps are not used after them
     epoch_steps: Optional[int] = None  # the data of this many steps, again every epoch (None: new data every step)
     failures: dict = field(default_factory=dict)  # {step: [ranks]}: they die there; the step is local for the others
+    outer: Optional[dict[str, Any]] = None  # an outer step every gossip_every steps: torch.optim.SGD's arguments
+    outer_overlap: bool = False
 
     @property
     def samples(self) -> int:
@@ -116,12 +119,18 @@ class Config:
         """The keyword arguments of ``tests.models.Regression`` that choose the optimizer."""
         return {**self.optimizer, "scheduler": self.scheduler}
 
+    def outer_optimizer(self) -> Callable[..., torch.optim.Optimizer]:
+        """``outer`` as the strategies take it: ``functools.partial(torch.optim.SGD, **outer)``."""
+        return functools.partial(torch.optim.SGD, **self.outer)
+
     def strategy_kwargs(self) -> dict[str, Any]:
         from lightning_decentral import Hierarchical
 
         extra: dict[str, Any] = {} if self.gossip_dtype is None else {"gossip_dtype": self.gossip_dtype}
         if self.staleness:
             extra.update(staleness=self.staleness, delays=self.delays)
+        if self.outer is not None:
+            extra.update(outer_optimizer=self.outer_optimizer(), outer_overlap=self.outer_overlap)
         return {
             **extra,
             "topology": Hierarchical(*self.hierarchy) if self.topology == "hierarchical" else self.topology,

@@ -176,6 +176,28 @@ def newest_complete(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
+def damaged(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Checkpoints every 2 of 8 steps, then `fit(ckpt_path="last")` with `resume="newest_complete"`: in `root/truncated`
+    after rank 1's shard of last.ckpt was cut in half; in `root/dangling` (`save_last="link"`) after the file
+    last.ckpt links to, step 8's, was deleted."""
+    newest = {"resume": "newest_complete"}
+    out = {"trained": fit(rank, world_size, f"{root}/truncated", 2 * BATCHES)["end"]}
+    if rank == 1:
+        shard = _own_shard(f"{root}/truncated/last.ckpt", rank, world_size)
+        with open(shard, "r+b") as f:
+            f.truncate(os.path.getsize(shard) // 2)
+    torch.distributed.barrier()
+    out["truncated"] = fit(rank, world_size, f"{root}/truncated", 2 * BATCHES + 1, ckpt_path="last", strategy=newest)
+    fit(rank, world_size, f"{root}/dangling", 2 * BATCHES, save_last="link")
+    torch.distributed.barrier()
+    if rank == 0:
+        os.remove(f"{root}/dangling/epoch=1-step={2 * BATCHES}.ckpt")
+    torch.distributed.barrier()
+    out["dangling"] = fit(
+        rank, world_size, f"{root}/dangling", 2 * BATCHES + 1, ckpt_path="last", save_last="link", strategy=newest
+    )
+    return out
+
 
 def stopped_and_resumed(rank: int, world_size: int, root: str, stop: int, steps: int) -> torch.Tensor:
     """A run stopped cleanly at step `stop` (its last checkpoint), then resumed from it up to `steps`: this rank's

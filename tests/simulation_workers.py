@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import lightning.pytorch as pl
@@ -10,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
-from tests.models import Regression, flat, init_seed, rank_data
+from tests.models import HIDDEN, IN, OUT, Regression, flat, init_seed, rank_data
 from tests.reference import Config
 
 SEED = 7
@@ -46,7 +47,7 @@ def _trainer(strategy: Any, config: Config, devices: int, **kwargs: Any) -> pl.T
         max_steps=config.steps,
         accumulate_grad_batches=config.accumulate,
         gradient_clip_val=config.clip,
-        precision="64-true" if config.dtype == torch.float64 else "32-true",
+        precision=kwargs.pop("precision", "64-true" if config.dtype == torch.float64 else "32-true"),
         **{"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
            "num_sanity_val_steps": 0, **kwargs},
     )
@@ -57,6 +58,11 @@ def _state(module: nn.Module) -> torch.Tensor:
     return torch.cat([flat(module)] + buffers)
 
 
+def _counts(module: nn.Module) -> list[int]:
+    """The module's integer buffers (BatchNorm's `num_batches_tracked`)."""
+    return [int(b) for b in module.buffers() if not b.is_floating_point()]
+
+
 def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: float = 0.0) -> dict[str, Any]:
     """Each config on ``world_size`` gloo processes: this rank's final state and its logged loss."""
     out = {}
@@ -65,21 +71,29 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
         pl.seed_everything(SEED, verbose=False)  # after the model, whose init seeds by rank: every rank alike
         trainer = _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size)
         trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, world_size))
-        out[config.name] = {"state": _state(model), "train_loss": float(trainer.callback_metrics["train_loss"])}
+        out[config.name] = {
+            "state": _state(model), "counts": _counts(model), "train_loss": float(trainer.callback_metrics["train_loss"])
+        }
     return out
 
 
 def fit_simulated(
-    config: Config, workers: int, dropout: float = 0.0, vectorize: Any = False, module: type = LoggingRegression
+    config: Config, workers: int, dropout: float = 0.0, vectorize: Any = False, module: type = LoggingRegression,
+    precision: str = "32-true", dataset_class: type = TensorDataset,
 ) -> dict[str, Any]:
-    """The same config on ``workers`` simulated workers: every worker's final state and the logged loss."""
+    """The same config on ``workers`` simulated workers (the samples of ``shared_loader`` in a ``dataset_class``):
+    every worker's final state, integer buffers and module, and the logged loss."""
     model = module(dropout, seed=init_seed(0), batch_norm=config.batch_norm, **config.optimizer_spec())
     pl.seed_everything(SEED, verbose=False)
     strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
-    trainer = _trainer(strategy, config, 1)
-    trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, workers))
+    trainer = _trainer(strategy, config, 1, **({} if precision == "32-true" else {"precision": precision}))
+    loader = shared_loader(config, workers)
+    loader = DataLoader(dataset_class(*loader.dataset.tensors), batch_size=loader.batch_size, shuffle=True)
+    trainer.fit(model.to(config.dtype), train_dataloaders=loader)
     return {
         "states": [_state(module) for module in strategy.worker_modules()],
+        "counts": [_counts(module) for module in strategy.worker_modules()],
+        "modules": strategy.worker_modules(),
         "train_loss": float(trainer.callback_metrics["train_loss"]),
     }
 
@@ -170,11 +184,12 @@ def _resume_model(rank: int, dropout: float = 0.2) -> LoggingRegression:
     return model
 
 
-def resume_processes(rank: int, world_size: int, save: str = "", load: str = "") -> torch.Tensor:
+def resume_processes(rank: int, world_size: int, save: str = "", load: str = "", **strategy_kwargs: Any) -> torch.Tensor:
     """On processes: fit 1 epoch and save to ``save``, or resume from ``load`` to epoch 2, or (neither) fit 2
     epochs straight; this rank's final state."""
     model = _resume_model(rank)
-    trainer = _resume_trainer(DecentralizedStrategy(**RESUME.strategy_kwargs()), world_size, 1 if save else 2)
+    strategy = DecentralizedStrategy(**{**RESUME.strategy_kwargs(), **strategy_kwargs})
+    trainer = _resume_trainer(strategy, world_size, 1 if save else 2)
     trainer.fit(model, train_dataloaders=shared_loader(RESUME, world_size), ckpt_path=load or None)
     if save:
         trainer.save_checkpoint(save)
@@ -277,6 +292,55 @@ class ReadsItsLoss(LoggingRegression):
         loss = super().training_step(batch, batch_idx)
         self.last_loss = loss.item()
         return loss
+
+
+class Jittered(TensorDataset):
+    """Each sample's features plus a little noise: a random transform, drawn from torch's generator when loaded."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, ...]:
+        x, y = super().__getitem__(index)
+        return x + 0.01 * torch.randn_like(x), y
+
+
+class DrawsAtRandom(LoggingRegression):
+    """Draws from torch's generator when an epoch starts, from Python's and then torch's in every training_step (noise
+    on its inputs: random numbers, which stop a trial under torch.vmap), and counts its training steps."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shift, self.steps_seen = 0.0, 0
+
+    def on_train_epoch_start(self) -> None:
+        self.shift = 0.01 * float(torch.rand(()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps_seen += 1
+        x, y = batch
+        x = x * (1 + 0.01 * random.random()) + self.shift + 0.1 * torch.randn_like(x)
+        return super().training_step((x, y), batch_idx)
+
+
+class BiasFreeBatchNorm(LoggingRegression):
+    """Linear without bias, then BatchNorm (as a conv without bias before BatchNorm in a ResNet): under bf16-mixed the
+    BatchNorm sees bf16 activations with float32 running statistics."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        torch.manual_seed(kwargs["seed"])
+        self.net = nn.Sequential(nn.Linear(IN, HIDDEN, bias=False), nn.BatchNorm1d(HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).float()
+
+
+class ChecksItsRangeUnderAutocast(LoggingRegression):
+    """Under autocast only, keeps its largest output as a Python float (`.item()`): a training_step that runs under
+    torch.vmap in full precision, not in the run's bf16-mixed."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu"):
+            self.largest = self(batch[0]).abs().max().item()
+        return super().training_step(batch, batch_idx)
 
 
 class FreezesBatchNorm(LoggingRegression):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
+import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -44,16 +46,17 @@ class Mortal(Regression):
     (`DIES_IN`; the strategy and the checkpoint callback die in the others), after stamping the time in
     `stamps/killed-<rank>`; those of `stops` stop (`SIGSTOP`: alive and silent) after stamping their pid in
     `stamps/stopped-<rank>`. With `stops` or `hold_at`, the survivors of a failure touch `stamps/decided`; at the start
-    of step `hold_at` every rank waits (at most a minute) for `stamps/released`. Every rank records its replica when
-    each step of `record` starts, and when each step ends the time (`finished[step]`)."""
+    of step `hold_at` every rank waits (at most a minute) for `stamps/released`, and so at the end of step
+    `hold_after`, after stamping `stamps/held-<rank>` with its pid. Every rank records its replica when each step of
+    `record` starts, and when each step ends the time (`finished[step]`)."""
 
     def __init__(
         self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), stops: Optional[dict[int, int]] = None,
-        hold_at: int = -1, dies_in: str = "batch", **kwargs: Any
+        hold_at: int = -1, hold_after: int = -1, dies_in: str = "batch", **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.deaths, self.stamps, self.record, self.stops, self.hold_at = deaths, stamps, record, stops or {}, hold_at
-        self.dies_in = dies_in
+        self.hold_after, self.dies_in = hold_after, dies_in
         self.recorded: dict[int, torch.Tensor] = {}
         self.finished: dict[int, float] = {}
 
@@ -67,9 +70,12 @@ class Mortal(Regression):
         if (self.stops or self.hold_at >= 0) and self.trainer.strategy.failures_survived:
             Path(self.stamps, "decided").touch()
         if self.global_step == self.hold_at:
-            deadline = time.monotonic() + 60
-            while not Path(self.stamps, "released").exists() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            self._wait_for_release()
+
+    def _wait_for_release(self) -> None:
+        deadline = time.monotonic() + 60
+        while not Path(self.stamps, "released").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def on_train_end(self) -> None:
         """With stopped ranks: wait (at most a minute) until each has woken up and stopped, while the store lives."""
@@ -81,6 +87,9 @@ class Mortal(Regression):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.finished[self.global_step - 1] = time.time()
+        if self.global_step - 1 == self.hold_after:
+            Path(self.stamps, f"held-{self.trainer.strategy.first_rank}").write_text(str(os.getpid()))
+            self._wait_for_release()
 
     def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         rank = self.trainer.strategy.first_rank
@@ -134,24 +143,31 @@ def survive(
     stops: Optional[dict[int, int]] = None,
     validate: bool = False,
     hold_at: int = -1,
+    top_k: int = -1,
+    hold_after: int = -1,
     dies_in: str = "batch",
     **strategy: Any,
 ) -> dict[str, Any]:
     """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there (where `dies_in`
-    says: `DIES_IN`), those of `stops` stop there; every rank waits for `root/released` at the start of step `hold_at`
-    (see `Mortal`). A checkpoint every `save_at` steps (0: none); with `validate`, a validation at the end of each epoch
-    (`val_loss` logged with `sync_dist=True`). Each survivor's final replica, recorded replicas, step end times, the
-    decisions, the last `val_loss` (NaN without `validate`) and the warnings of the fit."""
+    says: `DIES_IN`), those of `stops` stop there; every rank waits for `root/released` at the start of step `hold_at`,
+    or at the end of step `hold_after` (see `Mortal`). A checkpoint every `save_at` steps (0: none), the best `top_k`
+    kept (-1: all); with `validate`, a validation at the end of each epoch (`val_loss` logged with `sync_dist=True`).
+    Each survivor's final replica, recorded replicas, step end times, the decisions, the last `val_loss` (NaN without
+    `validate`), the checkpoint callback's `best_model_path`, and what the fit logged and warned."""
     assert dies_in in DIES_IN, dies_in
-    model = Mortal(deaths, root, record, stops, hold_at, dies_in, seed=init_seed(rank), **MOMENTUM_SGD)
-    callbacks = [MortalCheckpoint(deaths, root, dies_in, dirpath=root, every_n_train_steps=save_at, save_top_k=-1)] if save_at else []
+    model = Mortal(deaths, root, record, stops, hold_at, hold_after, dies_in, seed=init_seed(rank), **MOMENTUM_SGD)
+    checkpoints = MortalCheckpoint(deaths, root, dies_in, dirpath=root, every_n_train_steps=save_at, save_top_k=top_k)
+    callbacks = [checkpoints] if save_at else []
     strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
     trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
     dying = _mortal_shard_writes(rank, deaths.get(rank), root) if dies_in == "shard write" else contextlib.nullcontext()
-    with dying, warnings.catch_warnings(record=True) as warned:
+    with dying, _LoggedLines() as logged, warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
     return {
+        "logged": logged.lines,
+        "warnings": [str(w.message) for w in warned],
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("survivors/")},
         "replica": flat(model),
         "recorded": model.recorded,
         "finished": model.finished,
@@ -160,8 +176,26 @@ def survive(
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
         "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
-        "warnings": [str(warning.message) for warning in warned],
+        "best_model_path": callbacks[0].best_model_path if callbacks else "",
     }
+
+
+class _LoggedLines(logging.Handler):
+    """Inside its `with`: the lines the package logs (`logging.getLogger("lightning_decentral")`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> "_LoggedLines":
+        logging.getLogger("lightning_decentral").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger("lightning_decentral").removeHandler(self)
 
 
 def survive_or_error(rank: int, world_size: int, **kwargs: Any) -> Any:
@@ -171,6 +205,14 @@ def survive_or_error(rank: int, world_size: int, **kwargs: Any) -> Any:
     except RuntimeError as error:
         Path(kwargs["root"], f"done-{rank}").touch()
         return f"{type(error).__name__}: {error}"
+
+
+def survive_or_traceback(rank: int, world_size: int, **kwargs: Any) -> Any:
+    """`survive(...)`, or what Python prints for the error it stopped with (its traceback, causes and context)."""
+    try:
+        return survive(rank, world_size, **kwargs)
+    except RuntimeError as error:
+        return "".join(traceback.format_exception(error))
 
 
 def resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], steps: int, topology: Any = "ring") -> torch.Tensor:

@@ -21,12 +21,14 @@ def test_step_time_smoke(tmp_path: Path) -> None:
 
 
 def test_gpu_smoke(tmp_path: Path) -> None:
-    """The GPU script's runs on the CPU: both rules train, save and resume; both simulation paths are timed."""
+    """The GPU script's runs on the CPU: both rules train, save and resume; both simulation paths are timed, on the MLP
+    and on the conv + BatchNorm ResNet-20 (small)."""
     out = tmp_path / "gpu.json"
     _run_smoke("gpu.py", "--out", str(out))
     result = json.loads(out.read_text())
     assert [(r["momentum"], r["ok"], r["ended_at"]) for r in result["paths"]] == [("local", True, 5), ("decentlam", True, 5)]
-    assert [(r["kind"], r["n"]) for r in result["simulation"]] == [("lightning", 1), ("apart", 4), ("stacked", 4)]
+    runs = [("lightning", 1), ("apart", 4), ("stacked", 4)]
+    assert [(r["model"], r["kind"], r["n"]) for r in result["simulation"]] == [(m, *run) for m in ("mlp", "resnet20") for run in runs]
     assert all(r["step_s"] > 0 and "error" not in r for r in result["simulation"])
 
 
@@ -128,3 +130,17 @@ def test_transport_smoke(tmp_path: Path) -> None:
     for row in rows:  # every transport was timed (after its result was checked against p2p's)
         assert set(row["median_s"]) == {"p2p", "edge_allreduce", "edge_broadcast", "allgather", "allreduce"}
         assert all(t > 0 for t in row["median_s"].values())
+
+
+def test_outer_smoke(tmp_path: Path) -> None:
+    """Every method of the outer-step benchmark trains and validates; the bytes follow the schedule: an outer step
+    every H = 3 steps sends a third of what the same topology sends at every step."""
+    out = tmp_path / "outer.json"
+    _run_smoke("outer.py", "--out", str(out))
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["complete_every_step", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_overlap",
+                          "averaging_one_peer"]
+    assert all(row["val_loss"] > 0 for row in rows.values())
+    sent = {name: row["bytes_per_step"] for name, row in rows.items()}
+    assert sent["diloco"] == pytest.approx(sent["complete_every_step"] / 3)
+    assert sent["outer_one_peer"] == sent["outer_one_peer_overlap"] == pytest.approx(sent["dpsgd_one_peer"] / 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -235,3 +236,108 @@ def test_strategy_help_describes_every_option_and_lists_the_topologys_real_choic
     known = choices.split("known subclasses:")[1]
     assert "lightning_decentral.Torus" in known and "'one_peer_exponential'" in choices
     assert "numpy." not in known and "torch." not in known
+
+
+def _doc_examples() -> list[tuple[str, list[str]]]:
+    """The examples of docs/quickstart.md: a ```text block of `$ lightning-decentral ...`, then what it prints."""
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    blocks = re.findall(r"```text\n\$ (lightning-decentral [^\n]*)\n(.*?)```", text, re.S)
+    return [(command, printed.splitlines()) for command, printed in blocks]
+
+
+def _prints(expected: list[str], actual: str) -> bool:
+    """Whether `actual` is the `expected` lines from its first line on, a `...` line standing for any lines (runs of
+    whitespace compare as one space)."""
+    pattern = "".join("(?:.*\n)*?" if line.strip() == "..." else re.escape(" ".join(line.split())) + "\n" for line in expected)
+    return re.fullmatch(pattern, "".join(" ".join(line.split()) + "\n" for line in actual.splitlines())) is not None
+
+
+def test_the_quickstart_shows_errors_to_compare() -> None:
+    assert len(_doc_examples()) >= 4
+
+
+@pytest.mark.parametrize("command, expected", _doc_examples(), ids=lambda value: value if isinstance(value, str) else "")
+def test_the_quickstarts_error_examples_are_what_the_command_prints(
+    command: str, expected: list[str], run_cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: ~50 lines of usage, then the error, no close match; the page showed a message no longer printed."""
+    monkeypatch.chdir(ROOT)
+    code, _, err = run_cli(shlex.split(command)[1:])
+    assert code == 2
+    assert _prints(expected, err), err
+    assert "usage:" not in err and "Traceback" not in err
+
+
+def test_a_typo_in_a_config_files_key_names_the_close_match(tmp_path: Path, run_cli) -> None:
+    (tmp_path / "typo.yaml").write_text("trainer:\n  max_epohcs: 3\n")
+    code, _, err = run_cli(["fit", "--config", QUICKSTART, "--config", str(tmp_path / "typo.yaml")])
+    assert code == 2
+    assert err.startswith("error: Subcommand 'fit' does not accept option 'trainer.max_epohcs'. Did you mean trainer.max_epochs?\n")
+
+
+@pytest.mark.parametrize(
+    "args, first",
+    [
+        (["--trainer.strategy", "dpsdg"], "trainer.strategy: 'dpsdg' is not a registered strategy name. Did you mean 'dpsgd'?"),
+        (["--model.lrr", "0.1"], "model.init_args.lrr: examples.digits.DigitsCNN has no option 'lrr'. Did you mean 'lr'?"),
+        (["--trainer.strategy.init_args.on_peer_failure", "contnue"],
+         "trainer.strategy.init_args.on_peer_failure: 'contnue' is not one of 'stop', 'continue'. Did you mean 'continue'?"),
+        (["--trainer.strategy.init_args.gossip_every", "two"], "trainer.strategy.init_args.gossip_every: Expected a <class 'int'>. Got value: two"),
+    ],
+    ids=["strategy-name", "model-option", "literal", "type"],
+)
+def test_a_typo_gives_the_line_that_matters_first(args: list[str], first: str, run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # examples.digits imports from the repository root
+    code, _, err = run_cli(["fit", "--config", QUICKSTART, *args])
+    assert code == 2
+    assert err.splitlines()[0] == f"error: {first}", err[:500]
+    assert "usage:" not in err
+
+
+OUTER_YAML = """
+trainer:
+  strategy:
+    class_path: lightning_decentral.SimulatedDecentralizedStrategy
+    init_args:
+      workers: 4
+      topology: complete
+      gossip_every: 2
+      outer_optimizer:
+        class_path: torch.optim.SGD
+        init_args: {lr: 0.7, momentum: 0.9, nesterov: true}
+"""
+
+
+def test_an_outer_optimizer_in_yaml_reaches_the_strategy_and_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DiLoCo from a config file: `outer_optimizer` by `class_path` and `init_args`, as Lightning's optimizers."""
+    import torch
+
+    from lightning_decentral.cli import DecentralizedCLI
+
+    monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
+    (tmp_path / "outer.yaml").write_text(OUTER_YAML)
+    cli = DecentralizedCLI(
+        args=["--config", QUICKSTART, "--config", str(tmp_path / "outer.yaml"), "--trainer.devices", "1",
+              "--trainer.max_steps", "4", "--trainer.logger", "false", "--trainer.callbacks", "[]",
+              "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+              "--trainer.default_root_dir", str(tmp_path)],
+        run=False,
+    )
+    strategy = cli.trainer.strategy
+    built = strategy.options.outer_optimizer([torch.zeros(1, requires_grad=True)])
+    assert type(built) is torch.optim.SGD and built.defaults["nesterov"] and built.defaults["lr"] == 0.7
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert strategy.rule == "outer" and cli.trainer.global_step == 4
+    modules = strategy.worker_modules()
+    for module in modules[1:]:  # DiLoCo: one anchor, every worker restarted from it at step 4
+        for a, b in zip(modules[0].parameters(), module.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_an_outer_optimizer_on_the_command_line_prints_as_yaml(run_cli) -> None:
+    code, out, err = run_cli(
+        ["fit", "--config", QUICKSTART, "--trainer.strategy.init_args.outer_optimizer", "torch.optim.SGD",
+         "--trainer.strategy.init_args.outer_optimizer.lr", "0.7", "--print_config"]
+    )
+    assert code == 0, err
+    assert "outer_optimizer:\n        class_path: torch.optim.SGD\n        init_args:\n          lr: 0.7" in out

@@ -98,6 +98,13 @@ def test_load_resumes_every_replica_bit_for_bit(resumed: dict, name: str) -> Non
         assert torch.equal(result["resumed"], result["full"]), f"rank {rank}"
 
 
+def test_data_order_in_the_state_resumes_a_shuffled_loop_bit_for_bit(tmp_path: Path) -> None:
+    results = run_distributed(fabric_workers.resume_shuffled, 2, root=str(tmp_path))
+    for rank, result in enumerate(results):
+        assert torch.equal(result["order=True"], result["full"]), f"rank {rank}"
+        assert (result["order=False"] - result["full"]).abs().max() > 1e-4  # without it: epoch 0's order again
+
+
 def test_saved_file_holds_the_average_and_loads_into_a_plain_module(resumed: dict) -> None:
     results, root = resumed["awc"]
     checkpoint = torch.load(root / "half.ckpt", weights_only=True)

@@ -347,3 +347,23 @@ def test_ranks_that_agree_pass_and_a_rank_that_never_begins_is_named_after_the_t
         ranks[0].agree("fabric.load('b.ckpt')")
     assert re.search(r"fabric.load\('b.ckpt'\) waited 0\.\d s \(the timeout\) on rank 0 for rank 1 \(optimizer step 0\) to begin", str(raised.value))
     assert len(warned) == 1 and re.search(r"Rank 0 has waited 0\.\d s in fabric.load\('b.ckpt'\) for rank 1 \(optimizer step 0\)", warned[0])
+
+
+@pytest.mark.parametrize("executor", ["trainer", "fabric"])
+def test_a_timeout_that_is_not_a_positive_timedelta_is_refused_when_the_strategy_is_built(executor: str) -> None:
+    """`timedelta(0)`, a negative one and a bare number passed the constructor and failed when the ranks met, with
+    torch's error; a number is refused (not taken as seconds), naming the fix."""
+    from datetime import timedelta
+
+    from lightning_decentral import DecentralizedStrategy
+    from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
+
+    strategy = {"trainer": DecentralizedStrategy, "fabric": FabricStrategy}[executor]
+    with pytest.raises(TypeError, match=r"timeout=30 is a number: pass a datetime.timedelta, e.g. timeout=timedelta\(seconds=30\)"):
+        strategy(timeout=30)
+    with pytest.raises(TypeError, match=r"timeout must be a datetime.timedelta, e.g. timedelta\(minutes=5\), got str '30s'"):
+        strategy(timeout="30s")
+    for bad, shown in ((timedelta(0), "timedelta(0)"), (timedelta(seconds=-5), "timedelta(seconds=-5)")):
+        with pytest.raises(ValueError, match=rf"timeout={re.escape(shown)} is not positive: .* pass a positive datetime.timedelta"):
+            strategy(timeout=bad)
+    strategy(timeout=None)  # torch's default

@@ -129,6 +129,37 @@ def test_resume_newest_complete_takes_the_newest_checkpoint_every_rank_has_whole
         assert torch.equal(r["shards lost"]["start"], _replica_in(tmp_path / "epoch=1-step=6.ckpt", rank)), rank
 
 
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]:
+    root = tmp_path_factory.mktemp("damaged")
+    return run_distributed(workers.damaged, WORLD, timeout=240, root=str(root)), root
+
+
+def test_resume_newest_complete_reads_each_shard_and_passes_over_a_truncated_one(damaged: tuple[list[dict], Path]) -> None:
+    """Rank 1's shard of last.ckpt cut in half: last.ckpt is incomplete (the shard was only looked for: every replica
+    restarted from x̄), so each replica resumes from its own shard of step 8's checkpoint, saved at the same step."""
+    results, root = damaged
+    (warning,) = results[0]["truncated"]["warnings"]
+    assert warning.startswith(f"Resuming from {root / 'truncated' / 'epoch=1-step=8.ckpt'} (step 8) instead of {root / 'truncated' / 'last.ckpt'}")
+    assert "rank(s) [1] cannot read their shard of its save (truncated or damaged)" in warning
+    assert all(not r["truncated"]["warnings"] for r in results[1:])
+    for r in results:
+        assert torch.equal(r["truncated"]["start"], r["trained"])
+
+
+def test_resume_newest_complete_falls_back_from_a_last_link_whose_file_is_gone(damaged: tuple[list[dict], Path]) -> None:
+    """`save_last="link"`, and the file last.ckpt links to (step 8's) deleted: Lightning resolves `ckpt_path="last"` to
+    no checkpoint (a start from step 0); the strategy resumes from step 6's, naming both."""
+    results, root = damaged
+    directory = root / "dangling"
+    (warning,) = results[0]["dangling"]["warnings"]
+    assert warning.startswith(f"Resuming from {directory / 'epoch=1-step=6.ckpt'} (step 6) instead of {directory / 'last.ckpt'}")
+    assert "it links to epoch=1-step=8.ckpt, which is gone" in warning
+    for rank, r in enumerate(results):
+        assert r["dangling"]["start step"] == 6
+        assert torch.equal(r["dangling"]["start"], _replica_in(directory / "epoch=1-step=6.ckpt", rank)), rank
+
+
 def test_an_unknown_resume_value_fails_when_built() -> None:
     with pytest.raises(ValueError, match=r"resume='newest' is not one of \('checkpoint', 'newest_complete'\)"):
         DecentralizedStrategy(resume="newest")

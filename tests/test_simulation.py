@@ -248,6 +248,13 @@ def test_the_simulated_checkpoint_holds_the_average_and_a_shard_per_worker(resum
         torch.testing.assert_close(value, mean[name], atol=1e-6, rtol=0)
 
 
+def test_adamw_is_built_per_worker_and_equals_the_stacked_workers() -> None:
+    """AdamW's defaults hold `decoupled_weight_decay`, which its constructor does not take."""
+    apart = sim.fit_with_optimizer(torch.optim.AdamW, WORLD, lr=0.01, weight_decay=0.1)
+    stacked = sim.fit_with_optimizer(torch.optim.AdamW, WORLD, vectorize=True, lr=0.01, weight_decay=0.1)
+    torch.testing.assert_close(torch.stack(apart), torch.stack(stacked), atol=1e-5, rtol=0)
+
+
 def test_an_optimizer_that_cannot_be_built_per_worker_is_refused() -> None:
     with pytest.raises(ValueError, match="its own NeedsAName.*param_groups, \\*\\*defaults"):
         sim.fit_with_optimizer(sim.NeedsAName, WORLD, name="mine")
@@ -394,3 +401,89 @@ def test_stacking_needs_a_dataloader_with_a_batch_size() -> None:
     assert stacking_problem(net, torch.optim.SGD(net.parameters(), lr=0.1), batch_size=None) == (
         "the training DataLoader has no batch_size (a batch_sampler?)"
     )
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if c.batch_norm], ids=lambda c: c.name)
+def test_the_default_path_equals_the_ranks_batch_norm_counts_included(
+    config: Config, on_processes: list[dict[str, Any]], lightning_info, monkeypatch
+) -> None:
+    """vectorize="auto" stacks this module after a first-batch trial under torch.vmap. Before, the trial ran on the
+    stacked buffers: every worker's BatchNorm counted one batch more (num_batches_tracked = K + 1) and its running
+    statistics moved, so the default path equalled neither vectorize=False nor the processes."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    auto, stacked, apart = (sim.fit_simulated(config, WORLD, vectorize=v) for v in ("auto", True, False))
+    (line,) = set(lightning_info())
+    assert "the stacked path" in line, line
+    assert all(torch.equal(a, s) for a, s in zip(auto["states"], stacked["states"]))  # the same path: bit for bit
+    ranks = torch.stack([r[config.name]["state"] for r in on_processes]).double()
+    torch.testing.assert_close(torch.stack(auto["states"]).double(), ranks, atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.stack(auto["states"]), torch.stack(apart["states"]), atol=1e-5, rtol=0)
+    batches = [[config.steps * config.accumulate]] * WORLD
+    assert auto["counts"] == apart["counts"] == [r[config.name]["counts"] for r in on_processes] == batches
+
+
+def test_the_trial_leaves_every_random_generator_and_attribute_as_the_per_worker_path_has_them(lightning_info, monkeypatch) -> None:
+    """A module that draws from torch's generator when an epoch starts, from Python's and torch's in training_step (its
+    noise stops the trial under torch.vmap) and counts its steps. Before, the trial drew from Python's generator and
+    counted a step on the last worker, and the workers taken apart started from the random state of the first batch,
+    not of the start of training: vectorize="auto" gave another run than vectorize=False."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    config = Config("draws", optimizer=SGD, steps=3)
+    auto, apart = (sim.fit_simulated(config, WORLD, vectorize=v, module=sim.DrawsAtRandom) for v in ("auto", False))
+    (line,) = set(lightning_info())
+    assert "the per-worker path" in line and "training_step draws random numbers" in line, line
+    assert all(torch.equal(a, b) for a, b in zip(auto["states"], apart["states"]))
+    assert [m.steps_seen for m in auto["modules"]] == [m.steps_seen for m in apart["modules"]] == [3] * WORLD
+    assert (auto["states"][1] - auto["states"][2]).abs().max() > 1e-4  # the workers' noise differs
+
+
+def test_samples_that_load_at_random_keep_the_workers_apart(lightning_info, monkeypatch) -> None:
+    """Stacked, the process would load every worker's samples from its own random state (one fetch for all): a
+    dataset's random transform would differ from the processes' and the per-worker path's. Before, "auto" stacked."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_decentral.simulation.vectorized import stacking_problem
+
+    net = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    data = (torch.zeros(4, 2), torch.zeros(4, 1))
+    before = torch.get_rng_state()
+    assert stacking_problem(net, optimizer, 2, DataLoader(sim.Jittered(*data), batch_size=2)) == (
+        "its training samples load at random (a random transform: each worker needs its own random state)"
+    )
+    assert torch.equal(torch.get_rng_state(), before)  # the look at the samples draws nothing
+    assert stacking_problem(net, optimizer, 2, DataLoader(TensorDataset(*data), batch_size=2)) is None
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    config = Config("jittered", optimizer=SGD, steps=3)
+    auto, apart = (sim.fit_simulated(config, WORLD, vectorize=v, dataset_class=sim.Jittered)["states"] for v in ("auto", False))
+    (line,) = set(lightning_info())
+    assert "the per-worker path" in line and "samples load at random" in line, line
+    assert all(torch.equal(a, b) for a, b in zip(auto, apart))
+
+
+def test_bf16_mixed_batch_norm_runs_stacked(lightning_info, monkeypatch) -> None:
+    """bf16 activations into a BatchNorm with float32 running statistics: under torch.vmap `F.batch_norm` refused them
+    (`RuntimeError: expected scalar type BFloat16 but found Float`, on CUDA `Expected running_mean to have type
+    BFloat16 but got Float`) at the first step, on vectorize=True and on the default path alike."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    config = Config("bf16_batch_norm", optimizer=SGD, batch_norm=True, steps=3)
+    runs = {v: sim.fit_simulated(config, WORLD, vectorize=v, module=sim.BiasFreeBatchNorm, precision="bf16-mixed")
+            for v in ("auto", True, False)}
+    (line,) = set(lightning_info())
+    assert "the stacked path" in line, line
+    assert all(torch.equal(a, s) for a, s in zip(runs["auto"]["states"], runs[True]["states"]))
+    # bf16 activations, summed in another order: 2e-4 apart here (bf16-mixed is 3e-4 from 32-true)
+    torch.testing.assert_close(torch.stack(runs["auto"]["states"]), torch.stack(runs[False]["states"]), atol=1e-3, rtol=0)
+    assert runs["auto"]["counts"] == runs[False]["counts"] == [[3]] * WORLD
+
+
+def test_the_trial_runs_in_the_runs_precision(lightning_info, monkeypatch) -> None:
+    """A training_step that cannot run under torch.vmap only under autocast: the trial ran in full precision and passed,
+    and the first stacked step stopped with the vmap error; now the workers are taken apart, as vectorize=False."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    config = Config("autocast_item", optimizer=SGD, steps=2)
+    auto, apart = (sim.fit_simulated(config, WORLD, vectorize=v, module=sim.ChecksItsRangeUnderAutocast, precision="bf16-mixed")
+                   for v in ("auto", False))
+    (line,) = set(lightning_info())
+    assert "the per-worker path" in line and ".item()" in line, line
+    assert all(torch.equal(a, b) for a, b in zip(auto["states"], apart["states"]))

@@ -4,6 +4,7 @@ and as the simulation predicts (docs/reliability.md, "Surviving a failure")."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
@@ -19,6 +20,7 @@ import networkx as nx
 import pytest
 import torch
 
+from lightning_decentral.checkpoint import shard_path
 from tests import survival_workers as workers
 from tests.helpers import free_port, run_distributed, start_processes, start_rank
 
@@ -96,6 +98,49 @@ def test_a_fabric_loop_survives_the_same_way(tmp_path: Path) -> None:
         torch.testing.assert_close(replica, survivor["replica"], atol=0, rtol=0)
 
 
+def _complete_checkpoints(directory: Path, lost: tuple[int, ...] = ()) -> dict[str, int]:
+    """Each checkpoint file in `directory` with the world size of its save, asserting that every shard of its save is
+    there, and that a shard folder without its file holds only shards of the `lost` ranks (each rank removes its own
+    shards of a checkpoint dropped, which a lost rank cannot do)."""
+    found = {}
+    for path in sorted(directory.glob("*.ckpt")):
+        meta = torch.load(path, weights_only=True)["decentralized_shards"]
+        for rank in range(meta["world_size"]):
+            assert Path(shard_path(str(path), rank, meta["world_size"], meta["save_id"])).exists(), (path, rank)
+        found[path.name] = meta["world_size"]
+    for folder in directory.glob("*.shards"):
+        if folder.name[: -len(".shards")] not in found:
+            assert all(int(shard.name[5:10]) in lost for shard in folder.iterdir()), sorted(folder.iterdir())
+    return found
+
+
+def test_a_save_in_the_steps_the_survivors_take_alone_is_written_by_them_and_keeps_the_best_path_true(tmp_path: Path) -> None:
+    """3 ranks, `ModelCheckpoint(every_n_train_steps=5, save_top_k=1)`; rank 2 is killed when step 9 starts. Ranks 0
+    and 1 agree on step 9, so the save of step 10 falls before they mix again, while each runs alone: they make their
+    process group for it (it was skipped, and ModelCheckpoint then removed the checkpoint of step 5, leaving none).
+    The checkpoint of step 10 is theirs (two shards) and `best_model_path` names it on both."""
+    results, codes = _every_rank_exits(workers.survive, 3, root=str(tmp_path), deaths={2: 9}, steps=12, save_at=5, top_k=1)
+    assert codes == [0, 0, -9]
+    for r in results[:2]:
+        assert r["decisions"] == [_decision((0, 1), (2,), 9)] and r["global_step"] == 12
+        assert r["best_model_path"] == str(tmp_path / "epoch=0-step=10.ckpt")
+    assert _complete_checkpoints(tmp_path, lost=(2,)) == {"epoch=0-step=10.ckpt": 2}
+
+
+def test_a_fabric_save_in_the_steps_the_survivors_take_alone_is_written_by_them(tmp_path: Path) -> None:
+    """The same under Fabric: rank 2 killed at step 9 of 12, `fabric.save` at step 10 by the two survivors, who take
+    it alone (it was skipped); resumed on 2 processes, each continues bit for bit."""
+    results, codes = _every_rank_exits(workers.fabric_survive, 3, root=str(tmp_path), deaths={2: 9}, steps=12, save_at=10)
+    assert codes == [0, 0, -9]
+    assert [r["decisions"][0]["step"] for r in results[:2]] == [9, 9]
+    assert _complete_checkpoints(tmp_path) == {"step=10.ckpt": 2}
+    resumed = run_distributed(
+        workers.fabric_resume, 2, checkpoint=str(tmp_path / "step=10.ckpt"), data_of=[0, 1], start=10, steps=12
+    )
+    for replica, survivor in zip(resumed, results[:2]):
+        torch.testing.assert_close(replica, survivor["replica"], atol=0, rtol=0)
+
+
 def test_the_simulation_loses_a_worker_as_the_processes_lose_a_rank() -> None:
     """Rank 2 neighbours every other rank, so none of them completes exchange 5 once it is killed there: they agree
     on step 5 everywhere. `SimulatedDecentralizedStrategy(failures={5: [2]})` gives the same replicas: step 5 local,
@@ -169,6 +214,37 @@ def test_a_silent_rank_is_left_behind_after_the_timeout_and_stops_when_it_wakes_
     assert results[1].startswith("Excluded: The other ranks went on without rank 1 after step 5")
 
 
+@pytest.mark.parametrize("how", ["stopped", "killed"])
+def test_when_the_store_host_stops_or_dies_every_survivor_ends_with_store_lost(tmp_path: Path, how: str) -> None:
+    """4 ranks on a ring, timeout 5 s, every rank waiting at the end of step 4; then rank 0, whose process hosts the
+    job's store (a launch like Lightning's), is stopped (SIGSTOP) or killed, and the others go on. Ranks 1, 2 and 3
+    end with `StoreLost` naming the store: every call to the store on a per-batch path runs under the watchdog.
+    Without it, the stop check at the start of step 5 (a call to the store) hung with the host stopped, and raised
+    `DistNetworkError: Connection reset by peer` with the host killed."""
+    with tempfile.TemporaryDirectory() as out:
+        procs = start_processes(
+            workers.survive_or_error, 4, out, root=str(tmp_path), deaths={}, steps=12, timeout=5.0, hold_after=4
+        )
+        try:
+            deadline = time.monotonic() + 120.0
+            while not all((tmp_path / f"held-{r}").exists() for r in range(4)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            os.kill(procs[0].pid, signal.SIGSTOP if how == "stopped" else signal.SIGKILL)  # ours
+            (tmp_path / "released").touch()
+            for p in procs[1:]:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert [p.exitcode for p in procs[1:]] == [0, 0, 0], "a survivor hung or died"
+        finally:
+            for p in procs:  # rank 0, stopped: SIGKILL ends it too
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        results = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (1, 2, 3)]
+    for r in results:
+        assert r.startswith("StoreLost: The job's store at 127.0.0.1:"), r
+        assert ("did not answer within 5 s" if how == "stopped" else "is gone") in r
+
+
 def test_a_lost_rank_started_again_stops_at_once_while_the_survivors_go_on(tmp_path: Path) -> None:
     """3 ranks, rank 2 killed when step 3 starts. Once ranks 0 and 1 have decided to go on without it (they then wait
     at step 6), rank 2 is started again with the same command: it stops with `LeftOut` instead of waiting the 30 s
@@ -227,9 +303,13 @@ def test_a_launch_by_lightning_is_told_apart_from_one_process_per_worker(monkeyp
     """Lightning's own launcher (devices=n from a script, or '_spawn') ends every process when one fails: the strategy
     knows it was started that way (and warns at start with "continue"); a process started by another launcher
     (LOCAL_RANK and the rest set) was not."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
     from lightning_decentral import DecentralizedStrategy
     from tests.workers import trainer_for
 
+    # a Trainer built with RANK=1 makes this process Lightning's rank 1: restore rank 0 after, for the tests that follow
+    monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)
     for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME"):
         monkeypatch.delenv(name, raising=False)
     assert trainer_for(2, DecentralizedStrategy(on_peer_failure="continue")).strategy.launched_by_lightning
@@ -238,3 +318,116 @@ def test_a_launch_by_lightning_is_told_apart_from_one_process_per_worker(monkeyp
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not trainer_for(2, DecentralizedStrategy(on_peer_failure="continue")).strategy.launched_by_lightning
+
+
+def test_continue_on_nccl_is_refused_when_the_trainer_or_fabric_is_built() -> None:
+    """Before: neither built nor refused (the survivors' regrouping relies on gloo). The backend passed, or a GPU's
+    default (NCCL), is checked when the Trainer or Fabric is built; gloo and `"stop"` on NCCL are accepted."""
+    from lightning.fabric import Fabric
+
+    from lightning_decentral import DecentralizedStrategy
+    from lightning_decentral import fabric
+    from lightning_decentral.options import GossipOptions
+    from tests.workers import trainer_for
+
+    refused = r"on_peer_failure='continue' is supported on the gloo backend only \(CPU training\), not nccl: .* use on_peer_failure='stop'"
+    with pytest.raises(ValueError, match=refused):
+        trainer_for(2, DecentralizedStrategy(on_peer_failure="continue", process_group_backend="nccl"))
+    with pytest.raises(ValueError, match=refused):
+        Fabric(strategy=fabric.DecentralizedStrategy(on_peer_failure="continue", process_group_backend="nccl"), accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match=refused):  # what a GPU's device gets by default
+        GossipOptions(on_peer_failure="continue").check_backend(torch.distributed.Backend.default_device_backend_map["cuda"])
+    trainer_for(2, DecentralizedStrategy(on_peer_failure="continue"))
+    trainer_for(2, DecentralizedStrategy(on_peer_failure="stop", process_group_backend="nccl"))
+
+
+def test_a_run_left_with_too_few_workers_ends_with_one_traceback_per_rank() -> None:
+    """Before: each survivor printed three tracebacks (gloo's error, the PeerFailure it caused, then TooFewWorkers
+    raised while handling that). 3 ranks, min_workers=3, rank 1 killed when step 3 starts: what Python prints for the
+    error of ranks 0 and 2 is one traceback, ending with TooFewWorkers' message."""
+    with tempfile.TemporaryDirectory() as root:
+        results, codes = _every_rank_exits(workers.survive_or_traceback, 3, root=root, deaths={1: 3}, steps=8, min_workers=3)
+    assert codes == [0, -9, 0]
+    for printed in (results[0], results[2]):
+        assert printed.count("Traceback (most recent call last)") == 1, printed
+        assert "The above exception was" not in printed and "During handling" not in printed
+        last = printed.rstrip().splitlines()[-1]
+        assert last.startswith("lightning_decentral.membership.protocol.TooFewWorkers: Only 2 workers are left after step 3")
+
+
+def test_a_peer_failure_prints_one_traceback_with_the_backends_error_in_one_line() -> None:
+    """The backend's error stays the `__cause__` (and in the message); its frames, in the package's waits, are not
+    printed: one traceback, then the PeerFailure."""
+    import traceback
+
+    from lightning_decentral.failures import PeerFailure, peers_answer
+
+    with pytest.raises(PeerFailure) as caught:
+        with peers_answer("The all-gather of step 3"):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:3736")
+    printed = "".join(traceback.format_exception(caught.value))
+    assert printed.count("Traceback (most recent call last)") == 1
+    assert printed.startswith("RuntimeError: Connection closed by peer [127.0.0.1]:3736\n\nThe above exception was the direct cause")
+    assert isinstance(caught.value.__cause__, RuntimeError) and "(Connection closed by peer" in str(caught.value)
+
+
+def test_every_survivor_logs_each_decision_and_the_run_says_at_the_end_what_it_lost() -> None:
+    """Before: losing a worker printed nothing. 3 ranks on a ring, rank 1 killed when step 5 starts: ranks 0 and 2 each
+    log one line for the decision (the rank lost, the agreed step, the survivors' graph), `survivors/workers` and
+    `survivors/lost` are in the logged metrics, and the end of the run warns what was lost."""
+    with tempfile.TemporaryDirectory() as root:
+        results, codes = _every_rank_exits(workers.survive, 3, root=root, deaths={1: 5}, steps=10)
+    assert codes == [0, -9, 0]
+    for first_rank, r in ((0, results[0]), (2, results[2])):
+        (line,) = [line for line in r["logged"] if "Survived failure" in line]
+        assert line.startswith("Survived failure 1: lost rank 1 (ranks of the start). The 2 survivors [0, 2] agreed on step 5")
+        assert "mix again from step 6 on Ring(world_size=2)" in line
+        assert line.endswith(f"rank {first_rank} of the start, rank {first_rank // 2} now.")
+        assert r["metrics"] == {"survivors/workers": 2.0, "survivors/lost": 1.0}
+    ended = [w for w in results[0]["warnings"] if w.startswith("This run lost")]
+    assert ended == ["This run lost 1 of its 3 workers: rank 1 (the survivors agreed on step 5). It went on with 2 "
+                     "(strategy.failures_survived lists the decisions)."]
+    assert not [w for w in results[2]["warnings"] if w.startswith("This run lost")]  # once: on the survivors' rank 0
+
+
+def test_under_lightnings_own_launcher_continue_warns_and_a_killed_rank_stops_every_rank(tmp_path: Path) -> None:
+    """Before: no warning at start (rank 0 looked launched by someone else: Lightning sets LOCAL_RANK in it), and
+    with rank 1 killed the others trained to the end and the script exited 0, unless Lightning's launcher, which polls
+    its children every 5 s, killed them first. Now: `Trainer(devices=3)` from a script warns at start that
+    `"continue"` has no effect there, and a rank killed by its PID (a process Lightning started) stops every rank:
+    the script exits non-zero, no rank finishes, no process is left."""
+    script = Path(__file__).with_name("lightning_launcher_script.py")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    with open(tmp_path / "output.txt", "w+") as output:
+        main = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stdout=output, stderr=subprocess.STDOUT)
+        pids: list[int] = []
+        try:
+            deadline = time.monotonic() + BOUND
+            while not (tmp_path / "pid-1").exists() and main.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            pids = [int((tmp_path / f"pid-{rank}").read_text()) for rank in range(3) if (tmp_path / f"pid-{rank}").exists()]
+            os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGKILL)
+            code = main.wait(max(1.0, deadline - time.monotonic()))
+            while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            left = [pid for pid in pids if _running(pid)]
+        finally:
+            if main.poll() is None:
+                main.kill()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        output.seek(0)
+        printed = output.read()
+    assert code != 0, printed[-4000:]
+    assert "on_peer_failure='continue' has no effect under Lightning's own launcher" in " ".join(printed.split())
+    assert "finished" not in printed and not left
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (Linux)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

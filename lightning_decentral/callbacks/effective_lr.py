@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_decentral._compat.lightning import set_update_count
 from lightning_decentral.callbacks._common import check_every, decentralized, due, warn_unless_written
 from lightning_decentral.measures import effective_ratio, random_state, set_random_state
 
@@ -143,7 +144,7 @@ def _untouched(pl_module: LightningModule, device: torch.device) -> Iterator[Non
     from torchmetrics import Metric
 
     buffers = [(b, b.detach().clone()) for b in pl_module.buffers()]
-    metrics = [(m, copy.deepcopy(m.metric_state), m._update_count) for m in pl_module.modules() if isinstance(m, Metric)]
+    metrics = [(m, copy.deepcopy(m.metric_state), m.update_count) for m in pl_module.modules() if isinstance(m, Metric)]
     state = random_state(device)
     pl_module.log = pl_module.log_dict = _drop  # type: ignore[method-assign]  # instance attributes shadow them
     try:
@@ -157,7 +158,7 @@ def _untouched(pl_module: LightningModule, device: torch.device) -> Iterator[Non
         for metric, saved_state, count in metrics:
             for name, value in saved_state.items():
                 setattr(metric, name, value)
-            metric._update_count = count
+            set_update_count(metric, count)
 
 
 def _drop(*args: Any, **kwargs: Any) -> None:

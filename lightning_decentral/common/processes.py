@@ -6,27 +6,33 @@ survivors of a failure (`on_peer_failure="continue"`), the monitors' collectives
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import secrets
-from collections.abc import Callable
+import signal
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.distributed import _init_dist_connection
-from lightning.fabric.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 
 from lightning_decentral.agreement import Ranks, parameter_deviations
 from lightning_decentral.driver import StepDriver
-from lightning_decentral.failures import Activities, Guard
+from lightning_decentral.failures import Activities
+from lightning_decentral.membership.guard import Guard
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import Decision, Membership, Survivors
+from lightning_decentral.membership.report import losses, survivor_metrics
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.rendezvous import connect
+
+log = logging.getLogger(__name__)
 
 
 def init_default_group(
@@ -34,10 +40,35 @@ def init_default_group(
 ) -> None:
     """Make the default process group on this generation's namespace of the job's store
     ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), as Lightning would make it otherwise, so that
-    workers torchrun restarts never meet the keys of the workers they replace."""
+    workers torchrun restarts never meet the keys of the workers they replace. As Lightning: `MASTER_ADDR` and
+    `MASTER_PORT` name the job's store (its clients read them), and NCCL's group is destroyed at exit."""
     store = connect(environment.main_address, environment.main_port, rank, world_size, timeout)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
+    log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     device_id = device if device.type != "cpu" else None
-    _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id, store=store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
+    if backend == "nccl":  # torch warns of an NCCL group left at exit
+        atexit.register(_destroy_default_group)
+    line = "-" * 100
+    rank_zero_info(
+        f"{line}\ndistributed_backend={backend}\nAll distributed processes registered. Starting with {world_size} processes\n{line}\n"
+    )
+
+
+def _destroy_default_group() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as Lightning: Ctrl+C does not interrupt it
+    if dist.is_initialized():  # the survivors of a failure may have replaced it: the current one
+        dist.destroy_process_group()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+LIGHTNING_LAUNCHER = (
+    "on_peer_failure='continue' has no effect under Lightning's own launcher (devices=n from a script, or a "
+    "'_spawn'/'_fork' strategy): it ends every process within seconds of one failing, so a failure stops every rank, as "
+    "with 'stop'. To survive failures, launch with lightning-decentral-launch (or one process per worker, e.g. srun "
+    "without --kill-on-bad-exit)."
+)
+"""The warning at start under Lightning's own launcher with `on_peer_failure="continue"`."""
 
 
 class OnProcesses:
@@ -54,6 +85,15 @@ class OnProcesses:
     survivors: Optional[Survivors] = None  # on_peer_failure="continue", once the gossip started
     owns_default_group = False  # this run made the default process group (with its timeout)
     _timeout: timedelta  # Lightning's DDPStrategy keeps it
+
+    def _configure_launcher(self) -> None:
+        """Runs when the Trainer or Fabric is built, before any process starts: refuse `on_peer_failure="continue"` on
+        a backend it does not run on ([`check_backend`][lightning_decentral.options.GossipOptions.check_backend]: the
+        backend passed, or the device's default), and bind the topology (bad ones fail here)."""
+        device_default = dist.Backend.default_device_backend_map.get(self.root_device.type, "gloo")
+        self.options.check_backend(self.process_group_backend or device_default)  # type: ignore[attr-defined]
+        super()._configure_launcher()  # type: ignore[misc]
+        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)  # type: ignore[attr-defined]
 
     @property
     def trained_module(self) -> Module:
@@ -83,8 +123,8 @@ class OnProcesses:
     @property
     def guard(self) -> Guard:
         """The path every collective of this rank goes through besides the exchange
-        ([`Guard`][lightning_decentral.failures.Guard]): with `on_peer_failure="continue"`, a failure in any of them is
-        survived (a checkpoint save is then skipped, see `save_skipped`)."""
+        ([`Guard`][lightning_decentral.membership.guard.Guard]): with `on_peer_failure="continue"`, a failure in any of them is
+        survived (a checkpoint save then starts again among the survivors: see the strategies' `save_checkpoint`)."""
         return self.driver.guard
 
     # -- ranks, after a failure ---------------------------------------------------------------------------------
@@ -127,8 +167,12 @@ class OnProcesses:
     @property
     def launched_by_lightning(self) -> bool:
         """Whether Lightning's own launcher started this rank (`devices=n` from a script, or a `_spawn`/`_fork`
-        strategy): it ends every process as soon as one fails, so with it no rank survives a failure."""
-        return self.start_method != "popen" or not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]
+        strategy): it ends every process within seconds of one failing, so with it no rank survives a failure. Known
+        on rank 0 (the script's process, whose launcher started the others, or is about to), not always on the others
+        (Lightning starts them with the environment of a process launched by anything else)."""
+        if self.start_method != "popen" or getattr(self.launcher, "procs", None):  # type: ignore[attr-defined]  # the ranks it started
+            return True
+        return not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]  # before it starts them
 
     # -- the process group and the exchange ----------------------------------------------------------------------
 
@@ -145,21 +189,21 @@ class OnProcesses:
     def start_gossip(self) -> Mixer:
         """This rank's mixer, built by the driver (every rank together, on the default group); with
         `on_peer_failure="continue"` first the survivors' membership: agree on a run number, start this rank's
-        heartbeat, and warn if the job's store cannot outlive a worker, or if Lightning's own launcher started the
-        ranks."""
+        heartbeat, and warn if the job's store cannot outlive a worker. If Lightning's own launcher started any rank,
+        warn instead and survive nothing (a failure stops every rank, as with `"stop"`): that launcher ends every
+        process within seconds of one failing."""
         backend = dist.get_backend()
         if self.options.on_peer_failure == "continue":
             self.survivors = self._start_surviving(backend)
         return self.driver.process_mixer(self.root_device, backend, self._timeout, self.owns_default_group, self.survivors)
 
-    def _start_surviving(self, backend: str) -> Survivors:
-        if self.launched_by_lightning:
-            rank_zero_warn(
-                "on_peer_failure='continue' under Lightning's own launcher (devices=n, or a '_spawn'/'_fork' strategy): "
-                "it stops every process as soon as one fails, so no rank survives. Launch with lightning-decentral-launch "
-                "(or one process per worker, e.g. srun without --kill-on-bad-exit)."
-            )
-        run = int(self._ranks.gather([secrets.randbits(62)], "Starting the survivors' membership")[0, 0])
+    def _start_surviving(self, backend: str) -> Optional[Survivors]:
+        self.options.check_backend(backend)  # the process group's, which a user may have made before the strategy
+        agreed = self._ranks.gather([secrets.randbits(62), int(self.launched_by_lightning)], "Starting the survivors' membership")
+        if agreed[:, 1].any():  # every rank alike: rank 0 knows
+            rank_zero_warn(LIGHTNING_LAUNCHER)
+            return None
+        run = int(agreed[0, 0])
         min_workers = self.options.min_workers_for(self.world_size)
         survivors, warning = Survivors.start(self.driver, run, min_workers, backend, self._timeout, self.on_survivors)
         if warning:
@@ -173,21 +217,25 @@ class OnProcesses:
         if self.activities is not None:
             self.activities = Activities.of_group(self._ranks, self._timeout)
 
+    @property
+    def survivor_metrics(self) -> dict[str, float]:
+        """With `on_peer_failure="continue"`: `survivors/workers` (the workers training now) and `survivors/lost` (the
+        workers lost so far), for a logger; else nothing."""
+        if self.survivors is None:
+            return {}
+        return survivor_metrics(self.failures_survived, self.world_size)
+
     def end_gossip(self, mixer: Optional[Any], step: int, failed: bool) -> None:
         """The run is over: after a clean run every rank leaves the mixer's groups together (at `step`); after an
         error (the others may be gone) the mixer is aborted (a stale mixer's threads end, and its neighbours learn of
-        the failure at once). The heartbeat stops; the ranks stay the survivors'."""
+        the failure at once). The heartbeat stops, with one warning if the run lost workers; the ranks stay the
+        survivors'."""
         if mixer is not None and not failed:
             mixer.leave(step)
         elif mixer is not None:
             mixer.abort()
         if self.survivors is not None:
             self.survivors.close()
-
-    def save_skipped(self, filepath: Any, warn: Callable[[str], None] = rank_zero_warn) -> bool:
-        """Whether a save of `filepath` is skipped (with a warning): in the steps the survivors of a failure take
-        alone, before they mix again, there is no `x̄` to agree on (a failure during a save leaves every survivor
-        there: the save, one operation of the guard, starts again and is skipped)."""
-        if self.driver.alone:
-            warn(f"{filepath} is not saved: the survivors of a failure take this step alone, before they mix again.")
-        return self.driver.alone
+            lost = losses(self.failures_survived)
+            if lost:
+                rank_zero_warn(lost)

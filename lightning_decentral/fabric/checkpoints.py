@@ -10,7 +10,6 @@ from contextlib import AbstractContextManager
 from typing import Any, Optional, Union
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.wrappers import is_wrapped
 from torch import Tensor
 from torch.nn import Module
@@ -19,8 +18,9 @@ from torch.optim import Optimizer
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.driver import StepDriver
-from lightning_decentral.failures import Guard
-from lightning_decentral.files import with_atomic_writes
+from lightning_decentral.membership.guard import Guard
+from lightning_decentral.files import StrPath, with_atomic_writes
+from lightning_decentral.membership import Survivors, form_for_save
 
 STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
 
@@ -111,19 +111,22 @@ class ShardedCheckpoints:
     averaged_model: Callable[..., AbstractContextManager]
     check_outside_the_graph: Callable[[str], None]
     agree: Callable[[str], None]
-    save_skipped: Callable[[Any], bool]
+    survivors: Optional[Survivors]
     rule_record: Callable[[], dict[str, str]]
+    rule_state: Callable[[], dict[str, Any]]
+    load_rule_state: Callable[[dict[str, Any]], None]
 
     def save_checkpoint(
         self,
-        path: _PATH,
+        path: StrPath,
         state: dict[str, Any],
         storage_options: Optional[Any] = None,
         filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
     ) -> None:
         """Runs in `fabric.save`, on every rank: the file holds `x̄` and the averaged optimizer state; each
         rank writes its shard beside it, then rank 0 the file
-        ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards])."""
+        ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]). In the steps the survivors of a failure
+        take alone, they make their process group first ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
         module_key, optimizer_key = self._keys(state)
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
@@ -132,12 +135,11 @@ class ShardedCheckpoints:
         return None
 
     def _save_sharded(
-        self, path: _PATH, state: dict[str, Any], storage_options: Any, filter: Any, module_key: str, optimizer_key: Optional[str]
+        self, path: StrPath, state: dict[str, Any], storage_options: Any, filter: Any, module_key: str, optimizer_key: Optional[str]
     ) -> None:
         """`save_checkpoint` with the module at `state[module_key]`: one operation of the guard (a failure survived
-        during it starts it again, and it is skipped: the survivors are alone)."""
-        if self.save_skipped(path):
-            return
+        during it starts it again: every survivor is in this save, and they make their group first)."""
+        form_for_save(self.survivors)  # in the steps the survivors of a failure take alone: their group first
         self.agree(f"fabric.save({str(path)!r})")
         with self.averaged_model(agree=False):  # agreed above: the averaging's all-reduce is the save's first collective
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
@@ -151,6 +153,7 @@ class ShardedCheckpoints:
                 save_id, self.global_rank, self.world_size, state_dict=state[module_key].state_dict(),
                 step=self.step, optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
                 precision=self.precision.state_dict(), rule=self.rule_record(),
+                rule_state=self.rule_state() if optimizer_key is not None else None,
             )
 
         def write_file() -> None:
@@ -162,7 +165,7 @@ class ShardedCheckpoints:
 
     def load_checkpoint(
         self,
-        path: _PATH,
+        path: StrPath,
         state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
         strict: bool = True,
         weights_only: Optional[bool] = None,
@@ -198,6 +201,8 @@ class ShardedCheckpoints:
             set_up_first(self._optimizer).load_state_dict(shard["optimizer_states"][0])
         if shard.get("precision"):
             self.precision.load_state_dict(shard["precision"])
+        if optimizer_key is not None:
+            self.load_rule_state(shard.get("rule_state", {}))
         return remainder
 
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:

@@ -7,18 +7,18 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
-from lightning.fabric.utilities.types import _PATH
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral._compat.lightning import BATCHES_THAT_STEPPED, OptimizationProgress, Progress, ReadyCompletedTracker
 from lightning_decentral.fabric.checkpoints import STEP_KEY
-from lightning_decentral.files import atomic_write
+from lightning_decentral.files import StrPath, atomic_write
 
 # -- Fabric checkpoint -> Trainer checkpoint ----------------------------------------------------
 
 
 def to_trainer_checkpoint(
-    fabric_path: _PATH,
-    trainer_path: _PATH,
+    fabric_path: StrPath,
+    trainer_path: StrPath,
     model_key: str = "model",
     optimizer_key: str = "optimizer",
     prefix: str = "",
@@ -62,11 +62,6 @@ def to_trainer_checkpoint(
         ```
     """
     import lightning
-    from lightning.pytorch.loops.progress import (
-        _OptimizationProgress,
-        _Progress,
-        _ReadyCompletedTracker,
-    )
 
     saved = torch.load(fabric_path, map_location="cpu", weights_only=True)
     missing = [key for key in (model_key, optimizer_key, STEP_KEY) if key not in saved]
@@ -77,12 +72,12 @@ def to_trainer_checkpoint(
             "(`model_key`/`optimizer_key` name other keys)."
         )
     step = int(saved[STEP_KEY])
-    optimization = _OptimizationProgress()
+    optimization = OptimizationProgress()
     for tracker in (optimization.optimizer.step.total, optimization.optimizer.step.current):
         tracker.ready = tracker.completed = step
     for tracker in (optimization.optimizer.zero_grad.total, optimization.optimizer.zero_grad.current):
         tracker.ready = tracker.started = tracker.completed = step
-    manual = _Progress.from_defaults(_ReadyCompletedTracker, ready=step, completed=step)
+    manual = Progress.from_defaults(ReadyCompletedTracker, ready=step, completed=step)
     checkpoint: dict[str, Any] = {
         "epoch": 0,
         "global_step": step,
@@ -92,7 +87,7 @@ def to_trainer_checkpoint(
             "fit_loop": {
                 "epoch_loop.automatic_optimization.optim_progress": optimization.state_dict(),
                 "epoch_loop.manual_optimization.optim_step_progress": manual.state_dict(),
-                "epoch_loop.state_dict": {"_batches_that_stepped": step},
+                "epoch_loop.state_dict": {BATCHES_THAT_STEPPED: step},
             }
         },
         "optimizer_states": [saved[optimizer_key]],
@@ -122,7 +117,7 @@ def to_trainer_checkpoint(
     )
 
 
-def _read_shards(fabric_path: _PATH, meta: dict[str, int], ranks: Optional[Iterable[int]]) -> dict[int, dict[str, Any]]:
+def _read_shards(fabric_path: StrPath, meta: dict[str, int], ranks: Optional[Iterable[int]]) -> dict[int, dict[str, Any]]:
     """The shards of `ranks` (`None`: every rank) of the save `meta` names, by rank. Without `ranks`, a shard that
     cannot be read makes it `{}` with a warning (the Trainer then resumes every replica from `x̄`); with `ranks`, an
     error naming it."""

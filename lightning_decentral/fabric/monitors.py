@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import lightning.fabric.wrappers
 import torch
 from torch import Tensor
 
+from lightning_decentral._compat.lightning import as_fabric_backward
 from lightning_decentral.fabric.strategy import DecentralizedStrategy
 from lightning_decentral.measures import (
     consensus_distance,
@@ -75,9 +75,8 @@ def effective_lr_metrics(
     at_mean = [torch.zeros_like(p) for p in params]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     rng = random_state(strategy.root_device)
-    lightning.fabric.wrappers._in_fabric_backward = True  # a differentiation, not a training backward
     try:
-        with strategy.averaged_model(), torch.enable_grad():
+        with as_fabric_backward(), strategy.averaged_model(), torch.enable_grad():  # a differentiation, no training
             for batch, state in zip(batches, states):
                 set_random_state(state)
                 parts = torch.autograd.grad(loss_fn(batch), params, allow_unused=True)
@@ -85,7 +84,6 @@ def effective_lr_metrics(
                     if part is not None:
                         total.add_(part)
     finally:
-        lightning.fabric.wrappers._in_fabric_backward = False
         set_random_state(rng)
         with torch.no_grad():
             for buffer, saved in buffers:

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
@@ -23,11 +22,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral._compat.lightning import BackwardSyncControl
 from lightning_decentral.agreement import run_configuration
 from lightning_decentral.common import OnProcesses, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
-from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities, from_its_value_now
+from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities, checked_timeout
+from lightning_decentral.membership.guard import from_its_value_now
 from lightning_decentral.measures import random_state
 from lightning_decentral.mixing import FABRIC, Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
@@ -86,7 +87,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=checked_timeout(timeout),
             start_method=start_method,
         )
         self._backward_sync_control = _RuleBackwardSync(self._begin_step)
@@ -170,12 +171,6 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         return self.averaged_model() if self.eval_on == "average" else nullcontext()
 
     # -- set-up -------------------------------------------------------------------------------
-
-    @override
-    def _configure_launcher(self) -> None:
-        """Runs when Fabric is built, before any process starts: bind the topology (bad ones fail here)."""
-        super()._configure_launcher()
-        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)
 
     @override
     def _setup_distributed(self) -> None:
@@ -376,7 +371,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         register_strategies(strategy_registry, cls)
 
 
-class _RuleBackwardSync(_BackwardSyncControl):
+class _RuleBackwardSync(BackwardSyncControl):
     """`fabric.no_backward_sync`: begin the step, then the rule's own context (DecentLaM posts nothing)."""
 
     def __init__(self, begin_step: Callable[[], StepRunner]) -> None:

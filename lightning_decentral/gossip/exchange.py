@@ -5,15 +5,41 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
+import torch.distributed as dist
 from torch import Tensor
 
-from lightning_decentral.failures import PeerFailure, peers_answer, wait_works
-from lightning_decentral.mixing import ExchangeEvent, notify_post, notify_wait
+from lightning_decentral.failures import PeerFailure, Survival, peers_answer, wait_works
+from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver, notify_post, notify_wait
+from lightning_decentral.topology import Topology
 
-if TYPE_CHECKING:
-    from lightning_decentral.gossip.engine import Gossip
+
+class Leg(Protocol):
+    """What an exchange asks of the engine that starts it and of each leg of a round (the engine itself, or a level
+    of a hierarchical topology): what [`Gossip`][lightning_decentral.gossip.Gossip] provides."""
+
+    topology: Topology
+    generation: int
+
+    @property
+    def observers(self) -> list[ExchangeObserver]: ...
+
+    @property
+    def measure_residuals(self) -> bool: ...
+
+    @property
+    def survival(self) -> Optional[Survival]: ...
+
+    def legs(self, step: int) -> list[Leg]: ...
+
+    def neighbour_names(self, step: int) -> list[str]: ...
+
+    def post(self, buffers: Sequence[Tensor], step: int, tag: int) -> tuple[list[dist.Work], list[Optional[int]]]: ...
+
+    def combine(
+        self, buffers: Sequence[Tensor], step: int, tag: int, measure: bool = False, into: Optional[Sequence[Tensor]] = None
+    ) -> list[Tensor]: ...
 
 
 class PendingGossip:
@@ -33,7 +59,7 @@ class PendingGossip:
 
     def __init__(
         self,
-        gossip: Gossip,
+        gossip: Leg,
         buffers: Sequence[Tensor],
         step: int,
         rounds: int,
@@ -80,7 +106,7 @@ class PendingGossip:
         notify_wait(self._observers, self._event, started)
         self._event = None  # reported once
 
-    def _post(self, leg: Gossip) -> None:
+    def _post(self, leg: Leg) -> None:
         try:
             with peers_answer(self._what, self._peers):  # a peer already gone fails the post itself
                 self._works, self._ranks = leg.post(self._current, self._step, self._tag)

@@ -10,12 +10,17 @@ again, and a process group of their own. This package does that, Lightning-free,
 * [`Survivors`][lightning_decentral.membership.Survivors]: what a rank does when an exchange fails (the mixer's
   [`Survival`][lightning_decentral.failures.Survival]): close the old groups, agree, take the steps up to the agreed
   one alone, then form the survivors' group and rebind the driver's topology and mixer;
+* [`Guard`][lightning_decentral.membership.guard.Guard]: the one path every other collective goes through (a save's
+  agreements, Lightning's reduce, `x̄`), which hands its failure to the same survivors and completes it among them;
+* [`Beacon`][lightning_decentral.membership.beacon.Beacon]: whether a member's process is gone, asked at once;
 * [`poison`][lightning_decentral.membership.poison] closes a generation's process group for good (what makes every
   pending operation on it fail, here and at the peers), and `Membership.form_group` makes the survivors' default
   process group on a fresh prefix of the store;
-* [`store_client`][lightning_decentral.membership.store_client], [`GuardedStore`][lightning_decentral.membership.GuardedStore]
-  (store calls that cannot hang) and [`store_host`][lightning_decentral.membership.store_host] (whether the store
+* [`store_client`][lightning_decentral.membership.store_client], [`GuardedStore`][lightning_decentral.failures.GuardedStore]
+  (store calls that cannot hang, from `failures`) and [`store_host`][lightning_decentral.membership.store_host] (whether the store
   outlives the workers);
+* `report.py`: what a run says about its failures (a line per decision on every survivor, the metrics, the warning
+  at the end);
 * `launch.py`: `lightning-decentral-launch`, a launcher that hosts the store outside the workers and lets the
   survivors live when one of them dies.
 
@@ -27,7 +32,7 @@ exchange, take local steps up to it, and mix from the next step on with the topo
 from lightning_decentral.membership.groups import poison, rebuild_world
 from lightning_decentral.membership.protocol import Decision, Excluded, Membership, TooFewWorkers
 from lightning_decentral.membership.store import LAUNCHER_KEY, GuardedStore, StoreLost, store_client, store_host
-from lightning_decentral.membership.survivors import Survivors
+from lightning_decentral.membership.survivors import Survivors, form_for_save
 
 __all__ = [
     "Decision",
@@ -39,6 +44,7 @@ __all__ = [
     "Survivors",
     "TooFewWorkers",
     "store_client",
+    "form_for_save",
     "poison",
     "rebuild_world",
     "store_host",

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from lightning_decentral.failures import Abandoned, peers_answer
+from lightning_decentral.failures import Abandoned, GuardedStore, StoreLost, peers_answer
 from lightning_decentral.membership.beacon import Beacon, gone
 from lightning_decentral.membership.groups import rebuild_world
-from lightning_decentral.membership.store import GuardedStore, StoreLost
 from lightning_decentral.rendezvous import keep_out
 
 HEARTBEAT = 0.1  # seconds between two heartbeats of a rank
@@ -287,7 +286,7 @@ class Membership:
                 f"The other ranks went on without rank {self.first_rank} after step {decided['step']}: it did not join "
                 f"their agreement in time (silent for more than {CONFIRM} s after a connection to it broke, or for "
                 f"{self.silence:.0f} s). It stops here; its replica is not part of the run any more."
-            )
+            ) from None  # the failure this rank saw first adds nothing: one traceback
         decision = Decision(
             generation=self.generation + 1,
             members=tuple(decided["members"]),
@@ -312,7 +311,7 @@ class Membership:
                 f"Only {len(self.members)} workers are left after step {decision.step} (ranks {list(decision.members)} "
                 f"of the start; lost: {list(decision.lost)}), fewer than min_workers={self.min_workers}: the run stops "
                 "on every survivor. Lower min_workers to go on with fewer, or resume from the last checkpoint."
-            )
+            ) from None  # the failure this rank saw first adds nothing: one traceback
         return decision
 
     def form_group(self, backend: str, timeout: timedelta) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
@@ -10,10 +11,14 @@ from typing import Any, Optional, Protocol
 
 import torch.distributed as dist
 
-from lightning_decentral.failures import Abandoned, PeerFailure
+from lightning_decentral._compat import default_store
+from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure
 from lightning_decentral.membership.groups import alone, poison
 from lightning_decentral.membership.protocol import Decision, Membership
-from lightning_decentral.membership.store import GuardedStore, default_store, store_client, store_host
+from lightning_decentral.membership.report import decision_line
+from lightning_decentral.membership.store import store_client, store_host
+
+log = logging.getLogger(__name__)  # shown as Lightning's own messages are (membership/report.py)
 
 
 class Keeper(Protocol):
@@ -27,6 +32,9 @@ class Keeper(Protocol):
     @property
     def mixers(self) -> list[Any]: ...
 
+    @property
+    def topology(self) -> Any: ...
+
 
 class Survivors:
     """The [`Survival`][lightning_decentral.failures.Survival] of a rank's mixer: when an exchange of step `k` fails
@@ -36,7 +44,8 @@ class Survivors:
        waits on them, here or at a peer, fails at once (Lightning's broadcast at a batch start included);
     2. agrees with the other survivors on the members and one step `s`
        ([`Membership.agree`][lightning_decentral.membership.Membership.agree]; `k` is what it joins with);
-    3. takes the steps up to `s` as local steps (`driver.keep(survivors, s + 1)`), on a process group of its own:
+    3. takes the steps up to `s` as local steps (`driver.keep(survivors, s + 1)`), logs one line saying so
+       ([`decision_line`][lightning_decentral.membership.report.decision_line]), on a process group of its own:
        what Lightning or the loop runs on the default group at every batch (a broadcast, `sync_dist` metrics) then
        stays paired among the survivors, who are not all at the same batch when they agree;
     4. when step `s + 1` begins ([`begin`][lightning_decentral.membership.Survivors.begin], every survivor
@@ -67,7 +76,8 @@ class Survivors:
         self.membership, self.driver, self.backend, self.timeout = membership, driver, backend, timeout
         self.on_change = on_change
         self.pending: Optional[Decision] = None  # agreed; the survivors' group is not made yet
-        self._server = default_store()  # rank 0's may host the job's store: it must outlive the default group
+        self._server = default_store()  # rank 0's may host the job's store: it lives as long as this object, so it
+        # must outlive the default group, which the survivors replace
 
     @classmethod
     def start(
@@ -116,6 +126,7 @@ class Survivors:
         reason = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
         decision = self.membership.agree(step, reason, broken, any_broken=not broken and not isinstance(failure, Abandoned))
         self.driver.keep(decision.survivors, decision.step + 1)
+        log.warning(decision_line(decision, self.membership.first_rank, self.driver.topology))  # on every survivor
         alone(self.backend, self.timeout)
         self.pending = decision
 
@@ -143,4 +154,19 @@ class Survivors:
     def close(self) -> None:
         """Stop the heartbeat."""
         self.membership.close()
+
+
+def form_for_save(survivors: Optional[Survivors]) -> None:
+    """Before a checkpoint save (every rank calls it first): if this rank is in the steps the survivors of a failure
+    take alone, make their process group now, instead of at step `s + 1`, so that the save is theirs (`x̄` of the
+    survivors, a shard each) rather than skipped.
+
+    Every survivor is alone at the same save: a survivor becomes alone only when the decision is written, while each is
+    in the step it joined with, `s` the largest. A save after a step `k < s` would find the survivor that joined with
+    `s` still in the old generation, whose process groups the others closed: its save fails there. So the only
+    saves of a run that survives are those after step `s`, where every survivor is alone, and all form the group
+    together. No-op without `on_peer_failure="continue"` (`survivors` is `None`) or outside those steps.
+    """
+    if survivors is not None:
+        survivors.form()
 

@@ -8,11 +8,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import torch
-from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.data import _is_dataloader_shuffled, _update_dataloader
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+
+from lightning_decentral._compat.lightning import distributed_sampler, is_dataloader_shuffled, update_dataloader
 
 
 class PerWorker(tuple):
@@ -83,7 +83,7 @@ class WorkerLoaders:
         together: bool = False,
         origins: Optional[Callable[[], Sequence[int]]] = None,
     ) -> None:
-        shuffle = _is_dataloader_shuffled(dataloader)
+        shuffle = is_dataloader_shuffled(dataloader)
         samplers = [
             _rank_sampler(dataloader, shuffle, workers, rank)
             for rank in range(workers)
@@ -93,7 +93,7 @@ class WorkerLoaders:
         if together:
             self.loaders = [_together(dataloader, samplers)]
         else:
-            self.loaders = [_update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING) for sampler in samplers]
+            self.loaders = [update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING) for sampler in samplers]
         self._as_worker = as_worker
         self._origins = origins or (lambda: range(workers))
 
@@ -118,6 +118,14 @@ class WorkerLoaders:
                     return
                 batches.append(batch)
             yield PerWorker(batches, origins)
+
+
+def first_batch_together(dataloader: torch.utils.data.DataLoader, workers: int) -> StackedBatch:
+    """Every worker's first batch (worker `i`'s from rank `i`'s sampler), loaded in this process and collated at once:
+    what the first stacked step would see, without starting the DataLoader's worker processes."""
+    samplers = [_rank_sampler(dataloader, is_dataloader_shuffled(dataloader), workers, rank) for rank in range(workers)]
+    indices = next(iter(_StepBatches(samplers, dataloader.batch_size, dataloader.drop_last)))
+    return StackedBatch(dataloader.collate_fn([dataloader.dataset[i] for i in indices]), workers)
 
 
 def _together(dataloader: torch.utils.data.DataLoader, samplers: list[Any]) -> torch.utils.data.DataLoader:
@@ -164,7 +172,7 @@ def _rank_sampler(dataloader: torch.utils.data.DataLoader, shuffle: bool, worker
     [`DirichletSampler`][lightning_decentral.data.DirichletSampler]), else Lightning's `DistributedSampler`."""
     if hasattr(dataloader.sampler, "for_rank"):
         return dataloader.sampler.for_rank(rank, workers)
-    return _get_distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank)
+    return distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank)
 
 
 class _Samplers:

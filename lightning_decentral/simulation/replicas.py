@@ -187,7 +187,8 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
                 )
                 for rank, module in enumerate(self._group.modules)
             ]
-            bad = [rank for rank, shard in enumerate(built) if not shards.holds_finite([shard["state_dict"], shard.get("optimizer_states")])]
+            bad = [rank for rank, shard in enumerate(built) if not shards.holds_finite(
+                [shard["state_dict"], shard.get("optimizer_states"), shard.get("rule_state")])]
             if bad:  # before anything is written or removed
                 raise shards.not_finite_error(bad, step, filepath, who="Worker(s)")
             for shard, path in zip(built, paths):

@@ -41,9 +41,10 @@ from typing_extensions import override
 from lightning_decentral.common import backward_may_overlap
 from lightning_decentral.driver import Driven, StepDriver, check_one_optimizer
 from lightning_decentral.mixing import SIMULATION
-from lightning_decentral.options import gossip_options, takes_gossip_options
+from lightning_decentral.options import gossip_options, probe_outer_optimizer, takes_gossip_options
 from lightning_decentral.rules import RuleContext
-from lightning_decentral.simulation.data import StackedBatch, WorkerLoaders
+from lightning_decentral.simulation.data import WorkerLoaders, first_batch_together
+from lightning_decentral.simulation.isolation import random_states_kept
 from lightning_decentral.simulation.hooks import WorkerHooks
 from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy, log_over_workers
 from lightning_decentral.simulation.workers import SimulatedWorkers, checked_failures, copy_of, optimizer_like
@@ -51,6 +52,7 @@ from lightning_decentral.simulation.vectorized import (
     StackedWorkers,
     rows_clipped_apart,
     stacking_problem,
+    stacking_trial,
     vectorization_problem,
 )
 
@@ -131,13 +133,17 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         )
         self.vectorize = vectorize
         self.failures = checked_failures(failures, workers, vectorize, gossip.staleness)
+        if self.failures and gossip.outer_overlap:
+            raise ValueError(
+                "SimulatedDecentralizedStrategy(failures=...) rebuilds the graph between two steps, which outer_overlap=True "
+                "(an exchange in flight across steps) does not support: use outer_overlap=False with failures."
+            )
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
         self._outputs: list[Any] = []  # each worker's training_step output of this batch
         self._hooks: Optional[WorkerHooks] = None  # the module's hooks on every worker (per-worker path)
         self._context: Optional[RuleContext] = None  # the rules' context, kept to stack the workers later
         self._undecided = False  # vectorize="auto": the path is chosen at the first training DataLoader
-        self._trial = False  # vectorize="auto" chose to stack: the first batch tries training_step under vmap
 
     # -- set-up -----------------------------------------------------------------------------------
 
@@ -157,7 +163,6 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             raise ValueError("The simulation does not run under a GradScaler (16-mixed): use precision='bf16-mixed' or '32-true'.")
-        rule = self.rule
         context = RuleContext(
             bucket_bytes=self.options.bucket_bytes,
             overlap_backward=backward_may_overlap(module),
@@ -169,14 +174,21 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             copied.trainer = trainer
         self._context = context
         if self.vectorize is True:
-            problem = vectorization_problem(module, self.optimizers[0])
+            problem = vectorization_problem(module, self.optimizers[0], self._outer_probe())
             if problem:
                 raise ValueError(f"SimulatedDecentralizedStrategy(vectorize=True) cannot run this module: {problem}. Use vectorize=False.")
-            self._group = StackedWorkers(modules, self.optimizers[0], rule, self.gossip_buffers, context, self._mixer, self.root_device)
+            self._group = StackedWorkers(
+                modules, self.optimizers[0], self.driver.make_rule, self.gossip_buffers, context, self._mixer, self.root_device
+            )
         else:  # "auto" stacks them, if it can, when it sees the training DataLoader
             self._group = self._workers_apart(modules, context)
             self._undecided = self.vectorize == "auto"
         self.driver.run(self._group)
+
+    def _outer_probe(self) -> Optional[Optimizer]:
+        """What `outer_optimizer` builds (whether it is elementwise decides if the workers can be stacked), or `None`."""
+        factory = self.options.outer_optimizer
+        return None if factory is None else probe_outer_optimizer(factory)
 
     def _workers_apart(self, modules: list[Module], context: RuleContext) -> SimulatedWorkers:
         """The per-worker path: each worker's own optimizer (worker 0's is Lightning's), replica and rule, and the
@@ -185,7 +197,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         quiet = dataclasses.replace(context, warn=_quiet)
         for rank, worker_module in enumerate(modules):
             optimizer = self.optimizers[0] if rank == 0 else optimizer_like(self.optimizers[0], copy_of(modules[0], worker_module))
-            group.add(worker_module, optimizer, self.rule, self.gossip_buffers, context if rank == 0 else quiet)
+            group.add(worker_module, optimizer, self.driver.make_rule, self.gossip_buffers, context if rank == 0 else quiet)
         self._hooks = WorkerHooks(group, losses=lambda: self._losses, outputs=lambda: self._outputs)
         self._hooks.install()
         return group
@@ -205,44 +217,34 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         )
 
     def _choose_path(self, dataloader: torch.utils.data.DataLoader) -> None:
-        """`vectorize="auto"`, before the first step: stack the workers if that gives the per-worker result, and say
-        which path runs and why (one info line)."""
+        """`vectorize="auto"`, before training: stack the workers if that gives the per-worker result (what can be seen
+        of the module, optimizer and data, then a trial of `training_step` under `torch.vmap` and the run's precision
+        on every worker's first batch, which changes nothing), and say which path runs and why (one info line)."""
         self._undecided = False
         optimizer = self.optimizers[0]
-        problem = stacking_problem(self.lightning_module, optimizer, dataloader.batch_size)
+        problem = stacking_problem(self.lightning_module, optimizer, dataloader.batch_size, dataloader, self._outer_probe())
         if self.workers == 1:
             problem = "there is one worker: nothing to stack"
         if self.failures:
             problem = "failures= drops workers one by one, which the stacked rows do not support"
+        if problem is None:
+            with random_states_kept(), self.precision_plugin.train_step_context():
+                batch = self.batch_to_device(first_batch_together(dataloader, self.workers))
+                problem = stacking_trial(self._group.modules, batch, lambda module, part: module.training_step(part, 0))
         if problem is not None:
             return _say_path(f"the per-worker path, one worker at a time, because {problem}")
         assert self._hooks is not None and self._context is not None
         self._hooks.remove()
         self._hooks = None
-        self._group = StackedWorkers.from_workers(self._group, optimizer, self.rule, self.gossip_buffers, self._context, self._mixer)
+        self._group = StackedWorkers.from_workers(
+            self._group, optimizer, self.driver.make_rule, self.gossip_buffers, self._context, self._mixer
+        )
         self.driver.run(self._group)
-        self._trial = True  # the first batch tries training_step under torch.vmap
-
-    def _try_stacked(self, batch: Any, batch_idx: int) -> None:
-        """`vectorize="auto"`, at the first batch: keep the stacked path if `training_step` runs under `torch.vmap`
-        (a trial on a copy of the module, without gradients), else keep the workers apart; say which."""
-        self._trial = False
-        assert isinstance(self._group, StackedWorkers) and self._context is not None
-        problem = self._group.trial(batch, lambda module, part: module.training_step(part, batch_idx))
-        if problem is None:
-            optimizer = type(self.optimizers[0]).__name__
-            return _say_path(
-                f"the stacked path, every worker in one batched call ({optimizer} is elementwise, no layer draws random "
-                "numbers, no hook sees one worker's batch or gradients, training_step runs under torch.vmap)"
-            )
-        stacked = self._group
-        states = stacked.unstack()
-        self._group = self._workers_apart(stacked.modules, self._context)
-        for worker, state in zip(self._group.workers, states):
-            worker.optimizer.load_state_dict(state)
-        self._group.start_random_states()
-        self.driver.run(self._group)
-        _say_path(f"the per-worker path, one worker at a time, because {problem}")
+        optimizer_name = type(optimizer).__name__
+        _say_path(
+            f"the stacked path, every worker in one batched call ({optimizer_name} is elementwise, no layer draws random "
+            "numbers, no hook sees one worker's batch or gradients, training_step runs under torch.vmap)"
+        )
 
     # -- one optimizer step, every worker ---------------------------------------------------------
 
@@ -251,8 +253,6 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         """Before each training batch: the workers `failures` names for this step die; every worker begins the
         optimizer step (AWC posts `x(k)`)."""
         super().on_train_batch_start(batch, batch_idx)
-        if self._trial:
-            self._try_stacked(batch, batch_idx)
         step = self.lightning_module.trainer.global_step
         lost = [self._group.origins.index(w) for w in self.failures.get(step, []) if w in self._group.origins]
         if lost:
@@ -271,8 +271,6 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         trainer = self.lightning_module.trainer
         if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
             self._group.zero_grad_others()  # Lightning zeroes worker 0's gradients, as on every rank
-        if isinstance(batch, StackedBatch) and not isinstance(self._group, StackedWorkers):
-            batch = batch.parts()  # the stacked path's loader, and the workers kept apart after its first batch
         with self.precision_plugin.train_step_context():
             outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
         log_over_workers(self.lightning_module, logged, len(self._group.modules))

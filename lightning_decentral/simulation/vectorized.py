@@ -23,12 +23,15 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
+from torch.overrides import TorchFunctionMode
 
 from lightning_decentral.mixing import DenseMixer, StackedMixer
 from lightning_decentral.replicas import Replica
-from lightning_decentral.rules import RULES, RuleContext
+from lightning_decentral.rules import RuleContext, RuleFactory
 from lightning_decentral.schedule import StepPlan
 from lightning_decentral.simulation.data import StackedBatch
+from lightning_decentral.simulation.isolation import loads_at_random, random_states_kept, scratch_copy
 from lightning_decentral.simulation.workers import Logged, WorkerGroup, collect_logs
 
 ELEMENTWISE_OPTIMIZERS = (
@@ -47,16 +50,18 @@ ELEMENTWISE_OPTIMIZERS = (
 over stacked parameters equals stepping one per worker."""
 
 
-def vectorization_problem(module: Module, optimizer: Optimizer) -> Optional[str]:
-    """Why `module` and `optimizer` cannot run vectorized, or `None`.
+def vectorization_problem(module: Module, optimizer: Optimizer, outer: Optional[Optimizer] = None) -> Optional[str]:
+    """Why `module` and `optimizer` (and the `outer` optimizer of an outer step) cannot run vectorized, or `None`.
 
     Examples:
         >>> vectorization_problem(torch.nn.Linear(2, 1), torch.optim.LBFGS(torch.nn.Linear(2, 1).parameters()))
         'LBFGS is not one of the elementwise optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop)'
     """
+    names = ", ".join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
-        names = ", ".join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)
         return f"{type(optimizer).__name__} is not one of the elementwise optimizers ({names})"
+    if outer is not None and type(outer) not in ELEMENTWISE_OPTIMIZERS:
+        return f"the outer optimizer {type(outer).__name__} is not one of the elementwise optimizers ({names})"
     trainable = {id(p) for p in module.parameters() if p.requires_grad}
     if any(id(p) not in trainable for group in optimizer.param_groups for p in group["params"]):
         return "the optimizer holds tensors that are not trainable parameters of the LightningModule"
@@ -74,17 +79,25 @@ HOOKS_OF_ONE_WORKER = ("on_train_batch_start", "on_train_batch_end", "on_before_
 but every worker's at once when stacked."""
 
 
-def stacking_problem(module: Module, optimizer: Optimizer, batch_size: Optional[int] = 1) -> Optional[str]:
+def stacking_problem(
+    module: Module,
+    optimizer: Optimizer,
+    batch_size: Optional[int] = 1,
+    dataloader: Optional[DataLoader] = None,
+    outer: Optional[Optimizer] = None,
+) -> Optional[str]:
     """Why `vectorize="auto"` keeps the workers apart, or `None` when stacking them gives the per-worker result:
     [`vectorization_problem`][lightning_decentral.simulation.vectorized.vectorization_problem], a layer that draws
-    random numbers, a hook of `HOOKS_OF_ONE_WORKER`, or a training DataLoader without a `batch_size`.
+    random numbers, a hook of `HOOKS_OF_ONE_WORKER`, a training DataLoader without a `batch_size`, or one whose samples
+    load at random ([`loads_at_random`][lightning_decentral.simulation.isolation.loads_at_random]: stacked, the process
+    would load every worker's samples from its own random state).
 
     Examples:
         >>> net = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))
         >>> stacking_problem(net, torch.optim.SGD(net.parameters(), lr=0.1))
         "its Dropout '1' draws random numbers (each worker needs its own random state)"
     """
-    problem = vectorization_problem(module, optimizer)
+    problem = vectorization_problem(module, optimizer, outer)
     if problem is not None:
         return problem
     for name, layer in module.named_modules():
@@ -96,6 +109,8 @@ def stacking_problem(module: Module, optimizer: Optimizer, batch_size: Optional[
         return f"it overrides {hooks[0]}, which sees one worker's batch, loss or gradients"
     if batch_size is None:
         return "the training DataLoader has no batch_size (a batch_sampler?)"
+    if dataloader is not None and loads_at_random(dataloader):
+        return "its training samples load at random (a random transform: each worker needs its own random state)"
     return None
 
 
@@ -137,6 +152,99 @@ def rows_clipped_apart(precision: Any, stacked: Optional[StackedWorkers]) -> Ite
         del precision.clip_grad_by_norm
 
 
+class NormsInStatisticsDtype(TorchFunctionMode):
+    """Inside, `F.batch_norm` and `F.instance_norm` given running statistics of another dtype than their input
+    normalize the input cast to the statistics' dtype and return the result cast back to the input's: the dtypes a
+    call outside `torch.vmap` takes and gives (a bf16 input under `bf16-mixed`, float32 statistics, a bf16 output,
+    computed in float32 either way), where a vmapped call fails (`expected scalar type BFloat16 but found Float` on the
+    CPU, `Expected running_mean to have type BFloat16 but got Float` on CUDA). Other calls run as they are.
+
+    Examples:
+        >>> x, mean, var = torch.randn(2, 4, 3, dtype=torch.bfloat16), torch.zeros(2, 3), torch.ones(2, 3)
+        >>> def normalize(x, mean, var):
+        ...     with NormsInStatisticsDtype():
+        ...         return torch.nn.functional.batch_norm(x, mean, var, training=True)
+        >>> torch.vmap(normalize)(x, mean, var).dtype, mean.dtype
+        (torch.bfloat16, torch.float32)
+    """
+
+    NORMS = (torch.nn.functional.batch_norm, torch.nn.functional.instance_norm)
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.NORMS:
+            x, statistics = args[0], args[1] if len(args) > 1 else kwargs.get("running_mean")
+            if statistics is not None and statistics.dtype != x.dtype:
+                return func(x.to(statistics.dtype), *args[1:], **kwargs).to(x.dtype)
+        return func(*args, **kwargs)
+
+
+def vmapped_steps(
+    module: Module, step: Callable[[Module, Any], Any], tensors: dict[str, Tensor], batch: StackedBatch
+) -> tuple[list[Any], Logged]:
+    """`step(module, part)` under one `torch.vmap` over the stacked `tensors` (`[n, ...]`, by their names in `module`,
+    in place of its own) and the workers' parts of `batch`: each worker's output, and what each logged. A module with
+    running statistics normalizes under [`NormsInStatisticsDtype`][lightning_decentral.simulation.vectorized.NormsInStatisticsDtype]."""
+    call = _Call(module, step)
+    options: dict[str, dict[str, Any]] = {}
+    normalizes = any(name.endswith("running_mean") for name in tensors)  # BatchNorm, InstanceNorm
+    norms = NormsInStatisticsDtype if normalizes else contextlib.nullcontext
+
+    def one_worker(tensors: dict[str, Tensor], part: Any) -> tuple[Any, dict[str, Tensor]]:
+        logged: Logged = {}
+        with collect_logs(module, logged), norms():
+            output = torch.func.functional_call(call, tensors, (part,))
+        values = {}
+        for name, entries in logged.items():
+            value, options[name] = entries[-1]
+            if not isinstance(value, (Tensor, int, float)):
+                raise ValueError(
+                    f"training_step logs {name!r} as a {type(value).__name__}: the vectorized simulation logs "
+                    "numbers and tensors only. Log a tensor, or use vectorize=False."
+                )
+            values[name] = torch.as_tensor(value)
+        return output, values
+
+    named = {f"module.{name}": t for name, t in tensors.items()}
+    try:
+        outputs, values = torch.vmap(one_worker, randomness="error")(named, batch.stacked())
+    except RuntimeError as error:
+        if "random" not in str(error):
+            raise
+        raise ValueError(
+            "training_step draws random numbers (dropout, a random augmentation on the device, ...): the "
+            "vectorized simulation cannot give each worker its own random state. Use vectorize=False."
+        ) from error
+    rows = [apply_to_collection(outputs, Tensor, lambda t, i=i: t[i]) for i in range(batch.workers)]
+    return rows, {name: [(v, options[name]) for v in value.unbind(0)] for name, value in values.items()}
+
+
+def stacking_trial(modules: Sequence[Module], batch: StackedBatch, step: Callable[[Module, Any], Any]) -> Optional[str]:
+    """Why `step` cannot run stacked, or `None`: one [`vmapped_steps`][lightning_decentral.simulation.vectorized.vmapped_steps]
+    of `batch` without gradients, over stacked copies of the workers' trainable parameters and buffers, on a scratch
+    copy of worker 0's module, every random generator put back after it: the workers' parameters, buffers (BatchNorm's
+    `num_batches_tracked` too), attributes, metric objects, optimizer and random states stay as they were.
+
+    Examples:
+        >>> nets = [torch.nn.BatchNorm1d(2) for _ in range(2)]
+        >>> batch = StackedBatch(torch.randn(4, 2), workers=2)
+        >>> stacking_trial(nets, batch, lambda net, x: net(x).sum()) is None, int(nets[1].num_batches_tracked)
+        (True, 0)
+        >>> print(stacking_trial(nets, batch, lambda net, x: net(x).sum().item()))
+        training_step cannot run under torch.vmap (RuntimeError: vmap: It looks like you're calling .item() ...)
+    """
+    names = [name for name, p in modules[0].named_parameters() if p.requires_grad] + [n for n, _ in modules[0].named_buffers()]
+    tensors = [{**dict(m.named_parameters()), **dict(m.named_buffers())} for m in modules]
+    try:
+        with torch.no_grad(), random_states_kept():
+            stacked = {name: torch.stack([own[name].detach() for own in tensors]) for name in names}
+            vmapped_steps(scratch_copy(modules[0]), step, stacked, batch)
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"training_step cannot run under torch.vmap ({type(error).__name__}: {first[:60]} ...)"
+    return None
+
+
 class StackedWorkers(WorkerGroup):
     """`n` workers as rows of stacked tensors (see the module docstring).
 
@@ -145,7 +253,7 @@ class StackedWorkers(WorkerGroup):
             and buffers become views of rows of stacked tensors.
         optimizer: worker 0's optimizer: from now on it steps the stacked parameters (its param groups,
             hyperparameters and scheduler are kept).
-        rule: the update rule's name in `RULES`.
+        make_rule: builds the update rule (a class of `RULES`, or the driver's `make_rule`).
         mix_buffers: also mix the floating-point module buffers.
         context: the rule's context.
         mixer: the dense mixer of the `n` workers.
@@ -156,7 +264,7 @@ class StackedWorkers(WorkerGroup):
         self,
         modules: list[Module],
         optimizer: Optimizer,
-        rule: str,
+        make_rule: RuleFactory,
         mix_buffers: bool,
         context: RuleContext,
         mixer: DenseMixer,
@@ -173,20 +281,23 @@ class StackedWorkers(WorkerGroup):
         for group in optimizer.param_groups:
             group["params"] = [stacked_of[id(p)] for p in group["params"]]
         optimizer.state.clear()
-        mixed = [b.view(-1) for b in self.buffers if b.is_floating_point()] if mix_buffers else []
-        self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], mixed)
-        self.rules = [RULES[rule](self.replica, StackedMixer(mixer), optimizer, context)]
+        buffers = [b for b in self.buffers if b.is_floating_point()] if mix_buffers else []
+        self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], [b.view(-1) for b in buffers], buffers)
+        self.rules = [make_rule(self.replica, StackedMixer(mixer), optimizer, context)]
 
     @classmethod
     def from_workers(
-        cls, workers: WorkerGroup, optimizer: Optimizer, rule: str, mix_buffers: bool, context: RuleContext, mixer: DenseMixer
+        cls, workers: WorkerGroup, optimizer: Optimizer, make_rule: RuleFactory, mix_buffers: bool, context: RuleContext,
+        mixer: DenseMixer,
     ) -> StackedWorkers:
-        """The workers of `workers` (kept apart, not stepped yet), stacked, with their optimizer states (a resume
-        restored them); `workers` is torn down. `optimizer` is worker 0's."""
+        """The workers of `workers` (kept apart, not stepped yet), stacked, with their optimizer and rule states (a
+        resume restored them); `workers` is torn down. `optimizer` is worker 0's."""
         states = [workers.optimizer_state_of(rank) for rank in range(len(workers.modules))]
+        rule_states = [workers.rule_state_of(rank) for rank in range(len(workers.modules))]
         workers.teardown()
-        stacked = cls(workers.modules, optimizer, rule, mix_buffers, context, mixer, workers.device)
+        stacked = cls(workers.modules, optimizer, make_rule, mix_buffers, context, mixer, workers.device)
         stacked.load_optimizer_states(states)
+        stacked.load_rule_states(rule_states)
         return stacked
 
     @staticmethod
@@ -205,83 +316,11 @@ class StackedWorkers(WorkerGroup):
     def zero_grad_others(self) -> None:
         """Nothing: Lightning zeroes the stacked gradients with worker 0's optimizer."""
 
-    def training_steps(
-        self, batch: StackedBatch, step: Callable[[Module, Any], Any], module: Optional[Module] = None
-    ) -> tuple[list[Any], Logged]:
-        """One `torch.vmap` of `step` over the stacked parameters, buffers and batches (`step` of `module`, default
-        worker 0's: the LightningModule)."""
-        module, n = module or self.modules[0], len(self.modules)
-        call = _Call(module, step)
-        tensors = {f"module.{name}": t for name, t in zip(self.names + self.buffer_names, self.parameters + self.buffers)}
-        options: dict[str, dict[str, Any]] = {}
-
-        def one_worker(tensors: dict[str, Tensor], part: Any) -> tuple[Any, dict[str, Tensor]]:
-            logged: Logged = {}
-            with collect_logs(module, logged):
-                output = torch.func.functional_call(call, tensors, (part,))
-            values = {}
-            for name, entries in logged.items():
-                value, options[name] = entries[-1]
-                if not isinstance(value, (Tensor, int, float)):
-                    raise ValueError(
-                        f"training_step logs {name!r} as a {type(value).__name__}: the vectorized simulation logs "
-                        "numbers and tensors only. Log a tensor, or use vectorize=False."
-                    )
-                values[name] = torch.as_tensor(value)
-            return output, values
-
-        try:
-            outputs, values = torch.vmap(one_worker, randomness="error")(tensors, batch.stacked())
-        except RuntimeError as error:
-            if "random" not in str(error):
-                raise
-            raise ValueError(
-                "training_step draws random numbers (dropout, a random augmentation on the device, ...): the "
-                "vectorized simulation cannot give each worker its own random state. Use vectorize=False."
-            ) from error
-        rows = [apply_to_collection(outputs, Tensor, lambda t, i=i: t[i]) for i in range(n)]
-        return rows, {name: [(v, options[name]) for v in value.unbind(0)] for name, value in values.items()}
-
-    def trial(self, batch: StackedBatch, step: Callable[[Module, Any], Any]) -> Optional[str]:
-        """Why `step` cannot run stacked, or `None`: one `training_steps` of `batch` without gradients, on the last
-        worker's module (a copy of the LightningModule: whatever the trial changes of a module lands there).
-
-        Examples:
-            >>> from lightning_decentral.topology import Complete
-            >>> nets = [torch.nn.Linear(2, 1) for _ in range(2)]
-            >>> workers = StackedWorkers(nets, torch.optim.SGD(nets[0].parameters(), lr=0.1), "atc", False,
-            ...                          RuleContext(), DenseMixer(Complete(world_size=2)), torch.device("cpu"))
-            >>> batch = StackedBatch(torch.ones(4, 2), workers=2)
-            >>> workers.trial(batch, lambda net, x: net(x).sum()) is None
-            True
-            >>> print(workers.trial(batch, lambda net, x: net(x).sum().item()))
-            training_step cannot run under torch.vmap (RuntimeError: vmap: It looks like you're calling .item() ...)
-        """
-        try:
-            with torch.no_grad():
-                self.training_steps(batch, step, module=self.modules[-1])
-        except Exception as error:
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            return f"training_step cannot run under torch.vmap ({type(error).__name__}: {first[:60]} ...)"
-        return None
-
-    def unstack(self) -> list[dict[str, Any]]:
-        """Undo the stacking (before the first step): every worker's module holds tensors of its own again (copies of
-        its rows), worker 0's optimizer its module's parameters, with no state; the rules are torn down. Returns each
-        worker's optimizer `state_dict`."""
-        states = [self.optimizer_state_of(rank) for rank in range(len(self.modules))]
-        self.teardown()
-        for module in self.modules:
-            named = dict(module.named_parameters())
-            named.update(module.named_buffers())
-            for name in self.names + self.buffer_names:
-                named[name].data = named[name].data.clone()
-        own = dict(self.modules[0].named_parameters())
-        original = {id(stacked): own[name] for name, stacked in zip(self.names, self.parameters)}
-        for group in self.optimizer.param_groups:
-            group["params"] = [original[id(p)] for p in group["params"]]
-        self.optimizer.state.clear()
-        return states
+    def training_steps(self, batch: StackedBatch, step: Callable[[Module, Any], Any]) -> tuple[list[Any], Logged]:
+        """One `torch.vmap` of `step` over the stacked parameters, buffers and batches (`step` of worker 0's module:
+        the LightningModule)."""
+        names = self.names + self.buffer_names
+        return vmapped_steps(self.modules[0], step, dict(zip(names, self.parameters + self.buffers)), batch)
 
     def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
         """One backward of the workers' summed losses: row `i` of every gradient is worker `i`'s."""
@@ -329,12 +368,26 @@ class StackedWorkers(WorkerGroup):
         return {**state, "state": averaged}
 
     def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
-        """Workers 1..n-1's replicas from their shards; the stacked optimizer state from every worker's shard
-        (or the averaged state on every row)."""
+        """Workers 1..n-1's replicas from their shards; the stacked optimizer and rule states from every worker's
+        shard (or the averaged optimizer state on every row)."""
         for i, module in enumerate(self.modules[1:], start=1):
             if resumed:
                 module.load_state_dict(resumed[i]["state_dict"])
         self.load_optimizer_states([shard["optimizer_states"][0] for shard in resumed] or [averaged_optimizer] * len(self.modules))
+        if resumed:
+            self.load_rule_states([shard.get("rule_state", {}) for shard in resumed])
+
+    def rule_state_of(self, rank: int) -> dict[str, Any]:
+        """Row `rank` of every one-dimensional tensor of the rule's state (one value per element of the stacked flat
+        parameters); the rest as it is."""
+        return _rows(self.rules[0].state_dict(), lambda t: t.view(len(self.modules), -1)[rank].clone())
+
+    def load_rule_states(self, states: list[dict[str, Any]]) -> None:
+        """The rule's state from every worker's (`rule_state_of`'s), its rows stacked."""
+        if not all(states):
+            self.rules[0].load_state_dict({})
+            return
+        self.rules[0].load_state_dict(_stacked_rows(states))
 
     def load_optimizer_states(self, states: list[dict[str, Any]]) -> None:
         """The stacked optimizer state from each worker's optimizer `state_dict` (per-element entries stacked as rows)."""
@@ -352,6 +405,34 @@ class StackedWorkers(WorkerGroup):
         """The optimizer's `state_dict` keys (parameter indices) -> the stacked parameters' shapes."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         return {index: tuple(p.shape) for index, p in enumerate(params)}
+
+
+def _rows(state: Any, row: Callable[[Tensor], Tensor]) -> Any:
+    """`state` (nested dicts, lists and tuples) with `row(t)` in place of every one-dimensional tensor `t`."""
+    if isinstance(state, Tensor):
+        return row(state) if state.dim() == 1 else state
+    if isinstance(state, dict):
+        return {k: _rows(v, row) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_rows(v, row) for v in state)
+    return state
+
+
+def _stacked_rows(states: list[Any]) -> Any:
+    """The inverse of taking rows with `_rows`: every one-dimensional tensor is the workers' rows, concatenated.
+
+    Examples:
+        >>> _stacked_rows([{"anchor": [torch.tensor([1.0, 2.0])], "step": 3}, {"anchor": [torch.tensor([3.0, 4.0])], "step": 3}])
+        {'anchor': [tensor([1., 2., 3., 4.])], 'step': 3}
+    """
+    first = states[0]
+    if isinstance(first, Tensor):
+        return torch.cat(states) if first.dim() == 1 else first
+    if isinstance(first, dict):
+        return {k: _stacked_rows([s[k] for s in states]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_stacked_rows(list(column)) for column in zip(*states))
+    return first
 
 
 def _per_element(name: str, value: Any, shape: tuple[int, ...]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, Optional
 
@@ -30,12 +31,13 @@ def topology_class(name: str) -> type[Topology]:
         >>> topology_class("rign")
         Traceback (most recent call last):
         ...
-        ValueError: Unknown topology 'rign'. Choose one of ['complete', 'exponential', 'hierarchical', ...
+        ValueError: Unknown topology 'rign'. Choose one of ['complete', ...], or pass ... The closest name is 'ring'.
     """
     if name not in TOPOLOGIES:
+        close = difflib.get_close_matches(name, list(TOPOLOGIES), n=1)
         raise ValueError(
             f"Unknown topology {name!r}. Choose one of {sorted(TOPOLOGIES)}, or pass a Topology, "
-            "a mixing matrix or a networkx graph."
+            "a mixing matrix or a networkx graph." + (f" The closest name is {close[0]!r}." if close else "")
         )
     return TOPOLOGIES[name]
 
@@ -202,7 +204,7 @@ class Topology:
         members = self._checked_members(members)
         if members == list(range(self.world_size)):
             return self
-        return self._resized(len(members)) or self._induced(members)
+        return self._resized(len(members)) or InducedSubgraph(self, members)
 
     def _checked_members(self, members: Sequence[int]) -> list[int]:
         checked = [int(m) for m in members]
@@ -210,16 +212,6 @@ class Topology:
         if not checked or checked != sorted(set(checked)) or not 0 <= checked[0] <= checked[-1] < n:
             raise ValueError(f"members must be ranks in [0, {n}) in increasing order, at least one, got {list(members)}.")
         return checked
-
-    def _induced(self, members: list[int]) -> Topology:
-        from lightning_decentral.topology.custom import MatrixTopology  # custom.py builds on this module
-
-        index = np.asarray(members)
-        phases = []
-        for step in range(self.period):
-            w = self.mixing(step)[np.ix_(index, index)]
-            phases.append(metropolis_hastings((w > 0) | (w.T > 0)))
-        return MatrixTopology(phases)
 
     def _attach(self, world_size: int) -> None:
         if isinstance(world_size, bool) or not isinstance(world_size, (int, np.integer)) or world_size < 1:
@@ -394,3 +386,35 @@ class Topology:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self._world_size})"
+
+
+class InducedSubgraph(Topology):
+    """The subgraph the ranks `members` of `topology` induce in each `W(k)` (its edges, `w_ij > 0` or `w_ji > 0`,
+    among them), member `members[i]` becoming rank `i`, reweighted by Metropolis-Hastings: what
+    [`for_members`][lightning_decentral.topology.Topology.for_members] gives for a topology without a kind of its own
+    at the new size. Validated when made: a subgraph that falls apart raises `ValueError`.
+
+    Examples:
+        >>> from lightning_decentral.topology import Torus
+        >>> InducedSubgraph(Torus(world_size=6), [0, 1, 2, 4, 5])  # 5 ranks: no torus
+        InducedSubgraph(Torus(rows=2, world_size=6), members=[0, 1, 2, 4, 5])
+    """
+
+    def __init__(self, topology: Topology, members: Sequence[int]) -> None:
+        self.topology, self.members = topology, list(members)
+        index = np.asarray(self.members)
+        self._matrices = []
+        for step in range(topology.period):
+            w = topology.mixing(step)[np.ix_(index, index)]
+            self._matrices.append(metropolis_hastings((w > 0) | (w.T > 0)))
+        super().__init__(world_size=len(self.members))
+
+    @property
+    def period(self) -> int:
+        return len(self._matrices)
+
+    def _matrix(self, step: int) -> np.ndarray:
+        return self._matrices[step]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.topology!r}, members={self.members})"

@@ -17,12 +17,10 @@ from collections.abc import Callable, Iterator
 from typing import Any, Optional, Union
 
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
@@ -32,21 +30,24 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.common import EvaluatesOnAverage
-from lightning_decentral.failures import Activities, Guard, from_its_value_now
-from lightning_decentral.files import with_atomic_writes
+from lightning_decentral.failures import Activities
+from lightning_decentral.membership.guard import Guard, from_its_value_now
+from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
-from lightning_decentral.trainer.resume import RESUME, choose_checkpoint
+from lightning_decentral.trainer.resume import RESUME, ResolvesLast, ScriptLauncher, choose_checkpoint
 
 
 class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     """`DDPStrategy` without the wrapper and the gradient all-reduce: each rank trains its own replica.
 
     Subclasses define the update (`optimizer_step`), `eval_on` (`"average"` evaluates `x̄`, `"local"` each rank's
-    own replica), `rule_record()` (what the shards record of the update rule), `_configuration()`, the fields
-    every rank must agree on, and `guard`, the [`Guard`][lightning_decentral.failures.Guard] every collective goes
+    own replica), `rule_record()` (what the shards record of the update rule), `rule_state()` and
+    `load_rule_state(state)` (what the rule carries across steps, in the shard), `_configuration()`, the fields
+    every rank must agree on, and `guard`, the [`Guard`][lightning_decentral.membership.guard.Guard] every collective goes
     through; they call `_start_replicas()` from `configure_ddp`.
 
     Args:
@@ -58,6 +59,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     eval_on: str
     rule_record: Callable[[], dict[str, str]]
+    rule_state: Callable[[], dict[str, Any]]
+    load_rule_state: Callable[[dict[str, Any]], None]
     guard: Guard
 
     def __init__(self, resume: str = "checkpoint", **kwargs: Any) -> None:
@@ -81,7 +84,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         super().setup_environment()
         self._checkpoint_agreed = False
 
-    def _agree_on_checkpoint(self, ckpt_path: Optional[_PATH]) -> None:
+    def _agree_on_checkpoint(self, ckpt_path: Optional[StrPath]) -> None:
         """Every rank's first collective of a fit: stop every rank, naming `ckpt_path`, unless all resume from
         the same checkpoint or none. Lightning calls `load_checkpoint` only on the ranks given a path, so a rank
         with a path runs this from there and a rank without from `configure_ddp`: the two gathers pair up."""
@@ -104,10 +107,13 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica."""
+        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica; every launcher
+        gives Lightning a dangling `last.ckpt` link for `fit(ckpt_path="last")` ([`ResolvesLast`][lightning_decentral.trainer.resume.ResolvesLast])."""
         super()._configure_launcher()
-        if isinstance(self._launcher, _MultiProcessingLauncher):
+        if isinstance(self._launcher, MultiProcessingLauncher):
             self._launcher = _AveragingLauncher(self, start_method=self._start_method)
+        elif isinstance(self._launcher, SubprocessScriptLauncher):
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -234,7 +240,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             return {k: v.clone() for k, v in super().lightning_module_state_dict().items()}
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Optional[Any] = None) -> None:
         """Runs when a checkpoint is saved, on every rank: each writes its shard, then rank 0 the checkpoint
         file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]), atomically unless a
         `CheckpointIO` of your own writes it ([`with_atomic_writes`][lightning_decentral.files.with_atomic_writes]).
@@ -264,7 +270,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self._writer.wait()
             self._writer_step = step
 
-    def _write_file(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any) -> None:
+    def _write_file(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any) -> None:
         """Rank 0 writes the checkpoint file now (with `AsyncCheckpointIO`, through the plugin it wraps: the file
         must be written after the shards, and only then may the ranks agree it was)."""
         if self.is_global_zero:
@@ -276,7 +282,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         return io.checkpoint_io if isinstance(io, AsyncCheckpointIO) else io
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: StrPath) -> None:
         """Runs when a checkpoint callback drops an old checkpoint: rank 0 removes the checkpoint file, every
         rank its own shards of it (under `AsyncCheckpointIO`, in the background once the saves before are done)."""
         if self._writer is not None:
@@ -284,13 +290,13 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             return
         self._remove_now(filepath)
 
-    def _remove_now(self, filepath: _PATH) -> None:
+    def _remove_now(self, filepath: StrPath) -> None:
         if self.is_global_zero:
             self._file_io.remove_checkpoint(filepath)
         shards.remove_shards(filepath, self.global_rank)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: StrPath, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Runs when a run starts from `ckpt_path`: read the checkpoint file (`weights_only=True` unless the
         caller asks otherwise); when fitting, also this rank's shard (with `resume="newest_complete"`, of the
         checkpoint [`choose_checkpoint`][lightning_decentral.trainer.resume.choose_checkpoint] picks).
@@ -326,8 +332,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         shard, self._resume_shard = self._resume_shard, None
         if shard is not None:
             shards.resume_rank_state(shard, self.lightning_module.trainer.global_step)
+            self.load_rule_state(shard.get("rule_state", {}))
 
-    def _background_save(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any) -> Callable[[], None]:
+    def _background_save(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any) -> Callable[[], None]:
         """Copy this rank's part of `checkpoint` (its own replica and optimizer state: see `optimizer_state`) to host
         memory, and return the rest of the save: average the copies into `x̄` and the averaged optimizer state,
         then the shard protocol, on the writer's own group."""
@@ -340,6 +347,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             precision=None if own_states is None else host_copy(self.precision_plugin.state_dict()),
             rng=shards.rng_state(),
             rule=self.rule_record(),
+            rule_state=None if own_states is None else self.rule_state(),
         )
         ranks = self._writer_ranks
 
@@ -369,6 +377,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             optimizer_states=None if weights_only else [o.state_dict() for o in self.optimizers],
             precision=None if weights_only else self.precision_plugin.state_dict(),
             rule=self.rule_record(),
+            rule_state=None if weights_only else self.rule_state(),
         )
 
     # -- every rank runs the same configuration ----------------------------------------------
@@ -382,8 +391,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         raise NotImplementedError
 
 
-class _AveragingLauncher(_MultiProcessingLauncher):
-    """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process."""
+class _AveragingLauncher(ResolvesLast, MultiProcessingLauncher):
+    """Spawn/fork launcher that hands `x̄`, not rank 0's replica, back to the main process (and resolves a `last.ckpt`
+    link whose file is gone: `ResolvesLast`)."""
 
     def _collect_rank_zero_results(self, trainer: Trainer, results: Any) -> Any:
         assert isinstance(self._strategy, ReplicaStrategy)

@@ -20,6 +20,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message
 
+from lightning_decentral._compat.lightning import mark_sigterm_received, replace_sigterm_handling
 from lightning_decentral.trainer.stop import StopAgreement
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,6 @@ def stop_together(trainer: Trainer, agreement: StopAgreement) -> None:
     """From now on, in this fit of `trainer`: a SIGTERM only requests a stop from `agreement`, and each training
     batch asks it whether to stop, in place of Lightning's broadcast. Call it in the strategy's `setup`, which the
     Trainer runs before it registers its signal handlers and before the first batch."""
-    connector = trainer._signal_connector
     loop = trainer.fit_loop.epoch_loop
 
     def on_sigterm(signum: int, frame: Optional[FrameType]) -> None:
@@ -41,9 +41,7 @@ def stop_together(trainer: Trainer, agreement: StopAgreement) -> None:
 
     def stop_if_agreed() -> None:
         if agreement.should_stop(loop.batch_progress.total.ready):  # the batches started before this one
-            connector.received_sigterm = True
+            mark_sigterm_received(trainer)
             raise SIGTERMException()
 
-    # instance attributes shadowing Lightning's methods: read by register_signal_handlers and by every batch
-    connector._sigterm_notifier_fn = on_sigterm
-    loop._broadcast_sigterm_tensor = stop_if_agreed
+    replace_sigterm_handling(trainer, on_sigterm, stop_if_agreed)

@@ -8,15 +8,19 @@ that ties every rank to the slowest, whatever the topology. Here a signal only s
 with one `check` per step (a round trip to the store, no wait for any rank). Every rank then runs the steps
 before `S` and stops before step `S`, all at the same step. `margin` covers how far ranks can be apart
 ([`stop_margin`][lightning_decentral.trainer.stop.stop_margin]), so no rank has started `S` when it is proposed; a rank
-that finds itself past `S` raises instead of stopping elsewhere.
+that finds itself past `S` raises instead of stopping elsewhere. The calls run under a
+[`GuardedStore`][lightning_decentral.failures.GuardedStore]: a store that is stopped or gone raises
+[`StoreLost`][lightning_decentral.failures.StoreLost] within the timeout instead of hanging the batch.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from datetime import timedelta
 from typing import Any
 
+from lightning_decentral.failures import DEFAULT_TIMEOUT, GuardedStore
 from lightning_decentral.topology import Topology
 
 KEY_PREFIX = "lightning_decentral/stop"
@@ -35,13 +39,14 @@ class StopAgreement:
         store: the job's store (`torch.distributed.Store`: its `compare_set`, `check` and `get`).
         key: the key of this run (the same on every rank, fresh for each run).
         margin: `S = k + margin` for a request seen at step `k`: more than the most steps ranks can be apart.
+        timeout: how long a call to the store may take (the strategy's `timeout`), else it raises `StoreLost`.
 
     Examples:
         Two ranks of one job, each with its own agreement over the job's store; rank 1 is signalled at its step 3:
 
         >>> import torch.distributed as dist
-        >>> store = dist.HashStore()
-        >>> ranks = [StopAgreement(store, "stop/0", margin=4) for _ in range(2)]
+        >>> store, timeout = dist.HashStore(), timedelta(seconds=30)
+        >>> ranks = [StopAgreement(store, "stop/0", margin=4, timeout=timeout) for _ in range(2)]
         >>> [ranks[0].should_stop(k) for k in range(3)]
         [False, False, False]
         >>> [ranks[1].should_stop(k) for k in range(3)]
@@ -53,10 +58,10 @@ class StopAgreement:
         ([False, False, False, False, True], 7)
     """
 
-    def __init__(self, store: Any, key: str, margin: int) -> None:
+    def __init__(self, store: Any, key: str, margin: int, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         if margin < 1:
             raise ValueError(f"margin must be at least 1, got {margin}.")
-        self.store, self.key, self.margin = store, key, margin
+        self.store, self.key, self.margin = GuardedStore.around(store, timeout), key, margin
         self.requested = False
         self.stop_step: int | None = None
 

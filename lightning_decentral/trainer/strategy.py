@@ -38,8 +38,8 @@ from typing_extensions import override
 from lightning_decentral.agreement import run_configuration
 from lightning_decentral.common import OnProcesses, backward_may_overlap, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver
-from lightning_decentral.failures import DEFAULT_TIMEOUT
-from lightning_decentral.membership import Decision
+from lightning_decentral.failures import DEFAULT_TIMEOUT, checked_timeout
+from lightning_decentral.membership import Decision, form_for_save
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.rendezvous import job_store
@@ -62,11 +62,14 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
     * `combine="atc"`: `x_i(k+1) = Σ_j w_ij(k) U(x_j(k), g_j)`.
     * `momentum="decentlam"`: `z_j = x_j − γ g_j`, `g̃_i = (x_i − Σ_j w_ij z_j) / γ`,
       `x_i(k+1) = U(x_i(k), g̃_i)`; each bucket of `z` is exchanged as soon as its gradients exist.
+    * `outer_optimizer=...` with `gossip_every=H`: `H` local steps of `U`, then `θ_i <- OuterOpt(θ_i, θ_i − Σ_j w_ij x_j)`
+      and `x_i <- θ_i`; DiLoCo on `topology="complete"`.
 
     Args:
         **options: the update-rule arguments, keyword only: `topology`, `combine`, `momentum`, `gossip_every`,
             `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`, `gossip_dtype`, `staleness`, `delays`,
-            `on_peer_failure`, `min_workers` ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes
+            `on_peer_failure`, `min_workers`, `outer_optimizer`, `outer_overlap`
+            ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes
             each); a misspelled name is a `TypeError`.
         resume: what `fit(ckpt_path=...)` resumes from: `"checkpoint"`, the checkpoint it names (`"last"` as Lightning
             resolves it); `"newest_complete"`, that one if every rank can read it and finds its shard, else the newest
@@ -95,6 +98,8 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         trainer = Trainer(strategy="dpsgd", accelerator="cpu", devices=4)
         trainer = Trainer(strategy=DecentralizedStrategy(topology="one_peer_exponential"), devices=8)
         trainer = Trainer(strategy="decentlam", devices=8)  # large batch, momentum SGD
+        diloco = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        trainer = Trainer(strategy=DecentralizedStrategy(topology="complete", gossip_every=50, outer_optimizer=diloco))
         ```
     """
 
@@ -123,7 +128,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=timeout,
+            timeout=checked_timeout(timeout),
             start_method=start_method,
         )
         self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
@@ -147,7 +152,8 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """Runs when the Trainer is built, before any process starts: bind the topology (bad ones fail here)."""
+        """Runs when the Trainer is built, before any process starts: refuse what the options cannot run with the
+        plugins, then bind the topology (`OnProcesses`)."""
         if self.options.on_peer_failure == "continue" and isinstance(self.checkpoint_io, AsyncCheckpointIO):
             raise ValueError(
                 "on_peer_failure='continue' does not save in the background (AsyncCheckpointIO): its writer averages on a "
@@ -155,7 +161,6 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
                 "on_peer_failure='stop' (a restart resumes from the newest complete checkpoint)."
             )
         super()._configure_launcher()
-        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -210,6 +215,8 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         if self.activities is not None:
             self.activities.start(f"training batch {batch_idx} (optimizer step {step})")
         self.driver.begin(step)
+        if self.survivor_metrics:  # on_peer_failure="continue": the workers training, the workers lost
+            self.lightning_module.log_dict(self.survivor_metrics, on_step=True, on_epoch=False)
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -258,7 +265,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
 
     def _agree_on_stops(self, trainer: Trainer) -> None:
         """A SIGTERM stops every rank at one step agreed through the store, not through a broadcast per batch."""
-        self._stops = StopAgreement(job_store(), next_key(), self._stop_margin())
+        self._stops = StopAgreement(job_store(), next_key(), self._stop_margin(), self._timeout)
         if self.global_rank == 0:
             self._stops.forget_earlier_runs()
         stop_together(trainer, self._stops)
@@ -277,23 +284,26 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Runs when a checkpoint is saved, on every rank, first: `x̄`'s state dict (`ReplicaStrategy`'s); in the steps
-        the survivors of a failure take alone, this rank's own, unagreed (the save is skipped: `save_checkpoint`)."""
-        if self.driver.alone:
-            return self.lightning_module.state_dict()
+        the survivors of a failure take alone, once they made their process group ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
+        form_for_save(self.survivors)
         return super().lightning_module_state_dict()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`), as one operation of
-        the guard; not in the few steps the survivors of a failure take alone before they mix again (warned, on every
-        survivor), nor when a failure during it is survived (it starts again, alone)."""
+        the guard. A failure survived during the save (here, or in the averages before it) leaves every survivor in
+        it, alone: they make their group, average `x̄` and the optimizer state again among them, and save."""
         save = super().save_checkpoint
 
-        def unless_skipped() -> None:
-            if not self.save_skipped(filepath):
-                save(checkpoint, filepath, storage_options)
+        def among_the_survivors() -> None:
+            if self.driver.alone:  # a failure was survived since this save began
+                form_for_save(self.survivors)
+                checkpoint["state_dict"] = self.lightning_module_state_dict()
+                if "optimizer_states" in checkpoint:
+                    checkpoint["optimizer_states"] = [self.optimizer_state(o) for o in self.optimizers]
+            save(checkpoint, filepath, storage_options)
 
-        self.guard.operation(unless_skipped)
+        self.guard.operation(among_the_survivors)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))
