@@ -20,19 +20,20 @@ class Surviving(Survival, Protocol):
     def alone(self) -> bool:
         """Between the survivors' agreement and their process group: the default group is this rank's alone."""
 
+
 Result = TypeVar("Result")
 
 
 class Guard:
     """The one path every collective of a run goes through besides the gossip exchange (which discards a failed
     exchange instead): [`run`][lightning_decentral.membership.guard.Guard.run] for a collective,
-    [`operation`][lightning_decentral.membership.guard.Guard.operation] for several that stand or fall together. Without a
-    `survival` it only names a failure ([`peers_answer`][lightning_decentral.failures.peers_answer]).
+    [`operation`][lightning_decentral.membership.guard.Guard.operation] for several that stand or fall together.
+    Without a `survival` it only names a failure ([`peers_answer`][lightning_decentral.failures.peers_answer]).
 
     With `on_peer_failure="continue"`, the driver sets `survival` and keeps `step` (the optimizer step this rank is
-    in, or begins next: what it joins the survivors' agreement with). A collective that fails then has the survivors agree
-    (`survival.survive(step, failure)`) and runs again: on the survivors' default process group, which is this rank
-    alone until they mix again. So its caller gets the collective's result among the ranks it can still reach: a
+    in, or begins next: what it joins the survivors' agreement with). A collective that fails then has the survivors
+    agree (`survival.survive(step, failure)`) and runs again: on the survivors' default process group, which is this
+    rank alone until they mix again. So its caller gets the collective's result among the ranks it can still reach: a
     metric reduced over this rank, `x̄` of this replica, a barrier passed. An operation (a checkpoint save) runs again
     as a whole, and its collectives leave their failure to it: a save starts again, among the survivors.
     Called on the training thread.
@@ -93,11 +94,10 @@ class Guard:
         return self.survival is not None and self.survival.alone
 
 
-
-
 def from_its_value_now(tensor: Any, collective: Callable[[], Result]) -> Callable[[], Result]:
     """`collective`, which writes `tensor` in place (an all-reduce), made to start each try from `tensor`'s value now:
-    a try that failed may have written part of it before a [`Guard`][lightning_decentral.membership.guard.Guard] runs it again."""
+    a try that failed may have written part of it before a [`Guard`][lightning_decentral.membership.guard.Guard]
+    runs it again."""
     if not hasattr(tensor, "detach"):
         return collective
     value = tensor.detach().clone()
