@@ -17,6 +17,7 @@ driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(clos
 driver.rule_state(), load_rule_state(state)         a save, a resume: what the rule carries across steps
 driver.drain(); driver.teardown()                   at the end of training; when the run is over
 driver.keep(members, first_step)                    after a failure: W of the survivors (then rebind_mixers)
+driver.guard.run(what, collective)                  every collective besides the exchange (survived like it)
 ```
 
 Lightning-free: a single process drives the same lifecycle over a
@@ -37,8 +38,8 @@ from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.compression import ChocoStates
-from lightning_decentral.failures import Survival
 from lightning_decentral.gossip import CompressedGossip, Gossip, StaleGossip
+from lightning_decentral.membership.guard import Guard, Surviving as Guarded
 from lightning_decentral.measures import random_state
 from lightning_decentral.mixing import (
     TRAINER,
@@ -83,13 +84,9 @@ class StepRunner(Protocol):
     def mix(self, step: int, rounds: int) -> None: ...
 
 
-class Surviving(Survival, Protocol):
+class Surviving(Guarded, Protocol):
     """What the driver asks of the survival of a run on processes (`on_peer_failure="continue"`,
-    [`Survivors`][lightning_decentral.membership.Survivors]) besides what its mixers ask."""
-
-    @property
-    def alone(self) -> bool:
-        """Between the survivors' agreement and their process group: this rank runs alone."""
+    [`Survivors`][lightning_decentral.membership.Survivors]) besides what its mixers and guard ask."""
 
     def begin(self, step: int) -> None:
         """Before step `step`: make the survivors' group if they mix again from this step on."""
@@ -129,6 +126,7 @@ class StepDriver:
         self.runner: Optional[StepRunner] = None
         self.watch = Watch(phrasing=phrasing)  # shared with every mixer the driver builds
         self.survival: Optional[Surviving] = None  # on_peer_failure="continue" on processes
+        self.guard = Guard()  # every collective besides the exchange goes through it; its step: the step begun, or the next
         self.failed = False  # an error left a step: no collective when the run ends (the others may be gone)
         self._epoch = epoch
         self._mixers: list[Mixer] = []
@@ -204,9 +202,9 @@ class StepDriver:
         (`on_default_group`: after a collective of Lightning's times out, the exchange on the same group fails at
         once instead of waiting a second timeout), or on a new group of every rank with `timeout`; with
         `compression`, CHOCO's messages over that engine ([`CompressedGossip`][lightning_decentral.gossip.CompressedGossip]).
-        With `survival`, a failed exchange asks it, and each step begins with it."""
+        With `survival`, a failed exchange or collective (`guard`) asks it, and each step begins with it."""
         options, topology = self.options, self.topology
-        self.survival = self.watch.survival = survival
+        self.survival = self.watch.survival = self.guard.survival = survival
         if options.staleness:
             mixer: Mixer = StaleGossip.on_new_group(topology, options.staleness, options.delays, timeout, self.watch)
         elif on_default_group:
@@ -277,6 +275,7 @@ class StepDriver:
     def begin(self, step: int) -> StepRunner:
         """The runner, with optimizer step `step` begun: planned once, whoever calls first (AWC posts `x(k)` here)."""
         runner = self._live()
+        self.guard.step = step
         with self._failing():
             if self.survival is not None:
                 self.survival.begin(step)  # the survivors of a failure mix again from here: their group first
@@ -296,6 +295,7 @@ class StepDriver:
                 self._plan = None
             runner.end_step()
             runner.finish_step()
+        self.guard.step = step + 1
         return output
 
     @contextlib.contextmanager
@@ -318,7 +318,7 @@ class StepDriver:
         if self.runner is not None:
             self.runner.teardown()
         self.runner, self._plan, self._mixers = None, None, []
-        self.survival = self.watch.survival = None
+        self.survival = self.watch.survival = self.guard.survival = None
         self.failed = False
 
     # -- the monitoring surface ---------------------------------------------------------------

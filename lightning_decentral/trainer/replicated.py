@@ -33,7 +33,8 @@ from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.common import EvaluatesOnAverage
-from lightning_decentral.failures import Activities, peers_answer
+from lightning_decentral.failures import Activities
+from lightning_decentral.membership.guard import Guard, from_its_value_now
 from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, averaged_state_dict, host_copy
@@ -45,8 +46,10 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     Subclasses define the update (`optimizer_step`), `eval_on` (`"average"` evaluates `x̄`, `"local"` each rank's
     own replica), `rule_record()` (what the shards record of the update rule), `rule_state()` and
-    `load_rule_state(state)` (what the rule and, `driver.copies`, compressed gossip carry across steps, in the shard)
-    and `_configuration()`, the fields every rank must agree on; they call `_start_replicas()` from `configure_ddp`.
+    `load_rule_state(state)` (what the rule and, `driver.copies`, compressed gossip carry across steps, in the shard),
+    `_configuration()`, the fields every rank must agree on, and `guard`, the
+    [`Guard`][lightning_decentral.membership.guard.Guard] every collective goes through; they call `_start_replicas()`
+    from `configure_ddp`.
 
     Args:
         resume: `"checkpoint"`: `fit(ckpt_path=...)` resumes from the checkpoint it names; `"newest_complete"`: from
@@ -59,6 +62,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     rule_record: Callable[[], dict[str, str]]
     rule_state: Callable[[], dict[str, Any]]
     load_rule_state: Callable[[dict[str, Any]], None]
+    guard: Guard
 
     def __init__(self, resume: str = "checkpoint", **kwargs: Any) -> None:
         if resume not in RESUME:
@@ -178,40 +182,37 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self._writer = self._writer_ranks = None
         super().teardown()
 
-    # -- Lightning's own collectives: a rank that fails meanwhile ends them with the library's error --------
+    # -- Lightning's own collectives go through the guard: a rank that fails meanwhile raises the library's error,
+    # -- or, with survivors, the collective completes among them -------------------------------------------------
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's barrier; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
-        with self._lightning_collective("barrier"):
-            super().barrier(*args, **kwargs)
+        """Lightning's barrier, through the guard."""
+        self._lightning_collective("barrier", functools.partial(super().barrier, *args, **kwargs))
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        """Lightning's broadcast; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
-        with self._lightning_collective("broadcast"):
-            return super().broadcast(obj, src)
+        """Lightning's broadcast, through the guard."""
+        return self._lightning_collective("broadcast", functools.partial(super().broadcast, obj, src))
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        """Lightning's reduce (`self.log(..., sync_dist=True)`); a rank that fails meanwhile raises
-        [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
-        with self._lightning_collective("reduce (a metric logged with sync_dist=True?)"):
-            return super().reduce(tensor, group, reduce_op)
+        """Lightning's reduce (`self.log(..., sync_dist=True)`), through the guard (each try from `tensor`'s value)."""
+        reduce = from_its_value_now(tensor, functools.partial(super().reduce, tensor, group, reduce_op))
+        return self._lightning_collective("reduce (a metric logged with sync_dist=True?)", reduce)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        """Lightning's all-gather; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
-        with self._lightning_collective("all_gather"):
-            return super().all_gather(tensor, group, sync_grads)
+        """Lightning's all-gather, through the guard."""
+        return self._lightning_collective("all_gather", functools.partial(super().all_gather, tensor, group, sync_grads))
 
-    def _lightning_collective(self, name: str) -> contextlib.AbstractContextManager:
+    def _lightning_collective(self, name: str, collective: Callable[[], Any]) -> Any:
         when = ""
         if self.lightning_module is not None:
             with contextlib.suppress(RuntimeError):  # not attached to a Trainer
                 trainer = self.lightning_module.trainer
                 when = f" at step {trainer.global_step} ({trainer.state.stage})"
-        return peers_answer(f"Lightning's {name}{when}")
+        return self.guard.run(f"Lightning's {name}{when}", collective)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -385,7 +386,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @property
     def _ranks(self) -> Ranks:
-        return Ranks.of_world(self.root_device)
+        return Ranks.of_world(self.root_device, self.guard)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         """What every rank must agree on (`Ranks.check_same_configuration`)."""

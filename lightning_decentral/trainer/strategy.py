@@ -39,7 +39,7 @@ from lightning_decentral.agreement import run_configuration
 from lightning_decentral.common import OnProcesses, backward_may_overlap, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.failures import DEFAULT_TIMEOUT, checked_timeout
-from lightning_decentral.membership import form_for_save
+from lightning_decentral.membership import Decision, form_for_save
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.rendezvous import job_store
@@ -134,6 +134,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
         self._replica: Optional[Replica] = None
         self._mixer: Optional[Mixer] = None
+        self._stops: Optional[StopAgreement] = None  # this fit's agreement on a step to stop at after a SIGTERM
 
     # -- public surface: the monitors, tests and benchmarks read the strategy through these (and Driven's) ------
 
@@ -260,19 +261,31 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
 
     @override
     def teardown(self) -> None:
-        """After the stage: release the rule's hooks; after a clean fit, leave the gossip groups together."""
-        self.driver.teardown()
+        """After the stage: after a clean fit, leave the gossip groups together (the survivors of a failure first make
+        theirs); release the rule's hooks."""
         self.end_gossip(self._mixer, self.lightning_module.trainer.global_step, self._failed)
+        self.driver.teardown()
         self._mixer = None  # and its receive buffers
+        self._stops = None
         super().teardown()
 
     def _agree_on_stops(self, trainer: Trainer) -> None:
         """A SIGTERM stops every rank at one step agreed through the store, not through a broadcast per batch."""
-        margin = stop_margin(self.topology, self.staleness, self.gossip_every)
-        agreement = StopAgreement(job_store(), next_key(), margin, self._timeout)
+        self._stops = StopAgreement(job_store(), next_key(), self._stop_margin(), self._timeout)
         if self.global_rank == 0:
-            agreement.forget_earlier_runs()
-        stop_together(trainer, agreement, self._check_replica)
+            self._stops.forget_earlier_runs()
+        stop_together(trainer, self._stops, self._check_replica)
+
+    def _stop_margin(self) -> int:
+        return stop_margin(self.topology, self.staleness, self.gossip_every)
+
+    @override
+    def on_survivors(self, decision: Decision) -> None:
+        """After a failure, in the survivors' process group (every survivor together): besides `OnProcesses`', a
+        SIGTERM stops them at one step of their own graph (its diameter may be longer: the stop margin follows)."""
+        super().on_survivors(decision)
+        if self._stops is not None:
+            self._stops.margin = self._stop_margin()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -285,6 +298,23 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         """At an epoch's first batch: the trainable parameters are still those packed when fit started."""
         assert self._replica is not None, "the replicas are packed when fit starts"
         self._replica.check_trainable_unchanged(self.lightning_module)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`), as one operation of
+        the guard. A failure survived during the save (here, or in the averages before it) leaves every survivor in
+        it, alone: they make their group, average `x̄` and the optimizer state again among them, and save."""
+        save = super().save_checkpoint
+
+        def among_the_survivors() -> None:
+            if self.driver.alone:  # a failure was survived since this save began
+                form_for_save(self.survivors)
+                checkpoint["state_dict"] = self.lightning_module_state_dict()
+                if "optimizer_states" in checkpoint:
+                    checkpoint["optimizer_states"] = [self.optimizer_state(o) for o in self.optimizers]
+            save(checkpoint, filepath, storage_options)
+
+        self.guard.operation(among_the_survivors)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))
