@@ -43,7 +43,10 @@ class OuterStep(UpdateRule):
     (buffers: `b_i <- b_i + Σ_j w_ij y_j − y_i`), then the new `x_i` is sent.
 
     Args:
-        replica, mixer, optimizer, context: as for every [`UpdateRule`][lightning_decentral.rules.UpdateRule].
+        replica: the worker's replica, as for every [`UpdateRule`][lightning_decentral.rules.UpdateRule].
+        mixer: its mixer.
+        optimizer: the user's (inner) optimizer.
+        context: what the executor tells the rules.
         outer_optimizer: `parameters -> optimizer`, the outer optimizer of the anchor.
         every: the steps of a round, `H`.
         overlap: apply each round's outer step one round late, its exchange in flight meanwhile.
