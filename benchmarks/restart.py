@@ -3,21 +3,24 @@ a killed rank to the first step after torchrun restarted the job.
 
 ::
 
-    python benchmarks/restart.py                    # both parts, ~7 minutes on 2 cores
+    python benchmarks/restart.py                    # both parts, ~12 minutes on 2 cores
     python benchmarks/restart.py --kills 0          # the step-time cost only
     python benchmarks/restart.py --methods "" --kills 20 --job-steps 800   # a soak: 20 restarts under torchrun
     python benchmarks/restart.py --smoke            # tiny model, a few steps, no torchrun
 
 **Cost per step.** Every method trains ``benchmarks/step_time.py``'s MLP (5,257,226 parameters, SGD with momentum,
-batch 32 per process) with ``DecentralizedStrategy()`` (ring, AWC) on ``--workers`` CPU processes over gloo, one
-method after another in the same run, ``--repeats`` times in rotated order (as ``step_time.py`` does): ``none`` saves
-nothing; ``every N`` has ``ModelCheckpoint(every_n_train_steps=N, save_last=True)`` (a checkpoint and ``last.ckpt``,
-each with its 4 shards, every N steps, the previous ones removed) saving synchronously, ``every N background``
-the same under Lightning's ``AsyncCheckpointIO`` (the strategy's background saves), and ``every N link`` saves
-synchronously with ``last.ckpt`` a link to the step's checkpoint (``save_last="link"``) instead of a second save.
-The cost of a method is its mean step over the ``--steps`` measured steps (the slowest rank's wall time from the end
-of the last warm-up step to the end of the last step, divided by the steps: saves included), against ``none``'s; also
-the time ``fit`` took after the last step (waiting for the saves still in flight, and the teardown).
+batch 32 per process) with ``DecentralizedStrategy()`` (ring, AWC; ``dpsgd`` below) or, for the methods prefixed
+``ddp_``, Lightning's ``strategy="ddp"`` (the anchor: one file, written by rank 0), on ``--workers`` CPU processes over
+gloo, one method after another in the same run, ``--repeats`` times in rotated order (as ``step_time.py`` does):
+``none`` saves nothing; ``every N`` has ``ModelCheckpoint(every_n_train_steps=N, save_last=True)`` (a checkpoint and
+``last.ckpt`` every N steps, the previous ones removed; under ``dpsgd`` each with its 4 shards) saving synchronously,
+``every N background`` the same under Lightning's ``AsyncCheckpointIO`` (under ``dpsgd``, the strategy's background
+saves), and ``every N link`` saves synchronously with ``last.ckpt`` a link to the step's checkpoint
+(``save_last="link"``) instead of a second save. The cost of a method is its mean step over the ``--steps`` measured
+steps (the slowest rank's wall time from the end of the last warm-up step to the end of the last step, divided by the
+steps: saves included), against ``none``'s of the same strategy (``ddp_none`` for a ``ddp_`` method); the training
+time a save step costs is that difference times the measured steps, over the save steps among them; also the time
+``fit`` took after the last step (waiting for the saves still in flight, and the teardown).
 
 **Kill to first step.** ``--kills K`` then runs one job under ``torchrun --nproc-per-node=W --max-restarts=K`` with
 background saves every ``--every`` steps and ``fit(ckpt_path="last")`` with ``resume="newest_complete"``; at attempt
@@ -54,28 +57,50 @@ import harness
 from lightning_decentral import DecentralizedStrategy
 from mlp import MLP, StepClock, make_loader, quiet_trainer
 
-DEFAULT_METHODS = "none,every10,every10_background,every10_link,every50,every50_background,every50_link"
-SMOKE_METHODS = "none,every2_background"
+DEFAULT_METHODS = (
+    "none,every10,every10_background,every10_link,every50,every50_background,every50_link,"
+    "ddp_none,ddp_every10,ddp_every10_background,ddp_every50,ddp_every50_background"
+)
+SMOKE_METHODS = "none,every2_background,ddp_none,ddp_every2_background"
 
 
-def _method(name: str) -> tuple[Optional[int], bool, Union[bool, str]]:
-    """``none``, ``every<N>``, ``every<N>_background`` or ``every<N>_link`` -> (N or None, background, save_last)."""
-    if name == "none":
-        return None, False, True
-    every, _, mode = name.removeprefix("every").partition("_")
-    if not every.isdigit() or mode not in ("", "background", "link"):
+def _method(name: str) -> tuple[str, Optional[int], bool, Union[bool, str]]:
+    """``[ddp_]none``, ``[ddp_]every<N>``, ``[ddp_]every<N>_background`` or ``[ddp_]every<N>_link`` -> (the strategy,
+    ``"dpsgd"`` or ``"ddp"``; N or None; background; save_last)."""
+    strategy, rest = ("ddp", name.removeprefix("ddp_")) if name.startswith("ddp_") else ("dpsgd", name)
+    if rest == "none":
+        return strategy, None, False, True
+    every, _, mode = rest.removeprefix("every").partition("_")
+    if not rest.startswith("every") or not every.isdigit() or mode not in ("", "background", "link"):
         raise ValueError(
-            f"unknown method {name!r}: none, every<N>, every<N>_background or every<N>_link (a link to a checkpoint "
-            "saved in the background is refused: it may name a file not yet written)"
+            f"unknown method {name!r}: none, every<N>, every<N>_background or every<N>_link, each with a prefix ddp_ "
+            "for Lightning's DDP (a link to a checkpoint saved in the background is refused: it may name a file not "
+            "yet written)"
         )
-    return int(every), mode == "background", "link" if mode == "link" else True
+    return strategy, int(every), mode == "background", "link" if mode == "link" else True
+
+
+def _baseline(name: str) -> str:
+    """The method a method's ratio is taken against: ``none`` of the same strategy."""
+    return "ddp_none" if _method(name)[0] == "ddp" else "none"
+
+
+def _saves(every: Optional[int], warmup: int, steps: int) -> int:
+    """The save steps inside the measured window: ``ModelCheckpoint`` saves at the end of the batch that makes
+    ``global_step`` a multiple of ``every``, after ``StepClock`` noted the batch's end, so the save of step ``g``
+    falls in batch ``g``'s (0-based) interval, and the window holds batches ``warmup .. warmup + steps - 1``.
+
+    >>> _saves(10, 5, 100), _saves(10, 2, 50), _saves(None, 5, 100)
+    (10, 5, 0)
+    """
+    return 0 if every is None else sum(1 for g in range(max(warmup, 1), warmup + steps) if g % every == 0)
 
 
 def _trainer(config: dict[str, Any], every: Optional[int], background: bool, directory: str, callbacks: list,
-             save_last: Union[bool, str] = True, **kwargs: Any) -> Any:
+             save_last: Union[bool, str] = True, strategy: str = "dpsgd", **kwargs: Any) -> Any:
     saves = [ModelCheckpoint(directory, every_n_train_steps=every, save_last=save_last)] if every else []
     return quiet_trainer(
-        DecentralizedStrategy(**kwargs), config["warmup"] + config["steps"], [*callbacks, *saves],
+        "ddp" if strategy == "ddp" else DecentralizedStrategy(**kwargs), config["warmup"] + config["steps"], [*callbacks, *saves],
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
         use_distributed_sampler=False, enable_checkpointing=bool(every),
         plugins=[AsyncCheckpointIO()] if background else None,
@@ -86,9 +111,9 @@ def _train(config: dict[str, Any], name: str, directory: str, rank: int) -> dict
     """One rank of one method: its step ends, and when `fit` returned."""
     harness.use_threads(1)
     harness.quiet()
-    every, background, save_last = _method(name)
+    strategy, every, background, save_last = _method(name)
     clock = StepClock()
-    trainer = _trainer(config, every, background, directory, [clock], save_last)
+    trainer = _trainer(config, every, background, directory, [clock], save_last, strategy)
     widths = tuple(config["widths"])
     trainer.fit(MLP(widths, 0.01, 0.9), make_loader(rank, widths, config["batch_size"], config["warmup"] + config["steps"]))
     return {"ends": clock.ends, "returned": time.perf_counter()}
@@ -113,21 +138,25 @@ def cost_per_step(args: argparse.Namespace) -> list[dict[str, Any]]:
         mean = statistics.mean(run["mean_step_s"] for run in runs[name])
         rows.append({"method": name, "mean_step_s": mean, "repeats_s": [run["mean_step_s"] for run in runs[name]],
                      "after_last_step_s": statistics.mean(run["after_last_step_s"] for run in runs[name])})
-    base = next((row["mean_step_s"] for row in rows if row["method"] == "none"), None)
+    means = {row["method"]: row["mean_step_s"] for row in rows}
     for row in rows:
+        base = means.get(_baseline(row["method"]))
+        saves = _saves(_method(row["method"])[1], args.warmup, args.steps)
         row["ratio_to_none"] = row["mean_step_s"] / base if base else None
+        row["per_save_step_s"] = (row["mean_step_s"] - base) * args.steps / saves if base and saves else None
     return rows
 
 
 def render_cost(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| method | mean step (s) | each repeat (s) | ratio to none | fit after the last step (s) |",
-        "|---|---|---|---|---|",
+        "| method | mean step (s) | each repeat (s) | ratio to its strategy's none | training time per save step (s) | fit after the last step (s) |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = "n/a" if r["ratio_to_none"] is None else f"{r['ratio_to_none']:.3f}"
+        per_save = "n/a" if r["per_save_step_s"] is None else f"{r['per_save_step_s']:.3f}"
         repeats = ", ".join(f"{t:.4f}" for t in r["repeats_s"])
-        lines.append(f"| {r['method']} | {r['mean_step_s']:.4f} | {repeats} | {ratio} | {r['after_last_step_s']:.2f} |")
+        lines.append(f"| {r['method']} | {r['mean_step_s']:.4f} | {repeats} | {ratio} | {per_save} | {r['after_last_step_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -234,7 +263,7 @@ def render_kills(result: dict[str, Any]) -> str:
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default=None, help=f"comma-separated: none, every<N>, every<N>_background or every<N>_link (default {DEFAULT_METHODS})")
+    parser.add_argument("--methods", default=None, help=f"comma-separated: none, every<N>, every<N>_background or every<N>_link, each with a prefix ddp_ for Lightning's DDP (default {DEFAULT_METHODS})")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per method (default 100; --smoke: 4)")
     parser.add_argument("--job-steps", type=int, default=300, help="the torchrun job's steps")
     parser.add_argument("--warmup", type=int, default=5)

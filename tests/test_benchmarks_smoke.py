@@ -58,8 +58,9 @@ def test_restart_smoke(tmp_path: Path) -> None:
     out = tmp_path / "restart.json"
     _run_smoke("restart.py", "--out", str(out))
     rows = json.loads(out.read_text())["cost"]
-    assert [row["method"] for row in rows] == ["none", "every2_background"]
+    assert [row["method"] for row in rows] == ["none", "every2_background", "ddp_none", "ddp_every2_background"]
     assert rows[0]["ratio_to_none"] == 1.0 and all(row["mean_step_s"] > 0 for row in rows)
+    assert rows[2]["ratio_to_none"] == 1.0  # a ddp_ method's ratio is against ddp_none
 
 
 def test_survive_accuracy_smoke(tmp_path: Path) -> None:
