@@ -56,13 +56,16 @@ import harness
 
 # -- the benchmark's jobs (run inside each worker) ---------------------------------------------------
 
-# the methods of the issue: name -> (table label, topology (None: DDP's all-reduce), momentum)
+# the methods of the issues: name -> (table label, topology (None: DDP's all-reduce), momentum, compression)
 METHODS = {
-    "ddp": ("ddp", None, None),
-    "ring": ("dpsgd awc", "ring", "local"),
-    "one_peer_exponential": ("dpsgd awc", "one_peer_exponential", "local"),
-    "decentlam": ("decentlam", "ring", "decentlam"),
-    "decentlam_one_peer": ("decentlam", "one_peer_exponential", "decentlam"),
+    "ddp": ("ddp", None, None, None),
+    "ring": ("dpsgd awc", "ring", "local", None),
+    "one_peer_exponential": ("dpsgd awc", "one_peer_exponential", "local", None),
+    "decentlam": ("decentlam", "ring", "decentlam", None),
+    "decentlam_one_peer": ("decentlam", "one_peer_exponential", "decentlam", None),
+    "one_peer_sign": ("dpsgd awc, sign", "one_peer_exponential", "local", "sign"),
+    "one_peer_int4": ("dpsgd awc, int4", "one_peer_exponential", "local", "int4"),
+    "one_peer_top_k": ("dpsgd awc, top_k:0.01", "one_peer_exponential", "local", "top_k:0.01"),
 }
 DEFAULT_METHODS = "ddp,ring,one_peer_exponential,decentlam"
 
@@ -70,8 +73,10 @@ DEFAULT_METHODS = "ddp,ring,one_peer_exponential,decentlam"
 def make_strategy(method: str) -> Any:
     from lightning_decentral import DecentralizedStrategy
 
-    _, topology, momentum = METHODS[method]
-    return "ddp" if topology is None else DecentralizedStrategy(topology=topology, momentum=momentum)
+    _, topology, momentum, compression = METHODS[method]
+    if topology is None:
+        return "ddp"
+    return DecentralizedStrategy(topology=topology, momentum=momentum, compression=compression)
 
 
 def make_trainer(method: str, world_size: int, max_steps: int, callbacks: list, **kwargs: Any) -> Any:

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_decentral._compat import use_count
-from lightning_decentral.failures import PeerFailure, peers_answer
+from lightning_decentral.failures import PeerFailure
+from lightning_decentral.membership.guard import Guard
+from lightning_decentral.options import outer_optimizer_name
 from lightning_decentral.replicas import MeanFn, averaged_optimizer_state, group_by_layout
 from lightning_decentral.schedule import RoundsSchedule
 
@@ -30,26 +32,48 @@ _SAME_BUILD = (
 class Ranks:
     """Collectives over the ranks of one job, run on this rank's device.
 
-    A collective that cannot complete (a rank died, raised, or hangs past the process-group timeout) raises
-    [`PeerFailure`][lightning_decentral.failures.PeerFailure], naming what the ranks were doing.
+    Each goes through `guard` ([`Guard.run`][lightning_decentral.membership.guard.Guard.run]): a collective that cannot
+    complete (a rank died, raised, or hangs past the process-group timeout) raises
+    [`PeerFailure`][lightning_decentral.failures.PeerFailure], naming what the ranks were doing; with the survivors
+    of a failure it runs again among them (these ranks then follow the default group: `rank`, `world_size`).
 
     Args:
         rank: this rank's global rank.
         world_size: the number of ranks.
         device: the device collectives run on (a CUDA device under NCCL).
         group: the process group they run on (default: the default group).
+        guard: the path the collectives go through (default: one without survivors).
     """
 
-    def __init__(self, rank: int, world_size: int, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        group: Optional[dist.ProcessGroup] = None,
+        guard: Optional[Guard] = None,
+    ) -> None:
         self.rank, self.world_size, self.device, self.group = rank, world_size, device, group
+        self.guard = guard if guard is not None else Guard()
 
     @classmethod
-    def of_world(cls, device: torch.device) -> Ranks:
+    def of_world(cls, device: torch.device, guard: Optional[Guard] = None) -> Ranks:
         """The ranks of the default process group now (one rank before there is one): after a failure, the
         survivors' (or this rank alone, while they agree)."""
         if dist.is_available() and dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size(), device)
-        return cls(0, 1, device)
+            return cls(dist.get_rank(), dist.get_world_size(), device, guard=guard)
+        return cls(0, 1, device, guard=guard)
+
+    def _collective(self, what: str, collective: Callable[[], Any], peers: str = "a peer") -> Any:
+        """`collective()` through the guard, on the default group as it is at each try (after a failure survived, the
+        survivors')."""
+
+        def attempt() -> Any:
+            if self.group is None and dist.is_available() and dist.is_initialized():
+                self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+            return collective()
+
+        return self.guard.run(what, attempt, peers)
 
     def gather(self, values: list[int], what: str = "An all-gather of the ranks' agreement") -> Tensor:
         """Every rank's `values`: a `[world_size, len(values)]` int64 CPU tensor (one all-gather); `what` names it
@@ -57,19 +81,24 @@ class Ranks:
         local = torch.tensor(values, dtype=torch.int64, device=self.device)
         if not dist.is_initialized():
             return local[None].cpu()
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        with peers_answer(what):
+
+        def all_gather() -> Tensor:
+            gathered = [torch.empty_like(local) for _ in range(self.world_size)]
             dist.all_gather(gathered, local, group=self.group)
-        return torch.stack(gathered).cpu()
+            return torch.stack(gathered).cpu()
+
+        return self._collective(what, all_gather)
 
     def mean(self, tensors: list[Tensor], what: str = "Averaging the replicas") -> list[Tensor]:
         """New tensors `(1/n) Σ_i t_i`, one all-reduce per (device, dtype), each on its tensor's device; `what`
         names it in the error if a rank fails meanwhile."""
+        return self._collective(what, lambda: self._mean(tensors))
+
+    def _mean(self, tensors: list[Tensor]) -> list[Tensor]:
         means: dict[int, Tensor] = {}
         for group in group_by_layout(tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in group]).to(self.device)  # a copy, on the device
-            with peers_answer(what):
-                dist.all_reduce(flat, group=self.group)
+            dist.all_reduce(flat, group=self.group)
             released_by_gloo(flat)
             flat.div_(self.world_size)
             offset = 0
@@ -82,8 +111,11 @@ class Ranks:
         """Every rank's `tensors` take rank 0's values: one broadcast per (device, dtype)."""
         for group in group_by_layout(tensors):
             flat = torch.cat([t.detach().reshape(-1) for t in group])
-            with peers_answer("Starting every replica from rank 0's weights", "rank 0 or another rank"):
-                dist.broadcast(flat, src=0, group=self.group)
+            self._collective(
+                "Starting every replica from rank 0's weights",
+                lambda flat=flat: dist.broadcast(flat, src=0, group=self.group),
+                "rank 0 or another rank",
+            )
             offset = 0
             with torch.no_grad():
                 for t in group:
@@ -92,10 +124,13 @@ class Ranks:
 
     def any(self, flag: Tensor) -> Tensor:
         """`flag` (0-dim) set where it is set on any rank: one all-reduce (max), no host sync."""
-        flag = flag.to(torch.float32)
-        with peers_answer("Agreeing whether any rank overflowed (a skipped step)"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return flag > 0
+
+        def all_reduce() -> Tensor:
+            maximum = flag.to(torch.float32, copy=True)
+            dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=self.group)
+            return maximum
+
+        return self._collective("Agreeing whether any rank overflowed (a skipped step)", all_reduce) > 0
 
     def on_every_rank(self, action: Callable[[], Any], what: str, during: str = "A checkpoint save") -> None:
         """Run `action` here; then, one all-gather later, every rank knows whether every rank succeeded.
@@ -237,6 +272,8 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "delays": schedule_name(options.delays),
         "on_peer_failure": options.on_peer_failure,
         "min_workers": options.min_workers_for(strategy.world_size),
+        "outer_optimizer": "" if options.outer_optimizer is None else fitted(outer_optimizer_name(options.outer_optimizer)),
+        "outer_overlap": int(options.outer_overlap),
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),

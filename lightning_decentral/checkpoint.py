@@ -131,7 +131,7 @@ def refuse_non_finite(ranks: RankGroup, shard: dict[str, Any], filepath: StrPath
     optimizer state (so would `x̄` and the averaged optimizer state of the checkpoint file). One all-gather;
     nothing is written."""
     step = shard["strategy"]["step"]
-    own = holds_finite([shard["state_dict"], shard.get("optimizer_states")])
+    own = holds_finite([shard["state_dict"], shard.get("optimizer_states"), shard.get("rule_state")])
     table = ranks.gather([own], f"Saving {filepath} at step {step}, checking its values,")
     bad = [rank for rank, finite in enumerate(table[:, 0].tolist()) if not finite]
     if bad:
@@ -182,11 +182,17 @@ def make_shard(
     precision: Optional[dict[str, Any]] = None,
     rng: Optional[dict[str, Any]] = None,
     rule: Optional[dict[str, str]] = None,
+    rule_state: Optional[dict[str, Any]] = None,
+    gossip: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """A rank's shard: its own `state_dict`, the optimizer step and the update rule it ran (`rule`, e.g.
     `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this
-    process's [`rng_state`][lightning_decentral.checkpoint.rng_state]), and (unless the checkpoint is
-    weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s and its precision plugin's state."""
+    process's [`rng_state`][lightning_decentral.checkpoint.rng_state]), the state of its compressed gossip
+    (`gossip`: the public copies, [`ChocoStates.state`][lightning_decentral.compression.ChocoStates.state]), and
+    (unless the checkpoint is weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s, its precision
+    plugin's state and what its update rule carries across steps (`rule_state`,
+    [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]: an outer step's anchor and outer
+    optimizer; kept when not empty)."""
     shard = {
         "save_id": save_id,
         "rank": rank,
@@ -195,9 +201,13 @@ def make_shard(
         "strategy": {"step": step, **(rule or {})},
         "rng": rng if rng is not None else rng_state(),
     }
+    if gossip is not None:
+        shard["gossip"] = gossip
     if optimizer_states is not None:
         shard["optimizer_states"] = optimizer_states
         shard["precision"] = precision
+        if rule_state:
+            shard["rule_state"] = rule_state
     return shard
 
 

@@ -297,7 +297,7 @@ def _report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> s
     workers = trainer.world_size
     if isinstance(strategy, Monitored):
         what = "the averaged model x̄" if strategy.eval_on == "average" else "worker 0's own replica"
-        rule = "decentlam" if strategy.rule == "decentlam" else f"dpsgd {strategy.rule}"
+        rule = {"decentlam": "decentlam", "outer": "local steps with an outer optimizer"}.get(strategy.rule, f"dpsgd {strategy.rule}")
         how = f"{rule}, {strategy.topology!r}"
         workers = strategy.num_workers
         if workers > trainer.world_size:  # several workers in each process

@@ -10,12 +10,14 @@ and keeps the monitoring surface ([`Driven`][lightning_decentral.driver.Driven])
 
 ```text
 driver.bind(world_size, num_nodes)                  topology and schedule, checked
-driver.process_mixer(...), dense_mixer()          the exchange the options select (plain, stale), by constructor
-driver.build_rule(replica, mixer, optimizers, ...)  RULES[options.rule](...)   (or driver.run(workers))
+driver.process_mixer(...), dense_mixer()          the exchange the options select (plain, stale, compressed), by constructor
+driver.build_rule(replica, mixer, optimizers, ...)  make_rule: RULES[options.rule](...) or OuterStep (or driver.run(workers))
 driver.begin(k)                                     plan = schedule.plan(k, epoch); runner.begin_step(plan)
 driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
+driver.rule_state(), load_rule_state(state)         a save, a resume: what the rule carries across steps
 driver.drain(); driver.teardown()                   at the end of training; when the run is over
 driver.keep(members, first_step)                    after a failure: W of the survivors (then rebind_mixers)
+driver.guard.run(what, collective)                  every collective besides the exchange (survived like it)
 ```
 
 Lightning-free: a single process drives the same lifecycle over a
@@ -35,8 +37,9 @@ import torch
 from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.failures import Survival
-from lightning_decentral.gossip import Gossip, StaleGossip
+from lightning_decentral.compression import ChocoStates
+from lightning_decentral.gossip import CompressedGossip, Gossip, StaleGossip
+from lightning_decentral.membership.guard import Guard, Surviving as Guarded
 from lightning_decentral.measures import random_state
 from lightning_decentral.mixing import (
     TRAINER,
@@ -49,8 +52,9 @@ from lightning_decentral.mixing import (
     check_stale_topology,
 )
 from lightning_decentral.options import GossipOptions
+from lightning_decentral.outer import OuterStep
 from lightning_decentral.replicas import Replica
-from lightning_decentral.rules import RULES, Closure, RuleContext, UpdateRule
+from lightning_decentral.rules import RULES, Closure, RuleContext, UpdateRule, check_one_optimizer
 from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
 from lightning_decentral.topology import Topology, resolve_topology
 
@@ -80,13 +84,9 @@ class StepRunner(Protocol):
     def mix(self, step: int, rounds: int) -> None: ...
 
 
-class Surviving(Survival, Protocol):
+class Surviving(Guarded, Protocol):
     """What the driver asks of the survival of a run on processes (`on_peer_failure="continue"`,
-    [`Survivors`][lightning_decentral.membership.Survivors]) besides what its mixers ask."""
-
-    @property
-    def alone(self) -> bool:
-        """Between the survivors' agreement and their process group: this rank runs alone."""
+    [`Survivors`][lightning_decentral.membership.Survivors]) besides what its mixers and guard ask."""
 
     def begin(self, step: int) -> None:
         """Before step `step`: make the survivors' group if they mix again from this step on."""
@@ -126,10 +126,13 @@ class StepDriver:
         self.runner: Optional[StepRunner] = None
         self.watch = Watch(phrasing=phrasing)  # shared with every mixer the driver builds
         self.survival: Optional[Surviving] = None  # on_peer_failure="continue" on processes
+        self.guard = Guard()  # every collective besides the exchange goes through it; its step: the step begun, or the next
         self.failed = False  # an error left a step: no collective when the run ends (the others may be gone)
         self._epoch = epoch
         self._mixers: list[Mixer] = []
+        self.copies = ChocoStates()  # compressed gossip: the workers' public copies, their bytes, from run to run
         self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
+        self._rule: Optional[UpdateRule] = None  # what build_rule built (processes)
 
     # -- binding ------------------------------------------------------------------------------
 
@@ -197,16 +200,19 @@ class StepDriver:
         [`StaleGossip`][lightning_decentral.gossip.StaleGossip] (its own gloo group), else
         [`Gossip`][lightning_decentral.gossip.Gossip] on the default group when this run made it with `timeout`
         (`on_default_group`: after a collective of Lightning's times out, the exchange on the same group fails at
-        once instead of waiting a second timeout), or on a new group of every rank with `timeout`. With
-        `survival`, a failed exchange asks it, and each step begins with it."""
+        once instead of waiting a second timeout), or on a new group of every rank with `timeout`; with
+        `compression`, CHOCO's messages over that engine ([`CompressedGossip`][lightning_decentral.gossip.CompressedGossip]).
+        With `survival`, a failed exchange or collective (`guard`) asks it, and each step begins with it."""
         options, topology = self.options, self.topology
-        self.survival = self.watch.survival = survival
+        self.survival = self.watch.survival = self.guard.survival = survival
         if options.staleness:
             mixer: Mixer = StaleGossip.on_new_group(topology, options.staleness, options.delays, timeout, self.watch)
         elif on_default_group:
             mixer = Gossip(topology, dtype=options.gossip_dtype, timeout=timeout, watch=self.watch)
         else:
             mixer = Gossip.on_new_group(topology, device, backend, timeout, options.gossip_dtype, self.watch)
+        if options.compression is not None:  # over the engine just built (staleness is refused with compression)
+            mixer = CompressedGossip(mixer, options.compression, options.consensus_step)  # type: ignore[arg-type]
         return self._built(mixer)
 
     def dense_mixer(self) -> DenseMixer:
@@ -215,25 +221,40 @@ class StepDriver:
         worker `i`'s."""
         options, topology = self.options, self.topology
         delayed = DelayedMixing(topology, options.staleness, options.delays) if options.staleness else None
-        return self._built(DenseMixer(topology, dtype=options.gossip_dtype, delayed=delayed, watch=self.watch))
+        mixer = DenseMixer(topology, options.gossip_dtype, delayed, self.watch, options.compression, options.consensus_step)
+        return self._built(mixer)
 
     def _built(self, mixer: AnyMixer) -> AnyMixer:
         self._mixers.append(mixer)
+        self.copies.attach(mixer)  # compressed gossip: a later fit goes on from the public copies the last one left
         return mixer
 
     def build_rule(
-        self,
-        replica: Replica,
-        mixer: Mixer,
-        optimizers: list[Any],
-        context: Optional[RuleContext] = None,
+        self, replica: Replica, mixer: Mixer, optimizers: list[Any], context: Optional[RuleContext] = None,
         source: str = "`configure_optimizers` returned",
     ) -> UpdateRule:
         """The rule the options select, over `replica`, `mixer` and the one optimizer; from now on the runner."""
         check_one_optimizer(optimizers, source)
-        rule = RULES[self.options.rule](replica, mixer, optimizers[0], context)
-        self.run(rule)
-        return rule
+        self._rule = self.make_rule(replica, mixer, optimizers[0], context)
+        self.run(self._rule)
+        return self._rule
+
+    def make_rule(self, replica: Replica, mixer: Mixer, optimizer: Any, context: Optional[RuleContext] = None) -> UpdateRule:
+        """One worker's rule (a [`RuleFactory`][lightning_decentral.rules.RuleFactory], for the simulation's workers):
+        [`OuterStep`][lightning_decentral.outer.OuterStep] with an `outer_optimizer`, else `RULES[options.rule]`."""
+        outer, every, overlap = self.options.outer_optimizer, self.options.gossip_every, self.options.outer_overlap
+        if outer is not None:
+            return OuterStep(replica, mixer, optimizer, context, outer_optimizer=outer, every=every, overlap=overlap)
+        return RULES[self.options.rule](replica, mixer, optimizer, context)
+
+    def rule_state(self) -> dict[str, Any]:
+        """For this rank's shard: what the rule `build_rule` built carries across steps (`{}` before)."""
+        return self._rule.state_dict() if self._rule is not None else {}
+
+    def load_rule_state(self, state: dict[str, Any]) -> None:
+        """An exact resume: the rule `build_rule` built continues from its shard's `state`."""
+        if self._rule is not None:
+            self._rule.load_state_dict(state)
 
     def run(self, runner: StepRunner) -> None:
         """Drive `runner` from now on (the simulation's worker group; `build_rule` calls it for a rule)."""
@@ -254,6 +275,7 @@ class StepDriver:
     def begin(self, step: int) -> StepRunner:
         """The runner, with optimizer step `step` begun: planned once, whoever calls first (AWC posts `x(k)` here)."""
         runner = self._live()
+        self.guard.step = step
         with self._failing():
             if self.survival is not None:
                 self.survival.begin(step)  # the survivors of a failure mix again from here: their group first
@@ -273,6 +295,7 @@ class StepDriver:
                 self._plan = None
             runner.end_step()
             runner.finish_step()
+        self.guard.step = step + 1
         return output
 
     @contextlib.contextmanager
@@ -291,11 +314,11 @@ class StepDriver:
         self._plan = None
 
     def teardown(self) -> None:
-        """The run is over: release the rule's hooks and forget it, its mixers and its survival."""
+        """The run is over: release the rule's hooks, forget its mixers and survival (`rule_state` stays for a save)."""
         if self.runner is not None:
             self.runner.teardown()
         self.runner, self._plan, self._mixers = None, None, []
-        self.survival = self.watch.survival = None
+        self.survival = self.watch.survival = self.guard.survival = None
         self.failed = False
 
     # -- the monitoring surface ---------------------------------------------------------------
@@ -342,15 +365,6 @@ class StepDriver:
         return self.runner
 
 
-def check_one_optimizer(optimizers: list[Any], source: str) -> None:
-    """Raise unless there is exactly one optimizer (`source` says where they came from)."""
-    if len(optimizers) != 1:
-        raise ValueError(
-            f"Decentralized training mixes the whole model once per optimizer step and needs exactly one optimizer, "
-            f"but {source} {len(optimizers)}. Put the parameters into one optimizer with several parameter groups."
-        )
-
-
 class Driven:
     """The monitoring surface and the update-rule arguments every executor shares, read from its `driver`
     ([`Monitored`][lightning_decentral.measures.Monitored] is what the monitors read)."""
@@ -366,7 +380,7 @@ class Driven:
 
     @property
     def rule(self) -> str:
-        """The update rule: `"awc"`, `"atc"` or `"decentlam"`."""
+        """The update rule: `"awc"`, `"atc"`, `"decentlam"` or `"outer"` (with an `outer_optimizer`)."""
         return self.driver.options.rule
 
     @property
@@ -408,6 +422,14 @@ class Driven:
         """The update rule and topology the shards record; a resume under another one warns."""
         return self.driver.rule_record()
 
+    def rule_state(self) -> dict[str, Any]:
+        """What this rank's update rule carries across steps, which its shard keeps (an outer step's anchor)."""
+        return self.driver.rule_state()
+
+    def load_rule_state(self, state: dict[str, Any]) -> None:
+        """This rank's update rule continues from `state` (its shard's `rule_state`)."""
+        self.driver.load_rule_state(state)
+
     def worker_batches(self, batch: Any) -> list[Any]:
         """The batch of each of this process's workers: a rank's own."""
         return [batch]
@@ -424,3 +446,5 @@ def _option(name: str) -> property:
 for _field in fields(GossipOptions):
     if _field.name != "topology":  # Driven.topology is the bound one
         setattr(Driven, _field.name, _option(_field.name))
+Driven.bytes_sent = property(lambda self: self.driver.copies.bytes_sent,  # type: ignore[attr-defined]
+                             doc="Bytes compressed gossip put on the wire (this process's workers; `gossip/bytes_sent`).")

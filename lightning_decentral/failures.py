@@ -87,8 +87,8 @@ class Abandoned(PeerFailure):
 
 
 class Survival(Protocol):
-    """What a mixer asks when a peer may have failed, with `on_peer_failure="continue"` (the driver's
-    [`Survivors`][lightning_decentral.driver.Survivors])."""
+    """What a mixer or a [`Guard`][lightning_decentral.membership.guard.Guard] asks when a peer may have failed, with
+    `on_peer_failure="continue"` (the driver's [`Survivors`][lightning_decentral.membership.Survivors])."""
 
     def poll(self) -> Optional[str]:
         """Why the exchange in flight should be given up now (a member failed), or `None`."""
@@ -325,7 +325,9 @@ class Activities:
     that publishes nothing new (it is busy, or blocked in a collective it started earlier) is named after `timeout`
     seconds with its last activity ([`PeerFailure`][lightning_decentral.failures.PeerFailure]); after `warn_after`
     seconds `warn` says who it waits for. Its calls to the store run under a
-    [`GuardedStore`][lightning_decentral.failures.GuardedStore] of the same timeout (`start` runs at every step).
+    [`GuardedStore`][lightning_decentral.failures.GuardedStore] of the same timeout (`start` runs at every step). With
+    a [`Guard`][lightning_decentral.membership.guard.Guard], the wait is one of its operations, ended by a failure it
+    polls; a rank alone agrees with nobody.
 
     Examples:
         Two ranks in one process, over an in-memory store: rank 1 loads while rank 0 trains.
@@ -347,24 +349,26 @@ class Activities:
         timeout: float,
         warn_after: float = 30.0,
         warn: Callable[[str], None] = lambda message: warnings.warn(message, stacklevel=3),
+        guard: Any = None,
     ) -> None:
         self.store = None if store is None else GuardedStore.around(store, timedelta(seconds=timeout))
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.warn_after, self.warn = warn_after, warn
+        self.guard = guard
         self.count = 0  # activities this rank has published
         self.current = ""
 
     @classmethod
     def of_group(cls, ranks: Any, timeout: Optional[timedelta]) -> Activities:
-        """Activities of the ranks of the default process group (`ranks`, a [`Ranks`][lightning_decentral.agreement.Ranks]),
-        under keys of their own (one all-gather agrees on them) of the default group's store; published nowhere without
-        a process group, or with one rank."""
+        """Activities of the ranks of the default process group (`ranks`, a [`Ranks`][lightning_decentral.agreement.Ranks],
+        whose guard they share), under keys of their own (one all-gather agrees on them) of the default group's store;
+        published nowhere without a process group, or with one rank."""
         seconds = (timeout or timedelta(minutes=30)).total_seconds()
         if not dist.is_initialized() or ranks.world_size == 1:
-            return cls(None, ranks.rank, ranks.world_size, seconds)
+            return cls(None, ranks.rank, ranks.world_size, seconds, guard=ranks.guard)
         tag = int(ranks.gather([secrets.randbits(62)], "Agreeing on where the ranks publish their activities")[0, 0])
         prefixed = dist.PrefixStore(f"lightning_decentral/activities/{tag}/", default_store())
-        return cls(prefixed, ranks.rank, ranks.world_size, seconds)
+        return cls(prefixed, ranks.rank, ranks.world_size, seconds, guard=ranks.guard)
 
     def start(self, what: str) -> None:
         """This rank begins `what` (its activity number `count + 1`), which needs no agreement."""
@@ -379,11 +383,19 @@ class Activities:
         Call it right before the collective's first exchange, and begin or agree on nothing else until then: a rank
         that passed may publish its next activity only once every rank has passed (entered that collective)."""
         self.start(what)
-        if self.store is None:
+        if self.guard is None:
+            return self._wait_for_every_rank(what)
+        self.guard.operation(lambda: self._wait_for_every_rank(what))
+
+    def _wait_for_every_rank(self, what: str) -> None:
+        if self.store is None or (self.guard is not None and self.guard.alone):
             return
         started = time.monotonic()
         pause, warned = 0.005, False
         while True:
+            reason = self.guard.poll() if self.guard is not None else None
+            if reason is not None:
+                raise Abandoned(f"{what} was given up on rank {self.rank}: {reason}.")
             with peers_answer(f"{what}, reading what the other ranks do,"):
                 seen = self._published()
             ahead = [r for r, (c, _) in seen.items() if c > self.count]

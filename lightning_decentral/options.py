@@ -5,11 +5,14 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Optional, TypeVar, Union, get_type_hints
 
 import torch
+from torch.optim import Optimizer
 
+from lightning_decentral.compression import Compressor, resolve_compression
 from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.topology import TOPOLOGIES, Topology, topology_class
@@ -29,6 +32,11 @@ ON_PEER_FAILURE = ("stop", "continue")
 GOSSIP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GossipDtypeName = Literal[tuple(str(d).removeprefix("torch.") for d in GOSSIP_DTYPES)]  # type: ignore[valid-type]
 """`gossip_dtype` by name (`"bfloat16"`, `"float16"`, `"float32"`): what a YAML config or the command line gives."""
+
+OptimizerFactory = Callable[[Iterable], Optimizer]
+"""`parameters -> optimizer`, what `outer_optimizer` takes: `functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
+nesterov=True)` in Python; in a YAML config `class_path: torch.optim.SGD` with `init_args: {lr: 0.7, ...}` (Lightning's
+`OptimizerCallable`)."""
 
 
 def rule_name(momentum: str, combine: str) -> str:
@@ -92,6 +100,29 @@ class GossipOptions:
             runs the same rule in one process.
         min_workers: with `"continue"`, the run stops when fewer workers survive; `None`: half of them, rounded up
             ([`min_workers_for`][lightning_decentral.options.GossipOptions.min_workers_for]).
+        outer_optimizer: local steps with an outer optimizer over gossip (docs/algorithms.md, "Outer steps"): a
+            factory `parameters -> torch optimizer`, e.g. `functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9,
+            nesterov=True)` (YAML: `class_path: torch.optim.SGD`, `init_args: {lr: 0.7, momentum: 0.9, nesterov:
+            true}`). Every `gossip_every = H` steps of the user's optimizer, worker `i` sends its model `x_i`, takes
+            the pseudo-gradient `Δ̃_i = θ_i − Σ_j w_ij x_j` from its anchor `θ_i`, steps the anchor with this
+            optimizer, `θ_i <- OuterOpt(θ_i, Δ̃_i)`, and starts the next round from it, `x_i <- θ_i`. With
+            `topology="complete"` it is DiLoCo. `combine` is ignored; `momentum="decentlam"` and `staleness` are refused.
+            `None`: `gossip_every` mixes the models, as ATC or AWC.
+        outer_overlap: with `outer_optimizer`, the round's exchange travels during the next round's inner steps and
+            its outer step is applied one round late, the local progress made meanwhile kept on top of it
+            (docs/algorithms.md, "Overlapping the exchange").
+        compression: compressed gossip (CHOCO, docs/algorithms.md, "Compressed gossip (CHOCO)"): each worker sends
+            each neighbour `C(x_i − x̂)`, `x̂` the public copy both ends of the edge keep, and moves by `γ` towards its
+            neighbours' copies. `"sign"` (1 bit per element and a scale per 1024), `"int8"`, `"int4"` (also `"int2"` …
+            `"int8"`: codes and a scale per 1024), `"top_k:0.01"` (the largest 1 % with packed indices),
+            `"random_k:0.01"` (1 % of the coordinates drawn from a seed both ends share, values only), or a
+            [`Compressor`][lightning_decentral.compression.Compressor] (`Sign()`, `Quantize(bits=4)`, `TopK(0.01)`,
+            `RandomK(0.01)`, or your own). Kept as the compressor object. `None`: plain gossip. Runs with AWC and ATC
+            (any topology, rounds, `gossip_every`); not with DecentLaM, staleness, `gossip_dtype`,
+            `on_peer_failure="continue"` or an `outer_optimizer`.
+        consensus_step: `γ` of compressed gossip, in `(0, 1]`; `None`: the compressor's `consensus_step` (sign, int8,
+            int4: 1; int2, int3: 0.3; `top_k:f`: `3f`; `random_k:f`: `f`; measured in docs/benchmarks.md,
+            "Compressed gossip"). Kept as the value used.
 
     Examples:
         >>> options = GossipOptions(combine="atc", gossip_steps={"epoch": {0: 4, 5: 1}}, gossip_dtype="bfloat16")
@@ -105,6 +136,12 @@ class GossipOptions:
         Traceback (most recent call last):
         ...
         ValueError: staleness=2 mixes one round of W per step with the neighbours' newest replicas, but gossip_steps=2 ...
+        >>> GossipOptions(compression="top_k:0.05").consensus_step
+        0.15
+        >>> GossipOptions(compression="sign", momentum="decentlam")
+        Traceback (most recent call last):
+        ...
+        ValueError: compression=Sign(block=1024, consensus_step=1.0) runs with combine='awc' or 'atc', ... momentum='local' ...
     """
 
     topology: TopologyArgument = "ring"
@@ -120,6 +157,10 @@ class GossipOptions:
     delays: Optional[DelaySchedule] = None
     on_peer_failure: Literal["stop", "continue"] = "stop"
     min_workers: Optional[int] = None
+    outer_optimizer: Optional[OptimizerFactory] = None
+    outer_overlap: bool = False
+    compression: Optional[Union[str, Compressor]] = None
+    consensus_step: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_choice("combine", self.combine, COMBINE)
@@ -137,6 +178,8 @@ class GossipOptions:
         object.__setattr__(self, "gossip_steps", RoundsSchedule.of(self.gossip_steps))
         object.__setattr__(self, "gossip_dtype", _check_gossip_dtype(self.gossip_dtype))
         self._check_staleness()
+        self._check_outer()
+        self._check_compression()
 
     def _check_staleness(self) -> None:
         """`staleness` is an integer ≥ 0; above 0 it takes AWC or ATC, one round every step, full precision;
@@ -169,10 +212,68 @@ class GossipOptions:
                     f"not supported with it: {fix}, or staleness=0."
                 )
 
+    def _check_outer(self) -> None:
+        """`outer_optimizer` builds a torch optimizer; it takes `momentum="local"`, `staleness=0`; `outer_overlap` needs
+        it and `on_peer_failure="stop"`."""
+        if not isinstance(self.outer_overlap, bool):
+            raise ValueError(f"`outer_overlap` must be True or False, got {self.outer_overlap!r}.")
+        if self.outer_optimizer is None:
+            if self.outer_overlap:
+                raise ValueError("outer_overlap=True overlaps the exchange of an outer step: it needs an outer_optimizer.")
+            return
+        probe_outer_optimizer(self.outer_optimizer)  # raises naming the fix
+        unsupported = [
+            (self.momentum == "decentlam", "momentum='decentlam' (its correction needs an exchange at every step)",
+             "use momentum='local'"),
+            (self.staleness > 0, f"staleness={self.staleness} (an outer step waits for its round's exchange)",
+             "use staleness=0"),
+            (self.outer_overlap and self.on_peer_failure != "stop", "outer_overlap=True with on_peer_failure='continue' "
+             "(an exchange in flight across steps cannot be discarded at one agreed step)", "use outer_overlap=False"),
+        ]
+        for bad, what, fix in unsupported:
+            if bad:
+                raise ValueError(f"outer_optimizer runs local steps and one outer step per gossip round, but {what} is "
+                                 f"not supported with it: {fix}, or outer_optimizer=None.")
+    def _check_compression(self) -> None:
+        """`compression` resolves to a compressor (or `None`); `consensus_step` is in `(0, 1]`, and only with one; they
+        run with AWC and ATC, synchronous, in the compressor's own format, while every rank lives."""
+        compressor = resolve_compression(self.compression)  # raises naming the choices
+        object.__setattr__(self, "compression", compressor)
+        step = self.consensus_step
+        if compressor is None:
+            if step is not None:
+                raise ValueError(
+                    f"`consensus_step={step!r}` is the step γ of compressed gossip: pass compression= too (e.g. "
+                    "compression='sign'), or leave consensus_step=None."
+                )
+            return
+        step = compressor.consensus_step if step is None else step
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or not 0 < step <= 1:
+            raise ValueError(f"`consensus_step` (CHOCO's γ) must be in (0, 1], got {step!r}.")
+        object.__setattr__(self, "consensus_step", float(step))
+        unsupported = [
+            (self.rule == "decentlam", "momentum='decentlam' (its correction needs Σ_j w_ij z_j exactly)",
+             "use momentum='local' with combine='awc' or 'atc'"),
+            (self.staleness > 0, f"staleness={self.staleness}", "use staleness=0"),
+            (self.gossip_dtype is not None, f"gossip_dtype={self.gossip_dtype} (the compressor decides what travels)",
+             "use gossip_dtype=None"),
+            (self.on_peer_failure != "stop", f"on_peer_failure={self.on_peer_failure!r} (the survivors' graph would need "
+             "new public copies on both ends of every edge)", "use on_peer_failure='stop'"),
+            (self.outer_optimizer is not None, "an outer_optimizer (its pseudo-gradient needs Σ_j w_ij x_j exactly)",
+             "use outer_optimizer=None"),
+        ]
+        for bad, what, fix in unsupported:
+            if bad:
+                raise ValueError(
+                    f"compression={compressor!r} runs with combine='awc' or 'atc', staleness=0, full-precision buffers and "
+                    f"on_peer_failure='stop'; {what} is not supported with it: {fix}, or compression=None."
+                )
+
     @property
     def rule(self) -> str:
-        """The update rule `momentum` and `combine` select ([`rule_name`][lightning_decentral.options.rule_name])."""
-        return rule_name(self.momentum, self.combine)
+        """The update rule: `"outer"` with an `outer_optimizer`, else what `momentum` and `combine` select
+        ([`rule_name`][lightning_decentral.options.rule_name])."""
+        return "outer" if self.outer_optimizer is not None else rule_name(self.momentum, self.combine)
 
     def min_workers_for(self, world_size: int) -> int:
         """The fewest survivors a run of `world_size` workers goes on with: `min_workers`, or half the workers
@@ -277,6 +378,44 @@ def _check_gossip_dtype(dtype: Any) -> Optional[torch.dtype]:
             "Use gossip_dtype=torch.bfloat16 to halve the bytes of a float32 model."
         )
     return resolved
+
+
+def outer_optimizer_name(factory: Any) -> str:
+    """What `factory` builds, as the ranks compare it: the optimizer's class and its defaults.
+
+    Examples:
+        >>> import functools
+        >>> outer_optimizer_name(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)).split(", weight")[0]
+        'SGD(lr=0.7, momentum=0.9, dampening=0'
+    """
+    built = probe_outer_optimizer(factory)
+    defaults = ", ".join(f"{k}={v}" for k, v in built.defaults.items())
+    return f"{type(built).__name__}({defaults})"
+
+
+def probe_outer_optimizer(factory: Any) -> Optimizer:
+    """What `factory` builds, on a probe tensor; `ValueError` naming the fix if it does not build a torch optimizer.
+
+    Examples:
+        >>> import functools
+        >>> type(probe_outer_optimizer(functools.partial(torch.optim.Adam, lr=0.1))).__name__
+        'Adam'
+        >>> probe_outer_optimizer(functools.partial(torch.optim.SGD, lr=-1.0))
+        Traceback (most recent call last):
+        ...
+        ValueError: `outer_optimizer` must be a factory, ...; building it failed: ValueError: Invalid learning rate: -1.0
+    """
+    fix = ("`outer_optimizer` must be a factory, parameters -> optimizer, such as functools.partial(torch.optim.SGD, "
+           "lr=0.7, momentum=0.9, nesterov=True) (YAML: class_path: torch.optim.SGD, init_args: {lr: 0.7, ...})")
+    if not callable(factory) or isinstance(factory, Optimizer):
+        raise ValueError(f"{fix}, got a {type(factory).__name__}.")
+    try:
+        built = factory([torch.zeros(1, requires_grad=True)])
+    except Exception as error:
+        raise ValueError(f"{fix}; building it failed: {type(error).__name__}: {error}") from error
+    if not isinstance(built, Optimizer):
+        raise ValueError(f"{fix}; it built a {type(built).__name__}.")
+    return built
 
 
 def _check_positive_int(name: str, value: Any, meaning: str = "1 = every step") -> None:

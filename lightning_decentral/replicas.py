@@ -70,21 +70,52 @@ class Replica:
 
     def __init__(self, module: Module, mix_buffers: bool) -> None:
         self.parameters: list[Parameter] = [p for p in module.parameters() if p.requires_grad]
+        self.buffers: list[Tensor] = [b for b in module.buffers() if b.is_floating_point()] if mix_buffers else []
         self.flat_parameters = pack_(self.parameters)
-        self.flat_buffers = pack_([b for b in module.buffers() if b.is_floating_point()] if mix_buffers else [])
+        self.flat_buffers = pack_(self.buffers)
 
     @classmethod
-    def of_buffers(cls, parameters: list[Parameter], flat_parameters: list[Tensor], flat_buffers: list[Tensor]) -> Replica:
-        """A replica over flat buffers that already hold the tensors (`parameters` are views of
-        `flat_parameters`): nothing is packed or moved."""
+    def of_buffers(
+        cls, parameters: list[Parameter], flat_parameters: list[Tensor], flat_buffers: list[Tensor], buffers: list[Tensor]
+    ) -> Replica:
+        """A replica over flat buffers that already hold the tensors (`parameters` are views of `flat_parameters`,
+        the mixed module `buffers` of `flat_buffers`): nothing is packed or moved."""
         replica = cls.__new__(cls)
         replica.parameters, replica.flat_parameters, replica.flat_buffers = parameters, flat_parameters, flat_buffers
+        replica.buffers = buffers
         return replica
 
     @property
     def mixed(self) -> list[Tensor]:
         """What gossip mixes: the flat parameters, then the flat buffers."""
         return self.flat_parameters + self.flat_buffers
+
+    def split(self, flats: list[Tensor]) -> list[Tensor]:
+        """Tensors laid out as the first `len(flats)` buffers of `mixed` (say the flat parameters), cut into one
+        flat view per tensor they hold (parameters, then mixed buffers): a layout that does not depend on how the
+        tensors were packed (one buffer per dtype, or one per stacked tensor).
+
+        Examples:
+            >>> replica = Replica(torch.nn.Linear(2, 1), mix_buffers=False)
+            >>> replica.split([torch.arange(3.0)])  # the weight's two elements, then the bias
+            [tensor([0., 1.]), tensor([2.])]
+            >>> replica.join(replica.split([torch.arange(3.0)]))
+            [tensor([0., 1., 2.])]
+        """
+        return [flats[i].view(-1)[offset : offset + size] for i, offset, size in self.layout() if i < len(flats)]
+
+    def join(self, pieces: list[Tensor]) -> list[Tensor]:
+        """The inverse of `split`: new flat tensors laid out as `mixed` (its first buffers, for fewer pieces)."""
+        layout = self.layout()[: len(pieces)]
+        return [torch.cat([p.reshape(-1) for p, (j, _, _) in zip(pieces, layout) if j == i]) for i in sorted({j for j, _, _ in layout})]
+
+    def layout(self) -> list[tuple[int, int, int]]:
+        """For each tensor held (parameters, then mixed buffers), in order: its buffer in `mixed`, offset and size."""
+        out = []
+        for tensor in [p.data for p in self.parameters] + self.buffers:
+            i = next(i for i, flat in enumerate(self.mixed) if flat.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr())
+            out.append((i, tensor.storage_offset() - self.mixed[i].storage_offset(), tensor.numel()))
+        return out
 
     def check_trainable_unchanged(self, module: Module) -> None:
         """Raise if the module's trainable parameters are no longer the packed ones ((un)freezing during fit)."""

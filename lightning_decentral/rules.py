@@ -15,6 +15,7 @@ rule.end_step()                        after the step               AWC adds W x
 rule.finish_step()                     (may be later)               ATC, DecentLaM buffers: wait and combine
 rule.drain()                           on an error, at the end      finish anything in flight
 rule.teardown()                        once, when the run is over   release hooks (DecentLaM)
+rule.state_dict(), load_state_dict()   a save, a resume             what the rule carries across steps
 ```
 
 Backward passes of accumulated micro-batches run inside `rule.no_backward_sync()`.
@@ -125,6 +126,15 @@ class UpdateRule:
 
     def teardown(self) -> None:
         """The run is over (also after an error: nothing is waited for here); release hooks."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the rule carries from step to step besides the replica and the optimizer (copies, saved in the
+        worker's shard; a tensor of one dimension holds one value per element of the flat parameters, which a
+        stacked executor splits by worker): nothing, for the rules of this module."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state`, what `state_dict` returned (`{}`: start afresh from the replica as it is)."""
 
     def mix(self, step: int, rounds: int) -> None:
         """`x <- W(step)^rounds x` for the parameters and the mixed buffers, now, between two steps (no exchange
@@ -365,6 +375,10 @@ class DecentLaM(UpdateRule):
         return args, {**kwargs, "closure": lambda: result}
 
 
+RuleFactory = Callable[[Replica, Mixer, Optimizer, Optional[RuleContext]], UpdateRule]
+"""`(replica, mixer, optimizer, context) -> rule`: a class of `RULES`, or what the
+[driver][lightning_decentral.driver.StepDriver.make_rule] builds from the options."""
+
 RULES: dict[str, type[UpdateRule]] = {
     "awc": AdaptWithCombine,
     "atc": AdaptThenCombine,
@@ -373,3 +387,11 @@ RULES: dict[str, type[UpdateRule]] = {
 """The update rules by name; [`rule_name`][lightning_decentral.options.rule_name] picks the entry of a
 strategy's `momentum` and `combine`."""
 
+
+def check_one_optimizer(optimizers: list[Any], source: str) -> None:
+    """Raise unless there is exactly one optimizer (`source` says where they came from)."""
+    if len(optimizers) != 1:
+        raise ValueError(
+            f"Decentralized training mixes the whole model once per optimizer step and needs exactly one optimizer, "
+            f"but {source} {len(optimizers)}. Put the parameters into one optimizer with several parameter groups."
+        )

@@ -32,15 +32,18 @@ Running one worker's whole step before the next worker's fails with the DenseMix
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from lightning_decentral.compression import resolve_compression
 from lightning_decentral.mixing import DelayedMixing, DenseMixer, ExchangeObserver
 from lightning_decentral.replicas import Replica
 from lightning_decentral.options import rule_name
+from lightning_decentral.outer import OuterStep
 from lightning_decentral.rules import RULES, RuleContext, UpdateRule
 from lightning_decentral.schedule import GossipSchedule
 from lightning_decentral.topology import resolve_topology
@@ -70,7 +73,8 @@ class DenseExecutor:
         self.data = [rank_data(i, config.samples, config.dtype) for i in range(n)]
         topology = resolve_topology(config.topology, n)
         delayed = DelayedMixing(topology, config.staleness, config.delays) if config.staleness else None
-        self.mixer = DenseMixer(topology, dtype=config.gossip_dtype, delayed=delayed)
+        compression = resolve_compression(config.compression)
+        self.mixer = DenseMixer(topology, config.gossip_dtype, delayed, compression=compression, consensus_step=config.consensus_step)
         self.mixer.measure_residuals = measure_residuals
         self.mixer.observers.extend(observers)
         self.schedule = GossipSchedule(topology, config.gossip_every, config.gossip_steps)
@@ -81,6 +85,10 @@ class DenseExecutor:
             warn=self.warnings.append,
         )
         cls = RULES[rule_name(config.momentum, config.combine)]
+        if config.outer is not None:
+            cls = functools.partial(
+                OuterStep, outer_optimizer=config.outer_optimizer(), every=config.gossip_every, overlap=config.outer_overlap
+            )
         self.rules: list[UpdateRule] = [
             cls(replica, self.mixer.worker(i), optimizer, self.context)
             for i, (replica, optimizer) in enumerate(zip(self.replicas, self.optimizers))

@@ -31,7 +31,7 @@ _PRELOAD = [
     "torch", "lightning.pytorch", "lightning_decentral",
     "tests.workers", "tests.gossip_workers", "tests.monitor_workers", "tests.reliability_workers",
     "tests.simulation_workers", "tests.fabric_workers", "tests.straggler_workers", "tests.restart_workers",
-    "tests.survival_workers",
+    "tests.survival_workers", "tests.compression_workers",
 ]
 
 

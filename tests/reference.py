@@ -1,4 +1,4 @@
-"""The dense single-process reference of docs/algorithms.md (§1, §2 and §4, and bounded staleness).
+"""The dense single-process reference of docs/algorithms.md (§1, §2 and §4, bounded staleness, compressed gossip).
 
 All ``n`` replicas live in one process; ``W(k)`` is written here from the closed forms
 of §5, independently of ``lightning_decentral.topology``, and applied as a dense matrix.
@@ -9,6 +9,7 @@ neighbour ``j``'s row of step ``τ_ij(k) = max(k − d, k₀)``, ``d = delays(i,
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -16,6 +17,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from tests.choco_reference import ChocoReference
 from tests.models import init_seed, initial_net, make_optimizer, make_scheduler, rank_data
 
 
@@ -107,6 +109,10 @@ class Config:
     restarts: tuple[int, ...] = ()  # steps a run resumed at: a neighbour's earlier steps are not used after them
     epoch_steps: Optional[int] = None  # the data of this many steps, again every epoch (None: new data every step)
     failures: dict = field(default_factory=dict)  # {step: [ranks]}: they die there; the step is local for the others
+    outer: Optional[dict[str, Any]] = None  # an outer step every gossip_every steps: torch.optim.SGD's arguments
+    outer_overlap: bool = False
+    compression: Any = None  # compressed gossip (CHOCO): a name or a Compressor
+    consensus_step: Optional[float] = None  # its γ (None: the compressor's default)
 
     @property
     def samples(self) -> int:
@@ -116,12 +122,20 @@ class Config:
         """The keyword arguments of ``tests.models.Regression`` that choose the optimizer."""
         return {**self.optimizer, "scheduler": self.scheduler}
 
+    def outer_optimizer(self) -> Callable[..., torch.optim.Optimizer]:
+        """``outer`` as the strategies take it: ``functools.partial(torch.optim.SGD, **outer)``."""
+        return functools.partial(torch.optim.SGD, **self.outer)
+
     def strategy_kwargs(self) -> dict[str, Any]:
         from lightning_decentral import Hierarchical
 
         extra: dict[str, Any] = {} if self.gossip_dtype is None else {"gossip_dtype": self.gossip_dtype}
         if self.staleness:
             extra.update(staleness=self.staleness, delays=self.delays)
+        if self.outer is not None:
+            extra.update(outer_optimizer=self.outer_optimizer(), outer_overlap=self.outer_overlap)
+        if self.compression is not None:
+            extra.update(compression=self.compression, consensus_step=self.consensus_step)
         return {
             **extra,
             "topology": Hierarchical(*self.hierarchy) if self.topology == "hierarchical" else self.topology,
@@ -169,6 +183,9 @@ def run(config: Config, n: int) -> torch.Tensor:
     schedulers = [make_scheduler(o, config.scheduler) for o in optimizers]
     data = [rank_data(i, config.samples, config.dtype) for i in range(n)]
     history = StaleHistory(config, n)
+    choco = None
+    if config.compression is not None:
+        choco = ChocoReference(config.compression, config.consensus_step, lambda step: mixing(config.topology, n, step))
     alive = list(range(n))
     for k in range(config.steps):
         lost = config.failures.get(k, [])
@@ -187,7 +204,11 @@ def run(config: Config, n: int) -> torch.Tensor:
                 nn.utils.clip_grad_norm_(replica.parameters(), config.clip)
         before = torch.stack([_flat(r) for r in replicas]).double()
         rounds = scheduled_rounds(config, k) if (k + 1) % config.gossip_every == 0 and not lost else 0
-        mix = lambda x, key="x": history.mix(x, k, key) if config.staleness else gossip(x, config, k, rounds)  # noqa: E731
+        def mix(x: torch.Tensor, key: str = "x") -> torch.Tensor:
+            if choco is not None:  # the flat parameters are buffer 0 of the exchange, the flat buffers buffer 1
+                return choco.mix(x, k, rounds, key=0 if key == "x" else 1) if rounds else x
+            return history.mix(x, k, key) if config.staleness else gossip(x, config, k, rounds)
+
         if config.momentum == "decentlam":
             _decentlam_gradients(replicas, optimizers, mix)
         for optimizer, scheduler in zip(optimizers, schedulers):

@@ -72,7 +72,8 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
         trainer = _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size)
         trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, world_size))
         out[config.name] = {
-            "state": _state(model), "counts": _counts(model), "train_loss": float(trainer.callback_metrics["train_loss"])
+            "state": _state(model), "counts": _counts(model), "train_loss": float(trainer.callback_metrics["train_loss"]),
+            "bytes_sent": trainer.strategy.bytes_sent, "logged_bytes": _logged_bytes(trainer),
         }
     return out
 
@@ -95,7 +96,15 @@ def fit_simulated(
         "counts": [_counts(module) for module in strategy.worker_modules()],
         "modules": strategy.worker_modules(),
         "train_loss": float(trainer.callback_metrics["train_loss"]),
+        "bytes_sent": strategy.bytes_sent,
+        "logged_bytes": _logged_bytes(trainer),
     }
+
+
+def _logged_bytes(trainer: pl.Trainer) -> Any:
+    """What the strategy logged as `gossip/bytes_sent` at the last step (compressed gossip), else `None`."""
+    value = trainer.callback_metrics.get("gossip/bytes_sent")
+    return None if value is None else float(value)
 
 
 def interleaved_loader(config: Config, workers: int) -> DataLoader:
@@ -184,11 +193,12 @@ def _resume_model(rank: int, dropout: float = 0.2) -> LoggingRegression:
     return model
 
 
-def resume_processes(rank: int, world_size: int, save: str = "", load: str = "") -> torch.Tensor:
+def resume_processes(rank: int, world_size: int, save: str = "", load: str = "", **strategy_kwargs: Any) -> torch.Tensor:
     """On processes: fit 1 epoch and save to ``save``, or resume from ``load`` to epoch 2, or (neither) fit 2
     epochs straight; this rank's final state."""
     model = _resume_model(rank)
-    trainer = _resume_trainer(DecentralizedStrategy(**RESUME.strategy_kwargs()), world_size, 1 if save else 2)
+    strategy = DecentralizedStrategy(**{**RESUME.strategy_kwargs(), **strategy_kwargs})
+    trainer = _resume_trainer(strategy, world_size, 1 if save else 2)
     trainer.fit(model, train_dataloaders=shared_loader(RESUME, world_size), ckpt_path=load or None)
     if save:
         trainer.save_checkpoint(save)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -12,10 +13,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
+from unittest import mock
+
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_decentral import DecentralizedStrategy
+from lightning_decentral import checkpoint as shards
 from tests.models import Regression, flat, init_seed, loader
 from tests.workers import trainer_for
 
@@ -24,9 +28,23 @@ EPOCH = 10  # batches per epoch: a checkpoint every multiple of it resumes at an
 MOMENTUM_SGD = {"lr": 0.05, "momentum": 0.9}
 
 
+DIES_IN = ("batch", "validation", "shard write", "file_exists", "save agreement")
+"""Where a rank of `deaths` dies at its step: when the step starts; in the validation after it (`validation_step`);
+inside the write of its shard of the save after it; in `ModelCheckpoint.file_exists` (the broadcast that starts
+that save); or right after it, so that the others wait for it in the agreement that every rank is in the save
+(`Activities.agree`)."""
+
+
+def _die(stamps: str, rank: int) -> None:
+    """`SIGKILL` to this process, after stamping the time in `stamps/killed-<rank>`."""
+    Path(stamps, f"killed-{rank}").write_text(repr(time.time()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class Mortal(Regression):
-    """The ranks of `deaths` ({first rank: step}) kill themselves (`SIGKILL`) when that step starts, after stamping
-    the time in `stamps/killed-<rank>`; those of `stops` stop (`SIGSTOP`: alive and silent) after stamping their pid in
+    """The ranks of `deaths` ({first rank: step}) kill themselves (`SIGKILL`) at that step, where `dies_in` says
+    (`DIES_IN`; the strategy and the checkpoint callback die in the others), after stamping the time in
+    `stamps/killed-<rank>`; those of `stops` stop (`SIGSTOP`: alive and silent) after stamping their pid in
     `stamps/stopped-<rank>`. With `stops` or `hold_at`, the survivors of a failure touch `stamps/decided`; at the start
     of step `hold_at` every rank waits (at most a minute) for `stamps/released`, and so at the end of step
     `hold_after`, after stamping `stamps/held-<rank>` with its pid. Every rank records its replica when each step of
@@ -34,19 +52,18 @@ class Mortal(Regression):
 
     def __init__(
         self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), stops: Optional[dict[int, int]] = None,
-        hold_at: int = -1, hold_after: int = -1, **kwargs: Any
+        hold_at: int = -1, hold_after: int = -1, dies_in: str = "batch", **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
         self.deaths, self.stamps, self.record, self.stops, self.hold_at = deaths, stamps, record, stops or {}, hold_at
-        self.hold_after = hold_after
+        self.hold_after, self.dies_in = hold_after, dies_in
         self.recorded: dict[int, torch.Tensor] = {}
         self.finished: dict[int, float] = {}
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         rank = self.trainer.strategy.first_rank
-        if self.deaths.get(rank) == self.global_step:
-            Path(self.stamps, f"killed-{rank}").write_text(repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.dies_in == "batch" and self.deaths.get(rank) == self.global_step:
+            _die(self.stamps, rank)
         if self.stops.get(rank) == self.global_step:
             Path(self.stamps, f"stopped-{rank}").write_text(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -74,6 +91,44 @@ class Mortal(Regression):
             Path(self.stamps, f"held-{self.trainer.strategy.first_rank}").write_text(str(os.getpid()))
             self._wait_for_release()
 
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        rank = self.trainer.strategy.first_rank
+        if self.dies_in == "validation" and self.deaths.get(rank) == self.global_step:
+            _die(self.stamps, rank)
+        return super().validation_step(batch, batch_idx)
+
+
+class MortalCheckpoint(ModelCheckpoint):
+    """`ModelCheckpoint` whose ranks of `deaths` die in the first `file_exists` (the broadcast that starts a save) of
+    their step, with `dies_in="file_exists"`, or right after it (`"save agreement"`)."""
+
+    def __init__(self, deaths: dict[int, int], stamps: str, dies_in: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.deaths, self.stamps, self.dies_in = deaths, stamps, dies_in
+
+    def file_exists(self, filepath: Any, trainer: Any) -> bool:
+        self._dies(trainer, "file_exists")
+        exists = super().file_exists(filepath, trainer)
+        self._dies(trainer, "save agreement")
+        return exists
+
+    def _dies(self, trainer: Any, where: str) -> None:
+        rank = trainer.strategy.first_rank
+        if self.dies_in == where and self.deaths.get(rank) == trainer.global_step:
+            _die(self.stamps, rank)
+
+
+def _mortal_shard_writes(rank: int, step: Optional[int], stamps: str) -> Any:
+    """A patch of `write_shard` in which this rank dies when it writes its shard of a save at `step`."""
+    original = shards.write_shard
+
+    def write_shard(shard: dict[str, Any], path: str) -> None:
+        if shard["strategy"]["step"] == step:
+            _die(stamps, rank)
+        original(shard, path)
+
+    return mock.patch.object(shards, "write_shard", write_shard)
+
 
 def survive(
     rank: int,
@@ -90,19 +145,23 @@ def survive(
     hold_at: int = -1,
     top_k: int = -1,
     hold_after: int = -1,
+    dies_in: str = "batch",
     **strategy: Any,
 ) -> dict[str, Any]:
-    """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there, those of `stops`
-    stop there; every rank waits for `root/released` at the start of step `hold_at`, or at the end of step `hold_after`
-    (see `Mortal`). A checkpoint every
-    `save_at` steps (0: none), the best `top_k` kept (-1: all); with `validate`, a validation at the end of each epoch
-    (`val_loss` logged with `sync_dist=True`). Each survivor's final replica, recorded replicas, step end times, the
-    decisions, the last `val_loss` (NaN without `validate`) and the checkpoint callback's `best_model_path`."""
-    model = Mortal(deaths, root, record, stops, hold_at, hold_after, seed=init_seed(rank), **MOMENTUM_SGD)
-    callbacks = [ModelCheckpoint(root, every_n_train_steps=save_at, save_top_k=top_k)] if save_at else []
+    """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there (where `dies_in`
+    says: `DIES_IN`), those of `stops` stop there; every rank waits for `root/released` at the start of step `hold_at`,
+    or at the end of step `hold_after` (see `Mortal`). A checkpoint every `save_at` steps (0: none), the best `top_k`
+    kept (-1: all); with `validate`, a validation at the end of each epoch (`val_loss` logged with `sync_dist=True`).
+    Each survivor's final replica, recorded replicas, step end times, the decisions, the last `val_loss` (NaN without
+    `validate`), the checkpoint callback's `best_model_path`, and what the fit logged and warned."""
+    assert dies_in in DIES_IN, dies_in
+    model = Mortal(deaths, root, record, stops, hold_at, hold_after, dies_in, seed=init_seed(rank), **MOMENTUM_SGD)
+    checkpoints = MortalCheckpoint(deaths, root, dies_in, dirpath=root, every_n_train_steps=save_at, save_top_k=top_k)
+    callbacks = [checkpoints] if save_at else []
     strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
     trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
-    with _LoggedLines() as logged, warnings.catch_warnings(record=True) as warned:
+    dying = _mortal_shard_writes(rank, deaths.get(rank), root) if dies_in == "shard write" else contextlib.nullcontext()
+    with dying, _LoggedLines() as logged, warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
     return {
@@ -241,3 +300,39 @@ def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any) ->
     )
     trainer.fit(Regression(seed=init_seed(0), **MOMENTUM_SGD), DataLoader(TensorDataset(*interleaved), batch_size=BATCH))
     return [flat(module) for module in strategy.worker_modules()]
+
+
+class Signalled(Mortal):
+    """`Mortal`, and the rank `slow` (a first rank) sleeps `pause` seconds in each training step (its neighbours wait
+    for it: the farther a rank, the farther ahead it may run) and sends itself `SIGTERM` when step `signal_at` starts."""
+
+    def __init__(self, slow: int, pause: float, signal_at: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.slow, self.pause, self.signal_at = slow, pause, signal_at
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.trainer.strategy.first_rank == self.slow and self.global_step == self.signal_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.strategy.first_rank == self.slow:
+            time.sleep(self.pause)
+        return super().training_step(batch, batch_idx)
+
+
+def stop_after_failure(
+    rank: int, world_size: int, root: str, deaths: dict[int, int], topology: Any, slow: int, signal_at: int, steps: int
+) -> dict[str, Any]:
+    """`on_peer_failure="continue"` on `topology`: the ranks of `deaths` die when their step starts; later the slow
+    rank `slow` is sent `SIGTERM` at step `signal_at` (see `Signalled`). What stopped this rank, where, and the
+    decisions."""
+    model = Signalled(slow, 0.15, signal_at, deaths=deaths, stamps=root, seed=init_seed(rank), **MOMENTUM_SGD)
+    strategy = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=10))
+    trainer = trainer_for(world_size, strategy, max_steps=steps)
+    try:
+        trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH))
+        stopped = "no error"
+    except BaseException as error:  # SIGTERMException is a SystemExit
+        stopped = f"{type(error).__name__}: {error}"
+    return {"stopped": stopped, "global_step": trainer.global_step, "decisions": [d.__dict__ for d in strategy.failures_survived]}

@@ -74,6 +74,20 @@ def test_survive_accuracy_smoke(tmp_path: Path) -> None:
     assert all(len(values) == 1 and 0 <= values[0] <= 1 for values in result["accuracy"].values())
 
 
+def test_compression_smoke(tmp_path: Path) -> None:
+    """Bytes counted and read on the loopback per compressor, and the consensus-vs-γ sweep, for a few steps."""
+    out = tmp_path / "bytes.json"
+    _run_smoke("compression.py", "bytes", "--compressions", "sign,top_k:0.01", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["compression"] for row in rows] == ["None", "sign", "top_k:0.01"]
+    assert all(row["measured_per_rank_step"] >= row["counted_per_rank_step"] > 0 for row in rows)
+    out = tmp_path / "sweep.json"
+    _run_smoke("compression.py", "sweep", "--compressions", "int8", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["topology"], row["compression"]) for row in rows] == [("ring", "int8"), ("one_peer_exponential", "int8")]
+    assert all(0 < ratio < 1 for row in rows for ratio in row["ratio"].values())
+
+
 def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
@@ -134,3 +148,17 @@ def test_transport_smoke(tmp_path: Path) -> None:
     for row in rows:  # every transport was timed (after its result was checked against p2p's)
         assert set(row["median_s"]) == {"p2p", "edge_allreduce", "edge_broadcast", "allgather", "allreduce"}
         assert all(t > 0 for t in row["median_s"].values())
+
+
+def test_outer_smoke(tmp_path: Path) -> None:
+    """Every method of the outer-step benchmark trains and validates; the bytes follow the schedule: an outer step
+    every H = 3 steps sends a third of what the same topology sends at every step."""
+    out = tmp_path / "outer.json"
+    _run_smoke("outer.py", "--out", str(out))
+    rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["complete_every_step", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_overlap",
+                          "averaging_one_peer"]
+    assert all(row["val_loss"] > 0 for row in rows.values())
+    sent = {name: row["bytes_per_step"] for name, row in rows.items()}
+    assert sent["diloco"] == pytest.approx(sent["complete_every_step"] / 3)
+    assert sent["outer_one_peer"] == sent["outer_one_peer_overlap"] == pytest.approx(sent["dpsgd_one_peer"] / 3)

@@ -292,3 +292,52 @@ def test_a_typo_gives_the_line_that_matters_first(args: list[str], first: str, r
     assert code == 2
     assert err.splitlines()[0] == f"error: {first}", err[:500]
     assert "usage:" not in err
+
+
+OUTER_YAML = """
+trainer:
+  strategy:
+    class_path: lightning_decentral.SimulatedDecentralizedStrategy
+    init_args:
+      workers: 4
+      topology: complete
+      gossip_every: 2
+      outer_optimizer:
+        class_path: torch.optim.SGD
+        init_args: {lr: 0.7, momentum: 0.9, nesterov: true}
+"""
+
+
+def test_an_outer_optimizer_in_yaml_reaches_the_strategy_and_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DiLoCo from a config file: `outer_optimizer` by `class_path` and `init_args`, as Lightning's optimizers."""
+    import torch
+
+    from lightning_decentral.cli import DecentralizedCLI
+
+    monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
+    (tmp_path / "outer.yaml").write_text(OUTER_YAML)
+    cli = DecentralizedCLI(
+        args=["--config", QUICKSTART, "--config", str(tmp_path / "outer.yaml"), "--trainer.devices", "1",
+              "--trainer.max_steps", "4", "--trainer.logger", "false", "--trainer.callbacks", "[]",
+              "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
+              "--trainer.default_root_dir", str(tmp_path)],
+        run=False,
+    )
+    strategy = cli.trainer.strategy
+    built = strategy.options.outer_optimizer([torch.zeros(1, requires_grad=True)])
+    assert type(built) is torch.optim.SGD and built.defaults["nesterov"] and built.defaults["lr"] == 0.7
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert strategy.rule == "outer" and cli.trainer.global_step == 4
+    modules = strategy.worker_modules()
+    for module in modules[1:]:  # DiLoCo: one anchor, every worker restarted from it at step 4
+        for a, b in zip(modules[0].parameters(), module.parameters()):
+            assert torch.equal(a, b)
+
+
+def test_an_outer_optimizer_on_the_command_line_prints_as_yaml(run_cli) -> None:
+    code, out, err = run_cli(
+        ["fit", "--config", QUICKSTART, "--trainer.strategy.init_args.outer_optimizer", "torch.optim.SGD",
+         "--trainer.strategy.init_args.outer_optimizer.lr", "0.7", "--print_config"]
+    )
+    assert code == 0, err
+    assert "outer_optimizer:\n        class_path: torch.optim.SGD\n        init_args:\n          lr: 0.7" in out

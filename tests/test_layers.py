@@ -17,19 +17,20 @@ LAYERS = [
     ["simulation", "trainer", "fabric"],
     ["common"],
     ["driver"],
-    ["rules"],
+    ["rules", "outer"],
     ["overlap"],
     ["schedule", "options", "agreement"],
     ["replicas", "checkpoint", "measures", "data"],
     ["files"],
     ["gossip", "mixing"],
     ["membership"],
+    ["compression"],
     ["algorithms"],
     ["topology"],
     ["failures", "rendezvous"],
     ["_compat", "_compat.lightning"],  # the private names of torch, and of Lightning: every layer may use them
 ]
-WITHOUT_LIGHTNING = ["_compat", "failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "algorithms", "topology"]
+WITHOUT_LIGHTNING = ["_compat", "failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "outer", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "compression", "algorithms", "topology"]
 
 
 def _layer_of(module: str) -> int:

@@ -3,6 +3,9 @@ clients of one TCPStore, as ranks would be."""
 
 from __future__ import annotations
 
+import os
+import signal
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -22,7 +25,7 @@ from lightning_decentral.membership import (
     store_host,
 )
 from lightning_decentral.failures import LATE, wait_works
-from tests.helpers import free_port
+from tests.helpers import free_port, start_rank
 
 
 _MADE: list[Membership] = []
@@ -88,6 +91,56 @@ def test_survivors_agree_on_the_members_and_the_largest_step(connect: Callable) 
     assert out == {0: expected, 1: expected, 3: expected}
     assert time.monotonic() - started < 3.0
     assert [(m.rank, m.world_size, m.generation) for m in (members[0], members[1], members[3])] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)]
+
+
+def test_members_dying_together_are_all_found_gone_at_once(connect: Callable) -> None:
+    """Ranks 1 and 2 die together; ranks 0, 3 and 4 each learn of it from the store (each gave up an exchange on an
+    announcement: nobody names a broken connection). Each probes the members that have not joined: both are gone
+    (their beacons refuse connections), and the survivors agree at once, not after the silence (five minutes here;
+    the threads are given 30 s each)."""
+    members = _members(connect, 5, silence=300.0)
+    members[1].close()
+    members[2].close()
+    out = _in_threads({r: lambda r=r: members[r].agree(5, "announced") for r in (0, 3, 4)})
+    expected = Decision(generation=1, members=(0, 3, 4), survivors=(0, 3, 4), lost=(1, 2), step=5)
+    assert out == {0: expected, 3: expected, 4: expected}
+
+
+def _member_until_killed(rank: int, world_size: int, store_port: int) -> None:
+    """A member in a process of its own: it starts (heartbeat, beacon), says so, and beats until it is killed."""
+    connect = lambda: dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
+    member = Membership(GuardedStore(connect, timeout=10.0, where="test"), connect, "run", rank, world_size, silence=60.0, min_workers=1)
+    member.start()
+    connect().set(f"started/{rank}", "1")
+    time.sleep(120)
+
+
+def test_a_member_whose_process_is_gone_is_polled_before_the_silence() -> None:
+    """Rank 1 is killed (`SIGKILL`) while rank 0 waits for the others (a collective, an agreement on what each rank
+    does) and nobody announces anything: once rank 1 has been silent for the confirmation window, its beacon is probed
+    and `poll` says it is gone, long before the silence (a minute). A member that said it leaves (its run is over) is
+    no failure to poll for."""
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
+    process = start_rank(_member_until_killed, 1, 3, port, tempfile.gettempdir(), store_port=port)
+    members = [Membership(GuardedStore(connect, timeout=10.0, where="test"), connect, "run", r, 3, silence=60.0, min_workers=1) for r in (0, 2)]
+    try:
+        for member in members:
+            member.start()
+        server.wait(["started/1"], timedelta(seconds=60))
+        members[1].close()  # rank 2 leaves
+        time.sleep(1.0)
+        assert members[0].poll() is None
+        os.kill(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (reason := members[0].poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reason is not None and reason.startswith("rank 1's process is gone (silent for"), reason
+    finally:
+        process.kill()
+        process.join()
+        members[0].close()
 
 
 def test_every_member_sees_the_announcement_in_one_poll(connect: Callable) -> None:

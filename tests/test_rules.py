@@ -315,3 +315,54 @@ def test_a_step_that_never_reached_the_optimizer_is_drained(rule: str) -> None:
     executor.step(1)  # AWC: begin_step(1) drains x(0)'s exchange first
     assert executor.mixer.in_flight == 0  # every exchange was completed
     assert torch.isfinite(executor.state()).all() and not torch.equal(executor.state(), start)
+
+
+# -- local steps with an outer optimizer -----------------------------------------------------------
+
+NESTEROV_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+OUTER_CASES = [
+    Config("outer-complete-nesterov", topology="complete", optimizer=MOMENTUM, outer=NESTEROV_OUTER, gossip_every=3, steps=9),
+    Config("outer-complete-adam", topology="complete", optimizer=ADAM, outer=NESTEROV_OUTER, gossip_every=2),
+    Config("outer-complete-batchnorm", topology="complete", optimizer=MOMENTUM, outer=NESTEROV_OUTER, gossip_every=2,
+           batch_norm=True),
+    Config("outer-ring-nesterov", optimizer=MOMENTUM, outer=NESTEROV_OUTER, gossip_every=2, steps=8),
+    Config("outer-one_peer-heavy-ball-batchnorm", topology="one_peer_exponential", optimizer=MOMENTUM,
+           outer={"lr": 0.5, "momentum": 0.8}, gossip_every=3, steps=9, batch_norm=True),
+    Config("outer-ring-overlap", optimizer=MOMENTUM, outer=NESTEROV_OUTER, outer_overlap=True, gossip_every=2, steps=9,
+           batch_norm=True),
+    Config("outer-complete-overlap", topology="complete", optimizer=MOMENTUM, outer=NESTEROV_OUTER, outer_overlap=True,
+           gossip_every=3, steps=10),
+    Config("outer-ring-bf16", optimizer=MOMENTUM, outer=NESTEROV_OUTER, gossip_every=2, steps=8, gossip_dtype=BF16),
+    Config("outer-exponential-rounds2-overlap-bf16", topology="exponential", optimizer=MOMENTUM, outer=NESTEROV_OUTER,
+           outer_overlap=True, gossip_every=2, gossip_steps=2, steps=9, gossip_dtype=BF16, batch_norm=True),
+]
+
+
+@pytest.mark.parametrize("config", OUTER_CASES, ids=[c.name for c in OUTER_CASES])
+def test_outer_steps_match_the_reference_written_from_the_papers(config: Config) -> None:
+    """Every worker's `OuterStep` over a DenseMixer is the decentralized form of docs/algorithms.md; on the complete
+    graph (without overlap) it is also DiLoCo's Algorithm 1: one anchor, the mean pseudo-gradient, every worker
+    restarting from the anchor."""
+    from tests import outer_reference
+
+    trained = DenseExecutor(config, N).run().double()
+    expected = outer_reference.decentralized(config, N)
+    torch.testing.assert_close(trained, expected, atol=ATOL, rtol=0)
+    if config.topology == "complete" and not config.outer_overlap:
+        torch.testing.assert_close(trained, outer_reference.diloco(config, N), atol=ATOL, rtol=0)
+        assert (trained - trained[0]).abs().max() == 0  # one anchor: the workers are equal after a round
+    else:
+        assert (expected[0] - expected[1]).abs().max() > 1e-4
+    # not periodic averaging: the outer optimizer moved the anchor elsewhere
+    averaging = reference.run(Config(config.name, topology=config.topology, combine="atc", optimizer=config.optimizer,
+                                     gossip_every=config.gossip_every, steps=config.steps, batch_norm=config.batch_norm), N)
+    assert (trained - averaging).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("topology", ["complete", "ring"])
+def test_an_outer_sgd_step_of_lr_1_is_periodic_averaging(topology: str) -> None:
+    """`θ_i <- θ_i − 1 · (θ_i − Σ_j w_ij x_j)` is ATC's `x <- W x` every H steps (DiLoCo's outer lr 1, no momentum)."""
+    plain = Config("atc-every-3", topology=topology, combine="atc", optimizer=MOMENTUM, gossip_every=3, steps=9, batch_norm=True)
+    outer = Config("outer-lr-1", topology=topology, optimizer=MOMENTUM, gossip_every=3, steps=9, batch_norm=True,
+                   outer={"lr": 1.0})
+    torch.testing.assert_close(DenseExecutor(outer, N).run(), DenseExecutor(plain, N).run(), atol=2e-7, rtol=0)

@@ -248,6 +248,13 @@ def test_the_simulated_checkpoint_holds_the_average_and_a_shard_per_worker(resum
         torch.testing.assert_close(value, mean[name], atol=1e-6, rtol=0)
 
 
+def test_adamw_is_built_per_worker_and_equals_the_stacked_workers() -> None:
+    """AdamW's defaults hold `decoupled_weight_decay`, which its constructor does not take."""
+    apart = sim.fit_with_optimizer(torch.optim.AdamW, WORLD, lr=0.01, weight_decay=0.1)
+    stacked = sim.fit_with_optimizer(torch.optim.AdamW, WORLD, vectorize=True, lr=0.01, weight_decay=0.1)
+    torch.testing.assert_close(torch.stack(apart), torch.stack(stacked), atol=1e-5, rtol=0)
+
+
 def test_an_optimizer_that_cannot_be_built_per_worker_is_refused() -> None:
     with pytest.raises(ValueError, match="its own NeedsAName.*param_groups, \\*\\*defaults"):
         sim.fit_with_optimizer(sim.NeedsAName, WORLD, name="mine")

@@ -24,6 +24,7 @@ from torch.nn import Module
 from lightning_decentral.agreement import Ranks, parameter_deviations
 from lightning_decentral.driver import StepDriver
 from lightning_decentral.failures import Activities
+from lightning_decentral.membership.guard import Guard
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import Decision, Membership, Survivors
 from lightning_decentral.membership.report import losses, survivor_metrics
@@ -115,7 +116,16 @@ class OnProcesses:
 
     @property
     def _ranks(self) -> Ranks:
-        return Ranks.of_world(self.root_device)
+        return Ranks.of_world(self.root_device, self.guard)
+
+    # -- every collective goes through the driver's guard ---------------------------------------------------------
+
+    @property
+    def guard(self) -> Guard:
+        """The path every collective of this rank goes through besides the exchange
+        ([`Guard`][lightning_decentral.membership.guard.Guard]): with `on_peer_failure="continue"`, a failure in any of them is
+        survived (a checkpoint save then starts again among the survivors: see the strategies' `save_checkpoint`)."""
+        return self.driver.guard
 
     # -- ranks, after a failure ---------------------------------------------------------------------------------
 

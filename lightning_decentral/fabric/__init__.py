@@ -16,7 +16,7 @@ the module is never wrapped in `DistributedDataParallel`. See the [Fabric page](
 
 from lightning_decentral.fabric.convert import to_trainer_checkpoint
 from lightning_decentral.fabric.data import DataOrder
-from lightning_decentral.fabric.monitors import consensus_metrics, effective_lr_metrics
+from lightning_decentral.fabric.monitors import consensus_metrics, effective_lr_metrics, gossip_metrics
 from lightning_decentral.fabric.checkpoints import STEP_KEY, PrefixedModule, under_prefix
 from lightning_decentral.fabric.strategy import DecentralizedStrategy
 
@@ -27,6 +27,7 @@ __all__ = [
     "PrefixedModule",
     "consensus_metrics",
     "effective_lr_metrics",
+    "gossip_metrics",
     "to_trainer_checkpoint",
     "under_prefix",
 ]

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.driver import StepDriver
+from lightning_decentral.membership.guard import Guard
 from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.membership import Survivors, form_for_save
 
@@ -103,6 +104,7 @@ class ShardedCheckpoints:
 
     step: int  # and Fabric's DDPStrategy's: global_rank, world_size, precision, checkpoint_io, load/save_checkpoint
     driver: StepDriver
+    guard: Guard
     _module: Optional[Module]
     _optimizer: Optional[Optimizer]
     _ranks: Ranks
@@ -111,6 +113,8 @@ class ShardedCheckpoints:
     agree: Callable[[str], None]
     survivors: Optional[Survivors]
     rule_record: Callable[[], dict[str, str]]
+    rule_state: Callable[[], dict[str, Any]]
+    load_rule_state: Callable[[dict[str, Any]], None]
 
     def save_checkpoint(
         self,
@@ -127,6 +131,14 @@ class ShardedCheckpoints:
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
         self.check_outside_the_graph("fabric.save")
+        self.guard.operation(lambda: self._save_sharded(path, state, storage_options, filter, module_key, optimizer_key))
+        return None
+
+    def _save_sharded(
+        self, path: StrPath, state: dict[str, Any], storage_options: Any, filter: Any, module_key: str, optimizer_key: Optional[str]
+    ) -> None:
+        """`save_checkpoint` with the module at `state[module_key]`: one operation of the guard (a failure survived
+        during it starts it again: every survivor is in this save, and they make their group first)."""
         form_for_save(self.survivors)  # in the steps the survivors of a failure take alone: their group first
         self.agree(f"fabric.save({str(path)!r})")
         with self.averaged_model(agree=False):  # agreed above: the averaging's all-reduce is the save's first collective
@@ -141,6 +153,7 @@ class ShardedCheckpoints:
                 save_id, self.global_rank, self.world_size, state_dict=state[module_key].state_dict(),
                 step=self.step, optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
                 precision=self.precision.state_dict(), rule=self.rule_record(),
+                rule_state=self.rule_state() if optimizer_key is not None else None, gossip=self.driver.copies.state(),
             )
 
         def write_file() -> None:
@@ -188,6 +201,9 @@ class ShardedCheckpoints:
             set_up_first(self._optimizer).load_state_dict(shard["optimizer_states"][0])
         if shard.get("precision"):
             self.precision.load_state_dict(shard["precision"])
+        if optimizer_key is not None:
+            self.load_rule_state(shard.get("rule_state", {}))
+        self.driver.copies.load(shard.get("gossip"))
         return remainder
 
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:

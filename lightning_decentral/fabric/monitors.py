@@ -41,6 +41,13 @@ def consensus_metrics(strategy: DecentralizedStrategy, per_layer: bool = False) 
     return metrics
 
 
+def gossip_metrics(strategy: DecentralizedStrategy) -> dict[str, Tensor]:
+    """What the Trainer's strategies log of the exchange: `gossip/bytes_sent`, the bytes this rank has put on the wire
+    for compressed gossip so far (`strategy.bytes_sent`); empty without
+    compression. Call it on any rank, any time."""
+    return {name: torch.tensor(value) for name, value in strategy.driver.copies.metrics().items()}
+
+
 def effective_lr_metrics(
     strategy: DecentralizedStrategy, lr: float, loss_fn: Callable[[Any], Tensor], batches: Iterable[Any]
 ) -> dict[str, Tensor]:

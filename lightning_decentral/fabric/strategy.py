@@ -4,6 +4,7 @@ package docstring of [`lightning_decentral.fabric`][lightning_decentral.fabric] 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
@@ -24,14 +25,15 @@ from typing_extensions import override
 from lightning_decentral._compat.lightning import BackwardSyncControl
 from lightning_decentral.agreement import run_configuration
 from lightning_decentral.common import OnProcesses, enabled_grad_scaler
-from lightning_decentral.driver import Driven, StepDriver, StepRunner, check_one_optimizer
+from lightning_decentral.driver import Driven, StepDriver, StepRunner
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
 from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities, checked_timeout
+from lightning_decentral.membership.guard import from_its_value_now
 from lightning_decentral.measures import random_state
 from lightning_decentral.mixing import FABRIC, Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
-from lightning_decentral.rules import RuleContext
+from lightning_decentral.rules import RuleContext, check_one_optimizer
 
 
 
@@ -324,16 +326,40 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
             return 0
         return self.epoch
 
+    # -- Fabric's collectives go through the guard (with survivors of a failure, they complete among them) -------
+
+    @override
+    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Tensor:
+        """`fabric.all_reduce`, through the guard (each try from `tensor`'s value)."""
+        reduce = from_its_value_now(tensor, functools.partial(super().all_reduce, tensor, group, reduce_op))
+        return self.guard.run(f"Fabric's all_reduce at step {self.step}", reduce)
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """`fabric.barrier`, through the guard."""
+        self.guard.run(f"Fabric's barrier at step {self.step}", functools.partial(super().barrier, *args, **kwargs))
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """`fabric.broadcast`, through the guard."""
+        return self.guard.run(f"Fabric's broadcast at step {self.step}", functools.partial(super().broadcast, obj, src))
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """`fabric.all_gather`, through the guard."""
+        gather = functools.partial(super().all_gather, tensor, group, sync_grads)
+        return self.guard.run(f"Fabric's all_gather at step {self.step}", gather)
+
     @override
     def teardown(self) -> None:
-        """Runs when the run is over (`fabric.strategy.teardown()`): finish any exchange, release the rule's
-        hooks and leave the gossip group together (after a failed step: abort it, the others may be gone)."""
+        """Runs when the run is over (`fabric.strategy.teardown()`): finish any exchange, leave the gossip group
+        together (after a failed step: abort it, the others may be gone) and release the rule's hooks."""
         failed = self.driver.failed
         self.driver.drain()
+        self.end_gossip(self._mixer, self.step, failed)
         self.driver.teardown()
         for hook in self._hooks:
             hook.remove()
-        self.end_gossip(self._mixer, self.step, failed)
         self._mixer = self._replica = self._module = self._optimizer = None
         self._hooks, self._forward_states, self._graph_pending, self.activities = [], [], False, None
         super().teardown()

@@ -41,11 +41,16 @@ Under bounded staleness (`DecentralizedStrategy(staleness=s)`) the mixer is
 [`StaleGossip`][lightning_decentral.gossip.StaleGossip] (`stale.py`): it mixes with the newest replica received
 from each neighbour, at most `s` steps old, over [`Links`][lightning_decentral.gossip.links.Links] (`links.py`),
 threads that keep a receive posted so that no send waits for the receiver's training loop.
+
+Compressed gossip (`compression=`) runs over [`CompressedGossip`][lightning_decentral.gossip.CompressedGossip]
+(`compressed.py`): CHOCO's messages, one fixed-size uint8 tensor per out-neighbour and round, point-to-point through
+the engine's [`post_messages`][lightning_decentral.gossip.Gossip.post_messages].
 """
 
+from lightning_decentral.gossip.compressed import CompressedGossip, PendingCompressed
 from lightning_decentral.gossip.engine import Gossip
 from lightning_decentral.gossip.exchange import PendingGossip
 from lightning_decentral.gossip.links import Links
 from lightning_decentral.gossip.stale import PendingStale, StaleGossip
 
-__all__ = ["Gossip", "Links", "PendingGossip", "PendingStale", "StaleGossip"]
+__all__ = ["CompressedGossip", "Gossip", "Links", "PendingCompressed", "PendingGossip", "PendingStale", "StaleGossip"]

@@ -5,7 +5,7 @@ in flight)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Optional
 
@@ -282,6 +282,17 @@ class Gossip(Watched):
         if len(p2p) == len(ops):  # one work per operation (gloo; NCCL coalesces them into one)
             peers += [op.peer for op in ops]
         return works + p2p, peers if len(peers) == len(works) + len(p2p) else []
+
+    def post_messages(
+        self, sends: Mapping[int, Tensor], receives: Mapping[int, Tensor], tag: int = 0
+    ) -> tuple[list[dist.Work], list[Optional[int]]]:
+        """Post one message to each peer of `sends` and one receive into each tensor of `receives` (peers are ranks of
+        this engine's topology; any dtype, of sizes both ends agree on), point-to-point, receives first as in `post`:
+        the works and the peer (global rank) of each, `[]` where the backend coalesces them (NCCL)."""
+        ops = [dist.P2POp(dist.irecv, t, self._global[p], self.group, tag=tag) for p, t in receives.items()]
+        ops += [dist.P2POp(dist.isend, t, self._global[p], self.group, tag=tag) for p, t in sends.items()]
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return works, [op.peer for op in ops] if len(works) == len(ops) else []
 
     def _post_broadcasts(self, sent: Tensor, step: int, key: int) -> list[tuple[dist.Work, int]]:
         """Each edge's subgroup carries its messages as broadcasts, the lower rank's first, on both ends."""

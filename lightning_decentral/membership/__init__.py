@@ -10,6 +10,9 @@ again, and a process group of their own. This package does that, Lightning-free,
 * [`Survivors`][lightning_decentral.membership.Survivors]: what a rank does when an exchange fails (the mixer's
   [`Survival`][lightning_decentral.failures.Survival]): close the old groups, agree, take the steps up to the agreed
   one alone, then form the survivors' group and rebind the driver's topology and mixer;
+* [`Guard`][lightning_decentral.membership.guard.Guard]: the one path every other collective goes through (a save's
+  agreements, Lightning's reduce, `x̄`), which hands its failure to the same survivors and completes it among them;
+* [`Beacon`][lightning_decentral.membership.beacon.Beacon]: whether a member's process is gone, asked at once;
 * [`poison`][lightning_decentral.membership.poison] closes a generation's process group for good (what makes every
   pending operation on it fail, here and at the peers), and `Membership.form_group` makes the survivors' default
   process group on a fresh prefix of the store;

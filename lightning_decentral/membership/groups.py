@@ -1,4 +1,5 @@
-"""The process groups of a generation of members: closing the old ones for good, making the survivors' one."""
+"""The process groups of a generation of members: closing the old ones for good, a world of this rank alone while the
+survivors agree and go on alone, making the survivors' one."""
 
 from __future__ import annotations
 
@@ -43,3 +44,11 @@ def rebuild_world(store: Any, prefix: str, rank: int, world_size: int, timeout: 
     dist.init_process_group(
         backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world_size, timeout=timeout
     )
+
+
+def alone(backend: str, timeout: timedelta) -> None:
+    """Replace the default process group by one of this rank alone, on a store of its own: what Lightning or the loop
+    runs on the default group (a broadcast, `sync_dist` metrics) then completes on this rank, whatever the others do."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -3,6 +3,7 @@ one step, all through the job's store ([`Membership`][lightning_decentral.member
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -11,8 +12,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
+from lightning_decentral.failures import Abandoned, GuardedStore, StoreLost, peers_answer
+from lightning_decentral.membership.beacon import Beacon, gone
 from lightning_decentral.membership.groups import rebuild_world
-from lightning_decentral.failures import GuardedStore, StoreLost
 from lightning_decentral.rendezvous import keep_out
 
 HEARTBEAT = 0.1  # seconds between two heartbeats of a rank
@@ -54,13 +56,16 @@ class Membership:
     """The members of one run and their agreement after a failure, through the job's store.
 
     Every rank beats a heartbeat (a counter in the store, `HEARTBEAT` seconds apart, from a thread with its own
-    client). When a rank sees a failure (an exchange that broke, or [`poll`][lightning_decentral.membership.Membership.poll]
-    says so), it calls [`agree`][lightning_decentral.membership.Membership.agree]: it announces the failure (`abort/g`,
+    client) and keeps a [`Beacon`][lightning_decentral.membership.beacon.Beacon] open, whose address it publishes. When
+    a rank sees a failure (an exchange that broke, or [`poll`][lightning_decentral.membership.Membership.poll] says
+    so), it calls [`agree`][lightning_decentral.membership.Membership.agree]: it announces the failure (`abort/g`,
     which every other member's `poll` sees within one poll), joins with the step of the exchange it gave up, and waits
     until every member of the generation has joined or is lost; one decision (members, step) is written once
-    (compare-and-set) and every survivor adopts it. A member is lost when its heartbeat has been silent for `silence`
-    seconds, for `CONFIRM` seconds once a connection to it broke, or when it has not joined within `silence` of the
-    announcement; a member that is alive but slow is waited for.
+    (compare-and-set) and every survivor adopts it. A member is lost when its process is gone (its beacon refuses a
+    probe: every member not yet joined is probed, so several deaths at once cost what one costs, and the first rank
+    to find one marks it for the others), when its heartbeat has been silent for `silence` seconds, for `CONFIRM`
+    seconds once a connection to it broke, or when it has not joined within `silence` of the announcement; a member
+    that is alive but slow is waited for.
 
     Args:
         store: the job's store, guarded against hanging.
@@ -71,6 +76,7 @@ class Membership:
         silence: seconds of silence that make a member lost (the process-group timeout).
         min_workers: below this many survivors, [`agree`][lightning_decentral.membership.Membership.agree] raises
             [`TooFewWorkers`][lightning_decentral.membership.TooFewWorkers] on every survivor.
+        toward: the store's host: the beacon's address is this machine's on the route to it.
     """
 
     def __init__(
@@ -82,6 +88,7 @@ class Membership:
         world_size: int,
         silence: float,
         min_workers: int,
+        toward: Optional[str] = None,
     ) -> None:
         self.store, self._connect = store, connect
         self.prefix = f"lightning_decentral/{run}"
@@ -94,6 +101,12 @@ class Membership:
         self._listened = 0.0
         self._started = time.monotonic()
         self._stopped = threading.Event()
+        self._toward = toward
+        self._beacon: Optional[Beacon] = None
+        self._addresses: dict[int, str] = {}  # member -> its beacon's address
+        self._probed: dict[int, float] = {}  # member -> when this rank last probed it
+        self._gone: set[int] = set()  # members whose process is gone
+        self._left: set[int] = set()  # members that said they leave (their run is over: it ended, or raised)
 
     @property
     def rank(self) -> int:
@@ -111,7 +124,10 @@ class Membership:
     # -- heartbeats -----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Beat the first heartbeat, then go on beating from a thread until [`close`][lightning_decentral.membership.Membership.close]."""
+        """Open this rank's beacon and publish its address, beat the first heartbeat, then go on beating from a thread
+        until [`close`][lightning_decentral.membership.Membership.close]."""
+        self._beacon = Beacon(self._toward)
+        self.store.set(self._key("address", self.first_rank), self._beacon.address)
         self.store.add(self._key("heartbeat", self.first_rank), 1)
         threading.Thread(target=self._beat, daemon=True, name="lightning_decentral-heartbeat").start()
 
@@ -143,25 +159,74 @@ class Membership:
         """Seconds since `member`'s heartbeat last changed, on this rank's clock (as of the last look)."""
         return self._listened - self._heard.get(member, (b"", self._started))[1]
 
+    def gone(self, member: int) -> bool:
+        """Whether `member`'s process is gone: a member marked it so, or its beacon refuses a probe now (then this
+        rank marks it, for every member and generation). At most one probe per member every `HEARTBEAT` seconds."""
+        if member in self._gone:
+            return True
+        now = time.monotonic()
+        if now - self._probed.get(member, -HEARTBEAT) < HEARTBEAT:
+            return False
+        self._probed[member] = now
+        mark = self._key("gone", member)
+        if self.store.check([mark]):
+            self._gone.add(member)
+        elif (address := self._address(member)) is not None and gone(address):
+            self.store.set(mark, "1")
+            self._gone.add(member)
+        return member in self._gone
+
+    def left(self, member: int) -> bool:
+        """Whether `member` said it leaves ([`close`][lightning_decentral.membership.Membership.close]): its run is
+        over, and no failure to look for (an exchange with it, if one still waits, fails on its own)."""
+        if member not in self._left and self.store.check([self._key("left", member)]):
+            self._left.add(member)
+        return member in self._left
+
+    def _silent_and_left(self, member: int) -> bool:
+        return member != self.first_rank and self.silent_for(member) > CONFIRM and self.left(member)
+
+    def _address(self, member: int) -> Optional[str]:
+        """`member`'s beacon address (`None` before it published one)."""
+        if member not in self._addresses:
+            key = self._key("address", member)
+            if not self.store.check([key]):
+                return None
+            self._addresses[member] = self.store.get(key).decode()
+        return self._addresses[member]
+
     def close(self) -> None:
-        """Stop the heartbeat (the others then see this rank silent) and the store's call thread."""
+        """Say this rank leaves, then stop the heartbeat (the others then see this rank silent), the beacon (they find
+        it gone) and the store's call thread; once."""
+        if self._stopped.is_set():
+            return
+        with contextlib.suppress(StoreLost):  # the run is over anyway
+            self.store.set(self._key("left", self.first_rank), "1")
         self._stopped.set()
+        if self._beacon is not None:
+            self._beacon.close()
         self.store.close()
 
     # -- failures -------------------------------------------------------------------------------------------------
 
     def poll(self) -> Optional[str]:
-        """Why this rank should give up what it waits for, or `None`: a member announced a failure, or a member's
-        heartbeat has been silent for `silence` seconds. One look at the store (and the heartbeats every
-        `HEARTBEAT` seconds)."""
+        """Why this rank should give up what it waits for, or `None`: a member announced a failure, a member's
+        heartbeat has been silent for `silence` seconds, or for `CONFIRM` seconds and its process is gone, unless it
+        said it leaves (a rank that stopped at the step every rank agreed on, say). One look at the store (and the
+        heartbeats every `HEARTBEAT` seconds)."""
         abort = self._key("abort", self.generation)
         if self.store.check([abort]):
             return json.loads(self.store.get(abort))["reason"]
         if time.monotonic() - self._listened > HEARTBEAT:
             self._listen()
             for member in self.members:
-                if member != self.first_rank and self.silent_for(member) > self.silence:
-                    return f"rank {member} has been silent for {self.silent_for(member):.1f} s (no heartbeat)"
+                if self._silent_and_left(member):
+                    continue
+                silent = self.silent_for(member) if member != self.first_rank else 0.0
+                if silent > self.silence:
+                    return f"rank {member} has been silent for {silent:.1f} s (no heartbeat)"
+                if silent > CONFIRM and self.gone(member):
+                    return f"rank {member}'s process is gone (silent for {silent:.1f} s, its address refuses connections)"
         return None
 
     def agree(self, step: int, reason: str, broken: Sequence[int] = (), any_broken: bool = False) -> Decision:
@@ -205,7 +270,7 @@ class Membership:
         waited = time.monotonic() - since
 
         def lost(member: int) -> bool:
-            if self.silent_for(member) > self.silence or waited > self.silence:
+            if self.silent_for(member) > self.silence or waited > self.silence or self.gone(member):
                 return True
             broken = any_broken or self.store.check([self._key("broken", g, member)])
             return broken and self.silent_for(member) > CONFIRM
@@ -251,5 +316,24 @@ class Membership:
 
     def form_group(self, backend: str, timeout: timedelta) -> None:
         """Replace the default process group by the current members' (every member calls it together, after
-        [`agree`][lightning_decentral.membership.Membership.agree])."""
-        rebuild_world(self._connect(), self._key("world", self.generation), self.rank, self.world_size, timeout, backend)
+        [`agree`][lightning_decentral.membership.Membership.agree]).
+
+        Each member first says it is here (`here/g`) and waits for the others, looking out as
+        [`poll`][lightning_decentral.membership.Membership.poll] does: a member that dies before it comes (its
+        process gone, silent, or a failure announced for this generation) raises
+        [`Abandoned`][lightning_decentral.failures.Abandoned] here, on every member, instead of a process group waiting
+        `timeout` for it; the members then agree again. A failure while the group is made raises
+        [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
+        g = self.generation
+        self.store.set(self._key("here", g, self.first_rank), "1")
+        here = {m: self._key("here", g, m) for m in self.members}
+        while not self.store.check(list(here.values())):
+            reason = self.poll() or next(
+                (f"rank {m} left" for m, key in here.items() if self._silent_and_left(m) and not self.store.check([key])),
+                None,
+            )
+            if reason is not None:
+                raise Abandoned(f"Making the survivors' process group (generation {g}) was given up on rank {self.first_rank}: {reason}.")
+            time.sleep(POLL)
+        with peers_answer(f"Making the survivors' process group (generation {g})", "a survivor"):
+            rebuild_world(self._connect(), self._key("world", g), self.rank, self.world_size, timeout, backend)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from lightning_decentral._compat import default_store
 from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure
-from lightning_decentral.membership.groups import poison
+from lightning_decentral.membership.groups import alone, poison
 from lightning_decentral.membership.protocol import Decision, Membership
 from lightning_decentral.membership.report import decision_line
 from lightning_decentral.membership.store import store_client, store_host
@@ -50,7 +50,12 @@ class Survivors:
        stays paired among the survivors, who are not all at the same batch when they agree;
     4. when step `s + 1` begins ([`begin`][lightning_decentral.membership.Survivors.begin], every survivor
        together), makes the survivors' default process group, rebinds the mixer to it and tells the executor
-       (`on_change(decision)`).
+       (`on_change(decision)`). A survivor that dies before (after the agreement, in the steps taken alone, or while
+       the group is made) is found there ([`Membership.form_group`][lightning_decentral.membership.Membership.form_group]):
+       the others agree again, from step 2, and make the group of those left.
+
+    A failure seen after the agreement by something of the generation given up (an exchange of it waited for late)
+    is no new failure: `survive` ignores it.
 
     Args:
         membership: this run's membership, started.
@@ -85,7 +90,7 @@ class Survivors:
         outlives, words = store_host(store)
         membership = Membership(
             store, lambda: store_client(timeout), f"{run:x}", dist.get_rank(), dist.get_world_size(),
-            silence=timeout.total_seconds(), min_workers=min_workers,
+            silence=timeout.total_seconds(), min_workers=min_workers, toward=os.environ.get("MASTER_ADDR"),
         )
         membership.start()
         warning = "" if outlives else f"on_peer_failure='continue': {words}. The store's host is the run's single point of failure."
@@ -103,20 +108,26 @@ class Survivors:
         return self.membership.poll()
 
     def survive(self, step: int, failure: PeerFailure) -> None:
-        """Steps 1 to 3 above, for a failure seen in the exchange of step `step`."""
+        """Steps 1 to 3 above, for a failure seen at step `step` (in its exchange, or in a collective of this rank
+        while it is in that step or about to begin it); nothing once this rank is alone (see the class docstring)."""
+        if self.pending is not None:
+            return
         for mixer in self.driver.mixers:
             for group in mixer.groups():
                 poison(group)
         if dist.is_initialized():
             poison()
+        self._agree(step, failure)
+
+    def _agree(self, step: int, failure: PeerFailure) -> None:
+        """Steps 2 and 3 above: agree, keep the survivors' topology from the step after the agreed one, go on alone."""
         members = self.membership.members
         broken = [members[r] for r in failure.peers if r < len(members)]
         reason = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
         decision = self.membership.agree(step, reason, broken, any_broken=not broken and not isinstance(failure, Abandoned))
         self.driver.keep(decision.survivors, decision.step + 1)
         log.warning(decision_line(decision, self.membership.first_rank, self.driver.topology))  # on every survivor
-        dist.destroy_process_group()
-        dist.init_process_group(self.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=self.timeout)
+        alone(self.backend, self.timeout)
         self.pending = decision
 
     # -- the survivors' group ----------------------------------------------------------------------------------
@@ -127,13 +138,18 @@ class Survivors:
             self.form()
 
     def form(self) -> None:
-        """Make the survivors' default process group now (every survivor together), rebind the mixers to it."""
-        decision, self.pending = self.pending, None
-        if decision is None:
-            return
-        self.membership.form_group(self.backend, self.timeout)
-        self.driver.rebind_mixers()
-        self.on_change(decision)
+        """Make the survivors' default process group now (every survivor together), rebind the mixers to it. A
+        survivor lost meanwhile: the others agree again (joining with the step they would mix from) and make theirs."""
+        while self.pending is not None:
+            decision = self.pending
+            try:
+                self.membership.form_group(self.backend, self.timeout)
+            except PeerFailure as failure:
+                self._agree(decision.step + 1, failure)
+                continue
+            self.pending = None
+            self.driver.rebind_mixers()
+            self.on_change(decision)
 
     def close(self) -> None:
         """Stop the heartbeat."""

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from lightning_decentral.compression import Choco, ChocoExchange, Compressor, exchange_in_process
 from lightning_decentral.mixing.delays import DelayedMixing
 from lightning_decentral.mixing.protocol import (
     SIMULATION,
@@ -64,6 +65,10 @@ class DenseMixer(Watched):
             [`DelayedMixing`][lightning_decentral.mixing.DelayedMixing] says (one round, full precision).
         watch: the observers (of every worker's exchanges), residual measurement and error phrasing its owner shares
             with it ([`Watch`][lightning_decentral.mixing.Watch]); `None`: a new one, speaking of workers.
+        compression: compressed gossip: each worker runs [`Choco`][lightning_decentral.compression.Choco] with this
+            compressor, its messages handed to its in-neighbours in the process (the arithmetic of
+            [`CompressedGossip`][lightning_decentral.gossip.CompressedGossip] on processes).
+        consensus_step: CHOCO's `γ` (`None`: the compressor's `consensus_step`).
 
     Examples:
         >>> from lightning_decentral.topology import Ring
@@ -81,19 +86,36 @@ class DenseMixer(Watched):
         dtype: Optional[torch.dtype] = None,
         delayed: Optional[DelayedMixing] = None,
         watch: Optional[Watch] = None,
+        compression: Optional[Compressor] = None,
+        consensus_step: Optional[float] = None,
     ) -> None:
         self.topology = topology
         self.dtype = dtype
         self.delayed = delayed
         self.watch = watch if watch is not None else Watch(phrasing=SIMULATION)
         self._posted: dict[tuple[int, int], dict[int, _DensePending]] = {}
+        self.chocos: list[Choco] = []  # compressed gossip: worker i's side of the rule
+        if compression is not None:
+            step = compression.consensus_step if consensus_step is None else consensus_step
+            self.chocos = [Choco(compression, step, rank) for rank in range(topology.world_size)]
 
     def rebind(self, topology: Topology) -> None:
         """Mix with `topology` from now on (the survivors of a failure; nothing may be in flight). Worker `i` of
-        the new topology talks to a view of rank `i`: whoever runs the workers re-numbers its views."""
+        the new topology talks to a view of rank `i`: whoever runs the workers re-numbers its views. Compressed
+        gossip starts again from empty public copies."""
         if self._posted:
             raise RuntimeError(f"{len(self._posted)} exchanges are in flight: rebind the mixer between steps.")
         self.topology = topology
+        if self.chocos:
+            first = self.chocos[0]
+            self.chocos[:] = [Choco(first.compressor, first.consensus_step, rank) for rank in range(topology.world_size)]
+
+    def choco_exchange(
+        self, rank: int, buffers: Sequence[Tensor], step: int, rounds: int, tag: int, out: Optional[Sequence[Tensor]]
+    ) -> ChocoExchange:
+        """Compressed gossip: worker `rank`'s exchange of `buffers` (with `out`: the correction there); the messages
+        move between the workers in [`exchange_in_process`][lightning_decentral.compression.exchange_in_process]."""
+        return ChocoExchange(self.chocos[rank], self.topology, buffers, step, rounds, tag, out, self.measure_residuals)
 
     @property
     def in_flight(self) -> int:
@@ -108,6 +130,8 @@ class DenseMixer(Watched):
 
     def bytes_sent(self, buffers: Sequence[Tensor], rank: int, step: int) -> int:
         """Bytes rank `rank` would send for one round on processes (an exact average: the ring all-reduce figure)."""
+        if self.chocos:
+            return self.chocos[rank].bytes_sent(buffers, self.topology, step)
         total = 0
         for matrix, averaged in stages(self.topology, step):
             size = sum(b.numel() * b.element_size() for b in buffers)
@@ -138,6 +162,11 @@ class DenseMixer(Watched):
                 "worker starts an exchange before any worker waits for it."
             )
         order = [posted[i] for i in range(n)]
+        if self.chocos:  # each worker compressed its round one when it started
+            exchange_in_process([p.exchange for p in order], first=[p.messages for p in order])
+            for worker in order:
+                worker.residuals, worker.done = worker.exchange.residuals, True
+            return
         for index in range(len(order[0].buffers)):
             x = torch.stack([p.buffers[index].detach().reshape(-1) for p in order]).double()
             mixed, change = self.mix(x, step, order[0].rounds, order[0].buffers[index].dtype, key=(tag, index))
@@ -224,6 +253,9 @@ class _WorkerMixer(DenseView):
                 o.zero_()
             pending.done = True
         else:
+            if self.dense.chocos:  # compressed as on processes: now, from the buffers as they are
+                pending.exchange = self.dense.choco_exchange(self.rank, buffers, step, rounds, tag, out)
+                pending.messages = pending.exchange.outgoing(0)
             self.dense.post(pending)
         notify_post(observers, event)
         return pending
@@ -246,6 +278,8 @@ class _DensePending:
         self.out = None if out is None else list(out)
         self.observers, self.event = observers, event
         self.residuals: Optional[list[Tensor]] = None
+        self.exchange: Optional[ChocoExchange] = None  # compressed gossip: this worker's, and its round-one messages
+        self.messages: dict[int, Tensor] = {}
         self.done = False
         self._reported = False
 

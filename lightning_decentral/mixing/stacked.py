@@ -39,6 +39,8 @@ class StackedMixer(DenseView):
     """
 
     def __init__(self, dense: DenseMixer) -> None:
+        if dense.chocos:
+            raise ValueError("Compressed gossip compresses each worker's flat buffers: run it on DenseMixer.worker(i).")
         super().__init__(dense)
         self._space: dict[int, Tensor] = {}
 

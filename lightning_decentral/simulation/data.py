@@ -123,7 +123,7 @@ class WorkerLoaders:
 def first_batch_together(dataloader: torch.utils.data.DataLoader, workers: int) -> StackedBatch:
     """Every worker's first batch (worker `i`'s from rank `i`'s sampler), loaded in this process and collated at once:
     what the first stacked step would see, without starting the DataLoader's worker processes."""
-    samplers = [_rank_sampler(dataloader, _is_dataloader_shuffled(dataloader), workers, rank) for rank in range(workers)]
+    samplers = [_rank_sampler(dataloader, is_dataloader_shuffled(dataloader), workers, rank) for rank in range(workers)]
     indices = next(iter(_StepBatches(samplers, dataloader.batch_size, dataloader.drop_last)))
     return StackedBatch(dataloader.collate_fn([dataloader.dataset[i] for i in indices]), workers)
 

@@ -187,7 +187,12 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
                 )
                 for rank, module in enumerate(self._group.modules)
             ]
-            bad = [rank for rank, shard in enumerate(built) if not shards.holds_finite([shard["state_dict"], shard.get("optimizer_states")])]
+            for rank, shard in enumerate(built):  # compressed gossip: the worker's public copies
+                gossip = self.driver.copies.state(rank)
+                if gossip is not None:
+                    shard["gossip"] = gossip
+            bad = [rank for rank, shard in enumerate(built) if not shards.holds_finite(
+                [shard["state_dict"], shard.get("optimizer_states"), shard.get("rule_state")])]
             if bad:  # before anything is written or removed
                 raise shards.not_finite_error(bad, step, filepath, who="Worker(s)")
             for shard, path in zip(built, paths):
@@ -235,6 +240,8 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         super().load_optimizer_state_dict(checkpoint)
         resumed, self._resume_shards = self._resume_shards, []
         self._group.restore(resumed, checkpoint["optimizer_states"][0])
+        for rank, shard in enumerate(resumed):
+            self.driver.copies.load(shard.get("gossip"), rank)
         if resumed:
             shards.resume_rank_state(resumed[0], self.lightning_module.trainer.global_step)
         self._rng_restored = bool(resumed)

@@ -39,10 +39,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral.common import backward_may_overlap
-from lightning_decentral.driver import Driven, StepDriver, check_one_optimizer
+from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.mixing import SIMULATION
-from lightning_decentral.options import gossip_options, takes_gossip_options
-from lightning_decentral.rules import RuleContext
+from lightning_decentral.options import gossip_options, probe_outer_optimizer, takes_gossip_options
+from lightning_decentral.rules import RuleContext, check_one_optimizer
 from lightning_decentral.simulation.data import WorkerLoaders, first_batch_together
 from lightning_decentral.simulation.isolation import random_states_kept
 from lightning_decentral.simulation.hooks import WorkerHooks
@@ -56,6 +56,10 @@ from lightning_decentral.simulation.vectorized import (
     vectorization_problem,
 )
 
+STACKED_COMPRESSION = (
+    "compression= compresses each worker's flat buffers (scales and indices over all its parameters), which the "
+    "stacked rows, one tensor per parameter, do not hold together"
+)
 
 
 @takes_gossip_options
@@ -133,6 +137,18 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         )
         self.vectorize = vectorize
         self.failures = checked_failures(failures, workers, vectorize, gossip.staleness)
+        if self.failures and gossip.outer_overlap:
+            raise ValueError(
+                "SimulatedDecentralizedStrategy(failures=...) rebuilds the graph between two steps, which outer_overlap=True "
+                "(an exchange in flight across steps) does not support: use outer_overlap=False with failures."
+            )
+        if vectorize is True and gossip.compression is not None:
+            raise ValueError(f"vectorize=True cannot run compression=: {STACKED_COMPRESSION}. Use vectorize=False or 'auto'.")
+        if self.failures and gossip.compression is not None:
+            raise ValueError(
+                "failures= simulates on_peer_failure='continue', which compressed gossip does not support (the survivors' "
+                "graph would need new public copies on both ends of every edge): drop failures= or compression=."
+            )
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
         self._outputs: list[Any] = []  # each worker's training_step output of this batch
@@ -158,7 +174,6 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             raise ValueError("The simulation does not run under a GradScaler (16-mixed): use precision='bf16-mixed' or '32-true'.")
-        rule = self.rule
         context = RuleContext(
             bucket_bytes=self.options.bucket_bytes,
             overlap_backward=backward_may_overlap(module),
@@ -170,14 +185,21 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             copied.trainer = trainer
         self._context = context
         if self.vectorize is True:
-            problem = vectorization_problem(module, self.optimizers[0])
+            problem = vectorization_problem(module, self.optimizers[0], self._outer_probe())
             if problem:
                 raise ValueError(f"SimulatedDecentralizedStrategy(vectorize=True) cannot run this module: {problem}. Use vectorize=False.")
-            self._group = StackedWorkers(modules, self.optimizers[0], rule, self.gossip_buffers, context, self._mixer, self.root_device)
+            self._group = StackedWorkers(
+                modules, self.optimizers[0], self.driver.make_rule, self.gossip_buffers, context, self._mixer, self.root_device
+            )
         else:  # "auto" stacks them, if it can, when it sees the training DataLoader
             self._group = self._workers_apart(modules, context)
             self._undecided = self.vectorize == "auto"
         self.driver.run(self._group)
+
+    def _outer_probe(self) -> Optional[Optimizer]:
+        """What `outer_optimizer` builds (whether it is elementwise decides if the workers can be stacked), or `None`."""
+        factory = self.options.outer_optimizer
+        return None if factory is None else probe_outer_optimizer(factory)
 
     def _workers_apart(self, modules: list[Module], context: RuleContext) -> SimulatedWorkers:
         """The per-worker path: each worker's own optimizer (worker 0's is Lightning's), replica and rule, and the
@@ -186,7 +208,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         quiet = dataclasses.replace(context, warn=_quiet)
         for rank, worker_module in enumerate(modules):
             optimizer = self.optimizers[0] if rank == 0 else optimizer_like(self.optimizers[0], copy_of(modules[0], worker_module))
-            group.add(worker_module, optimizer, self.rule, self.gossip_buffers, context if rank == 0 else quiet)
+            group.add(worker_module, optimizer, self.driver.make_rule, self.gossip_buffers, context if rank == 0 else quiet)
         self._hooks = WorkerHooks(group, losses=lambda: self._losses, outputs=lambda: self._outputs)
         self._hooks.install()
         return group
@@ -211,11 +233,13 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         on every worker's first batch, which changes nothing), and say which path runs and why (one info line)."""
         self._undecided = False
         optimizer = self.optimizers[0]
-        problem = stacking_problem(self.lightning_module, optimizer, dataloader.batch_size, dataloader)
+        problem = stacking_problem(self.lightning_module, optimizer, dataloader.batch_size, dataloader, self._outer_probe())
         if self.workers == 1:
             problem = "there is one worker: nothing to stack"
         if self.failures:
             problem = "failures= drops workers one by one, which the stacked rows do not support"
+        if self.options.compression is not None:
+            problem = STACKED_COMPRESSION
         if problem is None:
             with random_states_kept(), self.precision_plugin.train_step_context():
                 batch = self.batch_to_device(first_batch_together(dataloader, self.workers))
@@ -225,7 +249,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         assert self._hooks is not None and self._context is not None
         self._hooks.remove()
         self._hooks = None
-        self._group = StackedWorkers.from_workers(self._group, optimizer, self.rule, self.gossip_buffers, self._context, self._mixer)
+        self._group = StackedWorkers.from_workers(
+            self._group, optimizer, self.driver.make_rule, self.gossip_buffers, self._context, self._mixer
+        )
         self.driver.run(self._group)
         optimizer_name = type(optimizer).__name__
         _say_path(
@@ -261,6 +287,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         with self.precision_plugin.train_step_context():
             outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
         log_over_workers(self.lightning_module, logged, len(self._group.modules))
+        self.lightning_module.log_dict(self.driver.copies.metrics(), on_step=True, on_epoch=False)
         self._outputs = outputs
         self._losses = [_loss_of(output) for output in outputs]
         if any(loss is None for loss in self._losses):

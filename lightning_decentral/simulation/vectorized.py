@@ -28,38 +28,32 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_decentral.mixing import DenseMixer, StackedMixer
 from lightning_decentral.replicas import Replica
-from lightning_decentral.rules import RULES, RuleContext
+from lightning_decentral.rules import RuleContext, RuleFactory
 from lightning_decentral.schedule import StepPlan
 from lightning_decentral.simulation.data import StackedBatch
 from lightning_decentral.simulation.isolation import loads_at_random, random_states_kept, scratch_copy
 from lightning_decentral.simulation.workers import Logged, WorkerGroup, collect_logs
 
 ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD,
-    torch.optim.Adam,
-    torch.optim.AdamW,
-    torch.optim.Adamax,
-    torch.optim.NAdam,
-    torch.optim.RAdam,
-    torch.optim.RMSprop,
-    torch.optim.Adagrad,
-    torch.optim.Adadelta,
-    torch.optim.Rprop,
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Rprop,
 )
 """The optimizers whose update of an element reads only that element's gradient and state: stepping them
 over stacked parameters equals stepping one per worker."""
 
 
-def vectorization_problem(module: Module, optimizer: Optimizer) -> Optional[str]:
-    """Why `module` and `optimizer` cannot run vectorized, or `None`.
+def vectorization_problem(module: Module, optimizer: Optimizer, outer: Optional[Optimizer] = None) -> Optional[str]:
+    """Why `module` and `optimizer` (and the `outer` optimizer of an outer step) cannot run vectorized, or `None`.
 
     Examples:
         >>> vectorization_problem(torch.nn.Linear(2, 1), torch.optim.LBFGS(torch.nn.Linear(2, 1).parameters()))
         'LBFGS is not one of the elementwise optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop)'
     """
+    names = ", ".join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
-        names = ", ".join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)
         return f"{type(optimizer).__name__} is not one of the elementwise optimizers ({names})"
+    if outer is not None and type(outer) not in ELEMENTWISE_OPTIMIZERS:
+        return f"the outer optimizer {type(outer).__name__} is not one of the elementwise optimizers ({names})"
     trainable = {id(p) for p in module.parameters() if p.requires_grad}
     if any(id(p) not in trainable for group in optimizer.param_groups for p in group["params"]):
         return "the optimizer holds tensors that are not trainable parameters of the LightningModule"
@@ -78,7 +72,11 @@ but every worker's at once when stacked."""
 
 
 def stacking_problem(
-    module: Module, optimizer: Optimizer, batch_size: Optional[int] = 1, dataloader: Optional[DataLoader] = None
+    module: Module,
+    optimizer: Optimizer,
+    batch_size: Optional[int] = 1,
+    dataloader: Optional[DataLoader] = None,
+    outer: Optional[Optimizer] = None,
 ) -> Optional[str]:
     """Why `vectorize="auto"` keeps the workers apart, or `None` when stacking them gives the per-worker result:
     [`vectorization_problem`][lightning_decentral.simulation.vectorized.vectorization_problem], a layer that draws
@@ -91,7 +89,7 @@ def stacking_problem(
         >>> stacking_problem(net, torch.optim.SGD(net.parameters(), lr=0.1))
         "its Dropout '1' draws random numbers (each worker needs its own random state)"
     """
-    problem = vectorization_problem(module, optimizer)
+    problem = vectorization_problem(module, optimizer, outer)
     if problem is not None:
         return problem
     for name, layer in module.named_modules():
@@ -247,7 +245,7 @@ class StackedWorkers(WorkerGroup):
             and buffers become views of rows of stacked tensors.
         optimizer: worker 0's optimizer: from now on it steps the stacked parameters (its param groups,
             hyperparameters and scheduler are kept).
-        rule: the update rule's name in `RULES`.
+        make_rule: builds the update rule (a class of `RULES`, or the driver's `make_rule`).
         mix_buffers: also mix the floating-point module buffers.
         context: the rule's context.
         mixer: the dense mixer of the `n` workers.
@@ -258,7 +256,7 @@ class StackedWorkers(WorkerGroup):
         self,
         modules: list[Module],
         optimizer: Optimizer,
-        rule: str,
+        make_rule: RuleFactory,
         mix_buffers: bool,
         context: RuleContext,
         mixer: DenseMixer,
@@ -275,20 +273,23 @@ class StackedWorkers(WorkerGroup):
         for group in optimizer.param_groups:
             group["params"] = [stacked_of[id(p)] for p in group["params"]]
         optimizer.state.clear()
-        mixed = [b.view(-1) for b in self.buffers if b.is_floating_point()] if mix_buffers else []
-        self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], mixed)
-        self.rules = [RULES[rule](self.replica, StackedMixer(mixer), optimizer, context)]
+        buffers = [b for b in self.buffers if b.is_floating_point()] if mix_buffers else []
+        self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], [b.view(-1) for b in buffers], buffers)
+        self.rules = [make_rule(self.replica, StackedMixer(mixer), optimizer, context)]
 
     @classmethod
     def from_workers(
-        cls, workers: WorkerGroup, optimizer: Optimizer, rule: str, mix_buffers: bool, context: RuleContext, mixer: DenseMixer
+        cls, workers: WorkerGroup, optimizer: Optimizer, make_rule: RuleFactory, mix_buffers: bool, context: RuleContext,
+        mixer: DenseMixer,
     ) -> StackedWorkers:
-        """The workers of `workers` (kept apart, not stepped yet), stacked, with their optimizer states (a resume
-        restored them); `workers` is torn down. `optimizer` is worker 0's."""
-        states = [workers.optimizer_state_of(rank) for rank in range(len(workers.modules))]
+        """The workers of `workers` (kept apart, not stepped yet), stacked, with their optimizer and rule states (a
+        resume restored them); `workers` is torn down. `optimizer` is worker 0's."""
+        ranks = range(len(workers.modules))
+        states, rule_states = [workers.optimizer_state_of(r) for r in ranks], [workers.rule_state_of(r) for r in ranks]
         workers.teardown()
-        stacked = cls(workers.modules, optimizer, rule, mix_buffers, context, mixer, workers.device)
+        stacked = cls(workers.modules, optimizer, make_rule, mix_buffers, context, mixer, workers.device)
         stacked.load_optimizer_states(states)
+        stacked.load_rule_states(rule_states)
         return stacked
 
     @staticmethod
@@ -340,31 +341,38 @@ class StackedWorkers(WorkerGroup):
     def optimizer_state_of(self, rank: int) -> dict[str, Any]:
         """Row `rank` of every per-element state tensor (momentum, Adam's moments), copied; scalars such as `step`
         as they are."""
-        state = self.optimizer.state_dict()
-        shapes = self._parameter_shapes()
-        rows = {
-            key: {name: v[rank].clone() if _per_element(name, v, shapes[key]) else v for name, v in values.items()}
-            for key, values in state["state"].items()
-        }
-        return {**state, "state": rows}
+        return self._per_element_state(lambda rows: rows[rank].clone())
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer `state_dict` with every per-element state tensor averaged over its rows (the workers)."""
-        state = self.optimizer.state_dict()
-        shapes = self._parameter_shapes()
-        averaged = {
-            key: {name: v.mean(0) if _per_element(name, v, shapes[key]) else v for name, v in values.items()}
+        return self._per_element_state(lambda rows: rows.mean(0))
+
+    def _per_element_state(self, of_rows: Callable[[Tensor], Tensor]) -> dict[str, Any]:
+        """The optimizer `state_dict` with `of_rows(v)` in place of every per-element state tensor `v` (a row a worker)."""
+        state, shapes = self.optimizer.state_dict(), self._parameter_shapes()
+        mapped = {
+            key: {name: of_rows(v) if _per_element(name, v, shapes[key]) else v for name, v in values.items()}
             for key, values in state["state"].items()
         }
-        return {**state, "state": averaged}
+        return {**state, "state": mapped}
 
     def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
-        """Workers 1..n-1's replicas from their shards; the stacked optimizer state from every worker's shard
-        (or the averaged state on every row)."""
-        for i, module in enumerate(self.modules[1:], start=1):
-            if resumed:
-                module.load_state_dict(resumed[i]["state_dict"])
+        """Workers 1..n-1's replicas from their shards; the stacked optimizer and rule states from every worker's
+        shard (or the averaged optimizer state on every row)."""
+        for module, shard in zip(self.modules[1:], resumed[1:]):
+            module.load_state_dict(shard["state_dict"])
         self.load_optimizer_states([shard["optimizer_states"][0] for shard in resumed] or [averaged_optimizer] * len(self.modules))
+        if resumed:
+            self.load_rule_states([shard.get("rule_state", {}) for shard in resumed])
+
+    def rule_state_of(self, rank: int) -> dict[str, Any]:
+        """Row `rank` of every one-dimensional tensor of the rule's state (one value per element of the stacked flat
+        parameters); the rest as it is."""
+        return _rows(self.rules[0].state_dict(), lambda t: t.view(len(self.modules), -1)[rank].clone())
+
+    def load_rule_states(self, states: list[dict[str, Any]]) -> None:
+        """The rule's state from every worker's (`rule_state_of`'s), its rows stacked."""
+        self.rules[0].load_state_dict(_stacked_rows(states) if all(states) else {})
 
     def load_optimizer_states(self, states: list[dict[str, Any]]) -> None:
         """The stacked optimizer state from each worker's optimizer `state_dict` (per-element entries stacked as rows)."""
@@ -382,6 +390,34 @@ class StackedWorkers(WorkerGroup):
         """The optimizer's `state_dict` keys (parameter indices) -> the stacked parameters' shapes."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         return {index: tuple(p.shape) for index, p in enumerate(params)}
+
+
+def _rows(state: Any, row: Callable[[Tensor], Tensor]) -> Any:
+    """`state` (nested dicts, lists and tuples) with `row(t)` in place of every one-dimensional tensor `t`."""
+    if isinstance(state, Tensor):
+        return row(state) if state.dim() == 1 else state
+    if isinstance(state, dict):
+        return {k: _rows(v, row) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_rows(v, row) for v in state)
+    return state
+
+
+def _stacked_rows(states: list[Any]) -> Any:
+    """The inverse of taking rows with `_rows`: every one-dimensional tensor is the workers' rows, concatenated.
+
+    Examples:
+        >>> _stacked_rows([{"anchor": [torch.tensor([1.0, 2.0])], "step": 3}, {"anchor": [torch.tensor([3.0, 4.0])], "step": 3}])
+        {'anchor': [tensor([1., 2., 3., 4.])], 'step': 3}
+    """
+    first = states[0]
+    if isinstance(first, Tensor):
+        return torch.cat(states) if first.dim() == 1 else first
+    if isinstance(first, dict):
+        return {k: _stacked_rows([s[k] for s in states]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(_stacked_rows(list(column)) for column in zip(*states))
+    return first
 
 
 def _per_element(name: str, value: Any, shape: tuple[int, ...]) -> bool:

@@ -11,6 +11,7 @@ what the monitors and checkpoints need of them (their data: [`simulation.data`][
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional, Union
 
@@ -23,7 +24,7 @@ from lightning_decentral import checkpoint as shards
 from lightning_decentral.simulation.data import PerWorker
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.replicas import Replica, averaged_optimizer_state, state_tensors
-from lightning_decentral.rules import RULES, RuleContext, UpdateRule
+from lightning_decentral.rules import RuleContext, RuleFactory, UpdateRule
 from lightning_decentral.schedule import StepPlan
 
 
@@ -174,6 +175,15 @@ class WorkerGroup:
         """Worker `rank`'s optimizer `state_dict`, as rank `rank` of `n` would hold it."""
         raise NotImplementedError
 
+    def rule_state_of(self, rank: int) -> dict[str, Any]:
+        """What worker `rank`'s update rule carries across steps, as rank `rank` of `n` would save it."""
+        return self.rules[rank].state_dict()
+
+    def load_rule_states(self, states: list[dict[str, Any]]) -> None:
+        """Every worker's update rule continues from its state (`rule_state_of`'s)."""
+        for rule, state in zip(self.rules, states):
+            rule.load_state_dict(state)
+
     def optimizer_state(self) -> dict[str, Any]:
         """Worker 0's optimizer `state_dict` with every floating state tensor averaged over the workers."""
         states = [self.optimizer_state_of(rank) for rank in range(len(self.modules))]
@@ -197,11 +207,12 @@ class WorkerGroup:
             precision=precision,
             rng=rng,
             rule=rule,
+            rule_state=None if precision is None else self.rule_state_of(rank),
         )
 
     def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
         """Workers 1..n-1 from their shards (replica, optimizer, random state) if `resumed`, else from the
-        averaged optimizer state (worker 0 is restored by Lightning)."""
+        averaged optimizer state (worker 0 is restored by Lightning); every worker's rule from its shard."""
         raise NotImplementedError
 
 
@@ -233,11 +244,11 @@ class SimulatedWorkers(WorkerGroup):
         self.mixer = mixer
         self.workers: list[SimulatedWorker] = []
 
-    def add(self, module: Module, optimizer: Optimizer, rule: str, mix_buffers: bool, context: RuleContext) -> None:
-        """Worker `len(self.workers)`: `module` packed into a replica, and its update rule `RULES[rule]`."""
+    def add(self, module: Module, optimizer: Optimizer, make_rule: RuleFactory, mix_buffers: bool, context: RuleContext) -> None:
+        """Worker `len(self.workers)`: `module` packed into a replica, and its update rule `make_rule(...)`."""
         replica = Replica(module, mix_buffers)
         rank = len(self.workers)
-        rule_of_worker = RULES[rule](replica, self.mixer.worker(rank), optimizer, context)
+        rule_of_worker = make_rule(replica, self.mixer.worker(rank), optimizer, context)
         self.workers.append(SimulatedWorker(module, optimizer, replica, rule_of_worker, origin=rank))
         self.modules.append(module)
         self.rules.append(rule_of_worker)
@@ -255,6 +266,7 @@ class SimulatedWorkers(WorkerGroup):
             head, first = self.workers[0], self.workers[keep[0]]
             head.module.load_state_dict(first.module.state_dict())
             head.optimizer.load_state_dict(first.optimizer.state_dict())
+            head.rule.load_state_dict(first.rule.state_dict())
             torch.set_rng_state(first.rng)  # worker 0 draws from the process's own generators
             if first.cuda_rng is not None:
                 torch.cuda.set_rng_state(first.cuda_rng, self.device)
@@ -354,6 +366,8 @@ class SimulatedWorkers(WorkerGroup):
                 worker.cuda_rng = resumed[i]["rng"]["cuda"][0] if "cuda" in resumed[i]["rng"] else None
             else:
                 worker.optimizer.load_state_dict(averaged_optimizer)
+        if resumed:
+            self.load_rule_states([shard.get("rule_state", {}) for shard in resumed])
 
 
 @contextlib.contextmanager
@@ -372,10 +386,14 @@ def collect_logs(module: Module, logged: Logged) -> Iterator[None]:
 
 def optimizer_like(optimizer: Optimizer, parameter: Callable[[Tensor], Tensor]) -> Optimizer:
     """An optimizer of `optimizer`'s class and param groups over `parameter(p)` for each of its parameters `p`
-    (a fresh state)."""
+    (a fresh state), built with the defaults its constructor takes (AdamW keeps `decoupled_weight_decay` in its
+    defaults but does not take it)."""
     groups = [{**group, "params": [parameter(p) for p in group["params"]]} for group in optimizer.param_groups]
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    any_keyword = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    defaults = {k: v for k, v in optimizer.defaults.items() if any_keyword or k in accepted}
     try:
-        return type(optimizer)(groups, **optimizer.defaults)
+        return type(optimizer)(groups, **defaults)
     except Exception as error:
         raise ValueError(
             f"The simulation gives every worker its own {type(optimizer).__name__}, built as "

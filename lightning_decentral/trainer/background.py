@@ -94,15 +94,14 @@ def background_save(
     shared: StepSaves,
     write_file: Callable[[dict[str, Any]], None],
 ) -> Callable[[], None]:
-    """Copy this rank's part of `checkpoint` (its own replica and optimizer state) and `own` (the rest of its shard:
-    `step`, `precision`, `rng`, `rule` of [`make_shard`][lightning_decentral.checkpoint.make_shard]) to host memory,
-    the only part that blocks training, and return the rest of the save for the writer thread: average the copies
-    into `x̄` and the averaged optimizer state on `ranks` (the writer's own group), then the shard protocol, with
-    `write_file(checkpoint)` writing the file on rank 0. A later save of the same step reuses the copies and the
-    means of unchanged tensors (`shared`)."""
-    copied = shared.copies.copy(checkpoint)
-    own_states = copied.get("optimizer_states")
-    shard = dict(state_dict=copied["state_dict"], optimizer_states=own_states, **shared.copies.copy(own))
+    """Copy `checkpoint` (holding this rank's own replica and optimizer state) and `own` (this rank's shard but the
+    save id: the arguments of [`make_shard`][lightning_decentral.checkpoint.make_shard]) to host memory, the only part
+    that blocks training, and return the rest of the save for the writer thread: average the copies into `x̄` and the
+    averaged optimizer state on `ranks` (the writer's own group), then the shard protocol, with `write_file(checkpoint)`
+    writing the file on rank 0. A later save of the same step reuses the copies and the means of unchanged tensors
+    (`shared`)."""
+    copied, shard = shared.copies.copy(checkpoint), shared.copies.copy(own)
+    own_states = shard["optimizer_states"]
     means = shared.queued()
 
     def save() -> None:

@@ -33,7 +33,8 @@ from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.common import EvaluatesOnAverage
-from lightning_decentral.failures import Activities, peers_answer
+from lightning_decentral.failures import Activities
+from lightning_decentral.membership.guard import Guard, from_its_value_now
 from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.replicas import AveragedModel, MeanFn, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, background_save
@@ -45,8 +46,11 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     """`DDPStrategy` without the wrapper and the gradient all-reduce: each rank trains its own replica.
 
     Subclasses define the update (`optimizer_step`), `eval_on` (`"average"` evaluates `x̄`, `"local"` each rank's
-    own replica), `rule_record()` (what the shards record of the update rule) and `_configuration()`, the fields
-    every rank must agree on; they call `_start_replicas()` from `configure_ddp`.
+    own replica), `rule_record()` (what the shards record of the update rule), `rule_state()` and
+    `load_rule_state(state)` (what the rule and, `driver.copies`, compressed gossip carry across steps, in the shard),
+    `_configuration()`, the fields every rank must agree on, and `guard`, the
+    [`Guard`][lightning_decentral.membership.guard.Guard] every collective goes through; they call `_start_replicas()`
+    from `configure_ddp`.
 
     Args:
         resume: `"checkpoint"`: `fit(ckpt_path=...)` resumes from the checkpoint it names; `"newest_complete"`: from
@@ -57,6 +61,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     eval_on: str
     rule_record: Callable[[], dict[str, str]]
+    rule_state: Callable[[], dict[str, Any]]
+    load_rule_state: Callable[[dict[str, Any]], None]
+    guard: Guard
 
     def __init__(self, resume: str = "checkpoint", **kwargs: Any) -> None:
         if resume not in RESUME:
@@ -199,40 +206,37 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self._writer = self._writer_ranks = None
         super().teardown()
 
-    # -- Lightning's own collectives: a rank that fails meanwhile ends them with the library's error --------
+    # -- Lightning's own collectives go through the guard: a rank that fails meanwhile raises the library's error,
+    # -- or, with survivors, the collective completes among them -------------------------------------------------
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """Lightning's barrier; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
-        with self._lightning_collective("barrier"):
-            super().barrier(*args, **kwargs)
+        """Lightning's barrier, through the guard."""
+        self._lightning_collective("barrier", functools.partial(super().barrier, *args, **kwargs))
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        """Lightning's broadcast; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
-        with self._lightning_collective("broadcast"):
-            return super().broadcast(obj, src)
+        """Lightning's broadcast, through the guard."""
+        return self._lightning_collective("broadcast", functools.partial(super().broadcast, obj, src))
 
     @override
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
-        """Lightning's reduce (`self.log(..., sync_dist=True)`); a rank that fails meanwhile raises
-        [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
-        with self._lightning_collective("reduce (a metric logged with sync_dist=True?)"):
-            return super().reduce(tensor, group, reduce_op)
+        """Lightning's reduce (`self.log(..., sync_dist=True)`), through the guard (each try from `tensor`'s value)."""
+        reduce = from_its_value_now(tensor, functools.partial(super().reduce, tensor, group, reduce_op))
+        return self._lightning_collective("reduce (a metric logged with sync_dist=True?)", reduce)
 
     @override
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
-        """Lightning's all-gather; a rank that fails meanwhile raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
-        with self._lightning_collective("all_gather"):
-            return super().all_gather(tensor, group, sync_grads)
+        """Lightning's all-gather, through the guard."""
+        return self._lightning_collective("all_gather", functools.partial(super().all_gather, tensor, group, sync_grads))
 
-    def _lightning_collective(self, name: str) -> contextlib.AbstractContextManager:
+    def _lightning_collective(self, name: str, collective: Callable[[], Any]) -> Any:
         when = ""
         if self.lightning_module is not None:
             with contextlib.suppress(RuntimeError):  # not attached to a Trainer
                 trainer = self.lightning_module.trainer
                 when = f" at step {trainer.global_step} ({trainer.state.stage})"
-        return peers_answer(f"Lightning's {name}{when}")
+        return self.guard.run(f"Lightning's {name}{when}", collective)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -270,22 +274,16 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         step's saves are in flight, and a failed one raises at the same save on every rank)."""
         if self._writer is not None:
             self._finish_earlier_saves()
-            weights_only = "optimizer_states" not in checkpoint
-            own = dict(
-                step=self.lightning_module.trainer.global_step,
-                precision=None if weights_only else self.precision_plugin.state_dict(),
-                rng=shards.rng_state(),
-                rule=self.rule_record(),
-            )
-            assert self._writer_ranks is not None and self._step_saves is not None
             write_file = functools.partial(self._write_file, filepath=filepath, storage_options=storage_options)
+            own = self._shard_parts(checkpoint)
             self._writer.submit(background_save(checkpoint, filepath, own, self._writer_ranks, self._step_saves, write_file))
             return
+        parts = self._shard_parts(checkpoint)
         shards.save_with_shards(
             self._ranks,
             checkpoint,
             filepath,
-            make_shard=lambda save_id: self._shard(checkpoint, save_id),
+            make_shard=lambda save_id: shards.make_shard(save_id, self.global_rank, self.world_size, **parts),
             write_file=lambda: self._write_file(checkpoint, filepath, storage_options),
         )
 
@@ -363,26 +361,26 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         shard, self._resume_shard = self._resume_shard, None
         if shard is not None:
             shards.resume_rank_state(shard, self.lightning_module.trainer.global_step)
+            self.load_rule_state(shard.get("rule_state", {}))
+            self.driver.copies.load(shard.get("gossip"))
 
-    def _shard(self, checkpoint: dict[str, Any], save_id: int) -> dict[str, Any]:
-        """This rank's part of the checkpoint: replica, optimizer, precision, step and RNG state."""
+    def _shard_parts(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of `checkpoint`, its shard but the save id ([`make_shard`][lightning_decentral.checkpoint.make_shard]):
+        its own replica, optimizer, precision-plugin, step, RNG, rule and gossip state (live: not copied)."""
         weights_only = "optimizer_states" not in checkpoint
-        return shards.make_shard(
-            save_id,
-            self.global_rank,
-            self.world_size,
+        return dict(
             state_dict=self._averaged.own_state_dict(self.lightning_module),
-            step=self.lightning_module.trainer.global_step,
             optimizer_states=None if weights_only else [o.state_dict() for o in self.optimizers],
+            step=self.lightning_module.trainer.global_step, rng=shards.rng_state(), rule=self.rule_record(),
             precision=None if weights_only else self.precision_plugin.state_dict(),
-            rule=self.rule_record(),
+            rule_state=None if weights_only else self.rule_state(), gossip=self.driver.copies.state(),
         )
 
     # -- every rank runs the same configuration ----------------------------------------------
 
     @property
     def _ranks(self) -> Ranks:
-        return Ranks.of_world(self.root_device)
+        return Ranks.of_world(self.root_device, self.guard)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         """What every rank must agree on (`Ranks.check_same_configuration`)."""

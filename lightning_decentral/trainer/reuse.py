@@ -51,13 +51,20 @@ class _Record:
         )
 
 
+def _scope(ranks: MeanGroup) -> tuple[Any, ...]:
+    """Which ranks a mean was over: a failure survived since changes it (the default group is rebuilt)."""
+    world = dist.group.WORLD if ranks.group is None and dist.is_initialized() else None
+    return ranks.rank, ranks.world_size, ranks.group, world
+
+
 class ReusedMeans:
     """Means over the ranks, each remembered under a label until `clear`: asked again under the label for the same
     tensors, unchanged on every rank, it returns the same results without averaging again.
 
     Whether every rank may reuse is agreed with one all-gather of a flag (no rank skips a collective another runs);
     it is asked only when a mean is remembered under the label, which every rank running the same program remembers
-    alike. A result written in place since is not reused, and a change of process group forgets everything.
+    alike. A result written in place since is not reused, and a change of process group (a failure survived, before
+    or during that all-gather) forgets everything.
 
     Examples:
         >>> import torch
@@ -80,8 +87,7 @@ class ReusedMeans:
 
     def mean(self, ranks: MeanGroup, label: Hashable, tensors: list[Tensor], what: str) -> list[Tensor]:
         """`ranks.mean(tensors, what)`, or the results remembered under `label` for these tensors, unchanged."""
-        world = dist.group.WORLD if ranks.group is None and dist.is_initialized() else None
-        scope = (ranks.rank, ranks.world_size, ranks.group, world)
+        scope = _scope(ranks)
         if scope != self._scope:
             self._kept, self._scope = {}, scope
         kept = self._kept.get(label)
@@ -89,7 +95,8 @@ class ReusedMeans:
             inputs, results = kept
             same = len(inputs) == len(tensors) and all(r.matches(t) for r, t in zip(inputs, tensors))
             same = same and all(r.matches(r.alias) for r in results)
-            if bool(ranks.gather([same], f"{what}, agreeing whether an earlier save of this step did it,")[:, 0].all()):
+            agreed = ranks.gather([same], f"{what}, agreeing whether an earlier save of this step did it,")[:, 0].all()
+            if bool(agreed) and _scope(ranks) == scope:  # the ranks that agreed are those that averaged (no failure)
                 return [r.alias for r in results]
         means = ranks.mean(tensors, what)
         self._kept[label] = ([_Record(t) for t in tensors], [_Record(m) for m in means])

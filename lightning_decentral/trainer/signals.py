@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from types import FrameType
+from collections.abc import Callable
 from typing import Optional
 
 from lightning.pytorch import Trainer
@@ -26,10 +27,12 @@ from lightning_decentral.trainer.stop import StopAgreement
 log = logging.getLogger(__name__)
 
 
-def stop_together(trainer: Trainer, agreement: StopAgreement) -> None:
+def stop_together(trainer: Trainer, agreement: StopAgreement, first_check: Callable[[], None] = lambda: None) -> None:
     """From now on, in this fit of `trainer`: a SIGTERM only requests a stop from `agreement`, and each training
-    batch asks it whether to stop, in place of Lightning's broadcast. Call it in the strategy's `setup`, which the
-    Trainer runs before it registers its signal handlers and before the first batch."""
+    batch asks it whether to stop, in place of Lightning's broadcast; at the first batch of an epoch, `first_check`
+    (a check of this rank alone, which may raise) runs before the store is asked, so that a rank that failed it and
+    left, with the store it may host, cannot hide the same failure of another rank behind a lost store. Call it in the
+    strategy's `setup`, which the Trainer runs before it registers its signal handlers and before the first batch."""
     loop = trainer.fit_loop.epoch_loop
 
     def on_sigterm(signum: int, frame: Optional[FrameType]) -> None:
@@ -40,6 +43,8 @@ def stop_together(trainer: Trainer, agreement: StopAgreement) -> None:
         agreement.request()
 
     def stop_if_agreed() -> None:
+        if loop.batch_progress.current.ready == 0:  # the epoch's first batch
+            first_check()
         if agreement.should_stop(loop.batch_progress.total.ready):  # the batches started before this one
             mark_sigterm_received(trainer)
             raise SIGTERMException()

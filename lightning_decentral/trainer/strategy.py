@@ -39,7 +39,7 @@ from lightning_decentral.agreement import run_configuration
 from lightning_decentral.common import OnProcesses, backward_may_overlap, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.failures import DEFAULT_TIMEOUT, checked_timeout
-from lightning_decentral.membership import form_for_save
+from lightning_decentral.membership import Decision, form_for_save
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.rendezvous import job_store
@@ -62,11 +62,14 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
     * `combine="atc"`: `x_i(k+1) = Σ_j w_ij(k) U(x_j(k), g_j)`.
     * `momentum="decentlam"`: `z_j = x_j − γ g_j`, `g̃_i = (x_i − Σ_j w_ij z_j) / γ`,
       `x_i(k+1) = U(x_i(k), g̃_i)`; each bucket of `z` is exchanged as soon as its gradients exist.
+    * `outer_optimizer=...` with `gossip_every=H`: `H` local steps of `U`, then `θ_i <- OuterOpt(θ_i, θ_i − Σ_j w_ij x_j)`
+      and `x_i <- θ_i`; DiLoCo on `topology="complete"`.
 
     Args:
         **options: the update-rule arguments, keyword only: `topology`, `combine`, `momentum`, `gossip_every`,
             `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`, `gossip_dtype`, `staleness`, `delays`,
-            `on_peer_failure`, `min_workers` ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes
+            `on_peer_failure`, `min_workers`, `outer_optimizer`, `outer_overlap`
+            ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes
             each); a misspelled name is a `TypeError`.
         resume: what `fit(ckpt_path=...)` resumes from: `"checkpoint"`, the checkpoint it names (`"last"` as Lightning
             resolves it); `"newest_complete"`, that one if every rank can read it and finds its shard, else the newest
@@ -95,6 +98,8 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         trainer = Trainer(strategy="dpsgd", accelerator="cpu", devices=4)
         trainer = Trainer(strategy=DecentralizedStrategy(topology="one_peer_exponential"), devices=8)
         trainer = Trainer(strategy="decentlam", devices=8)  # large batch, momentum SGD
+        diloco = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        trainer = Trainer(strategy=DecentralizedStrategy(topology="complete", gossip_every=50, outer_optimizer=diloco))
         ```
     """
 
@@ -129,6 +134,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
         self._replica: Optional[Replica] = None
         self._mixer: Optional[Mixer] = None
+        self._stops: Optional[StopAgreement] = None  # this fit's agreement on a step to stop at after a SIGTERM
 
     # -- public surface: the monitors, tests and benchmarks read the strategy through these (and Driven's) ------
 
@@ -203,14 +209,20 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         """Before each training batch: begin its optimizer step (AWC posts `x(k)` here)."""
         super().on_train_batch_start(batch, batch_idx)
         if batch_idx == 0:
-            assert self._replica is not None, "the replicas are packed when fit starts"
-            self._replica.check_trainable_unchanged(self.lightning_module)
+            self._check_replica()
         step = self.lightning_module.trainer.global_step
         if self.activities is not None:
             self.activities.start(f"training batch {batch_idx} (optimizer step {step})")
         self.driver.begin(step)
         if self.survivor_metrics:  # on_peer_failure="continue": the workers training, the workers lost
             self.lightning_module.log_dict(self.survivor_metrics, on_step=True, on_epoch=False)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's `training_step`; with compression, `gossip/bytes_sent` is logged too."""
+        output = super().training_step(*args, **kwargs)
+        self.lightning_module.log_dict(self.driver.copies.metrics(), on_step=True, on_epoch=False)
+        return output
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -249,19 +261,31 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
 
     @override
     def teardown(self) -> None:
-        """After the stage: release the rule's hooks; after a clean fit, leave the gossip groups together."""
-        self.driver.teardown()
+        """After the stage: after a clean fit, leave the gossip groups together (the survivors of a failure first make
+        theirs); release the rule's hooks."""
         self.end_gossip(self._mixer, self.lightning_module.trainer.global_step, self._failed)
+        self.driver.teardown()
         self._mixer = None  # and its receive buffers
+        self._stops = None
         super().teardown()
 
     def _agree_on_stops(self, trainer: Trainer) -> None:
         """A SIGTERM stops every rank at one step agreed through the store, not through a broadcast per batch."""
-        margin = stop_margin(self.topology, self.staleness, self.gossip_every)
-        agreement = StopAgreement(job_store(), next_key(), margin, self._timeout)
+        self._stops = StopAgreement(job_store(), next_key(), self._stop_margin(), self._timeout)
         if self.global_rank == 0:
-            agreement.forget_earlier_runs()
-        stop_together(trainer, agreement)
+            self._stops.forget_earlier_runs()
+        stop_together(trainer, self._stops, self._check_replica)
+
+    def _stop_margin(self) -> int:
+        return stop_margin(self.topology, self.staleness, self.gossip_every)
+
+    @override
+    def on_survivors(self, decision: Decision) -> None:
+        """After a failure, in the survivors' process group (every survivor together): besides `OnProcesses`', a
+        SIGTERM stops them at one step of their own graph (its diameter may be longer: the stop margin follows)."""
+        super().on_survivors(decision)
+        if self._stops is not None:
+            self._stops.margin = self._stop_margin()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -269,6 +293,28 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         the survivors of a failure take alone, once they made their process group ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
         form_for_save(self.survivors)
         return super().lightning_module_state_dict()
+
+    def _check_replica(self) -> None:
+        """At an epoch's first batch: the trainable parameters are still those packed when fit started."""
+        assert self._replica is not None, "the replicas are packed when fit starts"
+        self._replica.check_trainable_unchanged(self.lightning_module)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`), as one operation of
+        the guard. A failure survived during the save (here, or in the averages before it) leaves every survivor in
+        it, alone: they make their group, average `x̄` and the optimizer state again among them, and save."""
+        save = super().save_checkpoint
+
+        def among_the_survivors() -> None:
+            if self.driver.alone:  # a failure was survived since this save began
+                form_for_save(self.survivors)
+                checkpoint["state_dict"] = self.lightning_module_state_dict()
+                if "optimizer_states" in checkpoint:
+                    checkpoint["optimizer_states"] = [self.optimizer_state(o) for o in self.optimizers]
+            save(checkpoint, filepath, storage_options)
+
+        self.guard.operation(among_the_survivors)
 
     def _configuration(self) -> dict[str, Union[int, str]]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))

@@ -1,0 +1,320 @@
+"""CHOCO gossip with a public copy per edge, one worker's side, apart from any transport: [`Choco`][lightning_decentral.compression.Choco].
+
+For each edge `j → i` of the graph both ends keep the same copy `x̂_{j→i}` of `x_j`. A round of `W(k)` on worker `i`:
+
+```text
+for each out-neighbour j of W(k):   q = C(x_i − x̂_{i→j}),  send q to j,  x̂_{i→j} += q
+for each in-neighbour j of W(k):    receive q from j,       x̂_{j→i} += q
+x_i += γ (Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j})
+```
+
+The update sums to zero over the workers for any `W(k)`, so `x̄` is kept; with exact copies it is `γ (W x − x)_i`
+when `W(k)` is doubly stochastic. Out-edges whose copies are equal (active at the same steps) share one copy and one
+compression: on a static graph a worker compresses once per round and keeps one copy for all its out-neighbours.
+A transport moves the messages (`ChocoExchange.outgoing` to `incoming`): [`CompressedGossip`][lightning_decentral.gossip.CompressedGossip]
+between processes, [`exchange_in_process`][lightning_decentral.compression.exchange_in_process] between workers of
+one process; the arithmetic is this module's in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from lightning_decentral.compression.compressors import Compressor
+from lightning_decentral.topology import Topology
+
+
+def state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the public copies of a buffer of `dtype`: at least float32 (a bf16 copy could not absorb small `q`)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def exchange_seed(step: int, round: int, key: int, sender: int) -> int:
+    """The seed of sender `sender`'s message of buffer `key` in round `round` of step `step`, the same on both ends
+    (what a random compressor draws from): a 63-bit mix of the four."""
+    value = 0
+    for part in (step, round, key, sender):
+        value = ((value ^ part) * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) % 2**64
+        value ^= value >> 29
+    return value % 2**63
+
+
+class EdgeCopies:
+    """One worker's public copies of one flat buffer: `sent[s]`, shared by the out-neighbours `j` with
+    `slot_of[j] == s` (`x̂_{i→j}`), and `received[j]` (`x̂_{j→i}`)."""
+
+    def __init__(self, like: Tensor) -> None:
+        self.like = torch.empty(0, dtype=state_dtype(like.dtype), device=like.device)
+        self.numel = like.numel()
+        self.sent: list[Tensor] = []
+        self.slot_of: dict[int, int] = {}
+        self.received: dict[int, Tensor] = {}
+        self._work: Optional[Tensor] = None
+
+    @property
+    def work(self) -> Tensor:
+        """Space for one buffer's worth of arithmetic (`x − x̂`, then `Δ`), kept from round to round."""
+        if self._work is None:
+            self._work = self.like.new_empty(self.numel)
+        return self._work
+
+    def slots_for(self, peers: Sequence[int]) -> dict[int, list[int]]:
+        """The slots of `peers` (out-neighbours this round), `{slot: peers}`, split first where a slot is shared with an
+        out-neighbour not among them (its copy will differ from now on); a first-time neighbour's copy is zero."""
+        new = [p for p in peers if p not in self.slot_of]
+        if new:
+            self.sent.append(self.like.new_zeros(self.numel))
+            self.slot_of.update((p, len(self.sent) - 1) for p in new)
+        active: dict[int, list[int]] = {}
+        for peer in peers:
+            active.setdefault(self.slot_of[peer], []).append(peer)
+        for slot, members in list(active.items()):
+            if sum(1 for s in self.slot_of.values() if s == slot) > len(members):
+                self.sent.append(self.sent[slot].clone())
+                self.slot_of.update((p, len(self.sent) - 1) for p in members)
+                active[len(self.sent) - 1] = active.pop(slot)
+        return active
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sent": list(self.sent), "slot_of": dict(self.slot_of), "received": dict(self.received)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for copy in list(state["sent"]) + list(state["received"].values()):
+            if copy.numel() != self.numel:
+                raise ValueError(f"A saved public copy has {copy.numel()} elements; this buffer has {self.numel}.")
+        self.sent = [c.to(self.like) for c in state["sent"]]
+        self.slot_of = {int(p): int(s) for p, s in state["slot_of"].items()}
+        self.received = {int(p): c.to(self.like) for p, c in state["received"].items()}
+
+
+class Choco:
+    """One worker's CHOCO gossip: its compressor `C`, consensus step `γ` and the public copies of each flat buffer
+    it exchanges (by key: `tag + index`, as [`Gossip`][lightning_decentral.gossip.Gossip] numbers them).
+
+    `wire_bytes` counts every byte of the messages this worker has handed to its transport.
+
+    Args:
+        compressor: `C`.
+        consensus_step: `γ`.
+        rank: this worker in the topology.
+    """
+
+    def __init__(self, compressor: Compressor, consensus_step: float, rank: int) -> None:
+        self.compressor, self.consensus_step, self.rank = compressor, consensus_step, rank
+        self.copies: dict[int, EdgeCopies] = {}
+        self._loaded: dict[int, Any] = {}  # saved copies of buffers not exchanged since the load
+        self.wire_bytes = 0
+
+    def message_bytes(self, buffers: Sequence[Tensor]) -> int:
+        """Bytes of one message (to one out-neighbour, one round) of `buffers`."""
+        return sum(self.compressor.payload_bytes(b.numel(), state_dtype(b.dtype)) for b in buffers)
+
+    def bytes_sent(self, buffers: Sequence[Tensor], topology: Topology, step: int) -> int:
+        """Bytes this worker sends for one round of `buffers` at `step`."""
+        if topology.is_identity(step):
+            return 0
+        return self.message_bytes(buffers) * len(topology.out_neighbors(self.rank, step))
+
+    def copies_of(self, key: int, buffer: Tensor) -> EdgeCopies:
+        """The public copies of buffer `key` (made, or restored from a loaded state, at its first exchange)."""
+        copies = self.copies.get(key)
+        if copies is None:
+            copies = self.copies[key] = EdgeCopies(buffer)
+            saved = self._loaded.pop(key, None)
+            if saved is not None:
+                copies.load_state_dict(saved)
+        elif copies.numel != buffer.numel() or copies.like.dtype != state_dtype(buffer.dtype):
+            raise ValueError(
+                f"Buffer {key} of compressed gossip has {buffer.numel()} elements of {buffer.dtype}; its public copies "
+                f"were made for {copies.numel} of {copies.like.dtype}. Exchange the same buffers at every step."
+            )
+        return copies
+
+    def rebind(self, rank: int) -> None:
+        """Be worker `rank` of a new topology, from empty copies (every worker does it together)."""
+        self.rank, self.copies, self._loaded = rank, {}, {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The public copies by buffer key, and `wire_bytes` (tensors and integers: a checkpoint shard holds them)."""
+        copies = {key: copies.state_dict() for key, copies in self.copies.items()}
+        return {"copies": {**self._loaded, **copies}, "wire_bytes": self.wire_bytes}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from `state` ([`state_dict`][lightning_decentral.compression.Choco.state_dict]); each buffer's
+        copies are restored, on its device, at its first exchange."""
+        self.copies, self._loaded = {}, {int(key): saved for key, saved in state["copies"].items()}
+        self.wire_bytes = int(state["wire_bytes"])
+
+
+class ChocoExchange:
+    """One worker's exchange of `buffers` at `step`, all `rounds` of it; a transport moves the messages of each
+    round from `outgoing(r)` (`{out-neighbour: uint8 message}`) to the receivers' `incoming(r, {in-neighbour: message})`,
+    and rounds run in order.
+
+    Without `out` the buffers end as `x + Σ_r γ Δ_r`; with `out` they are only read and `out` ends as that minus `x`
+    (adapt-with-combine's correction). `residuals` (with `measure`): `‖Δ_0‖²` per buffer, `Δ` the update before `γ`.
+    """
+
+    def __init__(
+        self,
+        choco: Choco,
+        topology: Topology,
+        buffers: Sequence[Tensor],
+        step: int,
+        rounds: int,
+        tag: int = 0,
+        out: Optional[Sequence[Tensor]] = None,
+        measure: bool = False,
+    ) -> None:
+        self.choco, self.topology, self.step, self.rounds, self.tag = choco, topology, step, rounds, tag
+        self.buffers, self.out, self.measure = list(buffers), None if out is None else list(out), measure
+        self.copies = [choco.copies_of(tag + index, b) for index, b in enumerate(self.buffers)]
+        sizes = [choco.compressor.payload_bytes(c.numel, c.like.dtype) for c in self.copies]
+        self._parts = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # (offset, size) in a message
+        self.residuals: Optional[list[Tensor]] = None
+        if self.out is not None and rounds > 1:  # later rounds compress x + the corrections so far
+            for o, b in zip(self.out, self.buffers):
+                o.copy_(b)
+
+    @property
+    def current(self) -> list[Tensor]:
+        """What this round compresses: the buffers, or (with `out`, several rounds) the copy in `out`."""
+        return self.out if self.out is not None and self.rounds > 1 else self.buffers
+
+    def outgoing(self, round: int) -> dict[int, Tensor]:
+        """Compress for every out-neighbour of `W(step)` (once per shared copy), update the sent copies, and return
+        each out-neighbour's message: the payloads of the buffers, concatenated."""
+        choco, compressor = self.choco, self.choco.compressor
+        peers = [j for j, _ in self.topology.out_neighbors(choco.rank, self.step)]
+        parts: dict[int, list[Tensor]] = {j: [] for j in peers}
+        for index, (x, copies) in enumerate(zip(self.current, self.copies)):
+            seed = exchange_seed(self.step, round, self.tag + index, choco.rank)
+            for slot, members in copies.slots_for(peers).items():
+                sent, difference = copies.sent[slot], copies.work
+                payload = compressor.compress(torch.sub(x.reshape(-1), sent, out=difference), seed)
+                if payload.untyped_storage().data_ptr() == difference.untyped_storage().data_ptr():
+                    payload = payload.clone()  # a view of the work space, which the next buffer overwrites
+                sent.add_(compressor.decompress(payload, copies.numel, sent.dtype, seed))
+                for peer in members:
+                    parts[peer].append(payload)
+        messages = {j: torch.cat(p) if len(p) > 1 else p[0] for j, p in parts.items()}
+        choco.wire_bytes += sum(m.numel() for m in messages.values())
+        return messages
+
+    def incoming(self, round: int, messages: Mapping[int, Tensor]) -> None:
+        """Add each in-neighbour's `q` to its copy, then apply `x += γ Δ` (or accumulate it in `out`)."""
+        choco, compressor = self.choco, self.choco.compressor
+        for index, (copies, (offset, size)) in enumerate(zip(self.copies, self._parts)):
+            for peer, message in messages.items():
+                seed = exchange_seed(self.step, round, self.tag + index, peer)
+                q = compressor.decompress(message[offset : offset + size], copies.numel, copies.like.dtype, seed)
+                if peer not in copies.received:  # a first-time in-neighbour: its copy starts at zero
+                    copies.received[peer] = copies.like.new_zeros(copies.numel)
+                copies.received[peer].add_(q)
+        changes = [self._change(copies) for copies in self.copies]
+        if self.measure and round == 0:
+            self.residuals = [torch.dot(d, d) for d in changes]
+        for index, (x, change) in enumerate(zip(self.buffers, changes)):
+            change.mul_(choco.consensus_step)
+            if self.out is None:
+                x.add_(change.view_as(x).to(x.dtype))
+            elif self.rounds == 1:
+                self.out[index].copy_(change.view_as(x))
+            else:
+                self.out[index].add_(change.view_as(x).to(x.dtype))
+        if self.out is not None and self.rounds > 1 and round == self.rounds - 1:
+            for o, b in zip(self.out, self.buffers):
+                o.sub_(b)
+
+    def _change(self, copies: EdgeCopies) -> Tensor:
+        """`Δ = Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j}` over the edges of `W(step)` (the out-edges of one copy together)."""
+        rank = self.choco.rank
+        terms = [(copies.received[peer], weight) for peer, weight in self.topology.in_neighbors(rank, self.step)]
+        by_slot: dict[int, float] = {}
+        for peer, weight in self.topology.out_neighbors(rank, self.step):
+            slot = copies.slot_of[peer]
+            by_slot[slot] = by_slot.get(slot, 0.0) - weight
+        terms += [(copies.sent[slot], weight) for slot, weight in by_slot.items()]
+        change = torch.mul(terms[0][0], terms[0][1], out=copies.work)
+        for copy, weight in terms[1:]:
+            change.add_(copy, alpha=weight)
+        return change
+
+
+@runtime_checkable
+class Compressing(Protocol):
+    """A mixer of compressed gossip: `chocos`, the side of the rule of each worker it serves, in order."""
+
+    @property
+    def chocos(self) -> list[Choco]: ...
+
+
+class ChocoStates:
+    """The public copies of a process's workers as their executor keeps them from run to run: the compressing mixer
+    attached last (a later fit's goes on from the copies the earlier one left), the bytes sent, each worker's state
+    for its checkpoint shard, and a state loaded from a shard before the mixer exists."""
+
+    def __init__(self) -> None:
+        self._mixer: Optional[Compressing] = None
+        self._loaded: dict[int, Mapping[str, Any]] = {}
+
+    @property
+    def chocos(self) -> list[Choco]:
+        """Each worker's side of the rule (none before a compressing mixer is attached)."""
+        return list(self._mixer.chocos) if self._mixer is not None else []
+
+    def attach(self, mixer: Any) -> None:
+        """Serve `mixer`'s workers from now on, if it compresses (a [`Compressing`][lightning_decentral.compression.Compressing]
+        mixer with sides of the rule); they continue from the copies of the mixer attached before."""
+        if not isinstance(mixer, Compressing) or not mixer.chocos:
+            return
+        earlier, self._mixer = self.chocos, mixer
+        for choco, before in zip(self.chocos, earlier):
+            choco.load_state_dict(before.state_dict())
+        self._restore()
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes of every worker's messages so far."""
+        return sum(choco.wire_bytes for choco in self.chocos)
+
+    def metrics(self) -> dict[str, float]:
+        """`{"gossip/bytes_sent": bytes per worker so far}` (the mean over this process's workers); `{}` without a
+        compressing mixer. What the executors log at each step."""
+        chocos = self.chocos
+        return {"gossip/bytes_sent": self.bytes_sent / len(chocos)} if chocos else {}
+
+    def state(self, worker: int = 0) -> Optional[dict[str, Any]]:
+        """Worker `worker`'s [`state_dict`][lightning_decentral.compression.Choco.state_dict]; `None` without a mixer."""
+        chocos = self.chocos
+        return chocos[worker].state_dict() if chocos else None
+
+    def load(self, state: Optional[Mapping[str, Any]], worker: int = 0) -> None:
+        """Continue worker `worker` from `state` (`None`: nothing to load), now or when a mixer is attached."""
+        if state is not None:
+            self._loaded[worker] = state
+            self._restore()
+
+    def _restore(self) -> None:
+        chocos = self.chocos
+        if chocos:
+            for worker, state in self._loaded.items():
+                chocos[worker].load_state_dict(state)
+            self._loaded = {}
+
+
+def exchange_in_process(exchanges: Sequence[ChocoExchange], first: Optional[Sequence[Mapping[int, Tensor]]] = None) -> None:
+    """Run the exchanges of every worker of one process (`exchanges[i]` is worker `i`'s, all of one step), round by
+    round: every worker's messages (round one's may be given: `first[i]`, worker `i`'s `outgoing(0)`), then every
+    worker's receipt of its in-neighbours' messages."""
+    if not exchanges:
+        return
+    for round in range(exchanges[0].rounds):
+        messages = first if round == 0 and first is not None else [e.outgoing(round) for e in exchanges]
+        for rank, exchange in enumerate(exchanges):
+            senders = exchange.topology.in_neighbors(rank, exchange.step)
+            exchange.incoming(round, {j: messages[j][rank] for j, _ in senders})

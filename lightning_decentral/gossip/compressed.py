@@ -1,0 +1,182 @@
+"""[`CompressedGossip`][lightning_decentral.gossip.CompressedGossip]: CHOCO gossip between processes, the messages of
+[`Choco`][lightning_decentral.compression.Choco] over a [`Gossip`][lightning_decentral.gossip.Gossip] engine's
+point-to-point transport."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_decentral.compression import Choco, ChocoExchange, Compressor
+from lightning_decentral.failures import peers_answer, wait_works
+from lightning_decentral.gossip.engine import Gossip
+from lightning_decentral.mixing import ExchangeEvent, Watched, notify_post, notify_wait, raise_if_not_finite
+from lightning_decentral.topology import Topology
+
+
+class CompressedGossip(Watched):
+    """The [`Mixer`][lightning_decentral.mixing.Mixer] of rank `i` under compressed gossip: each round of `W(k)`
+    sends every out-neighbour one uint8 message of a size fixed in advance (the payloads of `C(x_i − x̂_{i→j})`, one
+    per buffer), receives one from every in-neighbour, and moves `x_i` by `γ (Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j})`
+    ([`Choco`][lightning_decentral.compression.Choco]; docs/algorithms.md, "Compressed gossip (CHOCO)"). The
+    [`DenseMixer`][lightning_decentral.mixing.DenseMixer] with the same `compression` runs the same arithmetic for
+    all ranks in one process.
+
+    `wire_bytes` counts the bytes of every message this rank has posted; each
+    [`ExchangeEvent`][lightning_decentral.mixing.ExchangeEvent] carries those of its exchange. `state_dict()` (the
+    public copies) belongs in the rank's checkpoint shard: a resume from it continues bit for bit.
+
+    Args:
+        gossip: the engine whose group, topology, point-to-point transport and
+            [`Watch`][lightning_decentral.mixing.Watch] (observers, residual measurement, phrasing) serve this mixer.
+        compression: the compressor `C`.
+        consensus_step: `γ` (`None`: the compressor's `consensus_step`).
+
+    Examples:
+        Inside a process group (every rank runs this, with the same `k`):
+
+        ```python
+        mixer = CompressedGossip(Gossip(resolve_topology("one_peer_exponential", dist.get_world_size())), Sign())
+        mixer.start([flat], step=k).wait()          # flat <- flat + γ Δ; mixer.wire_bytes grows by one message
+        ```
+    """
+
+    def __init__(self, gossip: Gossip, compression: Compressor, consensus_step: Optional[float] = None) -> None:
+        self.gossip = gossip
+        step = compression.consensus_step if consensus_step is None else consensus_step
+        self.choco = Choco(compression, step, gossip.rank)
+        self.watch = gossip.watch
+        self._receive: dict[tuple[int, int], Tensor] = {}  # (tag, peer) -> a message's worth of bytes
+
+    @property
+    def topology(self) -> Topology:
+        """The engine's topology."""
+        return self.gossip.topology
+
+    @property
+    def rank(self) -> int:
+        """This rank in the engine's group."""
+        return self.gossip.rank
+
+    @property
+    def chocos(self) -> list[Choco]:
+        """This rank's side of the rule, as the only worker this mixer serves."""
+        return [self.choco]
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes of every message this rank has posted (payloads: what crosses the wire)."""
+        return self.choco.wire_bytes
+
+    def bytes_sent(self, buffers: Sequence[Tensor], step: int) -> int:
+        """Bytes this rank sends for one round of `start(buffers, step)`."""
+        return self.choco.bytes_sent(buffers, self.topology, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The public copies and the byte count ([`Choco.state_dict`][lightning_decentral.compression.Choco.state_dict])."""
+        return self.choco.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.choco.load_state_dict(state)
+
+    def rebind(self, topology: Topology) -> None:
+        """[`Gossip.rebind`][lightning_decentral.gossip.Gossip.rebind]; every public copy is forgotten (every rank
+        rebinds together, so both ends of every edge start again from zero)."""
+        self.gossip.rebind(topology)
+        self.choco.rebind(self.gossip.rank)
+        self._receive = {}
+
+    def groups(self) -> list[dist.ProcessGroup]:
+        return self.gossip.groups()
+
+    def leave(self, step: int = 0) -> None:
+        self.gossip.leave(step)
+
+    def abort(self) -> None:
+        self.gossip.abort()
+
+    def close(self) -> None:
+        self.gossip.close()
+
+    def start(
+        self,
+        buffers: Sequence[Tensor],
+        step: int,
+        rounds: int = 1,
+        tag: int = 0,
+        out: Optional[Sequence[Tensor]] = None,
+        check_finite: bool = True,
+    ) -> "PendingCompressed":
+        """Compress and post round one of `rounds` (the [`Mixer`][lightning_decentral.mixing.Mixer] contract: the
+        buffers are read now and not written until `wait()`; with `out`, they are only read and `out` receives
+        the correction)."""
+        if rounds < 1:
+            raise ValueError(f"rounds must be >= 1, got {rounds}")
+        event = None
+        if self.observers:
+            event = ExchangeEvent(step, tag, rounds, rounds * self.bytes_sent(buffers, step), time.perf_counter())
+        if self.topology.is_identity(step):
+            for o in out or []:
+                o.zero_()
+            return PendingCompressed(self, None, tag, event)
+        if check_finite:
+            raise_if_not_finite(buffers, self.rank, step, self.phrasing)
+        exchange = ChocoExchange(self.choco, self.topology, buffers, step, rounds, tag, out, self.measure_residuals)
+        return PendingCompressed(self, exchange, tag, event)
+
+    def receive_buffers(self, exchange: ChocoExchange, tag: int) -> dict[int, Tensor]:
+        """A message's worth of bytes for each in-neighbour of the exchange's step (kept from step to step)."""
+        size = self.choco.message_bytes(exchange.buffers)
+        device = exchange.buffers[0].device
+        received = {}
+        for peer, _ in self.topology.in_neighbors(self.rank, exchange.step):
+            buffer = self._receive.get((tag, peer))
+            if buffer is None or buffer.numel() != size or buffer.device != device:
+                buffer = self._receive[(tag, peer)] = torch.empty(size, dtype=torch.uint8, device=device)
+            received[peer] = buffer
+        return received
+
+
+class PendingCompressed:
+    """A [`CompressedGossip`][lightning_decentral.gossip.CompressedGossip] exchange in flight: round one is posted;
+    `wait()` finishes it, and runs the other rounds one after the other."""
+
+    def __init__(self, mixer: CompressedGossip, exchange: Optional[ChocoExchange], tag: int, event: Optional[ExchangeEvent]) -> None:
+        self._mixer, self._exchange, self._tag, self._event = mixer, exchange, tag, event
+        self._observers = list(mixer.observers)
+        self.residuals: Optional[list[Tensor]] = None
+        self._round, self._works, self._ranks = 0, None, []
+        self._received: dict[int, Tensor] = {}
+        if exchange is not None:
+            names = mixer.gossip.neighbour_names(exchange.step)
+            self._what, self._peers = f"The compressed gossip exchange of step {exchange.step}", f"a neighbour ({', '.join(names) or 'none'})"
+            self._post()
+        notify_post(self._observers, event)
+
+    def _post(self) -> None:
+        assert self._exchange is not None
+        messages = self._exchange.outgoing(self._round)
+        self._received = self._mixer.receive_buffers(self._exchange, self._tag)
+        with peers_answer(self._what, self._peers):
+            self._works, self._ranks = self._mixer.gossip.post_messages(messages, self._received, self._tag)
+
+    def wait(self) -> None:
+        """Block until the buffers (or `out`) hold the exchange's result."""
+        started = time.perf_counter()
+        while self._works is not None:
+            assert self._exchange is not None
+            wait_works(self._works, None, self._what, self._peers, self._ranks)
+            self._exchange.incoming(self._round, self._received)
+            self._round += 1
+            self._works = None
+            if self._round < self._exchange.rounds:
+                self._post()
+            else:
+                self.residuals = self._exchange.residuals
+        notify_wait(self._observers, self._event, started)
+        self._event = None  # reported once
