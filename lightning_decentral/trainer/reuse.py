@@ -103,7 +103,7 @@ class ReusedMeans:
         return means
 
     def bound(self, ranks: MeanGroup, label: Hashable, what: str) -> MeanFn:
-        """`mean` as a [`MeanFn`][lightning_decentral.replicas.MeanFn] of the tensors alone."""
+        """`mean` as a function of the tensors alone (`replicas.MeanFn`)."""
         return lambda tensors: self.mean(ranks, label, tensors, what)
 
     def clear(self) -> None:
