@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import benchmarks_harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -97,16 +98,8 @@ def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
-def _netns_permitted() -> tuple[bool, str]:
-    spec = importlib.util.spec_from_file_location("benchmarks_harness", ROOT / "benchmarks" / "harness.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.netns_permitted()
-
-
 def test_netns_smoke(tmp_path: Path) -> None:
-    permitted, why = _netns_permitted()
+    permitted, why = benchmarks_harness().netns_permitted()
     if not permitted:
         pytest.skip(f"the emulated network needs network namespaces: {why}")
     out = tmp_path / "netns.json"
