@@ -26,8 +26,9 @@ batch of 512, i.e. 32 per worker, ``--epochs`` epochs of the 1,438 training digi
 digits, and the final consensus distance ``Ξ = sqrt(mean_i ‖x_i − x̄‖²)`` over ``‖x̄‖``. ``accuracy`` runs the
 all-reduce equivalent (``topology="complete", combine="atc"``: every worker takes the averaged update, synchronous
 momentum SGD, as DDP does), uncompressed gossip and each compressor at its default γ; ``gamma`` the compressors of
-``--compressions`` (default ``sign,int8,top_k:0.01``) at each γ of ``--gammas``. Compressed runs keep the workers
-apart (``vectorize="auto"`` says why); the others are stacked.
+``--compressions`` (default ``sign,int8,top_k:0.01``) at each γ of ``--gammas``. ``--alpha a``: each worker's
+shard skewed in its labels (``DirichletSampler``, concentration ``a``) instead of IID. Compressed runs keep the
+workers apart (``vectorize="auto"`` says why); the others are stacked.
 
 ``sweep``: gossip alone (learning rate 0) from different replicas (``N(0, 1)``, 1000 elements, 8 workers,
 ``ring`` and ``one_peer_exponential``), 200 steps, on a compressing ``DenseMixer``: the consensus distance
@@ -177,7 +178,7 @@ def render_sweep(rows: list[dict[str, Any]], gammas: list[float]) -> str:
     return "\n".join(lines)
 
 
-def train_digits(options: dict[str, Any], seed: int, workers: int, epochs: int) -> dict[str, float]:
+def train_digits(options: dict[str, Any], seed: int, workers: int, epochs: int, alpha: Optional[float] = None) -> dict[str, float]:
     """One simulated run on the digits: the accuracy of `x̄` and `Ξ / ‖x̄‖` at the end, and its wall time."""
     import lightning.pytorch as pl
 
@@ -188,7 +189,7 @@ def train_digits(options: dict[str, Any], seed: int, workers: int, epochs: int) 
     torch.set_num_threads(1)
     started = time.perf_counter()
     pl.seed_everything(seed, verbose=False)
-    model = common.DigitsMLP(0.1, 0.9, batch=512 // workers, seed=seed)
+    model = common.DigitsMLP(0.1, 0.9, batch=512 // workers, alpha=alpha, seed=seed)
     strategy = SimulatedDecentralizedStrategy(workers=workers, **options)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
@@ -201,11 +202,11 @@ def train_digits(options: dict[str, Any], seed: int, workers: int, epochs: int) 
     return {"accuracy": float(trainer.callback_metrics["val_acc"]), "distance": distance, "seconds": time.perf_counter() - started}
 
 
-def train_cells(cells: dict[str, dict[str, Any]], seeds: int, workers: int, epochs: int) -> list[dict[str, Any]]:
+def train_cells(cells: dict[str, dict[str, Any]], seeds: int, workers: int, epochs: int, alpha: Optional[float]) -> list[dict[str, Any]]:
     """Every cell (label: strategy options) over `seeds` seeds."""
     rows = []
     for label, options in cells.items():
-        runs = [train_digits(options, seed, workers, epochs) for seed in range(seeds)]
+        runs = [train_digits(options, seed, workers, epochs, alpha) for seed in range(seeds)]
         row = {"label": label, "options": options, **{key: [r[key] for r in runs] for key in ("accuracy", "distance", "seconds")}}
         rows.append(row)
         print(f"{label}: accuracy {_mean_std(row['accuracy'])}, Ξ/‖x̄‖ {statistics.mean(row['distance']):.2e} "
@@ -242,6 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gammas", default=",".join(map(str, TRAINING_GAMMAS)), help="gamma: the steps γ, comma-separated")
     parser.add_argument("--seeds", type=int, default=5, help="accuracy, gamma: seeds per row (mean ± std)")
     parser.add_argument("--epochs", type=int, default=30, help="accuracy, gamma: epochs of the digits")
+    parser.add_argument("--alpha", type=float, default=None, help="accuracy, gamma: Dirichlet label skew per worker (default: IID)")
     parser.add_argument("--workers", type=int, default=None, help="bytes: 4 processes; sweep: 8 workers")
     parser.add_argument("--topology", default="one_peer_exponential", help="bytes: the topology (default one_peer_exponential)")
     parser.add_argument("--steps", type=int, default=None, help="bytes: exchanges per repetition (3); sweep: steps (200)")
@@ -271,7 +273,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif args.what in ("accuracy", "gamma"):
         n = args.workers or (4 if args.smoke else 16)
         seeds, epochs = (1, 1) if args.smoke else (args.seeds, args.epochs)
-        print(f"digits, {n} simulated workers, ring, AWC, {epochs} epochs, {seeds} seeds; torch {torch.__version__}", flush=True)
+        data = "IID" if args.alpha is None else f"label skew Dirichlet α = {args.alpha:g}"
+        print(f"digits ({data}), {n} simulated workers, ring, AWC, {epochs} epochs, {seeds} seeds; torch {torch.__version__}", flush=True)
         if args.what == "accuracy":
             cells = {**BASELINES, **{name: {"topology": "ring", "compression": name} for name in compressions}}
         else:
@@ -279,7 +282,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             cells = {f"{name}, γ = {g:g}": {"topology": "ring", "compression": name, "consensus_step": g}
                      for name in compressions for g in gammas}
             cells = {"gossip": BASELINES["gossip"], **cells}
-        rows = train_cells(cells, seeds, n, epochs)
+        rows = train_cells(cells, seeds, n, epochs, args.alpha)
         table = render_accuracy(rows, seeds)
     else:
         n, d, steps = args.workers or 8, 100 if args.smoke else 1000, args.steps or (10 if args.smoke else 200)
