@@ -30,10 +30,14 @@ order rotated from repeat to repeat:
 * **step time**: the MLP and data of ``benchmarks/step_time.py`` (its ``--widths``), SGD with
   momentum; the time of step ``k`` is the gap between the ends of steps ``k - 1`` and ``k`` on
   the slowest rank (as in step_time.py); warm-up steps dropped.
-* ``ddp_powersgd``: Lightning's ``DDPStrategy(ddp_comm_state=PowerSGDState(matrix_approximation_rank=4,
-  start_powerSGD_iter=2), ddp_comm_hook=powerSGD_hook)``: DDP whose gradient buckets are all-reduced as rank-4
-  factors ``P`` and ``Q`` of each matrix, with error feedback (``torch.distributed.algorithms.ddp_comm_hooks``; the
-  first two steps all-reduce plainly, inside the warm-up).
+* ``ddp_powersgd``: DDP whose gradient buckets are all-reduced as rank-4 factors ``P`` and ``Q`` of each matrix,
+  with error feedback: ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=4, start_powerSGD_iter=2)``
+  (``torch.distributed.algorithms.ddp_comm_hooks``; the first two steps all-reduce plainly, inside the warm-up),
+  registered on the Trainer's ``DistributedDataParallel`` when training starts: Lightning's
+  ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` registers it on CUDA only and ignores it on the CPU. The
+  gradients travel in one bucket (``bucket_cap_mb=1024``): with DDP's default 25 MB buckets gloo aborted the job
+  ("Received data size doesn't match expected size. Is there a distributed collective mismatch"; the hook issues
+  each bucket's next all-reduce from the previous one's callback, an order that may differ between ranks).
 * ``decent_dp``: Decent-DP (``pip install decent-dp``; not a dependency of this project), its
   ``DecentralizedDataParallel`` with ``topology="one-peer-exp"`` around the same MLP, in a plain loop of its own (it
   steps the optimizer in its backward hooks, so it cannot run under a Lightning ``Trainer``); step-time job only.
@@ -81,6 +85,7 @@ METHODS = {
     "decent_dp": ("Decent-DP 0.2.3", "one-peer-exp (its own)", None, None),
 }
 POWERSGD_RANK = 4
+POWERSGD_BUCKET_MB = 1024  # one bucket (see the module's docstring)
 STEPS_ONLY = ("decent_dp",)  # methods without a time-to-loss job
 DEFAULT_METHODS = "ddp,ring,one_peer_exponential,decentlam"
 
@@ -91,18 +96,34 @@ def make_strategy(method: str) -> Any:
     _, topology, momentum, compression = METHODS[method]
     if method == "ddp_powersgd":
         from lightning.pytorch.strategies import DDPStrategy
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2)
-        return DDPStrategy(ddp_comm_state=state, ddp_comm_hook=powersgd.powerSGD_hook)
+        return DDPStrategy(bucket_cap_mb=POWERSGD_BUCKET_MB)
     if topology is None:
         return "ddp"
     return DecentralizedStrategy(topology=topology, momentum=momentum, compression=compression)
 
 
+def register_powersgd(trainer: Any) -> None:
+    """PowerSGD's comm hook on the Trainer's ``DistributedDataParallel`` (before the first backward).
+    ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` would register it only on CUDA (Lightning 2.6's
+    ``DDPStrategy._register_ddp_hooks``), and gloo runs it as well."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2)
+    trainer.strategy.model.register_comm_hook(state, powersgd.powerSGD_hook)
+
+
 def make_trainer(method: str, world_size: int, max_steps: int, callbacks: list, **kwargs: Any) -> Any:
+    import lightning.pytorch as pl
+
     from mlp import quiet_trainer
 
+    class PowerSGD(pl.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            register_powersgd(trainer)
+
+    if method == "ddp_powersgd":
+        callbacks = [PowerSGD(), *callbacks]
     return quiet_trainer(make_strategy(method), max_steps, callbacks, num_nodes=world_size, devices=1,
                          num_sanity_val_steps=0, limit_val_batches=0, **kwargs)
 
