@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_decentral import DecentralizedStrategy
 from lightning_decentral import checkpoint as checkpoint_io
+from lightning_decentral.agreement import Ranks
 from tests.models import Regression, flat, init_seed, rank_data
 from tests.workers import trainer_for
 
@@ -204,6 +206,50 @@ def saves_of_one_step(rank: int, world_size: int, root: str) -> dict[str, int]:
         changed = ChangedBetweenSaves(0, EVERY, f"{root}/{mode}-changed")
         fit(rank, world_size, f"{root}/{mode}-changed", EVERY, background=mode == "background", callbacks=[changed])
     return counts
+
+
+class Gathers:
+    """Counts the ranks' agreements (`Ranks.gather`, from any thread) while entered: those of the shard protocol
+    (`"protocol"`) and whether a save reuses an earlier save's mean (`"reuse"`)."""
+
+    def __enter__(self) -> "Gathers":
+        self.counts = {"protocol": 0, "reuse": 0}
+        self.gather = Ranks.gather
+
+        def counted(ranks: Ranks, values: list[int], what: str = "") -> Any:
+            if what.startswith("Saving"):
+                self.counts["protocol"] += 1
+            elif "agreeing whether an earlier save" in what:
+                self.counts["reuse"] += 1
+            return self.gather(ranks, values, what)
+
+        Ranks.gather = counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        Ranks.gather = self.gather  # type: ignore[method-assign]
+
+
+def linked_shards(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Synchronously and in the background, `2 * EVERY` steps saving the step's checkpoint and last.ckpt (counting
+    the agreements); whether last.ckpt's shard of the last save step is a link of the step checkpoint's; then that
+    checkpoint and its shards deleted, a resume from last.ckpt for one more step; and the same step without a resume."""
+    out: dict[str, Any] = {"straight": fit(rank, world_size, f"{root}/straight", 2 * EVERY + 1)["end"]}
+    for mode in ("sync", "background"):
+        directory, background = f"{root}/{mode}", mode == "background"
+        with Gathers() as gathers:
+            trained = fit(rank, world_size, directory, 2 * EVERY, background=background)["end"]
+        step = f"{directory}/epoch=0-step={2 * EVERY}.ckpt"
+        last = f"{directory}/last.ckpt"
+        linked = os.path.samefile(_own_shard(last, rank, world_size), _own_shard(step, rank, world_size))
+        torch.distributed.barrier()
+        if rank == 0:
+            os.remove(step)
+            shutil.rmtree(checkpoint_io.shard_directory(step))
+        torch.distributed.barrier()
+        resumed = fit(rank, world_size, directory, 2 * EVERY + 1, ckpt_path=last, background=background)
+        out[mode] = {"gathers": gathers.counts, "linked": linked, "trained": trained, "resumed": resumed}
+    return out
 
 
 def _own_shard(checkpoint: str, rank: int, world_size: int) -> str:

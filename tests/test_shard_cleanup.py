@@ -25,13 +25,13 @@ from lightning_decentral.files import temporary_name
 
 class OneOfRanks:
     """The `RankGroup` of rank `rank` of `world_size`, with the collectives of a group that always agrees: every
-    rank gathers this rank's values, but the first gather of a save (its id) gives `save_id`."""
+    rank gathers this rank's values, but in the first gather of a save rank 0's draw of its id is `save_id`."""
 
     def __init__(self, rank: int, world_size: int, save_id: int) -> None:
         self.rank, self.world_size, self.save_id = rank, world_size, save_id
 
     def gather(self, values: list[int], what: str = "") -> Any:
-        row = [self.save_id] if "save id" in what else values
+        row = [self.save_id, *values[1:]] if "save id" in what else values
         return np.array([row] * self.world_size)
 
     def on_every_rank(self, action: Callable[[], Any], what: str, during: str = "") -> None:

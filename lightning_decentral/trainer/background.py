@@ -98,11 +98,11 @@ def background_save(
     save id: the arguments of [`make_shard`][lightning_decentral.checkpoint.make_shard]) to host memory, the only part
     that blocks training, and return the rest of the save for the writer thread: average the copies into `x̄` and the
     averaged optimizer state on `ranks` (the writer's own group), then the shard protocol, with `write_file(checkpoint)`
-    writing the file on rank 0. A later save of the same step reuses the copies and the means of unchanged tensors
-    (`shared`)."""
+    writing the file on rank 0. A later save of the same step reuses the copies and the means of unchanged tensors, and
+    links this rank's shard if unchanged (`shared`)."""
     copied, shard = shared.copies.copy(checkpoint), shared.copies.copy(own)
     own_states = shard["optimizer_states"]
-    means = shared.queued()
+    means, earlier = shared.queued()
 
     def save() -> None:
         averaging = "Averaging the replicas into x̄ (to save)"
@@ -119,6 +119,7 @@ def background_save(
             filepath,
             make_shard=lambda save_id: shards.make_shard(save_id, ranks.rank, ranks.world_size, **shard),
             write_file=lambda: write_file(copied),
+            earlier=earlier,
         )
 
     return save
