@@ -277,14 +277,15 @@ def newest_complete(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 def damaged(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Checkpoints every 2 of 8 steps, then `fit(ckpt_path="last")` with `resume="newest_complete"`: in `root/truncated`
-    after rank 1's shard of last.ckpt was cut in half; in `root/dangling` (`save_last="link"`) after the file
-    last.ckpt links to, step 8's, was deleted."""
+    after rank 1's shard of last.ckpt was replaced by half of it (step 8's, the same file until then, stays whole); in
+    `root/dangling` (`save_last="link"`) after the file last.ckpt links to, step 8's, was deleted."""
     newest = {"resume": "newest_complete"}
     out = {"trained": fit(rank, world_size, f"{root}/truncated", 2 * BATCHES)["end"]}
-    if rank == 1:
-        shard = _own_shard(f"{root}/truncated/last.ckpt", rank, world_size)
-        with open(shard, "r+b") as f:
-            f.truncate(os.path.getsize(shard) // 2)
+    if rank == 1:  # the shard is a hard link of step 8's (one file): cut in half in place, step 8's would be too
+        shard = Path(_own_shard(f"{root}/truncated/last.ckpt", rank, world_size))
+        whole = shard.read_bytes()
+        shard.unlink()
+        shard.write_bytes(whole[: len(whole) // 2])
     torch.distributed.barrier()
     out["truncated"] = fit(rank, world_size, f"{root}/truncated", 2 * BATCHES + 1, ckpt_path="last", strategy=newest)
     fit(rank, world_size, f"{root}/dangling", 2 * BATCHES, save_last="link")
