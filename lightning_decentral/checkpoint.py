@@ -97,6 +97,7 @@ def save_with_shards(
     make_shard: Callable[[int], dict[str, Any]],
     write_file: Callable[[], None],
     earlier: Optional[EarlierShards] = None,
+    agreed: Callable[[bool], None] = lambda linked: None,
 ) -> None:
     """Every rank writes its shard, then `write_file` writes the checkpoint file (on rank 0).
 
@@ -106,6 +107,7 @@ def save_with_shards(
        draw, recorded in `checkpoint`), that every replica and optimizer state is finite, so `x̄` too (else every rank
        raises `FloatingPointError` naming the ranks and the step, before anything is written or removed), and whether
        every rank's shard holds what its shard of the `earlier` save does (then this save takes that save's id);
+       `agreed(linked)` runs, told whether it does (the same on every rank: it may run collectives);
     2. each rank writes its shard under a temporary name and renames it, or, taking an earlier save's id, links it to
        its earlier shard (or writes it where it cannot: [`atomic_link`][lightning_decentral.files.atomic_link]); agree
        that every shard is in place (if a rank could not put its own, every rank deletes its shard of this save and
@@ -128,6 +130,7 @@ def save_with_shards(
     if bad:
         raise not_finite_error(bad, step, filepath)
     source = same[1] if same is not None and set(table[:, 2].tolist()) == {same[0]} else None  # every rank links
+    agreed(source is not None)
     content["save_id"] = save_id = int(table[0, 0]) if source is None else same[0]
     checkpoint[META_KEY] = {"save_id": save_id, "world_size": ranks.world_size}
     during, shard = f"Saving {filepath} at step {step}", shard_path(filepath, ranks.rank, ranks.world_size, save_id)
@@ -197,13 +200,12 @@ def make_shard(
     gossip: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """A rank's shard: its own `state_dict`, the optimizer step and the update rule it ran (`rule`, e.g.
-    `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this
-    process's [`rng_state`][lightning_decentral.checkpoint.rng_state]), the state of its compressed gossip
-    (`gossip`: the public copies, [`ChocoStates.state`][lightning_decentral.compression.ChocoStates.state]), and
-    (unless the checkpoint is weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s, its precision
-    plugin's state and what its update rule carries across steps (`rule_state`,
-    [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]: an outer step's anchor and outer
-    optimizer; kept when not empty)."""
+    `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this process's
+    [`rng_state`][lightning_decentral.checkpoint.rng_state]), the state of its compressed gossip (`gossip`: the public
+    copies, [`ChocoStates.state`][lightning_decentral.compression.ChocoStates.state]), and (unless the checkpoint is
+    weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s, its precision plugin's state and what its
+    update rule carries across steps (`rule_state`, [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]:
+    an outer step's anchor and outer optimizer; kept when not empty)."""
     shard = {
         "save_id": save_id,
         "rank": rank,
@@ -223,8 +225,7 @@ def make_shard(
 
 
 def with_shard(checkpoint: dict[str, Any], shard: dict[str, Any], precision_key: str) -> dict[str, Any]:
-    """`checkpoint` with this rank's replica, optimizer and precision-plugin state (under `precision_key`)
-    from its shard, in place of the averaged ones."""
+    """`checkpoint` with this rank's replica, optimizer and precision state (under `precision_key`) from its shard."""
     restored = {**checkpoint, "state_dict": shard["state_dict"]}
     if "optimizer_states" in shard:
         restored["optimizer_states"] = shard["optimizer_states"]
@@ -376,8 +377,7 @@ def shards_of_rank(checkpoint_path: StrPath, rank: int) -> list[str]:
 
 
 def temporary_files_of_rank(checkpoint_path: StrPath, rank: int) -> list[str]:
-    """This rank's temporary shard files for `checkpoint_path` (writes in progress, or that never finished), of any
-    save and writer."""
+    """This rank's temporary shard files for `checkpoint_path` (writes in progress or never done), of any writer."""
     return _files_of_rank(checkpoint_path, rank, "-of-*.pt*.tmp")
 
 

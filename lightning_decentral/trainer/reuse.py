@@ -87,26 +87,35 @@ class ReusedMeans:
         self._kept: dict[Hashable, tuple[list[_Record], list[_Record]]] = {}  # label -> (inputs, results)
         self._scope: Optional[tuple[Any, ...]] = None
 
-    def mean(self, ranks: MeanGroup, label: Hashable, tensors: list[Tensor], what: str) -> list[Tensor]:
-        """`ranks.mean(tensors, what)`, or the results remembered under `label` for these tensors, unchanged."""
+    def mean(
+        self, ranks: MeanGroup, label: Hashable, tensors: list[Tensor], what: str, agreed: Optional[bool] = None
+    ) -> list[Tensor]:
+        """`ranks.mean(tensors, what)`, or the results remembered under `label` for these tensors, unchanged. With
+        `agreed`, the ranks have agreed already, in a collective of their own, whether to reuse (every rank's inputs
+        are those of its means remembered, and they are `unchanged`): no all-gather here."""
         scope = _scope(ranks)
         if scope != self._scope:
             self._kept, self._scope = {}, scope
         kept = self._kept.get(label)
-        if kept is not None:
+        if kept is not None and agreed is None:
             inputs, results = kept
             same = len(inputs) == len(tensors) and all(r.matches(t) for r, t in zip(inputs, tensors))
             same = same and all(r.matches(r.alias) for r in results)
             agreed = ranks.gather([same], f"{what}, agreeing whether an earlier save of this step did it,")[:, 0].all()
-            if bool(agreed) and _scope(ranks) == scope:  # the ranks that agreed are those that averaged (no failure)
-                return [r.alias for r in results]
+            agreed = bool(agreed) and _scope(ranks) == scope  # the ranks that agreed are those that averaged (no failure)
+        if kept is not None and agreed:
+            return [r.alias for r in kept[1]]
         means = ranks.mean(tensors, what)
         self._kept[label] = ([_Record(t) for t in tensors], [_Record(m) for m in means])
         return means
 
-    def bound(self, ranks: MeanGroup, label: Hashable, what: str) -> MeanFn:
+    def unchanged(self, ranks: MeanGroup) -> bool:
+        """Whether no mean remembered was written in place since, over the same ranks."""
+        return _scope(ranks) == self._scope and all(r.matches(r.alias) for _, results in self._kept.values() for r in results)
+
+    def bound(self, ranks: MeanGroup, label: Hashable, what: str, agreed: Optional[bool] = None) -> MeanFn:
         """`mean` as a function of the tensors alone (`replicas.MeanFn`)."""
-        return lambda tensors: self.mean(ranks, label, tensors, what)
+        return lambda tensors: self.mean(ranks, label, tensors, what, agreed)
 
     def clear(self) -> None:
         """Forget every mean (the replicas change, or fit ends)."""
