@@ -1,6 +1,6 @@
 """What the saves of one step share: `ModelCheckpoint(save_last=True)` saves the step's checkpoint, then `last.ckpt`,
 from the same replicas, and the second save reuses the first's `x̄`, averaged optimizer state and (in the background)
-host copies instead of averaging and copying again.
+host copies instead of averaging and copying again, and links each rank's shard of the first instead of writing it.
 
 A tensor counts as unchanged while it is the same data (the same address, shape, strides, dtype and device; the record
 keeps that memory alive, so no other tensor can take its address) and torch's version counter, which counts every
