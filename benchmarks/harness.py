@@ -10,7 +10,7 @@ model every step-time benchmark trains lives in ``mlp.py``. The scripts import t
   returns each rank's result or re-raises a rank's error with its traceback.
 * :class:`EmulatedNetwork`: hosts in network namespaces behind one shaped switch (root, Linux).
 * The MLP's widths: :data:`FULL_WIDTHS`, :func:`parse_widths`, :func:`count_parameters`.
-* Small helpers: :func:`quiet`, :func:`use_threads`, :func:`exit_on_sigterm`, :func:`quantile`,
+* Small helpers: :func:`interface_bytes`, :func:`quiet`, :func:`use_threads`, :func:`exit_on_sigterm`, :func:`quantile`,
   :func:`step_times`, :func:`command_line`, :func:`write_outputs`, :func:`import_example`.
 """
 
@@ -211,6 +211,17 @@ class EmulatedNetwork:
         finally:
             server.kill()
             server.wait()
+
+
+def interface_bytes(interface: str = EmulatedNetwork.interface) -> tuple[int, int]:
+    """Bytes ``interface`` has sent and received, from ``/proc/net/dev`` (this process's network namespace:
+    after :func:`enter_namespace`, its host's)."""
+    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
+        name, counters = line.split(":", 1)
+        if name.strip() == interface:
+            fields = counters.split()
+            return int(fields[8]), int(fields[0])
+    raise LookupError(f"no interface {interface!r} in this network namespace")
 
 
 def network_or_loopback(link: Optional[Link], hosts: int) -> Any:
