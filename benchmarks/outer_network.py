@@ -86,10 +86,10 @@ def refusals(chosen: dict[str, Optional[dict[str, Any]]]) -> dict[str, str]:
 
 
 class Curve(pl.Callback):
-    """Every ``every`` steps and at the last: the worker's validation loss, training time and bytes so far."""
+    """Every ``every`` steps, at step ``also`` and at the last: the worker's validation loss, training time and bytes so far."""
 
-    def __init__(self, val: Any, every: int, counted: Any, ddp_bytes_per_step: Optional[float]) -> None:
-        self.val, self.every, self.counted, self.ddp_bytes_per_step = val, every, counted, ddp_bytes_per_step
+    def __init__(self, val: Any, every: int, also: int, counted: Any, ddp_bytes_per_step: Optional[float]) -> None:
+        self.val, self.every, self.also, self.counted, self.ddp_bytes_per_step = val, every, also, counted, ddp_bytes_per_step
         self.points: list[dict[str, Any]] = []
         self.start, self.paused, self.sent0, self.received0 = 0.0, 0.0, 0, 0
         self.load: list[float] = []
@@ -102,7 +102,7 @@ class Curve(pl.Callback):
 
     def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
-        if step % self.every and step != trainer.max_steps:
+        if step % self.every and step not in (self.also, trainer.max_steps):
             return
         now = time.monotonic()
         sent, received = harness.interface_bytes()
@@ -133,16 +133,17 @@ def _job(method: str, config: dict[str, Any], data: dict[str, Any], rank: int, w
         ddp_bytes = 2 * (world_size - 1) / world_size * sum(p.numel() * p.element_size() for p in model.parameters())
     else:
         strategy.observe(counted)
-    curve = Curve(data["val"], config["every"], counted, ddp_bytes)
-    trainer = quiet_trainer(strategy, config["steps"], [curve], num_nodes=world_size, devices=1,
+    curve = Curve(data["val"], config["every"], config["steps"], counted, ddp_bytes)
+    steps = config["steps"] if options is None else round(config["extend"] * config["steps"])
+    trainer = quiet_trainer(strategy, steps, [curve], num_nodes=world_size, devices=1,
                             num_sanity_val_steps=0, limit_val_batches=0)
     loader = DataLoader(TensorDataset(data["train"]), batch_size=config["batch"], shuffle=True, drop_last=True)
     trainer.fit(model, loader)
     return {"points": curve.points, "load": curve.load}
 
 
-def _work(spec: dict[str, Any], data: dict[str, Any], rank: int) -> list[dict[str, Any]]:
-    """One worker: every method of ``spec`` in order, in one process group."""
+def work(spec: dict[str, Any], data: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    """One worker: every method of ``spec`` in order, in one process group; per method, its curve points."""
     harness.use_threads(spec["config"]["threads"])
     harness.quiet()
     world_size = int(os.environ["WORLD_SIZE"])
@@ -162,34 +163,41 @@ def combine(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "seconds": max(p["seconds"] for p in column),
             "loss": statistics.fmean(p["loss"] for p in column),
             "loss_spread": max(p["loss"] for p in column) - min(p["loss"] for p in column),
-            **{key: sum(p[key] for p in column) / n for key in ("counted", "eth0_sent", "eth0_received")},
+            **{key: sum(p[key] for p in column) / n for key in ("eth0_sent", "eth0_received")},
+            "counted": None if None in (p["counted"] for p in column) else sum(p["counted"] for p in column) / n,
         })
     return points
 
 
-def summarize(curves: dict[str, list[dict[str, Any]]], steps: int) -> list[dict[str, Any]]:
-    """One row per method: its final loss, time and bytes, and the goals' ratios against ``ddp``."""
-    ddp = curves["ddp"][-1]
+def summarize(curves: dict[str, list[dict[str, Any]]], steps: int,
+              same_topology: dict[str, str] = SAME_TOPOLOGY_EVERY_STEP) -> list[dict[str, Any]]:
+    """One row per method: its loss, time and bytes at step ``steps`` (the same tokens for every method; counted:
+    ``None`` where nothing counts them), when it first reached ddp's loss at that step (over its whole curve), and
+    the goals' ratios: against ``ddp``, against ``diloco``, bytes against ``same_topology[method]``'s."""
+    ddp = next(p for p in curves["ddp"] if p["step"] == steps)
     rows = []
     for name, curve in curves.items():
-        last = curve[-1]
+        last = next(p for p in curve if p["step"] == steps)
         reached = next((p for p in curve if p["loss"] <= ddp["loss"]), None)
         ddp_there = next((p for p in curves["ddp"] if p["loss"] <= last["loss"]), None)
         rows.append({
             "method": name, "loss": last["loss"], "seconds": last["seconds"],
             "loss_vs_ddp": last["loss"] / ddp["loss"] - 1,
             "time_ratio": last["seconds"] / ddp["seconds"],
+            "steps_run": curve[-1]["step"], "to_ddp_loss_step": reached["step"] if reached else None,
             "to_ddp_loss_s": reached["seconds"] if reached else None,
             "to_ddp_loss_ratio": reached["seconds"] / ddp["seconds"] if reached else None,
             "ddp_to_this_loss_s": ddp_there["seconds"] if ddp_there else None,
-            "counted_per_step": last["counted"] / steps, "eth0_sent_per_step": last["eth0_sent"] / steps,
+            "counted_per_step": None if last["counted"] is None else last["counted"] / steps,
+            "eth0_sent_per_step": last["eth0_sent"] / steps,
         })
     by = {r["method"]: r for r in rows}
     for row in rows:
-        base = by.get(SAME_TOPOLOGY_EVERY_STEP.get(row["method"], ""))
-        row["bytes_vs_every_step"] = row["counted_per_step"] / base["counted_per_step"] if base else None
+        base = by.get(same_topology.get(row["method"], ""))
+        counted = base and row["counted_per_step"] is not None
+        row["bytes_vs_every_step"] = row["counted_per_step"] / base["counted_per_step"] if counted else None
         row["eth0_vs_every_step"] = row["eth0_sent_per_step"] / base["eth0_sent_per_step"] if base else None
-        if "diloco" in by and row["method"].startswith("outer_one_peer"):
+        if "diloco" in by and row["method"] not in ("ddp", "dpsgd_one_peer", "diloco"):
             row["loss_vs_diloco"] = row["loss"] / by["diloco"]["loss"] - 1
     return rows
 
@@ -201,7 +209,8 @@ def render(profile: dict[str, Any], every: int, command: str) -> str:
         f"**{profile['link']['name']}**: {profile['shaping']}; TCP goodput host 0 → host 1: {profile['goodput_gbit']:.3f} "
         f"Gbit/s; load average {profile['load'][0]:.1f} before, {profile['load'][1]:.1f} after. Command: `{command}`",
         "",
-        "| method | val loss (last step) | vs ddp | time (s) | / ddp | time to ddp's final loss (s) | / ddp's time "
+        "| method | val loss at the same tokens | vs ddp | time (s) | / ddp | time to ddp's final loss (s, step) "
+        "| / ddp's time "
         "| ddp's time to this loss (s) | counted B/step/worker | eth0 sent B/step/host | vs same topology every step (counted, eth0) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -210,20 +219,23 @@ def render(profile: dict[str, Any], every: int, command: str) -> str:
         lines.append(
             f"| {r['method']} | {r['loss']:.4f} | {100 * r['loss_vs_ddp']:+.2f} %"
             + (f" ({100 * vs:+.2f} % vs diloco)" if vs is not None else "")
-            + f" | {r['seconds']:.1f} | {r['time_ratio']:.2f} | {optional(r['to_ddp_loss_s'], '.1f')} | "
+            + f" | {r['seconds']:.1f} | {r['time_ratio']:.2f} | {optional(r['to_ddp_loss_s'], '.1f')}"
+            + (f" (step {r['to_ddp_loss_step']})" if r["to_ddp_loss_step"] else f" (not in {r['steps_run']} steps)") + " | "
             f"{optional(r['to_ddp_loss_ratio'], '.2f')} | {optional(r['ddp_to_this_loss_s'], '.1f')} | "
-            f"{r['counted_per_step']:,.0f} | {r['eth0_sent_per_step']:,.0f} | "
-            + (f"{r['bytes_vs_every_step']:.4f}, {r['eth0_vs_every_step']:.4f} (1/H = {1 / every:.4f})"
-               if r["bytes_vs_every_step"] is not None else "—") + " |"
+            f"{optional(r['counted_per_step'], ',.0f')} | {r['eth0_sent_per_step']:,.0f} | "
+            + (f"{optional(r['bytes_vs_every_step'], '.4f')}, {r['eth0_vs_every_step']:.4f} (1/H = {1 / every:.4f})"
+               if r["eth0_vs_every_step"] is not None else "—") + " |"
         )
     for name, why in profile["skipped"].items():
         lines.append(f"| {name} | skipped: {why} | | | | | | | | | |")
-    lines += ["", "Curves (every H steps; loss averaged over the workers, time of the slowest, MB sent per worker, "
-              "counted / eth0):", "", "| method | " + " | ".join(f"step {p['step']}" for p in curves["ddp"]) + " |",
-              "|---|" + "---|" * len(curves["ddp"])]
-    for name, curve in curves.items():
-        lines.append(f"| {name} | " + " | ".join(
-            f"{p['loss']:.3f} @ {p['seconds']:.0f} s, {p['counted'] / 1e6:.1f}/{p['eth0_sent'] / 1e6:.1f} MB" for p in curve) + " |")
+    lines += ["", "The curves: validation loss averaged over the workers @ the slowest worker's training time, MB sent "
+              "per worker (counted / eth0):", "", "| step | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
+    at = {name: {p["step"]: p for p in curve} for name, curve in curves.items()}
+    for step in sorted({step for points in at.values() for step in points}):
+        cells = [at[name].get(step) for name in curves]
+        lines.append(f"| {step} | " + " | ".join("" if p is None else (
+            f"{p['loss']:.3f} @ {p['seconds']:.0f} s, {optional(p['counted'] and p['counted'] / 1e6, '.1f')}/"
+            f"{p['eth0_sent'] / 1e6:.1f} MB") for p in cells) + " |")
     return "\n".join(lines)
 
 
@@ -252,12 +264,14 @@ def plot(profiles: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
+def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profiles", default="1gbit,100mbit", help=f"comma-separated, from {','.join(harness.PROFILES)}")
     parser.add_argument("--methods", default="", help="comma-separated (default: all of `methods`); ddp is always run")
     parser.add_argument("--workers", type=int, default=8, help="hosts, one worker each")
-    parser.add_argument("--steps", type=int, default=500, help="optimizer steps per method")
+    parser.add_argument("--steps", type=int, default=500, help="ddp's optimizer steps (where the losses are compared)")
+    parser.add_argument("--extend", type=float, default=2.0,
+                        help="the other methods train this many times --steps, to see when they reach ddp's final loss")
     parser.add_argument("--every", type=int, default=50, help="H, the inner steps of a round (and the curve's spacing)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per worker and step")
     parser.add_argument("--context", type=int, default=64)
@@ -287,7 +301,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = _parse(argv)
+    args = parse(argv)
     ok, why = harness.netns_permitted()
     if not ok:
         print(f"outer_network.py needs network namespaces: {why}", file=sys.stderr)
@@ -301,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     windows = outer.sequences(outer.stdlib_bytes(args.bytes), args.context)
     split = int(0.9 * len(windows))
     data = {"train": windows[:split], "val": windows[split:][: args.val_windows]}
-    config = {k: getattr(args, k) for k in ("steps", "every", "batch", "context", "width", "layers", "threads")}
+    config = {k: getattr(args, k) for k in ("steps", "extend", "every", "batch", "context", "width", "layers", "threads")}
     command = harness.command_line(__file__, argv)
     parameters = sum(p.numel() for p in outer.ByteGPT(args.context, args.width, args.layers).parameters())
     tokens = args.steps * args.workers * args.batch * args.context
@@ -319,7 +333,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{name}] {network.shaping}; TCP goodput {goodput:.3f} Gbit/s", flush=True)
             spec = {"config": config, "methods": run}
             t0 = time.monotonic()
-            records = harness.run_ranks(functools.partial(_work, spec, data), args.workers, timeout=args.timeout, network=network)
+            records = harness.run_ranks(functools.partial(work, spec, data), args.workers, timeout=args.timeout, network=network)
             namespaces = [*network.namespaces, network.hub]
         curves = {m: combine([r[i] for r in records]) for i, m in enumerate(run)}
         profile = {
