@@ -15,8 +15,11 @@ the forked workers joining with ``Trainer(num_nodes=n, devices=1)``, one process
 ``outer_one_peer_sign`` (the same with ``compression="sign"``: skipped, with the strategy's reason, where the
 strategy refuses it).
 
-Measured per worker, every ``H`` steps (where every method's model is defined: right after an outer step) and
-at the last step: the validation loss of the worker's own model (mean cross-entropy, nats per byte, over the
+``ddp`` trains ``--steps`` (500) optimizer steps, where every method's loss is compared (the same tokens); the
+others go on to ``--extend`` (2) times that, to see when they reach ddp's final loss.
+
+Measured per worker, every ``H`` steps (where every method's model is defined: right after an outer step), at
+step ``--steps`` and at the last: the validation loss of the worker's own model (mean cross-entropy, nats per byte, over the
 first ``--val-windows`` held-out windows), the training time since a common start (a barrier) with the
 evaluations' own time taken out, the bytes the strategy counts (``strategy.observe``; DDP, which counts nothing,
 gets the ring all-reduce's ``2 (n − 1)/n`` of its gradients per step), and the bytes its host's ``eth0`` sent and
@@ -226,8 +229,8 @@ def render(profile: dict[str, Any], every: int, command: str) -> str:
             + (f"{optional(r['bytes_vs_every_step'], '.4f')}, {r['eth0_vs_every_step']:.4f} (1/H = {1 / every:.4f})"
                if r["eth0_vs_every_step"] is not None else "—") + " |"
         )
-    for name, why in profile["skipped"].items():
-        lines.append(f"| {name} | skipped: {why} | | | | | | | | | |")
+    lines += [f"| {name} | skipped: the strategy refuses it (below) | | | | | | | | | |" for name in profile["skipped"]]
+    lines += [f"\nSkipped `{name}`: {why}" for name, why in profile["skipped"].items()]
     lines += ["", "The curves: validation loss averaged over the workers @ the slowest worker's training time, MB sent "
               "per worker (counted / eth0):", "", "| step | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
     at = {name: {p["step"]: p for p in curve} for name, curve in curves.items()}
