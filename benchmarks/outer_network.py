@@ -206,8 +206,12 @@ def summarize(curves: dict[str, list[dict[str, Any]]], steps: int,
 
 
 def render(profile: dict[str, Any], every: int, command: str) -> str:
+    """One profile in Markdown: the methods' table, the skipped methods' reasons, the curves by step."""
     rows, curves = profile["rows"], profile["curves"]
-    optional = lambda value, spec: "n/a" if value is None else format(value, spec)  # noqa: E731
+
+    def optional(value: Optional[float], spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
     lines = [
         f"**{profile['link']['name']}**: {profile['shaping']}; TCP goodput host 0 → host 1: {profile['goodput_gbit']:.3f} "
         f"Gbit/s; load average {profile['load'][0]:.1f} before, {profile['load'][1]:.1f} after. Command: `{command}`",
