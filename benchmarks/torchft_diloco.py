@@ -16,6 +16,8 @@ outer Nesterov SGD (lr 0.7, momentum 0.9), ``H`` and the measurements are ``oute
 plain PyTorch loop (torchft's ``DiLoCo`` wraps the optimizer, not a Lightning Trainer). The replicas start from
 the same seeded weights with ``init_sync=False``: torchft's first-quorum healing would fetch the weights from
 ``socket.gethostname()``, which names the machine, not the emulated host. torchft counts no bytes: only eth0's.
+Each process times from its own start (there is no group across the hosts before torchft's first quorum; they
+arrive from the previous job together).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def _torchft(config: dict[str, Any], data: dict[str, Any], addresses: list[str],
     manager.shutdown(wait=False)
     if lighthouse is not None:
         lighthouse.shutdown()
-    del store
+    del store  # the replica group's TCPStore, kept until the manager is shut down
     return {"points": points, "load": [os.getloadavg()[0]]}
 
 
