@@ -10,7 +10,7 @@ model every step-time benchmark trains lives in ``mlp.py``. The scripts import t
   returns each rank's result or re-raises a rank's error with its traceback.
 * :class:`EmulatedNetwork`: hosts in network namespaces behind one shaped switch (root, Linux).
 * The MLP's widths: :data:`FULL_WIDTHS`, :func:`parse_widths`, :func:`count_parameters`.
-* Small helpers: :func:`quiet`, :func:`use_threads`, :func:`exit_on_sigterm`, :func:`quantile`,
+* Small helpers: :func:`interface_bytes`, :func:`quiet`, :func:`use_threads`, :func:`exit_on_sigterm`, :func:`quantile`,
   :func:`step_times`, :func:`command_line`, :func:`write_outputs`, :func:`import_example`.
 """
 

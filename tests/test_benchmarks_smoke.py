@@ -138,6 +138,29 @@ def test_netns_powersgd_smoke(tmp_path: Path) -> None:
     assert all(row["sent_per_step"] > 0 and row["step_median_s"] > 0 for row in profile["rows"])
 
 
+def test_outer_network_smoke(tmp_path: Path) -> None:
+    """The headline's jobs on the emulated network (2 hosts, H = 2): every method trains, the refused variant is
+    skipped with the strategy's reason, an outer step every 2 steps sends half of what its topology sends every step,
+    and each host's eth0 sent at least what the strategy counted."""
+    permitted, why = benchmarks_harness().netns_permitted()
+    if not permitted:
+        pytest.skip(f"the emulated network needs network namespaces: {why}")
+    out = tmp_path / "outer_network.json"
+    _run_smoke("outer_network.py", "--out", str(out))
+    (profile,) = json.loads(out.read_text())["profiles"]
+    rows = {row["method"]: row for row in profile["rows"]}
+    assert set(rows) | set(profile["skipped"]) == {"ddp", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_sign"}
+    assert {"ddp", "dpsgd_one_peer", "diloco", "outer_one_peer"} <= set(rows)
+    steps = {name: [point["step"] for point in curve] for name, curve in profile["curves"].items()}
+    assert steps.pop("ddp") == [2, 4] and all(s == [2, 4, 6, 8] for s in steps.values())  # the others: --extend 2
+    assert rows["diloco"]["bytes_vs_every_step"] == pytest.approx(1 / 2)
+    assert rows["outer_one_peer"]["bytes_vs_every_step"] == pytest.approx(1 / 2)
+    assert all(row["eth0_sent_per_step"] >= row["counted_per_step"] > 0 for row in rows.values())
+    assert rows["outer_one_peer"]["loss"] == pytest.approx(rows["diloco"]["loss"], abs=1e-4)  # one peer of 2: complete
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not set(profile["namespaces"]) & set(left), left  # torn down
+
+
 def test_timeline_smoke(tmp_path: Path) -> None:
     out, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
     _run_smoke("timeline.py", "--network", "loopback", "--png", str(png), "--out", str(out))
