@@ -101,10 +101,14 @@ class Choco:
         compressor: `C`.
         consensus_step: `γ`.
         rank: this worker in the topology.
+        from_copy: a round ends at `x̂_i + γ Δ` instead of `x_i + γ Δ`, where `x̂_i = Σ_j w_ji x̂_{i→j} / Σ_j w_ji`
+            is the worker's own public copy: with `γ = 1` and a static `W`, `Σ_j w_ij x̂_j`, the mixed model every
+            neighbour can compute, the residual `x_i − x̂_i` left to the next round's message (what the outer step
+            mixes: docs/algorithms.md, "Outer steps").
     """
 
-    def __init__(self, compressor: Compressor, consensus_step: float, rank: int) -> None:
-        self.compressor, self.consensus_step, self.rank = compressor, consensus_step, rank
+    def __init__(self, compressor: Compressor, consensus_step: float, rank: int, from_copy: bool = False) -> None:
+        self.compressor, self.consensus_step, self.rank, self.from_copy = compressor, consensus_step, rank, from_copy
         self.copies: dict[int, EdgeCopies] = {}
         self._loaded: dict[int, Any] = {}  # saved copies of buffers not exchanged since the load
         self.wire_bytes = 0
@@ -220,6 +224,9 @@ class ChocoExchange:
             self.residuals = [torch.dot(d, d) for d in changes]
         for index, (x, change) in enumerate(zip(self.buffers, changes)):
             change.mul_(choco.consensus_step)
+            own = self._own(self.copies[index]) if choco.from_copy else None
+            if own is not None:  # x̂_i + γ Δ − x: the change that ends the round at the worker's own copy
+                change.add_(own).sub_(self.current[index].reshape(-1))
             if self.out is None:
                 x.add_(change.view_as(x).to(x.dtype))
             elif self.rounds == 1:
@@ -229,6 +236,19 @@ class ChocoExchange:
         if self.out is not None and self.rounds > 1 and round == self.rounds - 1:
             for o, b in zip(self.out, self.buffers):
                 o.sub_(b)
+
+    def _own(self, copies: EdgeCopies) -> Optional[Tensor]:
+        """The worker's own public copy at this round, `Σ_j w_ji x̂_{i→j} / Σ_j w_ji` over its out-edges of `W(step)`
+        (`None` without any: its model is all it has)."""
+        out_edges = self.topology.out_neighbors(self.choco.rank, self.step)
+        edges = [(copies.sent[copies.slot_of[peer]], weight) for peer, weight in out_edges]
+        total = sum(weight for _, weight in edges)
+        if not edges:
+            return None
+        own = torch.mul(edges[0][0], edges[0][1] / total)
+        for copy, weight in edges[1:]:
+            own.add_(copy, alpha=weight / total)
+        return own
 
     def _change(self, copies: EdgeCopies) -> Tensor:
         """`Δ = Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j}` over the edges of `W(step)` (the out-edges of one copy together)."""

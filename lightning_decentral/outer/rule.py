@@ -35,7 +35,9 @@ class OuterStep(UpdateRule):
     with `OuterOpt = SGD(lr=1)` it is ATC every `H` steps, `x <- W x`. Mixed module buffers are mixed, `b <- W b`.
     The anchor is taken from the replica when the first step begins (after a resume from `x̄`, from `x̄`). A round
     that ends on a step that exchanges nothing (`W(k) = I`; the survivors' first steps after a failure, or an
-    exchange a failure discarded) takes the outer step with `W = I`: `Δ̃_i = θ_i − x_i`.
+    exchange a failure discarded) takes the outer step with `W = I`: `Δ̃_i = θ_i − x_i`. Over compressed gossip
+    the mixer sends `C(x_i − x̂_i)` and returns `x̂_i + γ (Σ_j w_ij x̂_j − x̂_i)` from the public copies `x̂`
+    ([`Choco`][lightning_decentral.compression.Choco]'s `from_copy`, which the driver sets): `Δ̃_i = θ_i − x̃_i`.
 
     With `overlap`, the round's exchange travels during the next round, whose inner steps go on from the
     models as they were sent, `y_i`; at its end the outer step uses `W y`, and the progress made meanwhile is
