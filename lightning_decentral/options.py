@@ -64,7 +64,7 @@ class GossipOptions:
 
     Args:
         topology: a name from `TOPOLOGIES` (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`,
-            `"complete"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology] (in a config by
+            `"complete"`, `"random_matching"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology] (in a config by
             `class_path`, e.g. `lightning_decentral.Torus` with `init_args: {rows: 2}`) or a mixing matrix (a list of
             them: one per step of a period); in Python also a numpy array, a tensor or a `networkx` graph.
         combine: `"awc"` (adapt-with-combine: `x_i(k+1) = Σ_j w_ij x_j(k) + U(x_i(k), g_i) − x_i(k)`, the exchange
