@@ -88,6 +88,17 @@ def test_compression_smoke(tmp_path: Path) -> None:
     assert all(0 < ratio < 1 for row in rows for ratio in row["ratio"].values())
 
 
+def test_outer_overlap_smoke(tmp_path: Path) -> None:
+    """Both modes run on 2 processes in one launch; the blocked time and step time of each are measured."""
+    out = tmp_path / "outer_overlap.json"
+    _run_smoke("outer_overlap.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    for mode in ("no_overlap", "overlap"):
+        assert len(result[mode]["step_s"]["runs"]) == 1 and result[mode]["step_s"]["median"] > 0
+        assert result[mode]["blocked_per_round_s"]["median"] >= 0
+    assert result["ratio"]["step_s"] > 0 and result["meta"]["profile"] == "loopback"
+
+
 def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
