@@ -11,7 +11,7 @@ taken at the end of the next one, with that round's progress kept: ``x_i <- θ_i
 ``config.failures``, the workers lost at step ``k`` leave before it, ``W(k) = I`` for the others, and from ``k + 1``
 they mix with the named topology at their number. With ``config.compression`` the round's models travel as CHOCO's
 messages and the mixed model is taken from the public copies (``tests.choco_reference.ChocoReference`` with
-``from_copy``), ``x̃_i = x̂_i + γ (Σ_j w_ij x̂_j − x̂_i)``.
+``from_copy``), ``x̃_i = x̂_i + γ (Σ_j w_ij x̂_j − x̂_i)``, every copy starting at the common initial model.
 
 The outer optimizer is SGD with (Nesterov) momentum, written out as torch documents ``torch.optim.SGD``
 (no dampening): ``b <- μ b + g`` (``b = g`` at the first step), ``d = g + μ b`` with Nesterov, else ``b``;
@@ -124,10 +124,12 @@ def decentralized(config: Config, n: int) -> torch.Tensor:
     sent: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None  # overlap: (step, y, its buffers)
     alive = list(range(n))
     choco = None  # compressed: the exchange of tag t numbers its parameters t, its buffers t + 1 (overlap: t = 1)
-    if config.compression is not None:
-        assert not config.failures
-        choco = ChocoReference(config.compression, config.consensus_step, lambda step: mixing(config.topology, n, step), True)
+    assert config.compression is None or not config.failures
     tag = int(config.outer_overlap)
+    if config.compression is not None:  # every copy starts at the models every worker starts from
+        origins = {tag: workers.parameters()[0], tag + 1: workers.buffers()[0]}
+        choco = ChocoReference(config.compression, config.consensus_step, lambda step: mixing(config.topology, n, step),
+                               True, origins)
     for k in range(config.steps):
         lost = config.failures.get(k, [])
         if lost:

@@ -168,8 +168,9 @@ def test_outer_smoke(tmp_path: Path) -> None:
     _run_smoke("outer.py", "--out", str(out))
     rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["complete_every_step", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_overlap",
-                          "averaging_one_peer"]
+                          "averaging_one_peer", "diloco_sign", "outer_one_peer_sign"]
     assert all(row["val_loss"] > 0 for row in rows.values())
     sent = {name: row["bytes_per_step"] for name, row in rows.items()}
     assert sent["diloco"] == pytest.approx(sent["complete_every_step"] / 3)
     assert sent["outer_one_peer"] == sent["outer_one_peer_overlap"] == pytest.approx(sent["dpsgd_one_peer"] / 3)
+    assert 0 < sent["outer_one_peer_sign"] < sent["dpsgd_one_peer"] / (25 * 3)  # sign: 1 bit and a scale per 1024

@@ -233,6 +233,11 @@ class _WorkerMixer(DenseView):
         super().__init__(dense)
         self.rank = rank
 
+    def start_copies_at(self, buffers: Sequence[Tensor], tag: int = 0) -> None:
+        """Compressed gossip: this worker's new public copies start at `buffers` ([`StartsCopies`][lightning_decentral.mixing.StartsCopies])."""
+        if self.dense.chocos:
+            self.dense.chocos[self.rank].start_copies_at(buffers, tag)
+
     def start(
         self,
         buffers: Sequence[Tensor],
