@@ -31,7 +31,7 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -213,6 +213,19 @@ class EmulatedNetwork:
             server.wait()
 
 
+@contextlib.contextmanager
+def private_loopback() -> Iterator[str]:
+    """A fresh network namespace whose only interface is its own loopback, up: its name, deleted on leaving. Processes
+    that enter it (``enter_namespace``) talk over a loopback no other process uses."""
+    name = f"{PREFIX}{os.getpid()}-lo"
+    _ip("netns", "add", name)
+    try:
+        _ip("-n", name, "link", "set", "lo", "up")
+        yield name
+    finally:
+        _ip("netns", "del", name, check=False)
+
+
 def network_or_loopback(link: Optional[Link], hosts: int) -> Any:
     """``EmulatedNetwork(hosts, link)``, or a do-nothing context giving ``None`` (loopback) when ``link`` is None."""
     return EmulatedNetwork(hosts, link) if link is not None else contextlib.nullcontext(None)
@@ -231,6 +244,17 @@ def enter_namespace(name: str) -> None:
             raise OSError(error, f"setns into {name}: {os.strerror(error)}")
     finally:
         os.close(fd)
+
+
+def interface_bytes(name: str) -> tuple[int, int]:
+    """``(received, sent)`` bytes of interface ``name`` in this process's network namespace (``/proc/net/dev``)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            interface, _, counters = line.partition(":")
+            if interface.strip() == name:
+                fields = counters.split()
+                return int(fields[0]), int(fields[8])
+    raise RuntimeError(f"no interface {name!r} in /proc/net/dev")
 
 
 # -- ranks -------------------------------------------------------------------------------------------

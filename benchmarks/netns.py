@@ -30,6 +30,20 @@ order rotated from repeat to repeat:
 * **step time**: the MLP and data of ``benchmarks/step_time.py`` (its ``--widths``), SGD with
   momentum; the time of step ``k`` is the gap between the ends of steps ``k - 1`` and ``k`` on
   the slowest rank (as in step_time.py); warm-up steps dropped.
+* ``ddp_powersgd``: DDP whose gradient buckets are all-reduced as rank-4 factors ``P`` and ``Q`` of each matrix,
+  with error feedback: ``powerSGD_hook`` with ``PowerSGDState(matrix_approximation_rank=4, start_powerSGD_iter=2)``
+  (``torch.distributed.algorithms.ddp_comm_hooks``; the first two steps all-reduce plainly, inside the warm-up),
+  registered on the Trainer's ``DistributedDataParallel`` when training starts: Lightning's
+  ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` registers it on CUDA only and ignores it on the CPU. The
+  gradients travel in one bucket (``bucket_cap_mb=1024``): with DDP's default 25 MB buckets gloo aborted the job
+  ("Received data size doesn't match expected size. Is there a distributed collective mismatch"; the hook issues
+  each bucket's next all-reduce from the previous one's callback, an order that may differ between ranks).
+* ``decent_dp``: Decent-DP (``pip install decent-dp``; not a dependency of this project), its
+  ``DecentralizedDataParallel`` with ``topology="one-peer-exp"`` around the same MLP, in a plain loop of its own (it
+  steps the optimizer in its backward hooks, so it cannot run under a Lightning ``Trainer``); step-time job only.
+* **bytes on the wire**: each host's ``eth0`` transmit counter (``/proc/net/dev`` inside its namespace) at the end of
+  every step; per rank and step, the growth over the measured steps (everything the rank sent: gradients or models,
+  gloo's own messages, TCP/IP headers).
 * **time to loss**: ``DigitsCNN`` on ``DigitsDataModule`` (``examples/digits.py``), each rank a
   shard; the wall-clock time from a common start (a barrier) until the training loss, averaged
   over the ranks and over the last ``--smooth`` steps, first falls below ``--threshold``. The
@@ -44,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import os
 import statistics
 import sys
@@ -66,7 +81,12 @@ METHODS = {
     "one_peer_sign": ("dpsgd awc, sign", "one_peer_exponential", "local", "sign"),
     "one_peer_int4": ("dpsgd awc, int4", "one_peer_exponential", "local", "int4"),
     "one_peer_top_k": ("dpsgd awc, top_k:0.01", "one_peer_exponential", "local", "top_k:0.01"),
+    "ddp_powersgd": ("ddp + PowerSGD (rank 4)", "all-reduce (rank-4 factors of the gradients)", None, None),
+    "decent_dp": ("Decent-DP 0.2.3", "one-peer-exp (its own)", None, None),
 }
+POWERSGD_RANK = 4
+POWERSGD_BUCKET_MB = 1024  # one bucket (see the module's docstring)
+STEPS_ONLY = ("decent_dp",)  # methods without a time-to-loss job
 DEFAULT_METHODS = "ddp,ring,one_peer_exponential,decentlam"
 
 
@@ -74,28 +94,89 @@ def make_strategy(method: str) -> Any:
     from lightning_decentral import DecentralizedStrategy
 
     _, topology, momentum, compression = METHODS[method]
+    if method == "ddp_powersgd":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(bucket_cap_mb=POWERSGD_BUCKET_MB)
     if topology is None:
         return "ddp"
     return DecentralizedStrategy(topology=topology, momentum=momentum, compression=compression)
 
 
+def register_powersgd(trainer: Any) -> None:
+    """PowerSGD's comm hook on the Trainer's ``DistributedDataParallel`` (before the first backward).
+    ``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)`` would register it only on CUDA (Lightning 2.6's
+    ``DDPStrategy._register_ddp_hooks``), and gloo runs it as well."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2)
+    trainer.strategy.model.register_comm_hook(state, powersgd.powerSGD_hook)
+
+
 def make_trainer(method: str, world_size: int, max_steps: int, callbacks: list, **kwargs: Any) -> Any:
+    import lightning.pytorch as pl
+
     from mlp import quiet_trainer
 
+    class PowerSGD(pl.Callback):
+        def on_train_start(self, trainer: Any, module: Any) -> None:
+            register_powersgd(trainer)
+
+    if method == "ddp_powersgd":
+        callbacks = [PowerSGD(), *callbacks]
     return quiet_trainer(make_strategy(method), max_steps, callbacks, num_nodes=world_size, devices=1,
                          num_sanity_val_steps=0, limit_val_batches=0, **kwargs)
 
 
+def sent_bytes() -> int:
+    """What this rank's interface has transmitted (``eth0`` on the emulated network, else ``lo``)."""
+    return harness.interface_bytes(os.environ.get("GLOO_SOCKET_IFNAME", "lo"))[1]
+
+
 def _step_time_job(method: str, config: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
     from mlp import MLP, StepClock, make_loader
 
     widths = tuple(config["widths"])
     total = config["warmup"] + config["steps"]
-    clock = StepClock()
-    trainer = make_trainer(method, world_size, total, [clock], use_distributed_sampler=False)
+    loader = make_loader(rank, widths, config["batch_size"], total)
+    if method == "decent_dp":
+        return _decent_dp_steps(widths, loader)
+    clock, sent = StepClock(), []
+
+    class Sent(pl.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            sent.append(sent_bytes())
+
+    trainer = make_trainer(method, world_size, total, [clock, Sent()], use_distributed_sampler=False)
     module = MLP(widths, lr=0.01, momentum=0.9)
-    trainer.fit(module, train_dataloaders=make_loader(rank, widths, config["batch_size"], total))
-    return {"ends": clock.ends}
+    trainer.fit(module, train_dataloaders=loader)
+    return {"ends": clock.ends, "sent": sent}
+
+
+def _decent_dp_steps(widths: tuple[int, ...], loader: Any) -> dict[str, Any]:
+    """Decent-DP's own loop: forward, backward (which steps and gossips, bucket by bucket), the clock."""
+    import torch
+    import torch.distributed as dist
+    from decent_dp.ddp import DecentralizedDataParallel
+    from loguru import logger
+
+    from mlp import MLP
+
+    logger.remove()  # its debug lines
+    if not dist.is_initialized():  # the environment harness.run_ranks gives: MASTER_ADDR, RANK, WORLD_SIZE...
+        dist.init_process_group("gloo")
+    net = MLP(widths, lr=0.01, momentum=0.9).net  # the same initial model (seed 0)
+    model = DecentralizedDataParallel(
+        net, optim_fn=lambda named: torch.optim.SGD([p for _, p in named], lr=0.01, momentum=0.9), topology="one-peer-exp"
+    )
+    ends, sent = [], []
+    for x, y in loader:
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        ends.append(time.perf_counter())
+        sent.append(sent_bytes())
+    return {"ends": ends, "sent": sent}
 
 
 def _time_to_loss_job(method: str, config: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
@@ -167,6 +248,7 @@ def summarize(profile: dict[str, Any], methods: list[str], config: dict[str, Any
     for m in methods:
         row: dict[str, Any] = {"name": m, "method": METHODS[m][0], "topology": METHODS[m][1] or "all-reduce (gradients)"}
         if ("steps", m, 0) in by:
+            row["sent_per_step"] = statistics.median(by[("steps", m, r)]["sent_per_step"] for r in repeats)
             pooled = [t for r in repeats for t in by[("steps", m, r)]["step_s"]]
             row["step_median_s"], row["step_q25_s"], row["step_q75_s"] = (
                 statistics.median(pooled), harness.quantile(pooled, 0.25), harness.quantile(pooled, 0.75))
@@ -192,10 +274,11 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
         f"**{link['name']}**: {profile['shaping']}; measured TCP goodput host 0 → host 1: "
         f"{profile['goodput_gbit']:.2f} Gbit/s. Command: `{command}`",
         "",
-        "| method | topology | median step (s) | IQR of steps (s) | step / ddp (median, range over repeats) "
+        "| method | topology | sent per rank and step (MB) | median step (s) | IQR of steps (s) "
+        "| step / ddp (median, range over repeats) "
         f"| time to loss < {config['threshold']:g} (s, median) | steps to it (median) | time / ddp (median, range) "
         f"| loss at the end (mean of the last {config['smooth']} steps) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def ratio(values: Optional[list[float]]) -> str:
@@ -212,6 +295,7 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
         steps = [s for s in r.get("loss_steps", []) if s is not None]
         lines.append(
             f"| {r['method']} | {r['topology']} | "
+            + (f"{r['sent_per_step'] / 1e6:.2f} | " if "sent_per_step" in r else "n/a | ")
             + (f"{r['step_median_s']:.3f} | {r['step_q25_s']:.3f}–{r['step_q75_s']:.3f} | " if "step_median_s" in r else "n/a | n/a | ")
             + f"{ratio(r.get('step_ratio'))} | {loss if 'loss_s' in r else 'n/a'} | "
             + f"{statistics.median(steps) if steps else 'n/a'} | {ratio(r.get('loss_ratio'))} | "
@@ -263,6 +347,12 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
             parser.error(f"unknown {name} {unknown}; choose from {list(known)}")
     if args.workers < 2 or args.workers > 250:
         parser.error("--workers must be between 2 and 250")
+    if "loss" in args.jobs and any(m in STEPS_ONLY for m in args.methods):
+        parser.error(f"{', '.join(STEPS_ONLY)} run(s) the step-time job only: add --jobs steps")
+    if "decent_dp" in args.methods and importlib.util.find_spec("decent_dp") is None:
+        parser.error("decent_dp needs Decent-DP, not installed here: pip install decent-dp (with loguru), e.g. with --target DIR and PYTHONPATH=DIR")
+    if "ddp_powersgd" in args.methods and args.warmup < 2:
+        parser.error("ddp_powersgd all-reduces its first two steps plainly: use --warmup >= 2")
     if args.warmup < 1 or args.steps < 1 or args.smooth < 1 or args.digits_steps < args.smooth:
         parser.error("--warmup, --steps and --smooth must be >= 1, and --digits-steps >= --smooth")
     return args
@@ -311,7 +401,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             for i, job in enumerate(spec["jobs"]):
                 per_rank = [r[i] for r in records]
                 if job["kind"] == "steps":
-                    job = {**job, "step_s": harness.step_times(per_rank, args.warmup)}
+                    sent = [(r["sent"][-1] - r["sent"][args.warmup - 1]) / args.steps for r in per_rank]
+                    job = {**job, "step_s": harness.step_times(per_rank, args.warmup), "sent_per_step": statistics.fmean(sent)}
                 else:
                     seconds, steps = time_to_loss(per_rank, args.threshold, args.smooth)
                     mean_loss = [statistics.fmean(r["losses"][k] for r in per_rank) for k in range(len(per_rank[0]["losses"]))]

@@ -1,22 +1,22 @@
 """Per-rank checkpoint shards: every replica, its optimizer state, the strategy's state and RNG state.
 
-A decentralized run is `n` models. The checkpoint file Lightning writes on rank 0 keeps the
-average `x̄` (a plain LightningModule loads it); next to it, every rank writes its own shard,
-so that `trainer.fit(ckpt_path=...)` continues every replica exactly:
+A decentralized run is `n` models. The checkpoint file Lightning writes on rank 0 keeps the average `x̄` (a plain
+LightningModule loads it); next to it, every rank writes its own shard, so that `trainer.fit(ckpt_path=...)`
+continues every replica exactly:
 
 ```text
 epoch=1-step=40.ckpt                                            rank 0: x̄, loops, callbacks, {save_id, world_size}
 epoch=1-step=40.ckpt.shards/rank-00002-of-00004.<save_id>.pt    rank 2's shard, written by rank 2
 ```
 
-Each rank writes and removes only its own shard, so nothing is gathered onto one rank and no
-filesystem needs to be shared between nodes. Every file is written under a temporary name and
-renamed into place (atomic on a local or POSIX filesystem); the strategy writes the checkpoint
-file only once every rank has reported its shard in place, so an existing checkpoint file
-implies complete shards. The random `save_id` in the shard names is recorded in the
-checkpoint file too: shards of another save (an overwritten `last.ckpt`, a crash between the
-shards and the file, a foreign run) are never taken for this one's. Shards hold tensors and
-primitives only and are read with `torch.load(weights_only=True)`.
+Each rank writes and removes only its own shard, so nothing is gathered onto one rank and no filesystem needs to be
+shared between nodes. Every file is written under a temporary name and renamed into place (atomic on a local or POSIX
+filesystem); the strategy writes the checkpoint file only once every rank has reported its shard in place, so an
+existing checkpoint file implies complete shards. The random `save_id` in the shard names is recorded in the
+checkpoint file too: shards of another save (an overwritten `last.ckpt`, a crash between the shards and the file, a
+foreign run) are never taken for this one's. A second save of the same step from the same replicas (`last.ckpt`
+after the step's checkpoint) takes the first one's id and links its shards instead of writing them again. Shards hold
+tensors and primitives only and are read with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch import Tensor
 
 from lightning_decentral.failures import PeerFailure
-from lightning_decentral.files import StrPath, adopt, atomic_write, disown, owned, removable_temporary, temporary_name
+from lightning_decentral.files import StrPath, adopt, atomic_link, atomic_write, disown, owned, removable_temporary, temporary_name
 
 META_KEY = "decentralized_shards"  # in the checkpoint file: {"save_id", "world_size"}
 
@@ -52,11 +52,8 @@ class RankGroup(Protocol):
 
 
 class ShardProblem(enum.IntEnum):
-    """Why a rank cannot resume exactly from its shard (`NONE`: it can).
-
-    An `IntEnum`, so that every rank's problem travels in one all-gather of integers
-    ([`load_own_shard`][lightning_decentral.checkpoint.load_own_shard]).
-    """
+    """Why a rank cannot resume exactly from its shard (`NONE`: it can); an `IntEnum`, so that every rank's problem
+    travels in one all-gather of integers ([`load_own_shard`][lightning_decentral.checkpoint.load_own_shard])."""
 
     NONE = 0
     NOT_SHARDED = 1
@@ -84,58 +81,76 @@ class ShardProblem(enum.IntEnum):
         }[self]
 
 
+class EarlierShards(Protocol):
+    """This rank's shard of an earlier save of the step ([`StepShards`][lightning_decentral.trainer.reuse.StepShards]):
+    `same_as(shard)` is its `(save_id, path)` if it holds what `shard` holds but the id, else `None`."""
+
+    def same_as(self, shard: dict[str, Any]) -> Optional[tuple[int, str]]: ...
+
+    def remember(self, shard: dict[str, Any], save_id: int, path: str) -> None: ...
+
+
 def save_with_shards(
     ranks: RankGroup,
     checkpoint: dict[str, Any],
     filepath: StrPath,
     make_shard: Callable[[int], dict[str, Any]],
     write_file: Callable[[], None],
+    earlier: Optional[EarlierShards] = None,
+    agreed: Callable[[bool], None] = lambda linked: None,
 ) -> None:
     """Every rank writes its shard, then `write_file` writes the checkpoint file (on rank 0).
 
     In order (each "agree" is one all-gather):
 
-    1. agree on a random save id (rank 0's draw, recorded in `checkpoint`);
-    2. build this rank's shard `make_shard(save_id)`, and agree that every replica and optimizer state is finite
-       (then so are `x̄` and the averaged state in `checkpoint`); if not, every rank raises `FloatingPointError`
-       naming the ranks and the step, before anything is written or removed;
-    3. each rank writes its shard under a temporary name and renames it; agree that every shard is in place
-       (if a rank could not write its own, every rank deletes its shard of this save and raises);
-    4. `write_file` runs; agree that it succeeded;
-    5. each rank deletes its other shards of this path (earlier saves, saves whose file was never written).
+    1. build this rank's shard `make_shard(save_id)` (the id set once agreed); agree on a random save id (rank 0's
+       draw, recorded in `checkpoint`), that every replica and optimizer state is finite, so `x̄` too (else every rank
+       raises `FloatingPointError` naming the ranks and the step, before anything is written or removed), and whether
+       every rank's shard holds what its shard of the `earlier` save does (then this save takes that save's id);
+       `agreed(linked)` runs, told whether it does (the same on every rank: it may run collectives);
+    2. each rank writes its shard under a temporary name and renames it, or, taking an earlier save's id, links it to
+       its earlier shard (or writes it where it cannot: [`atomic_link`][lightning_decentral.files.atomic_link]); agree
+       that every shard is in place (if a rank could not put its own, every rank deletes its shard of this save and
+       raises);
+    3. `write_file` runs; agree that it succeeded;
+    4. each rank deletes its other shards of this path (earlier saves, saves whose file was never written).
 
-    From step 3's agreement on, no rank deletes its shard of this save, whatever fails (a rank dying while rank 0
+    From step 2's agreement on, no rank deletes its shard of this save, whatever fails (a rank dying while rank 0
     writes the file): the path then holds the previous file with its shards, or this one with all of its own, and
     the next save to the path removes the shards no file names. A rank whose agreement itself fails (a peer died
     during it) keeps its shard too: another rank may have completed it.
     """
-    save_id = int(ranks.gather([secrets.randbits(62)], f"Saving {filepath}, agreeing on a save id,")[0, 0])
+    content = make_shard(0)
+    step = content["strategy"]["step"]
+    same = None if earlier is None else earlier.same_as(content)
+    finite = holds_finite([content["state_dict"], content.get("optimizer_states"), content.get("rule_state")])
+    agreeing = f"Saving {filepath} at step {step}, agreeing on a save id and checking its values,"
+    table = ranks.gather([secrets.randbits(62), finite, -1 if same is None else same[0]], agreeing)
+    bad = [rank for rank, finite in enumerate(table[:, 1].tolist()) if not finite]
+    if bad:
+        raise not_finite_error(bad, step, filepath)
+    source = same[1] if same is not None and set(table[:, 2].tolist()) == {same[0]} else None  # every rank links
+    agreed(source is not None)
+    content["save_id"] = save_id = int(table[0, 0]) if source is None else same[0]
     checkpoint[META_KEY] = {"save_id": save_id, "world_size": ranks.world_size}
-    content = make_shard(save_id)
-    during = f"Saving {filepath} at step {content['strategy']['step']}"
-    refuse_non_finite(ranks, content, filepath)
-    shard = shard_path(filepath, ranks.rank, ranks.world_size, save_id)
+    during, shard = f"Saving {filepath} at step {step}", shard_path(filepath, ranks.rank, ranks.world_size, save_id)
+
+    def put_shard() -> None:
+        if source is None or not atomic_link(source, shard):
+            write_shard(content, shard)
+
     try:
-        ranks.on_every_rank(lambda: write_shard(content, shard), "write its shard", during)
+        ranks.on_every_rank(put_shard, "write its shard", during)
     except PeerFailure:
         raise  # whether every shard is in place is unknown here: another rank may go on to write the file
     except BaseException:
-        discard(shard)  # not every shard was written; the earlier saves' stay: their checkpoint file names them
+        if shard != source:  # not every shard was written; the earlier saves' stay: their checkpoint file names them
+            discard(shard)
         raise
     ranks.on_every_rank(write_file, "write the checkpoint file", during)
     remove_shards(filepath, ranks.rank, keep=shard)
-
-
-def refuse_non_finite(ranks: RankGroup, shard: dict[str, Any], filepath: StrPath) -> None:
-    """Raise `FloatingPointError` on every rank if a rank's `shard` holds a NaN or an Inf in its replica or its
-    optimizer state (so would `x̄` and the averaged optimizer state of the checkpoint file). One all-gather;
-    nothing is written."""
-    step = shard["strategy"]["step"]
-    own = holds_finite([shard["state_dict"], shard.get("optimizer_states"), shard.get("rule_state")])
-    table = ranks.gather([own], f"Saving {filepath} at step {step}, checking its values,")
-    bad = [rank for rank, finite in enumerate(table[:, 0].tolist()) if not finite]
-    if bad:
-        raise not_finite_error(bad, step, filepath)
+    if earlier is not None:
+        earlier.remember(content, save_id, shard)
 
 
 def not_finite_error(ranks: list[int], step: int, filepath: StrPath, who: str = "Rank(s)") -> FloatingPointError:
@@ -151,9 +166,8 @@ def not_finite_error(ranks: list[int], step: int, filepath: StrPath, who: str = 
 def holds_finite(state: Any) -> bool:
     """Whether every floating-point tensor in `state` (nested in dicts, lists and tuples) is finite.
 
-    A NaN or an Inf makes a tensor's sum non-finite, so a finite sum proves the tensor finite: one reduction, about
-    30 times faster on a CPU than testing every element, which is done only when the sum is not finite (then it
-    may be finite values whose sum overflows).
+    A NaN or an Inf makes a tensor's sum non-finite, so a finite sum proves the tensor finite: one reduction, 30 times
+    faster on a CPU than testing every element, done only when the sum is not finite (finite values may overflow it).
 
     Examples:
         >>> holds_finite({"w": torch.ones(2), "opt": [{"m": torch.tensor([0.0, float("inf")])}], "step": 3})
@@ -186,13 +200,12 @@ def make_shard(
     gossip: Optional[dict[str, Any]] = None,
 ) -> dict[str, Any]:
     """A rank's shard: its own `state_dict`, the optimizer step and the update rule it ran (`rule`, e.g.
-    `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this
-    process's [`rng_state`][lightning_decentral.checkpoint.rng_state]), the state of its compressed gossip
-    (`gossip`: the public copies, [`ChocoStates.state`][lightning_decentral.compression.ChocoStates.state]), and
-    (unless the checkpoint is weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s, its precision
-    plugin's state and what its update rule carries across steps (`rule_state`,
-    [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]: an outer step's anchor and outer
-    optimizer; kept when not empty)."""
+    `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this process's
+    [`rng_state`][lightning_decentral.checkpoint.rng_state]), the state of its compressed gossip (`gossip`: the public
+    copies, [`ChocoStates.state`][lightning_decentral.compression.ChocoStates.state]), and (unless the checkpoint is
+    weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s, its precision plugin's state and what its
+    update rule carries across steps (`rule_state`, [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]:
+    an outer step's anchor and outer optimizer; kept when not empty)."""
     shard = {
         "save_id": save_id,
         "rank": rank,
@@ -212,8 +225,7 @@ def make_shard(
 
 
 def with_shard(checkpoint: dict[str, Any], shard: dict[str, Any], precision_key: str) -> dict[str, Any]:
-    """`checkpoint` with this rank's replica, optimizer and precision-plugin state (under `precision_key`)
-    from its shard, in place of the averaged ones."""
+    """`checkpoint` with this rank's replica, optimizer and precision state (under `precision_key`) from its shard."""
     restored = {**checkpoint, "state_dict": shard["state_dict"]}
     if "optimizer_states" in shard:
         restored["optimizer_states"] = shard["optimizer_states"]
@@ -259,8 +271,8 @@ def resume_rank_state(shard: dict[str, Any], step: int) -> None:
 def load_own_shard(
     ranks: RankGroup, checkpoint_path: StrPath, meta: Optional[dict[str, int]], warn: Callable[[str], None]
 ) -> Optional[dict[str, Any]]:
-    """This rank's shard of the save `meta` names, if every rank has its own; else `None` on every
-    rank, and `warn` (rank 0's) says why each rank could not."""
+    """This rank's shard of the save `meta` names, if every rank has its own; else `None` on every rank, and `warn`
+    (rank 0's) says why each rank could not."""
     shard, problem = read_own_shard(checkpoint_path, meta, ranks.rank, ranks.world_size)
     problems = [ShardProblem(p) for p in ranks.gather([problem])[:, 0].tolist()]
     if any(problems):
@@ -365,8 +377,7 @@ def shards_of_rank(checkpoint_path: StrPath, rank: int) -> list[str]:
 
 
 def temporary_files_of_rank(checkpoint_path: StrPath, rank: int) -> list[str]:
-    """This rank's temporary shard files for `checkpoint_path` (writes in progress, or that never finished), of any
-    save and writer."""
+    """This rank's temporary shard files for `checkpoint_path` (writes in progress or never done), of any writer."""
     return _files_of_rank(checkpoint_path, rank, "-of-*.pt*.tmp")
 
 

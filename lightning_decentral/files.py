@@ -153,6 +153,39 @@ def atomic_write(path: StrPath, write: Callable[[IO[bytes]], Any]) -> None:
     adopt(str(path))
 
 
+def atomic_link(source: str, path: str) -> bool:
+    """Make the local file `path` a hard link of `source` (the same content, no copy), all of it or nothing: the
+    link is made under `temporary_name(path)` and renamed over `path`, like
+    [`atomic_write`][lightning_decentral.files.atomic_write]. `False`, and nothing left behind, where `path` cannot
+    be a link of `source` (an object store; another filesystem; no hard links; `source` gone): write it instead.
+
+    Examples:
+        >>> import tempfile
+        >>> source = os.path.join(tempfile.mkdtemp(), "a.pt"); atomic_write(source, lambda f: f.write(b"x"))
+        >>> target = os.path.join(os.path.dirname(source), "sub", "b.pt")
+        >>> atomic_link(source, target), os.path.samefile(source, target), owned(target)
+        (True, True, True)
+        >>> atomic_link("memory://a.pt", "memory://b.pt")  # no links on this filesystem: write it
+        False
+    """
+    if not all(isinstance(fsspec.core.url_to_fs(str(p))[0], LocalFileSystem) for p in (source, path)):
+        return False
+    local = fsspec.core.url_to_fs(str(path))[1]
+    partial, directory = temporary_name(local), os.path.dirname(local) or "."
+    try:
+        os.makedirs(directory, exist_ok=True)
+        os.link(fsspec.core.url_to_fs(str(source))[1], partial)
+        os.replace(partial, local)  # does nothing if `path` already is a link of `source` (POSIX)
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(partial)  # left by a failure, or by a rename that did nothing
+    _sync_directory(directory)
+    adopt(str(path))
+    return True
+
+
 class _Recorded:
     """A file for `torch.save` that keeps the first `OSError` of a write (torch reports a failed write as a
     `RuntimeError` of its zip writer)."""

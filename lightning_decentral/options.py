@@ -15,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_decentral.compression import Compressor, resolve_compression
 from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.schedule import RoundsSchedule
-from lightning_decentral.topology import TOPOLOGIES, Topology, topology_class
+from lightning_decentral.topology import TOPOLOGIES, Hierarchical, Topology, topology_class
 
 TopologyName = Literal[tuple(TOPOLOGIES)]  # type: ignore[valid-type]
 """A built-in topology by name."""
@@ -118,9 +118,9 @@ class GossipOptions:
             `"random_k:0.01"` (1 % of the coordinates drawn from a seed both ends share, values only), or a
             [`Compressor`][lightning_decentral.compression.Compressor] (`Sign()`, `Quantize(bits=4)`, `TopK(0.01)`,
             `RandomK(0.01)`, or your own). Kept as the compressor object. `None`: plain gossip. Runs with AWC and ATC
-            (any topology, rounds, `gossip_every`) and with an `outer_optimizer` (the round's models are sent
-            compressed: docs/algorithms.md, "Outer steps"); not with DecentLaM, staleness, `gossip_dtype` or
-            `on_peer_failure="continue"`.
+            (any flat topology, rounds, `gossip_every`) and with an `outer_optimizer` (the round's models are sent
+            compressed: docs/algorithms.md, "Outer steps"); not with DecentLaM, staleness, `gossip_dtype`,
+            `on_peer_failure="continue"` or a `Hierarchical` topology.
         consensus_step: `γ` of compressed gossip, in `(0, 1]`; `None`: the compressor's `consensus_step` (sign, int8,
             int4: 1; int2, int3: 0.3; `top_k:f`: `3f`; `random_k:f`: `f`; measured in docs/benchmarks.md,
             "Compressed gossip"). Kept as the value used.
@@ -260,6 +260,9 @@ class GossipOptions:
              "use gossip_dtype=None"),
             (self.on_peer_failure != "stop", f"on_peer_failure={self.on_peer_failure!r} (the survivors' graph would need "
              "new public copies on both ends of every edge)", "use on_peer_failure='stop'"),
+            (isinstance(t := self.topology, Hierarchical) or (isinstance(t, str) and TOPOLOGIES[t] is Hierarchical),
+             "a Hierarchical topology (one compressed exchange would replace its two levels)",
+             "use a flat topology such as topology='ring' or 'one_peer_exponential'"),
         ]
         for bad, what, fix in unsupported:
             if bad:

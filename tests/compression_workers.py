@@ -4,7 +4,7 @@ driving loop the single-process side of the tests runs on a compressing ``DenseM
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,7 @@ from lightning_decentral.compression import resolve_compression
 from lightning_decentral.gossip import CompressedGossip, Gossip
 from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver, Mixer
 from lightning_decentral.topology import resolve_topology
+from tests.helpers import benchmarks_harness
 
 SIZES = (300, 17)  # the flat buffers of a worker: parameters, module buffers
 
@@ -72,20 +73,17 @@ def compressed_runs(rank: int, world_size: int, cases: list[tuple[str, str, int,
         dist.destroy_process_group()
 
 
-def loopback_bytes() -> int:
-    """Bytes the loopback interface has carried (received; on `lo` every byte sent is received)."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, counters = line.partition(":")
-            if name.strip() == "lo":
-                return int(counters.split()[0])
-    raise RuntimeError("no loopback interface in /proc/net/dev")
-
-
-def wire_bytes(rank: int, world_size: int, sizes: dict[Any, int], repeats: int, steps: int) -> dict[Any, list]:
+def wire_bytes(
+    rank: int, world_size: int, sizes: dict[Any, int], repeats: int, steps: int, namespace: Optional[str] = None
+) -> dict[Any, list]:
     """For each compression of `sizes` (`None`: plain gossip) on a ring: `repeats` times, `(counted, measured)`, the
-    bytes every rank counted for `steps` exchanges of a buffer of `sizes[compression]` elements, and the loopback counter's growth meanwhile (read
-    on rank 0, before the others start and after they all finished)."""
+    bytes every rank counted for `steps` exchanges of a buffer of `sizes[compression]` elements, and the loopback
+    counter's growth meanwhile (read on rank 0, before the others start and after they all finished). `namespace`:
+    first enter that network namespace (every rank the same), whose loopback the job then has to itself."""
+    harness = benchmarks_harness()
+    if namespace is not None:
+        harness.enter_namespace(namespace)
+    loopback_bytes = lambda: harness.interface_bytes("lo")[0]  # noqa: E731  (received: on lo, every byte sent)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         topology = resolve_topology("ring", world_size)

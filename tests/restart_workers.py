@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -23,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_decentral import DecentralizedStrategy
 from lightning_decentral import checkpoint as checkpoint_io
+from lightning_decentral.agreement import Ranks
 from tests.models import Regression, flat, init_seed, rank_data
 from tests.workers import trainer_for
 
@@ -206,6 +208,50 @@ def saves_of_one_step(rank: int, world_size: int, root: str) -> dict[str, int]:
     return counts
 
 
+class Gathers:
+    """Counts the ranks' agreements (`Ranks.gather`, from any thread) while entered: those of the shard protocol
+    (`"protocol"`) and whether a save reuses an earlier save's mean (`"reuse"`)."""
+
+    def __enter__(self) -> "Gathers":
+        self.counts = {"protocol": 0, "reuse": 0}
+        self.gather = Ranks.gather
+
+        def counted(ranks: Ranks, values: list[int], what: str = "") -> Any:
+            if what.startswith("Saving"):
+                self.counts["protocol"] += 1
+            elif "agreeing whether an earlier save" in what:
+                self.counts["reuse"] += 1
+            return self.gather(ranks, values, what)
+
+        Ranks.gather = counted  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        Ranks.gather = self.gather  # type: ignore[method-assign]
+
+
+def linked_shards(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Synchronously and in the background, `2 * EVERY` steps saving the step's checkpoint and last.ckpt (counting
+    the agreements); whether last.ckpt's shard of the last save step is a link of the step checkpoint's; then that
+    checkpoint and its shards deleted, a resume from last.ckpt for one more step; and the same step without a resume."""
+    out: dict[str, Any] = {"straight": fit(rank, world_size, f"{root}/straight", 2 * EVERY + 1)["end"]}
+    for mode in ("sync", "background"):
+        directory, background = f"{root}/{mode}", mode == "background"
+        with Gathers() as gathers:
+            trained = fit(rank, world_size, directory, 2 * EVERY, background=background)["end"]
+        step = f"{directory}/epoch=0-step={2 * EVERY}.ckpt"
+        last = f"{directory}/last.ckpt"
+        linked = os.path.samefile(_own_shard(last, rank, world_size), _own_shard(step, rank, world_size))
+        torch.distributed.barrier()
+        if rank == 0:
+            os.remove(step)
+            shutil.rmtree(checkpoint_io.shard_directory(step))
+        torch.distributed.barrier()
+        resumed = fit(rank, world_size, directory, 2 * EVERY + 1, ckpt_path=last, background=background)
+        out[mode] = {"gathers": gathers.counts, "linked": linked, "trained": trained, "resumed": resumed}
+    return out
+
+
 def _own_shard(checkpoint: str, rank: int, world_size: int) -> str:
     save_id = torch.load(checkpoint, weights_only=True)[checkpoint_io.META_KEY]["save_id"]
     return checkpoint_io.shard_path(checkpoint, rank, world_size, save_id)
@@ -231,14 +277,15 @@ def newest_complete(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
 def damaged(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Checkpoints every 2 of 8 steps, then `fit(ckpt_path="last")` with `resume="newest_complete"`: in `root/truncated`
-    after rank 1's shard of last.ckpt was cut in half; in `root/dangling` (`save_last="link"`) after the file
-    last.ckpt links to, step 8's, was deleted."""
+    after rank 1's shard of last.ckpt was replaced by half of it (step 8's, the same file until then, stays whole); in
+    `root/dangling` (`save_last="link"`) after the file last.ckpt links to, step 8's, was deleted."""
     newest = {"resume": "newest_complete"}
     out = {"trained": fit(rank, world_size, f"{root}/truncated", 2 * BATCHES)["end"]}
-    if rank == 1:
-        shard = _own_shard(f"{root}/truncated/last.ckpt", rank, world_size)
-        with open(shard, "r+b") as f:
-            f.truncate(os.path.getsize(shard) // 2)
+    if rank == 1:  # the shard is a hard link of step 8's (one file): cut in half in place, step 8's would be too
+        shard = Path(_own_shard(f"{root}/truncated/last.ckpt", rank, world_size))
+        whole = shard.read_bytes()
+        shard.unlink()
+        shard.write_bytes(whole[: len(whole) // 2])
     torch.distributed.barrier()
     out["truncated"] = fit(rank, world_size, f"{root}/truncated", 2 * BATCHES + 1, ckpt_path="last", strategy=newest)
     fit(rank, world_size, f"{root}/dangling", 2 * BATCHES, save_last="link")

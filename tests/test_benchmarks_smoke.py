@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import benchmarks_harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,6 +89,20 @@ def test_compression_smoke(tmp_path: Path) -> None:
     assert all(0 < ratio < 1 for row in rows for ratio in row["ratio"].values())
 
 
+def test_compression_accuracy_smoke(tmp_path: Path) -> None:
+    """The digits runs of `accuracy` and `gamma` (4 workers, 1 epoch, 1 seed)."""
+    out = tmp_path / "accuracy.json"
+    _run_smoke("compression.py", "accuracy", "--compressions", "sign", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["label"] for row in rows] == ["all-reduce (complete, ATC)", "gossip", "sign"]
+    assert all(len(row["accuracy"]) == 1 and 0 <= row["accuracy"][0] <= 1 for row in rows)
+    assert rows[0]["distance"] == [0.0] and rows[2]["distance"][0] > 0  # the complete graph averages exactly
+    out = tmp_path / "gamma.json"
+    _run_smoke("compression.py", "gamma", "--compressions", "int8", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["options"].get("consensus_step") for row in rows] == [None, 0.05, 0.1]
+
+
 def test_outer_overlap_smoke(tmp_path: Path) -> None:
     """Both modes run on 2 processes in one launch; the blocked time and step time of each are measured."""
     out = tmp_path / "outer_overlap.json"
@@ -108,16 +123,8 @@ def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
-def _netns_permitted() -> tuple[bool, str]:
-    spec = importlib.util.spec_from_file_location("benchmarks_harness", ROOT / "benchmarks" / "harness.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.netns_permitted()
-
-
 def test_netns_smoke(tmp_path: Path) -> None:
-    permitted, why = _netns_permitted()
+    permitted, why = benchmarks_harness().netns_permitted()
     if not permitted:
         pytest.skip(f"the emulated network needs network namespaces: {why}")
     out = tmp_path / "netns.json"
@@ -128,6 +135,18 @@ def test_netns_smoke(tmp_path: Path) -> None:
     assert all(len(job["mean_loss"]) == 3 for job in profile["jobs"] if job["kind"] == "loss")
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
     assert not set(profile["namespaces"]) & set(left), left  # torn down
+
+
+def test_netns_powersgd_smoke(tmp_path: Path) -> None:
+    """DDP with PowerSGD's comm hook beside DDP on the emulated network, and what each host's eth0 sent."""
+    permitted, why = benchmarks_harness().netns_permitted()
+    if not permitted:
+        pytest.skip(f"the emulated network needs network namespaces: {why}")
+    out = tmp_path / "netns.json"
+    _run_smoke("netns.py", "--methods", "ddp,ddp_powersgd", "--jobs", "steps", "--warmup", "2", "--out", str(out))
+    (profile,) = json.loads(out.read_text())["profiles"]
+    assert [row["name"] for row in profile["rows"]] == ["ddp", "ddp_powersgd"]
+    assert all(row["sent_per_step"] > 0 and row["step_median_s"] > 0 for row in profile["rows"])
 
 
 def test_timeline_smoke(tmp_path: Path) -> None:

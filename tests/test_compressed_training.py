@@ -15,6 +15,7 @@ import torch
 from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
 from lightning_decentral.compression import Sign, resolve_compression
 from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
+from lightning_decentral.topology import Hierarchical
 from tests import fabric_workers
 from tests import simulation_workers as sim
 from tests.helpers import run_distributed
@@ -146,6 +147,9 @@ def test_a_shard_holds_the_workers_public_copies(resumed: dict[str, Any]) -> Non
         ({"compression": "top-k"}, "'top_k:<fraction>'"),
         ({"compression": "sign", "outer_optimizer": functools.partial(torch.optim.SGD, lr=0.7), "gossip_every": 4,
           "on_peer_failure": "continue"}, "use on_peer_failure='stop'"),  # an outer step with compression composes
+        ({"compression": "sign", "topology": "hierarchical"}, "a Hierarchical topology.*use a flat topology"),
+        ({"compression": "int8", "topology": Hierarchical("complete", "ring", ranks_per_node=2)},
+         "a Hierarchical topology.*use a flat topology such as topology='ring'"),
     ],
 )
 def test_what_cannot_run_is_refused_naming_the_fix(kwargs: dict, match: str) -> None:

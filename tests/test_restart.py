@@ -121,6 +121,32 @@ def test_the_saves_of_one_step_average_once_and_see_a_replica_changed_between_th
             torch.testing.assert_close(after[key], value + 0.5, rtol=0, atol=1e-6)
             assert torch.equal(files["last.ckpt"]["state_dict"][key], after[key]), (mode, key)  # after's x̄, reused
         assert _equal(files["after.ckpt"]["optimizer_states"], files["before.ckpt"]["optimizer_states"])
+        # every rank wrote after.ckpt's shard (rank 1's replica unchanged too); the next two saves link it
+        step = f"epoch=0-step={workers.EVERY}.ckpt"
+        ids = {name: torch.load(directory / name, weights_only=True)[META_KEY]["save_id"] for name in (*files, step)}
+        assert ids["after.ckpt"] != ids["before.ckpt"] and ids[step] == ids["last.ckpt"] == ids["after.ckpt"], ids
+        for rank in range(2):
+            shard = {name: shard_path(str(directory / name), rank, 2, ids[name]) for name in ids}
+            assert not os.path.samefile(shard["before.ckpt"], shard["after.ckpt"]), (mode, rank)
+            assert os.path.samefile(shard["after.ckpt"], shard[step]) and os.path.samefile(shard[step], shard["last.ckpt"])
+
+
+def test_last_checkpoint_links_the_shards_of_the_step_checkpoint_and_resumes_exactly_without_it(tmp_path: Path) -> None:
+    """`ModelCheckpoint(save_last=True)`: last.ckpt takes the step checkpoint's save id and its shards are hard links
+    of the step checkpoint's (synchronously and in the background); each save agrees three times (its id with the
+    values' finiteness and the link, and in the background whether to reuse x̄ and the momentum; every shard in place;
+    the file written), and synchronously last.ckpt twice more (reusing x̄, reusing the momentum). With the step
+    checkpoint and its shards deleted, last.ckpt resumes every replica bit for bit."""
+    results = run_distributed(workers.linked_shards, 2, timeout=240, root=str(tmp_path))
+    for mode, reuse in (("sync", 2 * 2), ("background", 0)):  # 2 save steps, 2 saves each
+        for rank, r in enumerate(results):
+            assert r[mode]["gathers"] == {"protocol": 2 * 2 * 3, "reuse": reuse}, (mode, rank, r[mode]["gathers"])
+            assert r[mode]["linked"], (mode, rank)
+            assert r[mode]["resumed"]["start step"] == 2 * workers.EVERY
+            assert not r[mode]["resumed"]["warnings"], (mode, r[mode]["resumed"]["warnings"])
+            assert torch.equal(r[mode]["resumed"]["start"], r[mode]["trained"]), (mode, rank)
+            assert torch.equal(r[mode]["resumed"]["end"], r["straight"]), (mode, rank)
+        assert not (tmp_path / mode / f"epoch=0-step={2 * workers.EVERY}.ckpt.shards").exists()
 
 
 def _replica_in(checkpoint: Path, rank: int, world_size: int = WORLD) -> torch.Tensor:

@@ -21,17 +21,18 @@ from lightning_decentral.checkpoint import (
     shard_path,
 )
 from lightning_decentral.files import temporary_name
+from lightning_decentral.trainer.reuse import StepShards
 
 
 class OneOfRanks:
     """The `RankGroup` of rank `rank` of `world_size`, with the collectives of a group that always agrees: every
-    rank gathers this rank's values, but the first gather of a save (its id) gives `save_id`."""
+    rank gathers this rank's values, but in the first gather of a save rank 0's draw of its id is `save_id`."""
 
     def __init__(self, rank: int, world_size: int, save_id: int) -> None:
         self.rank, self.world_size, self.save_id = rank, world_size, save_id
 
     def gather(self, values: list[int], what: str = "") -> Any:
-        row = [self.save_id] if "save id" in what else values
+        row = [self.save_id, *values[1:]] if "save id" in what else values
         return np.array([row] * self.world_size)
 
     def on_every_rank(self, action: Callable[[], Any], what: str, during: str = "") -> None:
@@ -200,3 +201,48 @@ def test_two_jobs_saving_to_one_path_never_delete_each_others_files(tmp_path: Pa
     assert [r["error"] for r in results] == [None, None]
     meta = torch.load(path, weights_only=True)[META_KEY]  # whichever job saved last: its shard is there
     assert checkpoint.read_shard(shard_path(str(path), 0, 1, meta["save_id"]))["save_id"] == meta["save_id"]
+
+
+class Differs(OneOfRanks):
+    """`OneOfRanks` whose other rank holds another shard than at its earlier save (it links nothing)."""
+
+    def gather(self, values: list[int], what: str = "") -> Any:
+        table = super().gather(values, what)
+        if "save id" in what:
+            table[1, 2] = -1
+        return table
+
+
+def _save_of_step(ranks: OneOfRanks, path: Path, shard: dict[str, Any], earlier: StepShards) -> tuple[int, str]:
+    """Save `shard` to `path` as rank 0, with `earlier`: the save id and this rank's shard."""
+    state: dict[str, Any] = {}
+    save_with_shards(ranks, state, str(path), lambda i: {**shard, "save_id": i}, lambda: torch.save(state, path), earlier)
+    save_id = torch.load(path, weights_only=True)[META_KEY]["save_id"]
+    return save_id, shard_path(str(path), 0, 2, save_id)
+
+
+def test_a_second_save_of_the_same_shard_links_it_where_every_rank_can_else_writes_it(tmp_path: Path, monkeypatch) -> None:
+    """The step's checkpoint, then last.ckpt and more saves of the same replica: last.ckpt takes the first save's id
+    and links its shard, which outlives the first checkpoint's removal. Where the link fails (no hard links, another
+    filesystem) the shard is written, with the same id; where another rank's shard changed, every rank writes its
+    own under a new id."""
+    earlier = StepShards()
+    shard = {"state_dict": {"w": torch.ones(2)}, "strategy": {"step": 3}, "rng": checkpoint.rng_state()}
+    step_id, step_shard = _save_of_step(OneOfRanks(0, 2, 1), tmp_path / "step.ckpt", shard, earlier)
+    last_id, last_shard = _save_of_step(OneOfRanks(0, 2, 2), tmp_path / "last.ckpt", shard, earlier)
+    assert (step_id, last_id) == (1, 1) and os.path.samefile(step_shard, last_shard)
+    os.remove(tmp_path / "step.ckpt")
+    remove_shards(str(tmp_path / "step.ckpt"), 0)  # ModelCheckpoint drops the step's checkpoint
+    assert not os.path.exists(step_shard) and checkpoint.read_shard(last_shard)["save_id"] == 1
+
+    def no_links(source: str, target: str) -> None:
+        raise OSError("Operation not permitted (simulated: no hard links)")
+
+    monkeypatch.setattr(os, "link", no_links)
+    written_id, written = _save_of_step(OneOfRanks(0, 2, 3), tmp_path / "copy.ckpt", shard, earlier)
+    assert written_id == 1 and not os.path.samefile(written, last_shard)
+    assert _names(shard_directory(tmp_path / "copy.ckpt")) == {os.path.basename(written)}  # no temporary link left
+    assert Path(written).read_bytes() == Path(last_shard).read_bytes()
+    monkeypatch.undo()
+    other_id, other = _save_of_step(Differs(0, 2, 4), tmp_path / "other.ckpt", shard, earlier)
+    assert other_id == 4 and checkpoint.read_shard(other)["save_id"] == 4 and os.stat(other).st_nlink == 1

@@ -96,29 +96,36 @@ def background_save(
 ) -> Callable[[], None]:
     """Copy `checkpoint` (holding this rank's own replica and optimizer state) and `own` (this rank's shard but the
     save id: the arguments of [`make_shard`][lightning_decentral.checkpoint.make_shard]) to host memory, the only part
-    that blocks training, and return the rest of the save for the writer thread: average the copies into `x̄` and the
-    averaged optimizer state on `ranks` (the writer's own group), then the shard protocol, with `write_file(checkpoint)`
-    writing the file on rank 0. A later save of the same step reuses the copies and the means of unchanged tensors
-    (`shared`)."""
+    that blocks training, and return the rest of the save for the writer thread: the shard protocol on `ranks` (the
+    writer's own group), which averages the copies into `x̄` and the averaged optimizer state once the ranks agreed on
+    the save id, and `write_file(checkpoint)` writing the file on rank 0. A later save of the same step reuses the
+    copies of unchanged tensors and, if every rank's shard is unchanged, links it and reuses the means, agreed in the
+    all-gather of the save id (`shared`)."""
     copied, shard = shared.copies.copy(checkpoint), shared.copies.copy(own)
     own_states = shard["optimizer_states"]
-    means = shared.queued()
+    means, earlier = shared.queued()
 
     def save() -> None:
-        averaging = "Averaging the replicas into x̄ (to save)"
-        copied["state_dict"] = averaged_state_dict(shard["state_dict"], means.bound(ranks, "x̄", averaging))
-        if own_states is not None:
-            averaging = "Averaging the optimizer state (to save)"
-            copied["optimizer_states"] = [
-                mean_optimizer_state(ranks, state, means.bound(ranks, f"optimizer {i}", averaging))
-                for i, state in enumerate(own_states)
-            ]
+        def average(reuse: bool) -> None:  # `reuse`: every rank's shard, so the means' inputs, is the earlier save's
+            averaging = "Averaging the replicas into x̄ (to save)"
+            copied["state_dict"] = averaged_state_dict(shard["state_dict"], means.bound(ranks, "x̄", averaging, reuse))
+            if own_states is not None:
+                averaging = "Averaging the optimizer state (to save)"
+                copied["optimizer_states"] = [
+                    mean_optimizer_state(ranks, state, means.bound(ranks, f"optimizer {i}", averaging, reuse))
+                    for i, state in enumerate(own_states)
+                ]
+
+        if not means.unchanged(ranks):
+            earlier.clear()  # a mean written in place (or another group): nothing of the earlier save is reused
         shards.save_with_shards(
             ranks,
             copied,
             filepath,
             make_shard=lambda save_id: shards.make_shard(save_id, ranks.rank, ranks.world_size, **shard),
             write_file=lambda: write_file(copied),
+            earlier=earlier,
+            agreed=average,
         )
 
     return save

@@ -285,6 +285,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             filepath,
             make_shard=lambda save_id: shards.make_shard(save_id, self.global_rank, self.world_size, **parts),
             write_file=lambda: self._write_file(checkpoint, filepath, storage_options),
+            earlier=None if self._step_saves is None else self._step_saves.shards,
         )
 
     def _finish_earlier_saves(self) -> None:

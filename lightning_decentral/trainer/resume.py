@@ -24,6 +24,7 @@ import enum
 import inspect
 import os
 import re
+import zlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -66,7 +67,7 @@ def choose_checkpoint(ranks: shards.RankGroup, path: StrPath, warn: Callable[[st
     if min(named) >= Found.AS_IT_IS:
         return path
     mine = _directory(path, ranks.rank, ranks.world_size)
-    rows = [[save_id, step, found] for save_id, (_, step, found) in mine.items()]
+    rows = [[key, step, found] for key, (_, step, found) in mine.items()]
     tables = _gather_rows(ranks, rows, f"Resuming from {path}, looking for the newest complete checkpoint beside it,")
     best = newest_complete(tables)
     if best is None or mine[best][0] == str(path):
@@ -87,9 +88,10 @@ def choose_checkpoint(ranks: shards.RankGroup, path: StrPath, warn: Callable[[st
 
 
 def newest_complete(tables: list[list[list[int]]]) -> Optional[int]:
-    """The save id of the best checkpoint every rank found: `tables[r]` holds rank `r`'s rows `[save_id, step,
-    found]`. A checkpoint counts as what its worst rank found; a complete one beats a readable one, then the higher
-    step wins (then the higher save id, so that every rank picks the same). `None` if no rank-wide one.
+    """The key of the best checkpoint every rank found: `tables[r]` holds rank `r`'s rows `[key, step, found]` (the
+    key: `_key`, a save id mixed with the file name). A checkpoint counts as what its worst rank found; a complete one
+    beats a readable one, then the higher step wins (then the higher key, so that every rank picks the same). `None`
+    if no rank-wide one.
 
     Examples:
         >>> rank0 = [[11, 20, Found.COMPLETE], [12, 10, Found.COMPLETE]]
@@ -131,15 +133,26 @@ def examine(path: StrPath, rank: int, world_size: int) -> tuple[Found, Optional[
 
 
 def _directory(path: StrPath, rank: int, world_size: int) -> dict[int, tuple[str, int, Found]]:
-    """Every checkpoint beside `path` (`*.ckpt`) this rank can read and that records shards: save id -> (path, step,
-    what this rank found)."""
+    """Every checkpoint beside `path` (`*.ckpt`) this rank can read and that records shards: its key (`_key`) ->
+    (path, step, what this rank found)."""
     fs = get_filesystem(path)
     found = {}
     for candidate in sorted(fs.glob(f"{os.path.dirname(str(path)) or '.'}/*.ckpt")):
         what, record = examine(candidate, rank, world_size)
         if record is not None:
-            found[record["save_id"]] = (str(candidate), record["step"], what)
+            found[_key(record["save_id"], candidate)] = (str(candidate), record["step"], what)
     return found
+
+
+def _key(save_id: int, path: StrPath) -> int:
+    """A checkpoint file's key, the same on every rank: its save id mixed with its file name (the saves of one step
+    share a save id where the second links the first's shards, `last.ckpt` after the step's checkpoint).
+
+    Examples:
+        >>> _key(5, "a/last.ckpt") == _key(5, "b/last.ckpt") != _key(5, "a/epoch=0-step=2.ckpt")
+        True
+    """
+    return save_id ^ (zlib.crc32(os.path.basename(str(path)).encode()) << 30)
 
 
 def _read(path: StrPath) -> dict[str, Any]:

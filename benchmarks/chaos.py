@@ -1,0 +1,225 @@
+"""Chaos soak: a random worker ``SIGKILL``ed every ``--kill-every`` steps and started again, against the same run
+without failures and against the restart path (torchrun ``--max-restarts`` from the last checkpoint)::
+
+    python benchmarks/chaos.py                                    # 4 workers, 300 steps, a kill every 30 steps
+    python benchmarks/chaos.py --workers 6 --steps 600 --seeds 3 --out chaos.md --out chaos.json
+    python benchmarks/chaos.py --smoke                            # 4 workers, 40 steps, one kill (the tests)
+
+Every run trains the digits MLP of ``examples/reproduce/common.py`` (momentum SGD, lr 0.1, batch 32 per worker,
+each worker its shard) with ``DecentralizedStrategy`` on a ring, on ``--workers`` processes over gloo, and
+validates ``x̄`` on the 359 held-out digits at the last step. Three modes, each for every seed:
+
+* ``free``: ``lightning-decentral-launch``, ``on_peer_failure="continue"``, nothing killed;
+* ``rejoin``: ``lightning-decentral-launch --max-restarts K``, ``on_peer_failure="continue"``; each time the run's
+  furthest step passes a multiple of ``--kill-every``, this script kills a random worker that is training
+  (``SIGKILL`` by the PID it wrote), the launcher starts it again and it rejoins the others;
+* ``torchrun``: ``torchrun --max-restarts K``, ``on_peer_failure="stop"``, ``ModelCheckpoint`` every
+  ``--save-every`` steps with ``last.ckpt``, every start resuming from ``last.ckpt``: the same kills make torchrun
+  stop every worker and start them all again from the last save.
+
+Each worker appends the end of every step (its number and ``time.time()``) to a file of its own. Goodput is the
+worker-steps of the final trajectory per second of wall time, from the launch until the launcher exits: for each
+worker the distinct steps it completed (a step done again after a rollback counts once, a step missed while dead
+not at all), summed over the workers, over the wall time. The report gives it per mode and its ratio to ``free``;
+whether every worker still running at the end ended at the last step; and the accuracy of ``x̄`` (rank 0's
+validation at the last step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import harness
+
+MODES = ("free", "rejoin", "torchrun")
+
+
+# -- one worker ------------------------------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of a run (started by the launcher or by torchrun): trains, records every step, validates at the end."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_decentral import DecentralizedStrategy
+
+    common = harness.import_example("reproduce/common")
+    harness.quiet()
+    harness.use_threads(1)
+    rank, out = int(os.environ["RANK"]), Path(args.dir)
+    Path(out, f"pid-{rank}").write_text(str(os.getpid()))
+    progress = open(Path(out, f"progress-{rank}"), "a", buffering=1)
+
+    class Progress(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *rest: Any) -> None:
+            progress.write(f"{trainer.global_step} {time.time()}\n")
+
+    callbacks: list[pl.Callback] = [Progress()]
+    resume = None
+    if args.mode == "torchrun":
+        callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=args.save_every, save_last=True))
+        resume = "last" if Path(out, "checkpoints", "last.ckpt").exists() else None
+    failure = "stop" if args.mode == "torchrun" else "continue"
+    strategy = DecentralizedStrategy(topology="ring", on_peer_failure=failure, timeout=timedelta(seconds=30))
+    pl.seed_everything(args.seed, verbose=False)
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.steps,
+        callbacks=callbacks, logger=False, enable_checkpointing=args.mode == "torchrun", enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, check_val_every_n_epoch=None, val_check_interval=args.steps,
+    )
+    trainer.fit(common.DigitsMLP(0.1, 0.9, batch=32, seed=args.seed), ckpt_path=resume)
+    accuracy = trainer.callback_metrics.get("val_acc")
+    result = {"step": trainer.global_step, "val_acc": None if accuracy is None else float(accuracy)}
+    Path(out, f"result-{rank}.json").write_text(json.dumps(result))
+
+
+# -- one run ---------------------------------------------------------------------------------------------------
+
+
+def _command(mode: str, args: argparse.Namespace, out: str, seed: int) -> list[str]:
+    restarts = str(args.max_restarts)
+    if mode == "torchrun":
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers),
+                  "--max-restarts", restarts]
+    else:
+        launch = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", str(args.workers)]
+        launch += ["--max-restarts", restarts] if mode == "rejoin" else []
+    work = ["--worker", "--mode", mode, "--dir", out, "--steps", str(args.steps), "--seed", str(seed),
+            "--save-every", str(args.save_every)]
+    return [*launch, __file__, *work]
+
+
+def _steps(out: str, rank: int) -> list[tuple[int, float]]:
+    path = Path(out, f"progress-{rank}")
+    if not path.exists():
+        return []
+    lines = [line.split() for line in path.read_text().splitlines()]
+    return [(int(step), float(at)) for step, at in (line for line in lines if len(line) == 2)]
+
+
+def _training(out: str, rank: int, since: float) -> bool:
+    """Whether worker `rank` completed a step since `since` (it is training, not starting or rejoining)."""
+    steps = _steps(out, rank)
+    return bool(steps) and steps[-1][1] > since
+
+
+def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """One run of `mode`: the launcher's process, the kills, and what the workers recorded."""
+    chooser = random.Random(seed)
+    with tempfile.TemporaryDirectory(dir=args.directory) as out:
+        start = time.time()
+        launcher = subprocess.Popen(_command(mode, args, out, seed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
+        kills: list[dict[str, Any]] = []
+        next_kill, restarted_at = args.kill_every, {r: start for r in range(args.workers)}
+        try:
+            while launcher.poll() is None:
+                if time.time() - start > args.timeout:
+                    raise TimeoutError(f"{mode} run (seed {seed}) still running after {args.timeout} s")
+                furthest = max((s[-1][0] for s in (_steps(out, r) for r in range(args.workers)) if s), default=0)
+                if mode != "free" and furthest >= next_kill and next_kill < args.steps:
+                    live = [r for r in range(args.workers) if _training(out, r, restarted_at[r])]
+                    if live:
+                        victim = chooser.choice(live)
+                        pid = int(Path(out, f"pid-{victim}").read_text())
+                        os.kill(pid, signal.SIGKILL)
+                        now = time.time()
+                        for rank in range(args.workers) if mode == "torchrun" else [victim]:  # torchrun restarts all
+                            restarted_at[rank] = now
+                        kills.append({"step": furthest, "rank": victim, "pid": pid, "at": now - start})
+                        next_kill += args.kill_every
+                time.sleep(0.05)
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+            log = launcher.communicate()[0]
+        wall = time.time() - start
+        steps = {r: _steps(out, r) for r in range(args.workers)}
+        results = {r: json.loads(p.read_text()) for r in range(args.workers) if (p := Path(out, f"result-{r}.json")).exists()}
+    distinct = sum(len({step for step, _ in s}) for s in steps.values())
+    return {
+        "mode": mode, "seed": seed, "exit": launcher.returncode, "wall_s": wall, "worker_steps": distinct,
+        "goodput": distinct / wall, "kills": kills, "ended_at": {r: res["step"] for r, res in results.items()},
+        "val_acc": results.get(0, {}).get("val_acc"), "log": log[-3000:] if launcher.returncode else "",
+    }
+
+
+# -- the report ------------------------------------------------------------------------------------------------
+
+
+def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    free = statistics.mean(r["goodput"] for r in runs if r["mode"] == "free") if any(r["mode"] == "free" for r in runs) else None
+    rows = []
+    for mode in args.modes:
+        mine = [r for r in runs if r["mode"] == mode]
+        if not mine:
+            continue
+        goodput = statistics.mean(r["goodput"] for r in mine)
+        ratio = f"{goodput / free:.2f}" if free else "–"
+        ended = all(all(step == args.steps for step in r["ended_at"].values()) and r["ended_at"] for r in mine)
+        accuracies = [r["val_acc"] for r in mine if r["val_acc"] is not None]
+        accuracy = f"{statistics.mean(accuracies):.4f} ± {statistics.pstdev(accuracies):.4f}" if accuracies else "–"
+        kills = statistics.mean(len(r["kills"]) for r in mine)
+        rows.append(f"| {mode} | {len(mine)} | {kills:.1f} | {goodput:.1f} | {ratio} | {'yes' if ended else 'no'} | {accuracy} |")
+    return "\n".join([
+        f"| mode | runs | kills per run | goodput (worker-steps/s) | ratio to free | every worker ended at step {args.steps} "
+        "| accuracy of x̄ |", "|---|---|---|---|---|---|---|", *rows])
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--kill-every", type=int, default=30)
+    parser.add_argument("--save-every", type=int, default=10, help="torchrun mode: the checkpoint interval")
+    parser.add_argument("--max-restarts", type=int, default=100)
+    parser.add_argument("--seeds", type=int, default=1)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take before it is killed")
+    parser.add_argument("--directory", default=None, help="where the runs write (default: the system's temporary)")
+    parser.add_argument("--out", action="append", default=[])
+    parser.add_argument("--smoke", action="store_true", help="4 workers, 40 steps, a kill at step 20")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--dir", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args)
+    if args.smoke:
+        args.workers, args.steps, args.kill_every, args.timeout = 4, 40, 20, 240.0
+    args.modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown:
+        parser.error(f"unknown modes {unknown}: choose among {', '.join(MODES)}")
+    runs = []
+    for seed in range(args.seeds):
+        for mode in args.modes:
+            result = run(mode, args, seed)
+            runs.append(result)
+            print(f"{mode} seed {seed}: exit {result['exit']}, {result['wall_s']:.1f} s, goodput {result['goodput']:.1f} "
+                  f"worker-steps/s, {len(result['kills'])} kills, ended at {result['ended_at']}, acc {result['val_acc']}")
+            if result["exit"]:
+                print(result["log"])
+    table = report(runs, args)
+    print(table)
+    harness.write_outputs(args.out, {"command": harness.command_line(__file__, argv), "runs": runs,
+                                     "load": os.getloadavg()}, table)
+
+
+if __name__ == "__main__":
+    main()
