@@ -1,7 +1,8 @@
 """The outer optimizer with compressed gossip (`outer_optimizer=` and `compression=`, docs/algorithms.md, "Outer
 steps"): the simulation is the float64 dense reference (tests/outer_reference.py over tests/choco_reference.py) and
 equals the ranks on gloo processes; on the complete graph the workers keep one anchor; a checkpoint in the middle of
-a round resumes bit for bit, its shards holding the anchor, the outer momentum and the public copies; with `sign`
+a round resumes bit for bit, its shards holding the anchor, the outer momentum, the public copies and where they
+start (the same model on every worker); with `sign`
 the bytes per optimizer step are under 1/(25 H) of D-PSGD's on the same graph."""
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def test_the_shards_hold_the_rule_and_the_compressor_state(resumed: dict[str, An
         copies = gossip["copies"][0]  # the flat parameters' public copies, one round old (step 2's)
         assert gossip["wire_bytes"] > 0 and set(copies["received"]) == {(worker - 1) % WORLD, (worker + 1) % WORLD}
         assert all(c.abs().sum() > 0 for c in copies["sent"] + list(copies["received"].values()))
+        assert torch.equal(gossip["origins"][0], read_shard(shard_path(path, 0, WORLD, meta["save_id"]))["gossip"]["origins"][0])
 
 
 # -- bytes --------------------------------------------------------------------------------------------------------
