@@ -20,7 +20,10 @@ so every run sees the same number of tokens (``8 × 8 × 64`` per step), with ``
 * ``outer_one_peer``: the same outer optimizer over ``one_peer_exponential`` gossip;
 * ``outer_one_peer_overlap``: the same with ``outer_overlap=True``;
 * ``averaging_one_peer``: ``gossip_every=H`` on ``one_peer_exponential`` without an outer optimizer (ATC), to show
-  what the outer optimizer adds.
+  what the outer optimizer adds;
+* ``diloco_sign``, ``outer_one_peer_sign``: ``diloco`` and ``outer_one_peer`` with ``compression="sign"`` (the round's
+  models sent as CHOCO's messages, the pseudo-gradient taken from the public copies; the workers run apart, as
+  compression needs).
 
 Reported: the validation loss (mean cross-entropy in nats per byte, over ``--val-batches`` batches of the held-out
 text) of ``x̄`` after the last step, and the bytes one worker sends per optimizer step, counted by an
@@ -141,6 +144,8 @@ def methods(every: int) -> dict[str, dict[str, Any]]:
         "outer_one_peer": {**one_peer, "gossip_every": every, "outer_optimizer": NESTEROV},
         "outer_one_peer_overlap": {**one_peer, "gossip_every": every, "outer_optimizer": NESTEROV, "outer_overlap": True},
         "averaging_one_peer": {**one_peer, "combine": "atc", "gossip_every": every},
+        "diloco_sign": {"topology": "complete", "gossip_every": every, "outer_optimizer": NESTEROV, "compression": "sign"},
+        "outer_one_peer_sign": {**one_peer, "gossip_every": every, "outer_optimizer": NESTEROV, "compression": "sign"},
     }
 
 

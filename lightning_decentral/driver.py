@@ -201,7 +201,7 @@ class StepDriver:
         [`Gossip`][lightning_decentral.gossip.Gossip] on the default group when this run made it with `timeout`
         (`on_default_group`: after a collective of Lightning's times out, the exchange on the same group fails at
         once instead of waiting a second timeout), or on a new group of every rank with `timeout`; with
-        `compression`, CHOCO's messages over that engine ([`CompressedGossip`][lightning_decentral.gossip.CompressedGossip]).
+        `compression`, CHOCO's over it ([`CompressedGossip`][lightning_decentral.gossip.CompressedGossip], `from_copy` with an outer step).
         With `survival`, a failed exchange or collective (`guard`) asks it, and each step begins with it."""
         options, topology = self.options, self.topology
         self.survival = self.watch.survival = self.guard.survival = survival
@@ -212,7 +212,7 @@ class StepDriver:
         else:
             mixer = Gossip.on_new_group(topology, device, backend, timeout, options.gossip_dtype, self.watch)
         if options.compression is not None:  # over the engine just built (staleness is refused with compression)
-            mixer = CompressedGossip(mixer, options.compression, options.consensus_step)  # type: ignore[arg-type]
+            mixer = CompressedGossip(mixer, options.compression, options.consensus_step, options.rule == "outer")  # type: ignore[arg-type]
         return self._built(mixer)
 
     def dense_mixer(self) -> DenseMixer:
@@ -221,7 +221,7 @@ class StepDriver:
         worker `i`'s."""
         options, topology = self.options, self.topology
         delayed = DelayedMixing(topology, options.staleness, options.delays) if options.staleness else None
-        mixer = DenseMixer(topology, options.gossip_dtype, delayed, self.watch, options.compression, options.consensus_step)
+        mixer = DenseMixer(topology, options.gossip_dtype, delayed, self.watch, options.compression, options.consensus_step, options.rule == "outer")
         return self._built(mixer)
 
     def _built(self, mixer: AnyMixer) -> AnyMixer:

@@ -64,7 +64,7 @@ class GossipOptions:
 
     Args:
         topology: a name from `TOPOLOGIES` (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`,
-            `"complete"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology] (in a config by
+            `"complete"`, `"random_matching"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology] (in a config by
             `class_path`, e.g. `lightning_decentral.Torus` with `init_args: {rows: 2}`) or a mixing matrix (a list of
             them: one per step of a period); in Python also a numpy array, a tensor or a `networkx` graph.
         combine: `"awc"` (adapt-with-combine: `x_i(k+1) = Σ_j w_ij x_j(k) + U(x_i(k), g_i) − x_i(k)`, the exchange
@@ -118,8 +118,9 @@ class GossipOptions:
             `"random_k:0.01"` (1 % of the coordinates drawn from a seed both ends share, values only), or a
             [`Compressor`][lightning_decentral.compression.Compressor] (`Sign()`, `Quantize(bits=4)`, `TopK(0.01)`,
             `RandomK(0.01)`, or your own). Kept as the compressor object. `None`: plain gossip. Runs with AWC and ATC
-            (any flat topology, rounds, `gossip_every`); not with DecentLaM, staleness, `gossip_dtype`,
-            `on_peer_failure="continue"`, an `outer_optimizer` or a `Hierarchical` topology.
+            (any flat topology, rounds, `gossip_every`) and with an `outer_optimizer` (the round's models are sent
+            compressed: docs/algorithms.md, "Outer steps"); not with DecentLaM, staleness, `gossip_dtype`,
+            `on_peer_failure="continue"` or a `Hierarchical` topology.
         consensus_step: `γ` of compressed gossip, in `(0, 1]`; `None`: the compressor's `consensus_step` (sign, int8,
             int4: 1; int2, int3: 0.3; `top_k:f`: `3f`; `random_k:f`: `f`; measured in docs/benchmarks.md,
             "Compressed gossip"). Kept as the value used.
@@ -259,8 +260,6 @@ class GossipOptions:
              "use gossip_dtype=None"),
             (self.on_peer_failure != "stop", f"on_peer_failure={self.on_peer_failure!r} (the survivors' graph would need "
              "new public copies on both ends of every edge)", "use on_peer_failure='stop'"),
-            (self.outer_optimizer is not None, "an outer_optimizer (its pseudo-gradient needs Σ_j w_ij x_j exactly)",
-             "use outer_optimizer=None"),
             (isinstance(t := self.topology, Hierarchical) or (isinstance(t, str) and TOPOLOGIES[t] is Hierarchical),
              "a Hierarchical topology (one compressed exchange would replace its two levels)",
              "use a flat topology such as topology='ring' or 'one_peer_exponential'"),

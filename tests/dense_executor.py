@@ -74,7 +74,10 @@ class DenseExecutor:
         topology = resolve_topology(config.topology, n)
         delayed = DelayedMixing(topology, config.staleness, config.delays) if config.staleness else None
         compression = resolve_compression(config.compression)
-        self.mixer = DenseMixer(topology, config.gossip_dtype, delayed, compression=compression, consensus_step=config.consensus_step)
+        self.mixer = DenseMixer(
+            topology, config.gossip_dtype, delayed, compression=compression, consensus_step=config.consensus_step,
+            from_copy=config.outer is not None,  # the outer step's compressed mixing, as the driver builds it
+        )
         self.mixer.measure_residuals = measure_residuals
         self.mixer.observers.extend(observers)
         self.schedule = GossipSchedule(topology, config.gossip_every, config.gossip_steps)

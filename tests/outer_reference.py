@@ -9,7 +9,9 @@ the outer gradient is ``Δ = (1/n) Σ_i (θ − θ_i)``, and ``θ <- OuterOpt(θ
 ``Δ̃_i = θ_i − Σ_j w_ij x_j`` from the mixed models; with ``config.outer_overlap`` the outer step of a round is
 taken at the end of the next one, with that round's progress kept: ``x_i <- θ_i + (x_i − y_i)``. With
 ``config.failures``, the workers lost at step ``k`` leave before it, ``W(k) = I`` for the others, and from ``k + 1``
-they mix with the named topology at their number.
+they mix with the named topology at their number. With ``config.compression`` the round's models travel as CHOCO's
+messages and the mixed model is taken from the public copies (``tests.choco_reference.ChocoReference`` with
+``from_copy``), ``x̃_i = x̂_i + γ (Σ_j w_ij x̂_j − x̂_i)``, every copy starting at the common initial model.
 
 The outer optimizer is SGD with (Nesterov) momentum, written out as torch documents ``torch.optim.SGD``
 (no dampening): ``b <- μ b + g`` (``b = g`` at the first step), ``d = g + μ b`` with Nesterov, else ``b``;
@@ -25,7 +27,8 @@ import torch
 from torch import nn
 
 from tests.models import init_seed, initial_net, make_optimizer, rank_data
-from tests.reference import Config, gossip, scheduled_rounds
+from tests.choco_reference import ChocoReference
+from tests.reference import Config, gossip, mixing, scheduled_rounds
 
 
 class OuterSGD:
@@ -87,10 +90,14 @@ class _Workers:
         return torch.cat([self.parameters(), self.buffers()], dim=1)
 
 
-def mixed(y: torch.Tensor, config: Config, step: int, rounds: int) -> torch.Tensor:
+def mixed(y: torch.Tensor, config: Config, step: int, rounds: int, choco: Optional[ChocoReference] = None,
+          key: int = 0) -> torch.Tensor:
     """``W(step)^rounds y`` (with ``config.gossip_dtype``, the low-precision rule) for the rows of ``y``, as
-    ``tests.reference.gossip`` writes it; a row of width 0 (no buffers) as it is."""
-    return gossip(y, config, step, rounds) if y.shape[1] else y
+    ``tests.reference.gossip`` writes it; with ``choco`` (``config.compression``) CHOCO's rounds on the public copies
+    of buffer ``key``, ``y_i + γ (Σ_j w_ij ŷ_j − Σ_j w_ji ŷ_i)``; a row of width 0 (no buffers) as it is."""
+    if not y.shape[1] or not rounds:
+        return y
+    return choco.mix(y, step, rounds, key) if choco is not None else gossip(y, config, step, rounds)
 
 
 def diloco(config: Config, n: int) -> torch.Tensor:
@@ -116,6 +123,13 @@ def decentralized(config: Config, n: int) -> torch.Tensor:
     outer = OuterSGD(**config.outer)
     sent: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None  # overlap: (step, y, its buffers)
     alive = list(range(n))
+    choco = None  # compressed: the exchange of tag t numbers its parameters t, its buffers t + 1 (overlap: t = 1)
+    assert config.compression is None or not config.failures
+    tag = int(config.outer_overlap)
+    if config.compression is not None:  # every copy starts at the models every worker starts from
+        origins = {tag: workers.parameters()[0], tag + 1: workers.buffers()[0]}
+        choco = ChocoReference(config.compression, config.consensus_step, lambda step: mixing(config.topology, n, step),
+                               True, origins)
     for k in range(config.steps):
         lost = config.failures.get(k, [])
         if lost:
@@ -130,15 +144,15 @@ def decentralized(config: Config, n: int) -> torch.Tensor:
             continue
         x, b = workers.parameters(), workers.buffers()
         rounds = 0 if lost else scheduled_rounds(config, k)
-        mix = lambda y, step=k: mixed(y, config, step, rounds)  # noqa: E731
+        mix = lambda y, key, step=k: mixed(y, config, step, rounds, choco, tag + key)  # noqa: E731
         if not config.outer_overlap:
-            anchors = outer.step(anchors, anchors - mix(x))
-            workers.assign(anchors, mix(b))
+            anchors = outer.step(anchors, anchors - mix(x, 0))
+            workers.assign(anchors, mix(b, 1))
             continue
         if sent is not None:
-            step, y, y_buffers, mix = sent
-            anchors = outer.step(anchors, anchors - mix(y, step))
-            x, b = anchors + (x - y), b + mix(y_buffers, step) - y_buffers
+            step, y, y_buffers, y_mixed, b_mixed = sent
+            anchors = outer.step(anchors, anchors - y_mixed)
+            x, b = anchors + (x - y), b + b_mixed - y_buffers
             workers.assign(x, b)
-        sent = (k, x, b, mix)
+        sent = (k, x, b, mix(x, 0), mix(b, 1))  # the exchange of y, posted now (CHOCO's copies move now)
     return workers.state()

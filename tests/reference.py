@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -37,6 +38,12 @@ def mixing(name: str, n: int, step: int) -> torch.Tensor:
     if name == "one_peer_exponential":
         tau = math.ceil(math.log2(n))
         return (eye + shift(2 ** (step % tau))) / 2
+    if name == "random_matching":  # seed 0, period 64: pairs of numpy's permutation from (0, k mod 64), halves
+        order = np.random.default_rng([0, step % 64]).permutation(n).tolist()
+        w = eye.clone()
+        for a, b in zip(order[0::2], order[1::2]):
+            w[a, a] = w[b, b] = w[a, b] = w[b, a] = 0.5
+        return w
     raise ValueError(name)
 
 

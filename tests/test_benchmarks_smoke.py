@@ -103,6 +103,17 @@ def test_compression_accuracy_smoke(tmp_path: Path) -> None:
     assert [row["options"].get("consensus_step") for row in rows] == [None, 0.05, 0.1]
 
 
+def test_outer_overlap_smoke(tmp_path: Path) -> None:
+    """Both modes run on 2 processes in one launch; the blocked time and step time of each are measured."""
+    out = tmp_path / "outer_overlap.json"
+    _run_smoke("outer_overlap.py", "--out", str(out))
+    result = json.loads(out.read_text())
+    for mode in ("no_overlap", "overlap"):
+        assert len(result[mode]["step_s"]["runs"]) == 1 and result[mode]["step_s"]["median"] > 0
+        assert result[mode]["blocked_per_round_s"]["median"] >= 0
+    assert result["ratio"]["step_s"] > 0 and result["meta"]["profile"] == "loopback"
+
+
 def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
@@ -199,8 +210,9 @@ def test_outer_smoke(tmp_path: Path) -> None:
     _run_smoke("outer.py", "--out", str(out))
     rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
     assert list(rows) == ["complete_every_step", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_overlap",
-                          "averaging_one_peer"]
+                          "averaging_one_peer", "diloco_sign", "outer_one_peer_sign"]
     assert all(row["val_loss"] > 0 for row in rows.values())
     sent = {name: row["bytes_per_step"] for name, row in rows.items()}
     assert sent["diloco"] == pytest.approx(sent["complete_every_step"] / 3)
     assert sent["outer_one_peer"] == sent["outer_one_peer_overlap"] == pytest.approx(sent["dpsgd_one_peer"] / 3)
+    assert 0 < sent["outer_one_peer_sign"] < sent["dpsgd_one_peer"] / (25 * 3)  # sign: 1 bit and a scale per 1024

@@ -145,8 +145,8 @@ def test_a_shard_holds_the_workers_public_copies(resumed: dict[str, Any]) -> Non
         ({"consensus_step": 0.5}, "pass compression= too"),
         ({"compression": "sign", "consensus_step": 1.5}, r"must be in \(0, 1\]"),
         ({"compression": "top-k"}, "'top_k:<fraction>'"),
-        ({"compression": "sign", "outer_optimizer": functools.partial(torch.optim.SGD, lr=0.7), "gossip_every": 4},
-         "use outer_optimizer=None"),
+        ({"compression": "sign", "outer_optimizer": functools.partial(torch.optim.SGD, lr=0.7), "gossip_every": 4,
+          "on_peer_failure": "continue"}, "use on_peer_failure='stop'"),  # an outer step with compression composes
         ({"compression": "sign", "topology": "hierarchical"}, "a Hierarchical topology.*use a flat topology"),
         ({"compression": "int8", "topology": Hierarchical("complete", "ring", ranks_per_node=2)},
          "a Hierarchical topology.*use a flat topology such as topology='ring'"),

@@ -20,11 +20,12 @@ SIZES = (4, 8, 16, 32, 64)
 DRAWN_SIZE = 8
 EXAMPLE_ARGS = {"hierarchical": {"ranks_per_node": 4}}  # a multi-node layout; on one node it would be `inner`
 DRAWN_SIZES = {"hierarchical": 16}
+DRAWN_ARGS = {"random_matching": {"period": 4}}  # four of its draws (the first four steps: period 64 draws them too)
 
 
-def build(name: str, world_size: int) -> Topology:
-    """``TOPOLOGIES[name]`` on ``world_size`` ranks, with the example arguments above."""
-    return TOPOLOGIES[name](world_size=world_size, **EXAMPLE_ARGS.get(name, {}))
+def build(name: str, world_size: int, **extra: object) -> Topology:
+    """``TOPOLOGIES[name]`` on ``world_size`` ranks, with the example arguments above (and ``extra``)."""
+    return TOPOLOGIES[name](world_size=world_size, **EXAMPLE_ARGS.get(name, {}), **extra)
 
 
 def label(name: str) -> str:
@@ -124,7 +125,7 @@ def main() -> None:
     TABLE.write_text(table())
     IMAGES.mkdir(parents=True, exist_ok=True)
     for name in TOPOLOGIES:
-        draw(name, build(name, DRAWN_SIZES.get(name, DRAWN_SIZE)), IMAGES / f"{name}.png")
+        draw(name, build(name, DRAWN_SIZES.get(name, DRAWN_SIZE), **DRAWN_ARGS.get(name, {})), IMAGES / f"{name}.png")
     print(f"wrote {TABLE} and {len(TOPOLOGIES)} pictures in {IMAGES}")
 
 

@@ -45,15 +45,20 @@ def exchange_seed(step: int, round: int, key: int, sender: int) -> int:
 
 class EdgeCopies:
     """One worker's public copies of one flat buffer: `sent[s]`, shared by the out-neighbours `j` with
-    `slot_of[j] == s` (`x̂_{i→j}`), and `received[j]` (`x̂_{j→i}`)."""
+    `slot_of[j] == s` (`x̂_{i→j}`), and `received[j]` (`x̂_{j→i}`); a new copy starts at `origin` (zero without)."""
 
-    def __init__(self, like: Tensor) -> None:
+    def __init__(self, like: Tensor, origin: Optional[Tensor] = None) -> None:
         self.like = torch.empty(0, dtype=state_dtype(like.dtype), device=like.device)
         self.numel = like.numel()
+        self.origin = None if origin is None else origin.to(self.like)
         self.sent: list[Tensor] = []
         self.slot_of: dict[int, int] = {}
         self.received: dict[int, Tensor] = {}
         self._work: Optional[Tensor] = None
+
+    def fresh(self) -> Tensor:
+        """A new edge's copy: `origin`, or zero."""
+        return self.origin.clone() if self.origin is not None else self.like.new_zeros(self.numel)
 
     @property
     def work(self) -> Tensor:
@@ -64,10 +69,10 @@ class EdgeCopies:
 
     def slots_for(self, peers: Sequence[int]) -> dict[int, list[int]]:
         """The slots of `peers` (out-neighbours this round), `{slot: peers}`, split first where a slot is shared with an
-        out-neighbour not among them (its copy will differ from now on); a first-time neighbour's copy is zero."""
+        out-neighbour not among them (its copy will differ from now on); a first-time neighbour's copy is `fresh()`."""
         new = [p for p in peers if p not in self.slot_of]
         if new:
-            self.sent.append(self.like.new_zeros(self.numel))
+            self.sent.append(self.fresh())
             self.slot_of.update((p, len(self.sent) - 1) for p in new)
         active: dict[int, list[int]] = {}
         for peer in peers:
@@ -101,12 +106,17 @@ class Choco:
         compressor: `C`.
         consensus_step: `γ`.
         rank: this worker in the topology.
+        from_copy: a round ends at `x̂_i + γ Δ` instead of `x_i + γ Δ`, where `x̂_i = Σ_j w_ji x̂_{i→j} / Σ_j w_ji`
+            is the worker's own public copy: with `γ = 1` and a static `W`, `Σ_j w_ij x̂_j`, the mixed model every
+            neighbour can compute, the residual `x_i − x̂_i` left to the next round's message (what the outer step
+            mixes: docs/algorithms.md, "Outer steps").
     """
 
-    def __init__(self, compressor: Compressor, consensus_step: float, rank: int) -> None:
-        self.compressor, self.consensus_step, self.rank = compressor, consensus_step, rank
+    def __init__(self, compressor: Compressor, consensus_step: float, rank: int, from_copy: bool = False) -> None:
+        self.compressor, self.consensus_step, self.rank, self.from_copy = compressor, consensus_step, rank, from_copy
         self.copies: dict[int, EdgeCopies] = {}
         self._loaded: dict[int, Any] = {}  # saved copies of buffers not exchanged since the load
+        self.origins: dict[int, Tensor] = {}  # where new copies of a buffer start (start_copies_at)
         self.wire_bytes = 0
 
     def message_bytes(self, buffers: Sequence[Tensor]) -> int:
@@ -119,11 +129,19 @@ class Choco:
             return 0
         return self.message_bytes(buffers) * len(topology.out_neighbors(self.rank, step))
 
+    def start_copies_at(self, buffers: Sequence[Tensor], tag: int = 0) -> None:
+        """New copies of buffer `tag + index` start at `buffers[index]` instead of zero (a value every worker passes
+        alike: the models they all start from), so that a first message sends `C(x − x(0))`, not `C(x)`. The first
+        origin of a buffer stays (a later fit, or a resume, keeps the one both ends of every edge know)."""
+        for index, buffer in enumerate(buffers):
+            if tag + index not in self.origins:
+                self.origins[tag + index] = buffer.detach().reshape(-1).to(state_dtype(buffer.dtype), copy=True)
+
     def copies_of(self, key: int, buffer: Tensor) -> EdgeCopies:
         """The public copies of buffer `key` (made, or restored from a loaded state, at its first exchange)."""
         copies = self.copies.get(key)
         if copies is None:
-            copies = self.copies[key] = EdgeCopies(buffer)
+            copies = self.copies[key] = EdgeCopies(buffer, self.origins.get(key))
             saved = self._loaded.pop(key, None)
             if saved is not None:
                 copies.load_state_dict(saved)
@@ -136,17 +154,19 @@ class Choco:
 
     def rebind(self, rank: int) -> None:
         """Be worker `rank` of a new topology, from empty copies (every worker does it together)."""
-        self.rank, self.copies, self._loaded = rank, {}, {}
+        self.rank, self.copies, self._loaded, self.origins = rank, {}, {}, {}
 
     def state_dict(self) -> dict[str, Any]:
-        """The public copies by buffer key, and `wire_bytes` (tensors and integers: a checkpoint shard holds them)."""
+        """The public copies by buffer key, where new ones start, and `wire_bytes` (tensors and integers: a
+        checkpoint shard holds them)."""
         copies = {key: copies.state_dict() for key, copies in self.copies.items()}
-        return {"copies": {**self._loaded, **copies}, "wire_bytes": self.wire_bytes}
+        return {"copies": {**self._loaded, **copies}, "wire_bytes": self.wire_bytes, "origins": dict(self.origins)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from `state` ([`state_dict`][lightning_decentral.compression.Choco.state_dict]); each buffer's
         copies are restored, on its device, at its first exchange."""
         self.copies, self._loaded = {}, {int(key): saved for key, saved in state["copies"].items()}
+        self.origins = {int(key): origin for key, origin in state.get("origins", {}).items()}
         self.wire_bytes = int(state["wire_bytes"])
 
 
@@ -212,14 +232,17 @@ class ChocoExchange:
             for peer, message in messages.items():
                 seed = exchange_seed(self.step, round, self.tag + index, peer)
                 q = compressor.decompress(message[offset : offset + size], copies.numel, copies.like.dtype, seed)
-                if peer not in copies.received:  # a first-time in-neighbour: its copy starts at zero
-                    copies.received[peer] = copies.like.new_zeros(copies.numel)
+                if peer not in copies.received:  # a first-time in-neighbour: its copy starts at zero (or the origin)
+                    copies.received[peer] = copies.fresh()
                 copies.received[peer].add_(q)
         changes = [self._change(copies) for copies in self.copies]
         if self.measure and round == 0:
             self.residuals = [torch.dot(d, d) for d in changes]
         for index, (x, change) in enumerate(zip(self.buffers, changes)):
             change.mul_(choco.consensus_step)
+            own = self._own(self.copies[index]) if choco.from_copy else None
+            if own is not None:  # x̂_i + γ Δ − x: the change that ends the round at the worker's own copy
+                change.add_(own).sub_(self.current[index].reshape(-1))
             if self.out is None:
                 x.add_(change.view_as(x).to(x.dtype))
             elif self.rounds == 1:
@@ -229,6 +252,19 @@ class ChocoExchange:
         if self.out is not None and self.rounds > 1 and round == self.rounds - 1:
             for o, b in zip(self.out, self.buffers):
                 o.sub_(b)
+
+    def _own(self, copies: EdgeCopies) -> Optional[Tensor]:
+        """The worker's own public copy at this round, `Σ_j w_ji x̂_{i→j} / Σ_j w_ji` over its out-edges of `W(step)`
+        (`None` without any: its model is all it has)."""
+        out_edges = self.topology.out_neighbors(self.choco.rank, self.step)
+        edges = [(copies.sent[copies.slot_of[peer]], weight) for peer, weight in out_edges]
+        total = sum(weight for _, weight in edges)
+        if not edges:
+            return None
+        own = torch.mul(edges[0][0], edges[0][1] / total)
+        for copy, weight in edges[1:]:
+            own.add_(copy, alpha=weight / total)
+        return own
 
     def _change(self, copies: EdgeCopies) -> Tensor:
         """`Δ = Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j}` over the edges of `W(step)` (the out-edges of one copy together)."""

@@ -36,6 +36,8 @@ class CompressedGossip(Watched):
             [`Watch`][lightning_decentral.mixing.Watch] (observers, residual measurement, phrasing) serve this mixer.
         compression: the compressor `C`.
         consensus_step: `γ` (`None`: the compressor's `consensus_step`).
+        from_copy: end each round from this rank's own public copy ([`Choco`][lightning_decentral.compression.Choco]'s
+            `from_copy`: the outer step's mixing).
 
     Examples:
         Inside a process group (every rank runs this, with the same `k`):
@@ -46,10 +48,12 @@ class CompressedGossip(Watched):
         ```
     """
 
-    def __init__(self, gossip: Gossip, compression: Compressor, consensus_step: Optional[float] = None) -> None:
+    def __init__(
+        self, gossip: Gossip, compression: Compressor, consensus_step: Optional[float] = None, from_copy: bool = False
+    ) -> None:
         self.gossip = gossip
         step = compression.consensus_step if consensus_step is None else consensus_step
-        self.choco = Choco(compression, step, gossip.rank)
+        self.choco = Choco(compression, step, gossip.rank, from_copy)
         self.watch = gossip.watch
         self._receive: dict[tuple[int, int], Tensor] = {}  # (tag, peer) -> a message's worth of bytes
 
@@ -76,6 +80,10 @@ class CompressedGossip(Watched):
     def bytes_sent(self, buffers: Sequence[Tensor], step: int) -> int:
         """Bytes this rank sends for one round of `start(buffers, step)`."""
         return self.choco.bytes_sent(buffers, self.topology, step)
+
+    def start_copies_at(self, buffers: Sequence[Tensor], tag: int = 0) -> None:
+        """New public copies start at `buffers` ([`Choco.start_copies_at`][lightning_decentral.compression.Choco.start_copies_at])."""
+        self.choco.start_copies_at(buffers, tag)
 
     def state_dict(self) -> dict[str, Any]:
         """The public copies and the byte count ([`Choco.state_dict`][lightning_decentral.compression.Choco.state_dict])."""

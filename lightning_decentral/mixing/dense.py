@@ -69,6 +69,8 @@ class DenseMixer(Watched):
             compressor, its messages handed to its in-neighbours in the process (the arithmetic of
             [`CompressedGossip`][lightning_decentral.gossip.CompressedGossip] on processes).
         consensus_step: CHOCO's `γ` (`None`: the compressor's `consensus_step`).
+        from_copy: compressed gossip ends each round from the worker's own public copy
+            ([`Choco`][lightning_decentral.compression.Choco]'s `from_copy`: the outer step's mixing).
 
     Examples:
         >>> from lightning_decentral.topology import Ring
@@ -88,6 +90,7 @@ class DenseMixer(Watched):
         watch: Optional[Watch] = None,
         compression: Optional[Compressor] = None,
         consensus_step: Optional[float] = None,
+        from_copy: bool = False,
     ) -> None:
         self.topology = topology
         self.dtype = dtype
@@ -97,7 +100,7 @@ class DenseMixer(Watched):
         self.chocos: list[Choco] = []  # compressed gossip: worker i's side of the rule
         if compression is not None:
             step = compression.consensus_step if consensus_step is None else consensus_step
-            self.chocos = [Choco(compression, step, rank) for rank in range(topology.world_size)]
+            self.chocos = [Choco(compression, step, rank, from_copy) for rank in range(topology.world_size)]
 
     def rebind(self, topology: Topology) -> None:
         """Mix with `topology` from now on (the survivors of a failure; nothing may be in flight). Worker `i` of
@@ -108,7 +111,7 @@ class DenseMixer(Watched):
         self.topology = topology
         if self.chocos:
             first = self.chocos[0]
-            self.chocos[:] = [Choco(first.compressor, first.consensus_step, rank) for rank in range(topology.world_size)]
+            self.chocos[:] = [Choco(first.compressor, first.consensus_step, rank, first.from_copy) for rank in range(topology.world_size)]
 
     def choco_exchange(
         self, rank: int, buffers: Sequence[Tensor], step: int, rounds: int, tag: int, out: Optional[Sequence[Tensor]]
@@ -229,6 +232,11 @@ class _WorkerMixer(DenseView):
     def __init__(self, dense: DenseMixer, rank: int) -> None:
         super().__init__(dense)
         self.rank = rank
+
+    def start_copies_at(self, buffers: Sequence[Tensor], tag: int = 0) -> None:
+        """Compressed gossip: this worker's new public copies start at `buffers` ([`StartsCopies`][lightning_decentral.mixing.StartsCopies])."""
+        if self.dense.chocos:
+            self.dense.chocos[self.rank].start_copies_at(buffers, tag)
 
     def start(
         self,

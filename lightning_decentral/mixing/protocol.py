@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Optional, Protocol, runtime_checkable
 
 from lightning_decentral.failures import Survival
 
@@ -118,6 +118,14 @@ class Mixer(Protocol):
         read and `out` receives `W^r x − x`. `check_finite`: raise `FloatingPointError` before anything
         is sent if a buffer holds a NaN or an Inf.
         """
+
+
+@runtime_checkable
+class StartsCopies(Protocol):
+    """A mixer of compressed gossip whose public copies may start at the models every worker starts from
+    ([`Choco.start_copies_at`][lightning_decentral.compression.Choco.start_copies_at]): the outer step's."""
+
+    def start_copies_at(self, buffers: Sequence[Tensor], tag: int = 0) -> None: ...
 
 
 @dataclass(frozen=True)

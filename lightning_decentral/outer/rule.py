@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_decentral.mixing import Mixer, Pending
+from lightning_decentral.mixing import Mixer, Pending, StartsCopies
 from lightning_decentral.options import OptimizerFactory
 from lightning_decentral.replicas import Replica
 from lightning_decentral.rules import RuleContext, UpdateRule
@@ -35,7 +35,10 @@ class OuterStep(UpdateRule):
     with `OuterOpt = SGD(lr=1)` it is ATC every `H` steps, `x <- W x`. Mixed module buffers are mixed, `b <- W b`.
     The anchor is taken from the replica when the first step begins (after a resume from `x̄`, from `x̄`). A round
     that ends on a step that exchanges nothing (`W(k) = I`; the survivors' first steps after a failure, or an
-    exchange a failure discarded) takes the outer step with `W = I`: `Δ̃_i = θ_i − x_i`.
+    exchange a failure discarded) takes the outer step with `W = I`: `Δ̃_i = θ_i − x_i`. Over compressed gossip
+    the mixer sends `C(x_i − x̂_i)` and returns `x̂_i + γ (Σ_j w_ij x̂_j − x̂_i)` from the public copies `x̂`
+    ([`Choco`][lightning_decentral.compression.Choco]'s `from_copy`, which the driver sets): `Δ̃_i = θ_i − x̃_i`;
+    the copies start at the models every worker starts from, `x̂ = x(0)` (not zero).
 
     With `overlap`, the round's exchange travels during the next round, whose inner steps go on from the
     models as they were sent, `y_i`; at its end the outer step uses `W y`, and the progress made meanwhile is
@@ -105,6 +108,8 @@ class OuterStep(UpdateRule):
             with torch.no_grad():
                 for anchor, x in zip(self.anchor, self.replica.flat_parameters):
                     anchor.copy_(x)
+            if isinstance(self.mixer, StartsCopies):  # compressed: the first message is C(x − x(0)), not C(x)
+                self.mixer.start_copies_at(self.replica.mixed, LATE_TAG if self.overlap else 0)
             self._anchored = True
 
     @property

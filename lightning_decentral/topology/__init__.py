@@ -22,7 +22,7 @@ Examples:
 """
 
 from lightning_decentral.topology.base import TOPOLOGIES, Topology, topology_class
-from lightning_decentral.topology.builtin import Complete, Exponential, OnePeerExponential, Ring, Torus
+from lightning_decentral.topology.builtin import Complete, Exponential, OnePeerExponential, RandomMatching, Ring, Torus
 from lightning_decentral.topology.custom import GraphTopology, MatrixTopology
 from lightning_decentral.topology.hierarchical import Hierarchical
 from lightning_decentral.topology.resolve import resolve_topology
@@ -34,6 +34,7 @@ __all__ = [
     "Exponential",
     "OnePeerExponential",
     "Complete",
+    "RandomMatching",
     "MatrixTopology",
     "GraphTopology",
     "Hierarchical",

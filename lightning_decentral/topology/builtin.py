@@ -181,3 +181,51 @@ class Complete(Topology, name="complete"):
     def _matrix(self, step: int) -> np.ndarray:
         n = self.world_size
         return np.full((n, n), 1.0 / n)
+
+
+class RandomMatching(Topology, name="random_matching"):
+    """Time-varying random matching (NoLoCo's one random peer per round): at step `k` the ranks are paired by a
+    perfect matching drawn from `(seed, k)`, the same on every rank, `W(k)[i, i] = W(k)[i, j] = 1/2` for each pair
+    `{i, j}`. With `n` odd the rank left over sits the step out, `W(k)[i, i] = 1`. The draws repeat with `period`.
+
+    The matching of step `k` is `π = permutation(n)` of `numpy.random.default_rng([seed, k])`, pairs
+    `{π(2a), π(2a + 1)}`, and `π(n − 1)` alone when `n` is odd. Each rank sends to one peer and receives from it.
+
+    Args:
+        seed: the seed of the draws (every rank must pass the same: the ranks compare the topology before training).
+        period: the number of distinct matchings, `W(k) = W(k mod period)`.
+        world_size: see [`Topology`][lightning_decentral.topology.Topology].
+
+    Examples:
+        >>> graph = RandomMatching(world_size=6)
+        >>> [graph.in_neighbors(0, step) for step in range(3)] != [graph.in_neighbors(0, 0)] * 3  # a new peer
+        True
+        >>> all(len(graph.in_neighbors(rank, 5)) == 1 for rank in range(6))  # everyone paired
+        True
+        >>> odd = RandomMatching(world_size=5)
+        >>> sorted(int(odd.mixing(0)[i, i] * 2) for i in range(5))  # one rank sits the step out
+        [1, 1, 1, 1, 2]
+    """
+
+    def __init__(self, seed: int = 0, period: int = 64, world_size: int | None = None) -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"`seed` must be an integer ≥ 0 (every rank the same), got {seed!r}.")
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"`period` must be a positive integer (the distinct matchings), got {period!r}.")
+        self.seed, self._period = seed, period
+        super().__init__(world_size)
+
+    @property
+    def period(self) -> int:
+        return self._period
+
+    def _matrix(self, step: int) -> np.ndarray:
+        n = self.world_size
+        order = np.random.default_rng([self.seed, step]).permutation(n)
+        w = np.eye(n)
+        for a, b in zip(order[0 : n - 1 : 2], order[1::2]):
+            w[[a, a, b, b], [a, b, a, b]] = 0.5
+        return w
+
+    def __repr__(self) -> str:
+        return f"RandomMatching(seed={self.seed}, period={self._period}, world_size={self._world_size})"
