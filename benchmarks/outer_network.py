@@ -12,8 +12,8 @@ the forked workers joining with ``Trainer(num_nodes=n, devices=1)``, one process
 (see ``netns.py``). The methods (``methods``): ``ddp`` (Lightning's, gradients all-reduced every step);
 ``dpsgd_one_peer`` (AWC on ``one_peer_exponential`` every step); ``diloco`` (``topology="complete"``,
 ``gossip_every=H``, DiLoCo's outer Nesterov step); ``outer_one_peer`` (the same outer step over one-peer gossip);
-``outer_one_peer_sign`` (the same with ``compression="sign"``: skipped, with the strategy's reason, where the
-strategy refuses it).
+``outer_one_peer_sign`` and ``diloco_sign`` (the same with ``compression="sign"``; a method the strategy refuses
+is skipped, with its reason).
 
 ``ddp`` trains ``--steps`` (500) optimizer steps, where every method's loss is compared (the same tokens); the
 others go on to ``--extend`` (2) times that, to see when they reach ddp's final loss.
@@ -59,12 +59,14 @@ def methods(every: int) -> dict[str, Optional[dict[str, Any]]]:
         "dpsgd_one_peer": simulated["dpsgd_one_peer"],
         "diloco": simulated["diloco"],
         "outer_one_peer": simulated["outer_one_peer"],
-        "outer_one_peer_sign": {**simulated["outer_one_peer"], "compression": "sign"},
+        "outer_one_peer_sign": simulated["outer_one_peer_sign"],
+        "diloco_sign": simulated["diloco_sign"],
     }
 
 
 # what each method is compared with for the bytes goal: the same topology exchanging at every step
-SAME_TOPOLOGY_EVERY_STEP = {"diloco": "ddp", "outer_one_peer": "dpsgd_one_peer", "outer_one_peer_sign": "dpsgd_one_peer"}
+SAME_TOPOLOGY_EVERY_STEP = {"diloco": "ddp", "outer_one_peer": "dpsgd_one_peer", "outer_one_peer_sign": "dpsgd_one_peer",
+                            "diloco_sign": "ddp"}
 
 
 def make_strategy(options: Optional[dict[str, Any]]) -> Any:

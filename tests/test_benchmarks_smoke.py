@@ -150,9 +150,9 @@ def test_netns_powersgd_smoke(tmp_path: Path) -> None:
 
 
 def test_outer_network_smoke(tmp_path: Path) -> None:
-    """The headline's jobs on the emulated network (2 hosts, H = 2): every method trains, the refused variant is
-    skipped with the strategy's reason, an outer step every 2 steps sends half of what its topology sends every step,
-    and each host's eth0 sent at least what the strategy counted."""
+    """The headline's jobs on the emulated network (2 hosts, H = 2): every method trains (the compressed ones too: the
+    strategy refuses none), an outer step every 2 steps sends half of what its topology sends every step, `sign`
+    less, and each host's eth0 sent at least what the strategy counted."""
     permitted, why = benchmarks_harness().netns_permitted()
     if not permitted:
         pytest.skip(f"the emulated network needs network namespaces: {why}")
@@ -160,8 +160,10 @@ def test_outer_network_smoke(tmp_path: Path) -> None:
     _run_smoke("outer_network.py", "--out", str(out))
     (profile,) = json.loads(out.read_text())["profiles"]
     rows = {row["method"]: row for row in profile["rows"]}
-    assert set(rows) | set(profile["skipped"]) == {"ddp", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_sign"}
-    assert {"ddp", "dpsgd_one_peer", "diloco", "outer_one_peer"} <= set(rows)
+    every = {"ddp", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_sign", "diloco_sign"}
+    assert set(rows) | set(profile["skipped"]) == every
+    assert every <= set(rows)  # compression composes with the outer optimizer: nothing refused
+    assert rows["outer_one_peer_sign"]["bytes_vs_every_step"] < rows["outer_one_peer"]["bytes_vs_every_step"]
     steps = {name: [point["step"] for point in curve] for name, curve in profile["curves"].items()}
     assert steps.pop("ddp") == [2, 4] and all(s == [2, 4, 6, 8] for s in steps.values())  # the others: --extend 2
     assert rows["diloco"]["bytes_vs_every_step"] == pytest.approx(1 / 2)
