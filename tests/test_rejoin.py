@@ -1,0 +1,68 @@
+"""A lost rank started again rejoins the run in progress (`rejoin=True`): processes launched one by one as a launcher
+would, `SIGKILL`ed by themselves, started again; every process bounded (`BOUND`)."""
+
+from __future__ import annotations
+
+import pickle
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lightning_decentral.membership.rejoin import asking
+from tests import survival_workers as workers
+from tests.helpers import free_port, start_processes, start_rank
+
+BOUND = 90.0  # seconds any process of a test may run
+
+
+def _wait_for(condition, deadline: float) -> None:
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _kill_rejoin(tmp_path: Path, world_size: int, dead: int, die_at: int, hold_at: int, steps: int, **strategy):
+    """`world_size` ranks, `dead` killed when step `die_at` starts; once the others decided to go on (they then wait at
+    the start of step `hold_at`), `dead` is started again with the same command, and the others are released once it
+    asks to rejoin. Every process's result (or error), by rank: the first `world_size` then the one started again."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=steps, hold_at=hold_at, **strategy)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_error, world_size, out, port=port, deaths={dead: die_at}, **run)
+        restarted = None
+        try:
+            deadline = time.monotonic() + BOUND
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
+            restarted = start_rank(workers.survive_or_error, dead, world_size, port, again, deaths={}, **run)
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+            _wait_for(lambda: asking(store) == [dead] or not restarted.is_alive(), deadline)
+            (tmp_path / "released").touch()
+            for p in [*procs, restarted]:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in [*procs, restarted]:
+                if p is not None and p.is_alive():
+                    p.kill()
+        results = {r: pickle.loads((Path(out) / f"{r}.pkl").read_bytes())[1] for r in range(world_size) if r != dead}
+        results[dead] = pickle.loads((Path(again) / f"{dead}.pkl").read_bytes())[1]
+    return results
+
+
+def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: Path) -> None:
+    """3 ranks on a ring, momentum SGD, rank 2 killed at step 3; the survivors go on as 2; rank 2 started again asks
+    while they wait at step 6: they agree on the join step 6 + 3 (the stop margin of a ring of 2), rank 1 (its
+    lowest-ranked neighbour) hands it its state, and all three end at step 20 as 3 ranks, finite and close."""
+    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=6, steps=20, rejoin=True)
+    for rank, r in sorted(results.items(), reverse=True):
+        assert isinstance(r, dict), f"rank {rank}: {r}"
+        assert (r["world_size"], r["global_step"]) == (3, 20), (rank, r["world_size"], r["global_step"])
+        assert torch.isfinite(r["replica"]).all()
+    last = results[0]["decisions"][-1]
+    assert (last["joined"], last["members"], last["step"]) == ((2,), (0, 1, 2), 8), last
+    assert results[2]["decisions"][-1] == last
+    replicas = torch.stack([results[r]["replica"] for r in range(3)])
+    apart = (replicas - replicas.mean(0)).norm(dim=1)  # after 11 steps mixing: as near x̄ as the members
+    assert apart[2] <= 2 * apart[:2].max(), apart
