@@ -317,7 +317,8 @@ class Signalled(Mortal):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         if self.trainer.strategy.first_rank == self.slow:
-            return super().training_step(batch, batch_idx)
+            time.sleep(self.pause)
+        return super().training_step(batch, batch_idx)
 
 
 def stop_after_failure(
