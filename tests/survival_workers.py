@@ -279,9 +279,11 @@ def _net_and_optimizer(net: torch.nn.Module) -> tuple[torch.nn.Module, torch.opt
     return net, torch.optim.SGD(net.parameters(), **MOMENTUM_SGD)
 
 
-def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any) -> list[torch.Tensor]:
-    """The run of `survive` in one process: `SimulatedDecentralizedStrategy(failures=...)`, worker `i` on rank `i`'s
-    data; every survivor's final replica."""
+def simulate(
+    workers: int, deaths: dict[int, int], steps: int, topology: Any, rejoins: Optional[dict[int, list[int]]] = None
+) -> list[torch.Tensor]:
+    """The run of `survive` in one process: `SimulatedDecentralizedStrategy(failures=..., rejoins=...)`, worker `i` on
+    rank `i`'s data; every survivor's final replica."""
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -293,7 +295,7 @@ def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any) ->
     failures: dict[int, list[int]] = {}
     for rank, step in deaths.items():
         failures.setdefault(step, []).append(rank)
-    strategy = SimulatedDecentralizedStrategy(workers=workers, topology=topology, failures=failures)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, topology=topology, failures=failures, rejoins=rejoins)
     trainer = Trainer(
         strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,

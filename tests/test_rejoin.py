@@ -96,3 +96,16 @@ def test_the_launcher_starts_a_killed_worker_again_and_it_rejoins(tmp_path: Path
     for r in results:
         assert (r["world_size"], r["global_step"]) == (3, 30) and torch.isfinite(r["replica"]).all()
         assert r["decisions"][-1]["joined"] == (1,) and r["decisions"][-1]["members"] == (0, 1, 2)
+
+
+def test_the_simulation_brings_a_worker_back_as_the_processes_bring_a_rank_back(tmp_path: Path) -> None:
+    """The run of the first test, the others waiting at step 7 (so the join step is 7 + 3 = 10, an epoch boundary: the
+    rank started again reads its shard from the epoch's start), against `SimulatedDecentralizedStrategy(failures=
+    {s: [2]}, rejoins={10: [2]})` with the processes' agreed failure step `s`: the same replicas, to float tolerance."""
+    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=7, steps=16, rejoin=True)
+    assert all(isinstance(r, dict) for r in results.values()), results
+    lost, joined = results[0]["decisions"]
+    assert joined["joined"] == (2,) and joined["step"] == 9, joined
+    simulated = workers.simulate(3, {2: lost["step"]}, 16, "ring", rejoins={10: [2]})
+    for rank in range(3):
+        torch.testing.assert_close(simulated[rank], results[rank]["replica"], rtol=1e-5, atol=1e-6)
