@@ -11,9 +11,11 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from lightning_decentral import SimulatedDecentralizedStrategy
 from lightning_decentral.membership.rejoin import asking
 from tests import survival_workers as workers
 from tests.helpers import free_port, start_processes, start_rank
@@ -109,3 +111,49 @@ def test_the_simulation_brings_a_worker_back_as_the_processes_bring_a_rank_back(
     simulated = workers.simulate(3, {2: lost["step"]}, 16, "ring", rejoins={10: [2]})
     for rank in range(3):
         torch.testing.assert_close(simulated[rank], results[rank]["replica"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_that_cannot_rejoin_stops_at_once_with_a_clear_error(tmp_path: Path) -> None:
+    """3 ranks without rejoin=True, rank 2 killed at step 3; while the survivors wait at step 6, rank 2 started again
+    with rejoin=True stops at once (the run does not take rejoins), and so does a new rank 3 of 4 (a new rank cannot
+    join); the survivors finish as 2."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=10, hold_at=6)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_error, 3, out, port=port, deaths={2: 3}, **run)
+        started = []
+        try:
+            deadline = time.monotonic() + BOUND
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
+            started = [
+                start_rank(workers.survive_or_error, 2, 3, port, again, deaths={}, rejoin=True, **run),
+                start_rank(workers.survive_or_error, 3, 4, port, again, deaths={}, rejoin=True, **run),
+            ]
+            for p in started:
+                p.join(max(0.0, deadline - time.monotonic()))
+            (tmp_path / "released").touch()
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert [p.exitcode for p in [*procs[:2], *started]] == [0, 0, 0, 0]
+        finally:
+            for p in [*procs, *started]:
+                if p.is_alive():
+                    p.kill()
+        lost, new = (pickle.loads((Path(again) / f"{rank}.pkl").read_bytes())[1] for rank in (2, 3))
+        survivors = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+    assert lost.startswith("CannotRejoin: Rank 2 cannot rejoin the run in progress: it does not take rejoins. Pass rejoin=True"), lost
+    assert new.startswith("CannotRejoin: Rank 3 of 4 found a run of 3 ranks in progress on this store: a new rank cannot join"), new
+    for r in survivors:
+        assert (r["world_size"], r["global_step"]) == (2, 10)
+
+
+def test_rejoin_is_checked_when_the_strategy_is_built() -> None:
+    from lightning_decentral import DecentralizedStrategy
+    from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
+
+    with pytest.raises(ValueError, match="rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue'"):
+        DecentralizedStrategy(rejoin=True)
+    with pytest.raises(ValueError, match="rejoin=True is supported by the Trainer's DecentralizedStrategy only"):
+        FabricStrategy(on_peer_failure="continue", rejoin=True)
+    with pytest.raises(ValueError, match=r"`rejoins` maps an optimizer step to workers lost by `failures` at an earlier step"):
+        SimulatedDecentralizedStrategy(workers=4, failures={3: [2]}, rejoins={3: [2]})

@@ -64,9 +64,13 @@ def asking(store: Any) -> list[int]:
     info = current(store)
     if info is None:
         return []
-    run, g = f"lightning_decentral/{info['run']}", info["generation"]
     left_out = [r for r in range(info["start_size"]) if r not in info["members"]]
-    return [r for r in left_out if store.check([f"{run}/ask/{g}/{r}"])]
+    return [r for r in left_out if store.check([_key(info, "ask", info["generation"], r)])]
+
+
+def _key(info: dict[str, Any], *parts: Any) -> str:
+    """The key of `parts` under the run `info` describes (as [`Membership.key`][lightning_decentral.membership.Membership.key])."""
+    return "/".join(["lightning_decentral", info["run"], *map(str, parts)])
 
 
 def source_for(joiner: int, members: Sequence[int], joined: Sequence[int], topology: Topology) -> int:
@@ -94,7 +98,7 @@ def refuse_new_rank(store: Any, rank: int, world_size: int) -> None:
     """Raise `CannotRejoin` if a run in progress on this store started with another number of ranks (a new rank,
     growing 4 -> 5): only a lost rank started again with its own `RANK` and `WORLD_SIZE` rejoins."""
     info = current(store)
-    if info is not None and info["start_size"] != world_size and _beating(store, f"{info['run']}/heartbeat/{info['members'][0]}"):
+    if info is not None and info["start_size"] != world_size and _beating(store, _key(info, "heartbeat", info["members"][0])):
         raise CannotRejoin(
             f"Rank {rank} of {world_size} found a run of {info['start_size']} ranks in progress on this store: a new "
             "rank cannot join a running job (its data shard, its place in the graph and every rank's share of the data "
