@@ -26,7 +26,7 @@ from lightning_decentral.driver import StepDriver
 from lightning_decentral.failures import Activities
 from lightning_decentral.membership.guard import Guard
 from lightning_decentral.measures import own_gradients
-from lightning_decentral.membership import Decision, Membership, Survivors
+from lightning_decentral.membership import Decision, Join, Membership, Survivors
 from lightning_decentral.membership.rejoin import refuse_new_rank, run_in_progress
 from lightning_decentral.membership.report import losses, survivor_metrics
 from lightning_decentral.membership.store import store_client
@@ -87,7 +87,7 @@ class OnProcesses:
     survivors: Optional[Survivors] = None  # on_peer_failure="continue", once the gossip started
     owns_default_group = False  # this run made the default process group (with its timeout)
     rejoins = False  # rejoin=True: lost ranks started again rejoin the run in progress
-    joined: Optional[Decision] = None  # this process is a lost rank that rejoined, with this decision
+    joined: Optional[Join] = None  # this process is a lost rank that rejoined, with this decision
     joining = False  # a rank that rejoins, before its first training batch
     _timeout: timedelta  # Lightning's DDPStrategy keeps it
 

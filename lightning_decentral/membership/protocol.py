@@ -42,9 +42,7 @@ class Decision:
             [`for_members`][lightning_decentral.topology.Topology.for_members]).
         lost: the members of the previous generation that did not survive, by their first rank.
         step: the last optimizer step whose exchange is discarded: every survivor discards each exchange it has not
-            completed, takes local steps up to this one, and mixes among the survivors from the next (after a join:
-            the last step of the previous members; the grown members mix from the next).
-        joined: the ranks that rejoin with this decision ([`admit`][lightning_decentral.membership.Membership.admit]).
+            completed, takes local steps up to this one, and mixes among the survivors from the next.
     """
 
     generation: int
@@ -52,6 +50,14 @@ class Decision:
     survivors: tuple[int, ...]
     lost: tuple[int, ...]
     step: int
+
+
+@dataclass(frozen=True)
+class Join(Decision):
+    """A decision that admits ranks that rejoin ([`admit`][lightning_decentral.membership.Membership.admit]): `step` is
+    the last step of the previous members, the grown members mix from the next; `joined` the ranks admitted (by their
+    first rank); `lost`, members lost meanwhile."""
+
     joined: tuple[int, ...] = ()
 
 
@@ -325,15 +331,16 @@ class Membership:
                 f"their agreement in time (silent for more than {CONFIRM} s after a connection to it broke, or for "
                 f"{self.silence:.0f} s). It stops here; its replica is not part of the run any more."
             ) from None  # the failure this rank saw first adds nothing: one traceback
-        decision = Decision(
+        agreed = dict(
             generation=self.generation + 1,
             members=tuple(decided["members"]),
             survivors=tuple(self.members.index(m) for m in decided["members"] if m in self.members),
             lost=tuple(decided["lost"]),
             step=int(decided["step"]),
-            joined=tuple(decided.get("joined", ())),
         )
-        for member in decision.joined:  # what this rank knew of its earlier process
+        joined = tuple(decided.get("joined", ()))
+        decision = Join(**agreed, joined=joined) if joined else Decision(**agreed)
+        for member in joined:  # what this rank knew of its earlier process
             self._gone.discard(member)
             self._left.discard(member)
             self._addresses.pop(member, None)

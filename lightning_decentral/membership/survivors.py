@@ -14,7 +14,7 @@ import torch.distributed as dist
 from lightning_decentral._compat import default_store
 from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure
 from lightning_decentral.membership.groups import alone, poison
-from lightning_decentral.membership.protocol import Decision, Membership
+from lightning_decentral.membership.protocol import Decision, Join, Membership
 from lightning_decentral.membership.rejoin import Joins, ask, hand_over, publish, source_for
 from lightning_decentral.membership.report import decision_line
 from lightning_decentral.membership.store import store_client, store_host
@@ -116,7 +116,7 @@ class Survivors:
     def rejoin(
         cls, driver: Keeper, info: dict[str, Any], rank: int, min_workers: int, backend: str, timeout: timedelta,
         on_change: Callable[[Decision], None], handover: Callable[[], Any], margin: Callable[[], int],
-    ) -> tuple[Survivors, Decision]:
+    ) -> tuple[Survivors, Join]:
         """A lost rank started again (`rank`, of the run `info` describes, [`current`][lightning_decentral.membership.rejoin.current]):
         ask to rejoin, wait until the members admit it, make the grown group with them (the default process group,
         this rank's place in it as the decision says) and keep `W` of the grown members from the join step. Returns
@@ -127,6 +127,7 @@ class Survivors:
         survivors = cls(membership, driver, backend, timeout, on_change, Joins(membership, margin), handover)
         survivors.published = {"rejoin": True, "token": info["token"]}
         decision = ask(membership, driver.topology, timeout.total_seconds())
+        assert isinstance(decision, Join)  # a decision that admits it
         driver.keep(decision.members, decision.step + 1, of=survivors.start_topology)
         log.warning(decision_line(decision, rank, driver.topology))
         membership.form_group(backend, timeout)
@@ -219,7 +220,7 @@ class Survivors:
 
     def _hand_over(self, decision: Decision) -> None:
         """This member is the source of a rank that rejoins with `decision`: hand it this rank's state."""
-        for joiner in decision.joined:
+        for joiner in decision.joined if isinstance(decision, Join) else ():
             source = source_for(joiner, decision.members, decision.joined, self.driver.topology)
             if source == self.membership.first_rank and self.handover is not None:
                 hand_over(self.handover(), to=decision.members.index(joiner))

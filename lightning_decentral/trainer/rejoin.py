@@ -18,14 +18,14 @@ from lightning.pytorch import LightningModule
 from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import resume_from_state
 from lightning_decentral.failures import Activities
-from lightning_decentral.membership import Decision
+from lightning_decentral.membership import Join
 from lightning_decentral.membership.rejoin import source_for, take_over
 
 
 class Rejoining:
     """The Trainer's `DecentralizedStrategy`'s side of a rejoin (a mixin: listed before `OnProcesses`)."""
 
-    joined: Optional[Decision]
+    joined: Optional[Join]
     lightning_module: LightningModule
 
     def handover_state(self) -> dict[str, Any]:
