@@ -4,7 +4,7 @@ the option costs when nothing fails. One command per table of ``docs/reliability
 
     python benchmarks/survive.py recovery               # 4 ranks, ring, rank 2 killed at step 20 of 60; 5 runs
     python benchmarks/survive.py accuracy               # digits, 16 simulated workers, 0 / 1 / 4 / 8 lost; 5 seeds
-    python benchmarks/survive.py overhead               # failure-free step time, "continue" against "stop"
+    python benchmarks/survive.py overhead               # failure-free step time, "continue" (and rejoin=True) against "stop"
     python benchmarks/survive.py rejoin --steps 1500    # 4 ranks, rank 2 killed at step 20, started again, rejoins
     python benchmarks/survive.py recovery --repeats 1 --out table.md --out results.json
     python benchmarks/survive.py accuracy --smoke                 # a couple of steps (tests/test_benchmarks_smoke.py)
@@ -27,8 +27,9 @@ the option costs when nothing fails. One command per table of ``docs/reliability
   members' pause*, the slowest member's join step (the step it admits the rank in: agreement, group, handover) less
   its median step.
 * ``overhead``: ``harness.run_ranks`` of 4 ranks on loopback, the MLP of ``--widths``, ``--steps`` steps (the first
-  ``--warmup`` dropped), ``"stop"`` and ``"continue"`` alternated ``--repeats`` times in one sitting; the median of
-  the slowest rank's step time per mode, and their ratio.
+  ``--warmup`` dropped), ``"stop"``, ``"continue"`` and ``"continue"`` with ``rejoin=True`` (one store look per
+  step) alternated ``--repeats`` times in one sitting; the median of the slowest rank's step time per mode, and
+  their ratios.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ def _overhead_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
     harness.quiet()
     harness.use_threads(1)
     clock = StepClock()
-    strategy = DecentralizedStrategy(topology="ring", on_peer_failure=job["mode"], timeout=timedelta(seconds=60))
+    mode = "continue" if job["mode"] == "rejoin" else job["mode"]
+    strategy = DecentralizedStrategy(topology="ring", on_peer_failure=mode, timeout=timedelta(seconds=60), rejoin=job["mode"] == "rejoin")
     trainer = quiet_trainer(strategy, job["steps"], [clock], devices=4, num_sanity_val_steps=0)
     widths = tuple(job["widths"])
     trainer.fit(MLP(widths, 0.05, 0.9), train_dataloaders=make_loader(rank, widths, 32, job["steps"]))
@@ -203,9 +205,9 @@ def _overhead_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def overhead(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     widths = harness.parse_widths(args.widths, False)
-    times: dict[str, list[float]] = {"stop": [], "continue": []}
+    times: dict[str, list[float]] = {"stop": [], "continue": [], "rejoin": []}
     for repeat in range(args.repeats):
-        for mode in ("stop", "continue") if repeat % 2 == 0 else ("continue", "stop"):
+        for mode in ("stop", "continue", "rejoin") if repeat % 2 == 0 else ("rejoin", "continue", "stop"):
             job = {"mode": mode, "steps": args.steps, "widths": list(widths)}
             records = harness.run_ranks(lambda rank, job=job: _overhead_rank(job, rank), 4, timeout=600, one_node=True)
             times[mode] += harness.step_times(records, args.warmup)
@@ -216,6 +218,7 @@ def overhead(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "| on_peer_failure | median step (ms) | ratio to \"stop\" |", "|---|---|---|",
         f"| \"stop\" | {1e3 * median['stop']:.2f} | 1.000 |",
         f"| \"continue\" | {1e3 * median['continue']:.2f} | {ratio:.3f} |",
+        f"| \"continue\", rejoin=True | {1e3 * median['rejoin']:.2f} | {median['rejoin'] / median['stop']:.3f} |",
     ])
     return {"median_s": median, "ratio": ratio, "parameters": harness.count_parameters(widths)}, table
 
