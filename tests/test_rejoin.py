@@ -57,18 +57,19 @@ def _kill_rejoin(tmp_path: Path, world_size: int, dead: int, die_at: int, hold_a
 
 def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: Path) -> None:
     """3 ranks on a ring, momentum SGD, rank 2 killed at step 3; the survivors go on as 2; rank 2 started again asks
-    while they wait at step 6: they agree on the join step 6 + 3 (the stop margin of a ring of 2), rank 1 (its
-    lowest-ranked neighbour) hands it its state, and all three end at step 20 as 3 ranks, finite and close."""
-    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=6, steps=20, rejoin=True)
+    while they wait at step 6: at step 10 (they look every 5 steps) they agree on the join step 20 (the first multiple
+    of 5 from 10 + 3, the stop margin of a ring of 2, + 5), rank 0 (its lowest-ranked neighbour) hands it its state,
+    and all three end at step 30 as 3 ranks, finite and close."""
+    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=6, steps=30, rejoin=True)
     for rank, r in sorted(results.items(), reverse=True):
         assert isinstance(r, dict), f"rank {rank}: {r}"
-        assert (r["world_size"], r["global_step"]) == (3, 20), (rank, r["world_size"], r["global_step"])
+        assert (r["world_size"], r["global_step"]) == (3, 30), (rank, r["world_size"], r["global_step"])
         assert torch.isfinite(r["replica"]).all()
     last = results[0]["decisions"][-1]
-    assert (last["joined"], last["members"], last["step"]) == ((2,), (0, 1, 2), 8), last
+    assert (last["joined"], last["members"], last["step"]) == ((2,), (0, 1, 2), 19), last
     assert results[2]["decisions"][-1] == last
     replicas = torch.stack([results[r]["replica"] for r in range(3)])
-    apart = (replicas - replicas.mean(0)).norm(dim=1)  # after 11 steps mixing: as near x̄ as the members
+    apart = (replicas - replicas.mean(0)).norm(dim=1)  # after 10 steps mixing: as near x̄ as the members
     assert apart[2] <= 2 * apart[:2].max(), apart
 
 
@@ -101,14 +102,14 @@ def test_the_launcher_starts_a_killed_worker_again_and_it_rejoins(tmp_path: Path
 
 
 def test_the_simulation_brings_a_worker_back_as_the_processes_bring_a_rank_back(tmp_path: Path) -> None:
-    """The run of the first test, the others waiting at step 7 (so the join step is 7 + 3 = 10, an epoch boundary: the
-    rank started again reads its shard from the epoch's start), against `SimulatedDecentralizedStrategy(failures=
-    {s: [2]}, rejoins={10: [2]})` with the processes' agreed failure step `s`: the same replicas, to float tolerance."""
-    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=7, steps=16, rejoin=True)
+    """The run of the first test to step 26 (the join step 20 is an epoch boundary: the rank started again reads its
+    shard from the epoch's start), against `SimulatedDecentralizedStrategy(failures={s: [2]}, rejoins={20: [2]})` with
+    the processes' agreed failure step `s`: the same replicas, to float tolerance."""
+    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=6, steps=26, rejoin=True)
     assert all(isinstance(r, dict) for r in results.values()), results
     lost, joined = results[0]["decisions"]
-    assert joined["joined"] == (2,) and joined["step"] == 9, joined
-    simulated = workers.simulate(3, {2: lost["step"]}, 16, "ring", rejoins={10: [2]})
+    assert joined["joined"] == (2,) and joined["step"] == 19, joined
+    simulated = workers.simulate(3, {2: lost["step"]}, 26, "ring", rejoins={20: [2]})
     for rank in range(3):
         torch.testing.assert_close(simulated[rank], results[rank]["replica"], rtol=1e-5, atol=1e-6)
 

@@ -3,8 +3,9 @@
 ```text
 joiner (the lost rank, same command)            members (each at the start of every step k)
 reads the run in progress (current)
-asks: ask/g/<rank>, asks/g += 1     ------>     one look at asks/g (per step); the first to see it proposes the
-                                                join step J = k + margin (compare-and-set: every member learns it)
+asks: ask/g/<rank>, asks/g += 1     ------>     one look at asks/g every LOOK_EVERY steps; the first to see it
+                                                proposes the join step J >= k + margin + LOOK_EVERY (compare-and-
+                                                set: every member learns it)
                                                 ... the steps before J, as before ...
 waits for decide/g                  <------     at the start of J: admit (the agreement of a failure, the
                                                 members grown by the askers), a new generation
@@ -15,7 +16,8 @@ trains from step J                              train from step J
 ```
 
 `margin` is the stop margin ([`stop_margin`][lightning_decentral.trainer.stop.stop_margin]): more steps than two
-members can be apart, so that none has begun `J` when it is proposed. The members pause for the agreement and
+members can be apart, so that none has begun `J` when it is proposed. The members look every `LOOK_EVERY` steps
+only (a store round trip each), and `J` leaves room for that ([`Joins`][lightning_decentral.membership.rejoin.Joins]). The members pause for the agreement and
 one handover (the source alone sends). A rank that cannot rejoin (the run does not take rejoins, it is over, the
 grown graph is not connected, no decision admits it within the timeout) stops at once with
 [`CannotRejoin`][lightning_decentral.membership.rejoin.CannotRejoin]. A rank that is not one of the ranks the run
@@ -37,6 +39,7 @@ from lightning_decentral.rendezvous import LeftOut
 from lightning_decentral.topology import Topology
 
 CURRENT = "lightning_decentral/current"  # the run in progress, as its lowest-ranked member last published it
+LOOK_EVERY = 5  # the members look for ranks asking at the steps that are multiples of it (one store round trip)
 
 
 class CannotRejoin(LeftOut):
@@ -63,6 +66,8 @@ def asking(store: Any) -> list[int]:
     """The ranks asking to rejoin the run in progress now (its current generation), for a test or a soak to watch."""
     info = current(store)
     if info is None:
+        return []
+    if not store.check([_key(info, "asks", info["generation"])]):  # what the members look at: written last
         return []
     left_out = [r for r in range(info["start_size"]) if r not in info["members"]]
     return [r for r in left_out if store.check([_key(info, "ask", info["generation"], r)])]
@@ -107,7 +112,7 @@ def refuse_new_rank(store: Any, rank: int, world_size: int) -> None:
         )
 
 
-def _beating(store: Any, heartbeat: str, look: float = 0.3) -> bool:
+def _beating(store: Any, heartbeat: str, look: float = 1.0) -> bool:
     """Whether the counter `heartbeat` moves within `look` seconds (its member is alive)."""
     if not store.check([heartbeat]):
         return False
@@ -117,8 +122,24 @@ def _beating(store: Any, heartbeat: str, look: float = 0.3) -> bool:
 
 
 class Joins:
-    """The members' side: at the start of each step, one look at the store for ranks asking to rejoin; the join step
-    once one asked (see the module docstring).
+    """The members' side: at the start of every `LOOK_EVERY`-th step (`k % LOOK_EVERY == 0`), one look at the store
+    for ranks asking to rejoin; the first member to see one proposes the join step `J`, the first multiple of
+    `LOOK_EVERY` at least `k + margin + LOOK_EVERY`. Every member looks at least once between the proposal and `J`
+    (members are fewer than `margin` steps apart, and look every `LOOK_EVERY` steps), so none passes `J` unaware.
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> from datetime import timedelta
+        >>> from lightning_decentral.failures import GuardedStore
+        >>> store = GuardedStore.around(dist.HashStore(), timedelta(seconds=5))
+        >>> members = [Membership(store, lambda: store, "run", r, 3, silence=5.0, min_workers=1) for r in (0, 1, 2)]
+        >>> joins = [Joins(m, margin=lambda: 3) for m in members]
+        >>> store.add(members[0].key("asks", 0), 1)  # a rank asks
+        1
+        >>> [joins[0].due(k) for k in (9, 10)], joins[0].step  # looks at 10: J = 20, the first multiple of 5 >= 18
+        ([False, False], 20)
+        >>> [joins[1].due(k) for k in (12, 15, 20)], joins[1].step  # looks at 15, finds J
+        ([False, False, True], 20)
 
     Args:
         membership: this member's membership.
@@ -137,10 +158,11 @@ class Joins:
         m = self.membership
         if self._generation != m.generation:
             self.step, self._generation = None, m.generation
-        if self.step is None and step != self._looked:
+        if self.step is None and step != self._looked and step % LOOK_EVERY == 0:
             self._looked = step
             if m.store.check([m.key("asks", m.generation)]):
-                self.step = int(m.store.compare_set(m.key("grow", m.generation), "", str(step + self.margin())))
+                join = -(-(step + self.margin() + LOOK_EVERY) // LOOK_EVERY) * LOOK_EVERY
+                self.step = int(m.store.compare_set(m.key("grow", m.generation), "", str(join)))
         if self.step is not None and step > self.step:
             raise RuntimeError(
                 f"Step {step} is past the join step {self.step} the members agreed on: they were more than "
