@@ -279,10 +279,8 @@ def _net_and_optimizer(net: torch.nn.Module) -> tuple[torch.nn.Module, torch.opt
     return net, torch.optim.SGD(net.parameters(), **MOMENTUM_SGD)
 
 
-def simulate(
-    workers: int, deaths: dict[int, int], steps: int, topology: Any, rejoins: Optional[dict[int, list[int]]] = None
-) -> list[torch.Tensor]:
-    """The run of `survive` in one process: `SimulatedDecentralizedStrategy(failures=..., rejoins=...)`, worker `i` on
+def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any, **strategy: Any) -> list[torch.Tensor]:
+    """The run of `survive` in one process: `SimulatedDecentralizedStrategy(failures=..., **strategy)`, worker `i` on
     rank `i`'s data; every survivor's final replica."""
     from lightning.pytorch import Trainer
     from torch.utils.data import DataLoader, TensorDataset
@@ -295,13 +293,13 @@ def simulate(
     failures: dict[int, list[int]] = {}
     for rank, step in deaths.items():
         failures.setdefault(step, []).append(rank)
-    strategy = SimulatedDecentralizedStrategy(workers=workers, topology=topology, failures=failures, rejoins=rejoins)
+    simulated = SimulatedDecentralizedStrategy(workers=workers, topology=topology, failures=failures, **strategy)
     trainer = Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        strategy=simulated, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )
     trainer.fit(Regression(seed=init_seed(0), **MOMENTUM_SGD), DataLoader(TensorDataset(*interleaved), batch_size=BATCH))
-    return [flat(module) for module in strategy.worker_modules()]
+    return [flat(module) for module in simulated.worker_modules()]
 
 
 class Signalled(Mortal):
