@@ -251,7 +251,6 @@ class OnProcesses:
         """After a failure, in the survivors' process group (every survivor together): Lightning's rank-zero utilities
         follow the new rank, and the ranks publish their activities among the survivors."""
         rank_zero_only.rank = self.global_rank
-        self.joining = True  # until its first batch: Lightning's barrier and broadcast stay on this rank
         if self.activities is not None:
             self.activities = Activities.of_group(self._ranks, self._timeout)
 
