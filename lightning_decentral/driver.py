@@ -16,7 +16,7 @@ driver.begin(k)                                     plan = schedule.plan(k, epoc
 driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
 driver.rule_state(), load_rule_state(state)         a save, a resume: what the rule carries across steps
 driver.drain(); driver.teardown()                   at the end of training; when the run is over
-driver.keep(members, first_step)                    after a failure: W of the survivors (then rebind_mixers)
+driver.keep(members, first_step, of)                after a failure, a join: W of the members (then rebind_mixers)
 driver.guard.run(what, collective)                  every collective besides the exchange (survived like it)
 ```
 
@@ -144,14 +144,14 @@ class StepDriver:
         self.schedule = GossipSchedule(topology, self.options.gossip_every, self.options.gossip_steps)
         self.options.min_workers_for(world_size)  # more than the world raises here
 
-    def keep(self, members: Sequence[int], first_step: int) -> None:
-        """Go on with the workers `members` of the current topology alone (the survivors of a failure, in order;
-        member `members[i]` becomes worker `i`): `W` for them ([`for_members`][lightning_decentral.topology.Topology.for_members])
-        and the steps before `first_step` local. The mixers follow with
-        [`rebind_mixers`][lightning_decentral.driver.StepDriver.rebind_mixers] (processes: once the survivors' group
-        exists)."""
+    def keep(self, members: Sequence[int], first_step: int, of: Optional[Topology] = None) -> None:
+        """Go on with the workers `members` of the topology `of` (default: the current one; a join's members are ranks
+        of the one at the start) alone, in order, member `members[i]` becoming worker `i`: `W` for them
+        ([`for_members`][lightning_decentral.topology.Topology.for_members]) and the steps before `first_step` local.
+        The mixers follow with [`rebind_mixers`][lightning_decentral.driver.StepDriver.rebind_mixers] (processes: once
+        the new group exists)."""
         schedule = self._schedule()
-        topology = schedule.topology.for_members(members)
+        topology = (of or schedule.topology).for_members(members)
         self.schedule = GossipSchedule(topology, schedule.gossip_every, schedule.rounds_per_gossip, first_step)
 
     def rebind_mixers(self) -> None:

@@ -43,6 +43,7 @@ HANDSHAKE = f"{NAMESPACE}/handshake"  # agree_generation's keys, the same for ev
 _POLL_SECONDS = 0.01
 KEPT_OUT_LOOK = 0.5  # seconds a rank watches its keep_out mark (the survivors move it every heartbeat, 0.1 s)
 _current: Optional[dist.Store] = None  # the store connect() made last in this process
+_token: Optional[str] = None  # its generation's token
 
 
 class LeftOut(RuntimeError):
@@ -59,14 +60,28 @@ def connect(address: str, port: int, rank: int, world_size: int, timeout: Option
     connect to it, as `env://` does. Every rank must call it together; it waits at most `timeout` (default: torch's
     30 minutes) for the others. [`job_store`][lightning_decentral.rendezvous.job_store] returns it afterwards.
     """
-    global _current
+    global _current, _token
     timeout = default_pg_timeout if timeout is None else timeout
     if _agent_serves(address, port):
         store = dist.TCPStore(address, port, world_size, is_master=False, timeout=timeout)
     else:
         store = dist.TCPStore(address, port, world_size, is_master=rank == 0, timeout=timeout, multi_tenant=True)
-    generation = agree_generation(store, rank, world_size, timeout)
-    _current = dist.PrefixStore(f"{NAMESPACE}/{generation}", store)
+    _token = agree_generation(store, rank, world_size, timeout)
+    _current = dist.PrefixStore(f"{NAMESPACE}/{_token}", store)
+    return _current
+
+
+def job_token() -> Optional[str]:
+    """The token of the generation [`connect`][lightning_decentral.rendezvous.connect] joined last in this process
+    (`None` before): what a lost rank started again needs to find the same [`job_store`][lightning_decentral.rendezvous.job_store]."""
+    return _token
+
+
+def rejoin_store(store: dist.Store, token: str) -> dist.Store:
+    """A lost rank started again: from now on [`job_store`][lightning_decentral.rendezvous.job_store] is the
+    namespace of the generation `token` names (the members', who published it), on `store`."""
+    global _current, _token
+    _token, _current = token, dist.PrefixStore(f"{NAMESPACE}/{token}", store)
     return _current
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "is_dataloader_shuffled",
     "mark_sigterm_received",
     "replace_sigterm_handling",
+    "resume_from_state",
     "set_epochs_begun",
     "set_update_count",
     "update_dataloader",
@@ -95,6 +96,15 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
         "a checkpoint; no public reader or setter",
     ),
     (
+        "lightning.pytorch.trainer.trainer.Trainer", "_checkpoint_connector",
+        "what the Trainer restores after the strategy's setup: a rank that rejoins resumes from a state received over "
+        "the network, not from a file (fit's ckpt_path takes a path only)",
+    ),
+    (
+        "lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector", "_loaded_checkpoint",
+        "the checkpoint restore_training_state restores from (loops, optimizers, schedulers, precision)",
+    ),
+    (
         "torchmetrics.Metric", "_update_count",
         "restored with a metric's states after an evaluation that must leave no trace: update_count has no setter",
     ),
@@ -152,6 +162,12 @@ def replace_sigterm_handling(
     # instance attributes shadowing Lightning's methods: read by register_signal_handlers and by every batch
     trainer._signal_connector._sigterm_notifier_fn = on_sigterm
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = at_batch_start
+
+
+def resume_from_state(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    """Make `trainer` restore the training state (loops, optimizers, schedulers, precision plugin) from `checkpoint`
+    after the strategy's `setup`, as it does for `fit(ckpt_path=...)`: call it in the strategy's `setup`."""
+    trainer._checkpoint_connector._loaded_checkpoint = checkpoint
 
 
 def mark_sigterm_received(trainer: Trainer) -> None:

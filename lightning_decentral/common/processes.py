@@ -26,11 +26,13 @@ from lightning_decentral.driver import StepDriver
 from lightning_decentral.failures import Activities
 from lightning_decentral.membership.guard import Guard
 from lightning_decentral.measures import own_gradients
-from lightning_decentral.membership import Decision, Membership, Survivors
+from lightning_decentral.membership import Decision, Join, Membership, Survivors
+from lightning_decentral.membership.rejoin import refuse_new_rank, run_in_progress
 from lightning_decentral.membership.report import losses, survivor_metrics
+from lightning_decentral.membership.store import store_client
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import GossipOptions
-from lightning_decentral.rendezvous import connect
+from lightning_decentral.rendezvous import LeftOut, connect, job_token, rejoin_store
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +44,8 @@ def init_default_group(
     ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), as Lightning would make it otherwise, so that
     workers torchrun restarts never meet the keys of the workers they replace. As Lightning: `MASTER_ADDR` and
     `MASTER_PORT` name the job's store (its clients read them), and NCCL's group is destroyed at exit."""
-    store = connect(environment.main_address, environment.main_port, rank, world_size, timeout)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
+    store = connect(environment.main_address, environment.main_port, rank, world_size, timeout)
     log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     device_id = device if device.type != "cpu" else None
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
@@ -84,6 +86,9 @@ class OnProcesses:
     activities: Optional[Activities]  # what each rank does (None before set-up): the executor's
     survivors: Optional[Survivors] = None  # on_peer_failure="continue", once the gossip started
     owns_default_group = False  # this run made the default process group (with its timeout)
+    rejoins = False  # rejoin=True: lost ranks started again rejoin the run in progress
+    joined: Optional[Join] = None  # this process is a lost rank that rejoined, with this decision
+    joining = False  # a rank that rejoins, before its first training batch
     _timeout: timedelta  # Lightning's DDPStrategy keeps it
 
     def _configure_launcher(self) -> None:
@@ -180,11 +185,40 @@ class OnProcesses:
         """Make the default process group, once the executor set its world ranks
         ([`init_default_group`][lightning_decentral.common.processes.init_default_group])."""
         backend = self._process_group_backend = self._get_process_group_backend()  # type: ignore[attr-defined]
-        assert self.cluster_environment is not None  # type: ignore[attr-defined]
-        init_default_group(
-            self.cluster_environment, backend, self.global_rank, self.world_size, self._timeout, self.root_device  # type: ignore[attr-defined]
-        )
+        environment = self.cluster_environment  # type: ignore[attr-defined]
+        assert environment is not None
+        if self.rejoins and self.global_rank > 0:  # rank 0 may host the store: it would wait for itself
+            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
+            refuse_new_rank(store_client(self._timeout), self.global_rank, self.world_size)
+        try:
+            init_default_group(environment, backend, self.global_rank, self.world_size, self._timeout, self.root_device)
+        except LeftOut:
+            if not self.rejoins:
+                raise
+            self._rejoin(backend)
         self.owns_default_group = True
+
+    def _rejoin(self, backend: str) -> None:
+        """A lost rank started again ([`Survivors.rejoin`][lightning_decentral.membership.Survivors.rejoin]): the
+        default group is the grown members', the job's store the members' namespace."""
+        client = store_client(self._timeout)
+        info = run_in_progress(client, self.global_rank)
+        rejoin_store(client, info["token"])
+        min_workers = self.options.min_workers_for(info["start_size"])
+        self.survivors, self.joined = Survivors.rejoin(
+            self.driver, info, self.global_rank, min_workers, backend, self._timeout, self.on_survivors,
+            self.handover_state, self.join_margin,
+        )
+        rank_zero_only.rank = self.global_rank
+        self.joining = True  # until its first batch: Lightning's barrier and broadcast stay on this rank
+
+    def handover_state(self) -> Any:
+        """What this rank hands to a lost rank that rejoins, when it is the source (`rejoin=True`)."""
+        raise NotImplementedError
+
+    def join_margin(self) -> int:
+        """More steps than two ranks can be apart (a join step is that far ahead of the step it is proposed at)."""
+        raise NotImplementedError
 
     def start_gossip(self) -> Mixer:
         """This rank's mixer, built by the driver (every rank together, on the default group); with
@@ -193,7 +227,7 @@ class OnProcesses:
         warn instead and survive nothing (a failure stops every rank, as with `"stop"`): that launcher ends every
         process within seconds of one failing."""
         backend = dist.get_backend()
-        if self.options.on_peer_failure == "continue":
+        if self.options.on_peer_failure == "continue" and self.joined is None:
             self.survivors = self._start_surviving(backend)
         return self.driver.process_mixer(self.root_device, backend, self._timeout, self.owns_default_group, self.survivors)
 
@@ -205,7 +239,10 @@ class OnProcesses:
             return None
         run = int(agreed[0, 0])
         min_workers = self.options.min_workers_for(self.world_size)
-        survivors, warning = Survivors.start(self.driver, run, min_workers, backend, self._timeout, self.on_survivors)
+        rejoin = (self.join_margin, job_token() or "") if self.rejoins else None
+        survivors, warning = Survivors.start(
+            self.driver, run, min_workers, backend, self._timeout, self.on_survivors, rejoin, self.handover_state
+        )
         if warning:
             rank_zero_warn(warning)
         return survivors

@@ -79,6 +79,12 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **options: Any,
     ) -> None:
+        if options.pop("rejoin", False):
+            raise ValueError(
+                "rejoin=True is supported by the Trainer's DecentralizedStrategy only: a rank that rejoins resumes "
+                "Lightning's loops from a member's state, and a Fabric loop is yours. Under Fabric a lost rank stays out "
+                "(on_peer_failure='continue'); resume from a checkpoint to grow."
+            )
         gossip = gossip_options(type(self).__name__, **options)
         super().__init__(
             accelerator=accelerator,

@@ -22,7 +22,9 @@ again, and a process group of their own. This package does that, Lightning-free,
 * `report.py`: what a run says about its failures (a line per decision on every survivor, the metrics, the warning
   at the end);
 * `launch.py`: `lightning-decentral-launch`, a launcher that hosts the store outside the workers and lets the
-  survivors live when one of them dies.
+  survivors live when one of them dies (and, with `--max-restarts`, starts it again);
+* [`rejoin`][lightning_decentral.membership.rejoin]: a lost rank started again asks to rejoin; the members agree on a
+  join step and admit it ([`Join`][lightning_decentral.membership.Join]); a neighbour hands it its state.
 
 The rule of repair (`docs/reliability.md`, "Surviving a failure"): every survivor discards each exchange it has not
 completed and keeps each one it has; the survivors agree on the largest step at which one of them gave up an
@@ -30,7 +32,7 @@ exchange, take local steps up to it, and mix from the next step on with the topo
 """
 
 from lightning_decentral.membership.groups import poison, rebuild_world
-from lightning_decentral.membership.protocol import Decision, Excluded, Membership, TooFewWorkers
+from lightning_decentral.membership.protocol import Decision, Excluded, Join, Membership, TooFewWorkers
 from lightning_decentral.membership.store import LAUNCHER_KEY, GuardedStore, StoreLost, store_client, store_host
 from lightning_decentral.membership.survivors import Survivors, form_for_save
 
@@ -38,6 +40,7 @@ __all__ = [
     "Decision",
     "Excluded",
     "GuardedStore",
+    "Join",
     "LAUNCHER_KEY",
     "Membership",
     "StoreLost",

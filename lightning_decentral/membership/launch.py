@@ -10,10 +10,14 @@ only watches them:
 * a worker that dies or fails is reported, and the others go on;
 * on the first node it stays up until the workers of every node are done (a node's launcher that falls silent for
   `NODE_SILENCE` seconds counts as done), since they all need the store;
+* with `--max-restarts K`, a worker that dies or fails is started again, up to `K` times per worker, with the same
+  command and environment: with `rejoin=True` it rejoins the run in progress
+  ([Rejoining](../reliability/rejoining.md)); else it stops at once with `LeftOut`;
 * it exits with 0 if some worker finished with 0 (the run survived), else with the first worker's failure code.
 
 ```bash
 lightning-decentral-launch --nproc-per-node 4 train.py --max_steps 1000          # one machine
+lightning-decentral-launch --nproc-per-node 4 --max-restarts 3 train.py         # a worker that dies is started again
 lightning-decentral-launch --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr node0 --master-port 29500 train.py
 ```
 
@@ -54,9 +58,15 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--node-rank", type=int, default=0, help="this node's rank (the first node hosts the store)")
     parser.add_argument("--master-addr", default="127.0.0.1", help="the first node's address")
     parser.add_argument("--master-port", type=int, default=0, help="the store's port (0: a free one; one node only)")
+    parser.add_argument(
+        "--max-restarts", type=int, default=0,
+        help="start a worker that died or failed again, at most this many times per worker (0: never)",
+    )
     parser.add_argument("script", help="the training script every worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     args = parser.parse_args(argv)
+    if args.max_restarts < 0:
+        parser.error(f"--max-restarts must be 0 or more, got {args.max_restarts}.")
     if args.nnodes > 1 and args.master_port == 0:
         parser.error("--master-port is needed with --nnodes > 1: every node's launcher must reach the same store.")
     return args
@@ -94,12 +104,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     run = f"lightning-decentral-{port}"
     stop = threading.Event()
     threading.Thread(target=_beat, args=(args, port, stop), daemon=True).start()
-    workers = [
-        subprocess.Popen([sys.executable, args.script, *args.args], env=_worker_env(args, local, port, run))
-        for local in range(args.nproc_per_node)
-    ]
+    command = [sys.executable, args.script, *args.args]
+    workers = [subprocess.Popen(command, env=_worker_env(args, local, port, run)) for local in range(args.nproc_per_node)]
+    restarts = [0] * len(workers)
+
+    stopping = threading.Event()  # a signal was forwarded: a worker it ends is not started again
 
     def forward(signum: int, frame: Any) -> None:
+        stopping.set()
         for worker in workers:
             if worker.poll() is None:
                 worker.send_signal(signum)
@@ -110,9 +122,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     while len(codes) < len(workers):
         for local, worker in enumerate(workers):
             if local not in codes and worker.poll() is not None:
-                codes[local] = worker.returncode
                 rank = args.node_rank * args.nproc_per_node + local
                 print(f"lightning-decentral-launch: worker {rank} (pid {worker.pid}) {_describe(worker.returncode)}", flush=True)
+                if worker.returncode != 0 and restarts[local] < args.max_restarts and not stopping.is_set():
+                    restarts[local] += 1
+                    workers[local] = subprocess.Popen(command, env=_worker_env(args, local, port, run))
+                    print(
+                        f"lightning-decentral-launch: worker {rank} started again (pid {workers[local].pid}, restart "
+                        f"{restarts[local]} of {args.max_restarts})", flush=True,
+                    )
+                    continue
+                codes[local] = worker.returncode
         time.sleep(0.05)
     store.add(_DONE, 1)
     if first:

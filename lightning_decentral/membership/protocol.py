@@ -52,6 +52,15 @@ class Decision:
     step: int
 
 
+@dataclass(frozen=True)
+class Join(Decision):
+    """A decision that admits ranks that rejoin ([`admit`][lightning_decentral.membership.Membership.admit]): `step` is
+    the last step of the previous members, the grown members mix from the next; `joined` the ranks admitted (by their
+    first rank); `lost`, members lost meanwhile."""
+
+    joined: tuple[int, ...] = ()
+
+
 class Membership:
     """The members of one run and their agreement after a failure, through the job's store.
 
@@ -91,8 +100,8 @@ class Membership:
         toward: Optional[str] = None,
     ) -> None:
         self.store, self._connect = store, connect
-        self.prefix = f"lightning_decentral/{run}"
-        self.first_rank = rank
+        self.run, self.prefix = run, f"lightning_decentral/{run}"
+        self.first_rank, self.start_size = rank, world_size
         self.members = list(range(world_size))
         self.generation = 0
         self.silence, self.min_workers = silence, min_workers
@@ -118,17 +127,27 @@ class Membership:
         """The current number of members."""
         return len(self.members)
 
-    def _key(self, *parts: Any) -> str:
+    @property
+    def left_out(self) -> list[int]:
+        """The ranks of the start that are not members now (lost, and not rejoined)."""
+        members = tuple(self.members)
+        return [rank for rank in range(self.start_size) if rank not in members]
+
+    def key(self, *parts: Any) -> str:
+        """The store key of `parts` under this run's prefix."""
         return "/".join([self.prefix, *map(str, parts)])
 
     # -- heartbeats -----------------------------------------------------------------------------------------------
 
     def start(self) -> None:
         """Open this rank's beacon and publish its address, beat the first heartbeat, then go on beating from a thread
-        until [`close`][lightning_decentral.membership.Membership.close]."""
+        until [`close`][lightning_decentral.membership.Membership.close]. (A rank that rejoins first clears what its
+        earlier process left: its marks of gone and left.)"""
+        for mark in (self.key("gone", self.first_rank), self.key("left", self.first_rank)):
+            self.store.delete_key(mark)
         self._beacon = Beacon(self._toward)
-        self.store.set(self._key("address", self.first_rank), self._beacon.address)
-        self.store.add(self._key("heartbeat", self.first_rank), 1)
+        self.store.set(self.key("address", self.first_rank), self._beacon.address)
+        self.store.add(self.key("heartbeat", self.first_rank), 1)
         threading.Thread(target=self._beat, daemon=True, name="lightning_decentral-heartbeat").start()
 
     def _beat(self) -> None:
@@ -137,8 +156,8 @@ class Membership:
         try:
             store = self._connect()
             while not self._stopped.wait(HEARTBEAT):
-                store.add(self._key("heartbeat", self.first_rank), 1)
-                keep_out(store, [rank for decision in tuple(self.decisions) for rank in decision.lost])
+                store.add(self.key("heartbeat", self.first_rank), 1)
+                keep_out(store, self.left_out)
         except Exception:  # noqa: BLE001 - the store is gone: the next call of the guarded client says so
             return
 
@@ -146,7 +165,7 @@ class Membership:
         """Read every other member's heartbeat counter (one call) and note which changed."""
         now = self._listened = time.monotonic()
         others = [m for m in self.members if m != self.first_rank]
-        keys = [self._key("heartbeat", m) for m in others]
+        keys = [self.key("heartbeat", m) for m in others]
         if self.store.check(keys):
             values = self.store.multi_get(keys)
         else:  # a member that has not beaten yet (the run is starting)
@@ -168,7 +187,7 @@ class Membership:
         if now - self._probed.get(member, -HEARTBEAT) < HEARTBEAT:
             return False
         self._probed[member] = now
-        mark = self._key("gone", member)
+        mark = self.key("gone", member)
         if self.store.check([mark]):
             self._gone.add(member)
         elif (address := self._address(member)) is not None and gone(address):
@@ -179,7 +198,7 @@ class Membership:
     def left(self, member: int) -> bool:
         """Whether `member` said it leaves ([`close`][lightning_decentral.membership.Membership.close]): its run is
         over, and no failure to look for (an exchange with it, if one still waits, fails on its own)."""
-        if member not in self._left and self.store.check([self._key("left", member)]):
+        if member not in self._left and self.store.check([self.key("left", member)]):
             self._left.add(member)
         return member in self._left
 
@@ -189,7 +208,7 @@ class Membership:
     def _address(self, member: int) -> Optional[str]:
         """`member`'s beacon address (`None` before it published one)."""
         if member not in self._addresses:
-            key = self._key("address", member)
+            key = self.key("address", member)
             if not self.store.check([key]):
                 return None
             self._addresses[member] = self.store.get(key).decode()
@@ -201,7 +220,7 @@ class Membership:
         if self._stopped.is_set():
             return
         with contextlib.suppress(StoreLost):  # the run is over anyway
-            self.store.set(self._key("left", self.first_rank), "1")
+            self.store.set(self.key("left", self.first_rank), "1")
         self._stopped.set()
         if self._beacon is not None:
             self._beacon.close()
@@ -214,7 +233,7 @@ class Membership:
         heartbeat has been silent for `silence` seconds, or for `CONFIRM` seconds and its process is gone, unless it
         said it leaves (a rank that stopped at the step every rank agreed on, say). One look at the store (and the
         heartbeats every `HEARTBEAT` seconds)."""
-        abort = self._key("abort", self.generation)
+        abort = self.key("abort", self.generation)
         if self.store.check([abort]):
             return json.loads(self.store.get(abort))["reason"]
         if time.monotonic() - self._listened > HEARTBEAT:
@@ -245,34 +264,57 @@ class Membership:
         """
         g = self.generation
         announced = json.dumps({"reason": f"rank {self.first_rank} saw: {reason}"})
-        self.store.compare_set(self._key("abort", g), "", announced)  # the first announcement stays
+        self.store.compare_set(self.key("abort", g), "", announced)  # the first announcement stays
         for member in broken:
-            self.store.set(self._key("broken", g, member), "1")
+            self.store.set(self.key("broken", g, member), "1")
         if any_broken:
-            self.store.set(self._key("broken", g, "any"), "1")
-        self.store.set(self._key("join", g, self.first_rank), json.dumps({"step": step}))
+            self.store.set(self.key("broken", g, "any"), "1")
+        self.store.set(self.key("join", g, self.first_rank), json.dumps({"step": step}))
         since = time.monotonic()
-        decided = self._key("decide", g)
+        decided = self.key("decide", g)
         while not self.store.check([decided]):
             proposal = self._proposal(g, since)
             if proposal is not None:
                 self.store.compare_set(decided, "", json.dumps(proposal))  # another proposal may have won: read it
                 break
             time.sleep(POLL)
-        return self._adopt(json.loads(self.store.get(decided)))
+        return self.adopt(json.loads(self.store.get(decided)))
+
+    def admit(self, step: int, asking: Sequence[int]) -> Decision:
+        """Agree with the other members to let the ranks `asking` rejoin after `step` (the last step of the members as
+        they are: every member calls it when it is about to begin `step + 1`, the join step they agreed on); returns the
+        decision, adopted. A member lost meanwhile is left out of it as [`agree`][lightning_decentral.membership.Membership.agree]
+        leaves it; a failure agreed first (its decision is written first) is what every member adopts instead."""
+        g = self.generation
+        self.store.set(self.key("join", g, self.first_rank), json.dumps({"step": step}))
+        since, decided = time.monotonic(), self.key("decide", g)
+        while not self.store.check([decided]):
+            proposal = self._proposal(g, since)
+            if proposal is not None:
+                proposal["joined"] = sorted(set(asking) - set(proposal["members"]))
+                proposal["members"] = sorted({*proposal["members"], *proposal["joined"]})
+                self.store.compare_set(decided, "", json.dumps(proposal))
+                break
+            time.sleep(POLL)
+        return self.adopt(json.loads(self.store.get(decided)))
+
+    def enter(self, generation: int, members: Sequence[int]) -> None:
+        """A rank that rejoins: take the members' generation as they published it, to ask to join it and then
+        [`adopt`][lightning_decentral.membership.Membership.adopt] their decision."""
+        self.members, self.generation = list(members), generation
 
     def _proposal(self, g: int, since: float) -> Optional[dict[str, Any]]:
         """The decision to propose, once every member of generation `g` has joined or is lost; else `None`."""
-        joins = {m: self._key("join", g, m) for m in self.members}
+        joins = {m: self.key("join", g, m) for m in self.members}
         joined = {m: json.loads(self.store.get(k))["step"] for m, k in joins.items() if self.store.check([k])}
         self._listen()
-        any_broken = self.store.check([self._key("broken", g, "any")])
+        any_broken = self.store.check([self.key("broken", g, "any")])
         waited = time.monotonic() - since
 
         def lost(member: int) -> bool:
             if self.silent_for(member) > self.silence or waited > self.silence or self.gone(member):
                 return True
-            broken = any_broken or self.store.check([self._key("broken", g, member)])
+            broken = any_broken or self.store.check([self.key("broken", g, member)])
             return broken and self.silent_for(member) > CONFIRM
 
         missing = [m for m in self.members if m not in joined]
@@ -280,21 +322,30 @@ class Membership:
             return None
         return {"members": sorted(joined), "lost": missing, "step": max(joined.values())}
 
-    def _adopt(self, decided: dict[str, Any]) -> Decision:
+    def adopt(self, decided: dict[str, Any]) -> Decision:
+        """Take up the decision written for this generation (a dict as the store holds it): the next generation's
+        members. Raises `Excluded` if this rank is not one of them, `TooFewWorkers` if fewer than `min_workers` are."""
         if self.first_rank not in decided["members"]:
             raise Excluded(
                 f"The other ranks went on without rank {self.first_rank} after step {decided['step']}: it did not join "
                 f"their agreement in time (silent for more than {CONFIRM} s after a connection to it broke, or for "
                 f"{self.silence:.0f} s). It stops here; its replica is not part of the run any more."
             ) from None  # the failure this rank saw first adds nothing: one traceback
-        decision = Decision(
+        agreed = dict(
             generation=self.generation + 1,
             members=tuple(decided["members"]),
-            survivors=tuple(self.members.index(m) for m in decided["members"]),
+            survivors=tuple(self.members.index(m) for m in decided["members"] if m in self.members),
             lost=tuple(decided["lost"]),
             step=int(decided["step"]),
         )
-        adopted = self.store.add(self._key("adopted", self.generation), 1)
+        joined = tuple(decided.get("joined", ()))
+        decision = Join(**agreed, joined=joined) if joined else Decision(**agreed)
+        for member in joined:  # what this rank knew of its earlier process
+            self._gone.discard(member)
+            self._left.discard(member)
+            self._addresses.pop(member, None)
+            self._heard[member] = (b"", time.monotonic())  # heard from now on: its new heartbeat counts
+        adopted = self.store.add(self.key("adopted", self.generation), 1)
         self.members, self.generation = list(decision.members), decision.generation
         self.decisions.append(decision)
         if len(self.members) < self.min_workers:
@@ -304,7 +355,7 @@ class Membership:
             while adopted < len(self.members) and time.monotonic() - since < self.silence:
                 time.sleep(POLL)
                 try:
-                    adopted = self.store.add(self._key("adopted", decision.generation - 1), 0)
+                    adopted = self.store.add(self.key("adopted", decision.generation - 1), 0)
                 except StoreLost:
                     break
             raise TooFewWorkers(
@@ -325,8 +376,8 @@ class Membership:
         `timeout` for it; the members then agree again. A failure while the group is made raises
         [`PeerFailure`][lightning_decentral.failures.PeerFailure]."""
         g = self.generation
-        self.store.set(self._key("here", g, self.first_rank), "1")
-        here = {m: self._key("here", g, m) for m in self.members}
+        self.store.set(self.key("here", g, self.first_rank), "1")
+        here = {m: self.key("here", g, m) for m in self.members}
         while not self.store.check(list(here.values())):
             reason = self.poll() or next(
                 (f"rank {m} left" for m, key in here.items() if self._silent_and_left(m) and not self.store.check([key])),
@@ -336,4 +387,4 @@ class Membership:
                 raise Abandoned(f"Making the survivors' process group (generation {g}) was given up on rank {self.first_rank}: {reason}.")
             time.sleep(POLL)
         with peers_answer(f"Making the survivors' process group (generation {g})", "a survivor"):
-            rebuild_world(self._connect(), self._key("world", g), self.rank, self.world_size, timeout, backend)
+            rebuild_world(self._connect(), self.key("world", g), self.rank, self.world_size, timeout, backend)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from lightning_decentral.membership.protocol import Decision
+from lightning_decentral.membership.protocol import Decision, Join
 
 
 def decision_line(decision: Decision, first_rank: int, topology: Any) -> str:
@@ -24,6 +24,13 @@ def decision_line(decision: Decision, first_rank: int, topology: Any) -> str:
         >>> decision_line(decision, 3, "Ring(world_size=3)")
         'Survived failure 1: lost rank 2 (ranks of the start). The 3 survivors [0, 1, 3] agreed on step 20: they take it alone and mix again from step 21 on Ring(world_size=3). This process: rank 3 of the start, rank 2 now.'
     """
+    if isinstance(decision, Join):
+        return (
+            f"Rejoined (generation {decision.generation}): rank{'s' if len(decision.joined) > 1 else ''} "
+            f"{', '.join(map(str, decision.joined))} of the start{f', lost {list(decision.lost)}' if decision.lost else ''}. "
+            f"The {len(decision.members)} members {list(decision.members)} mix from step {decision.step + 1} on {topology}. "
+            f"This process: rank {first_rank} of the start, rank {decision.members.index(first_rank)} now."
+        )
     lost = ", ".join(map(str, decision.lost))
     return (
         f"Survived failure {decision.generation}: lost rank{'s' if len(decision.lost) > 1 else ''} {lost} (ranks of the "
@@ -51,9 +58,11 @@ def losses(decisions: Sequence[Decision]) -> Optional[str]:
         >>> losses([Decision(1, (1, 2), (1, 2), (0,), 10), Decision(2, (2,), (1,), (1,), 20)])
         'This run lost 2 of its 3 workers: rank 0 (the survivors agreed on step 10), rank 1 (step 20). It went on with 1 (strategy.failures_survived lists the decisions).'
     """
+    first = decisions[0] if decisions else None
+    started = len(first.members) + len(first.lost) - (len(first.joined) if isinstance(first, Join) else 0) if first else 0
+    decisions = [d for d in decisions if d.lost]  # a join loses nobody (unless a rank was lost meanwhile)
     if not decisions:
         return None
-    started = len(decisions[0].members) + len(decisions[0].lost)
     lost = [
         f"rank{'s' if len(d.lost) > 1 else ''} {', '.join(map(str, d.lost))} "
         + (f"(the survivors agreed on step {d.step})" if i == 0 else f"(step {d.step})")

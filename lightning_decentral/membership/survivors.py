@@ -14,7 +14,8 @@ import torch.distributed as dist
 from lightning_decentral._compat import default_store
 from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure
 from lightning_decentral.membership.groups import alone, poison
-from lightning_decentral.membership.protocol import Decision, Membership
+from lightning_decentral.membership.protocol import Decision, Join, Membership
+from lightning_decentral.membership.rejoin import Joins, ask, hand_over, publish, source_for
 from lightning_decentral.membership.report import decision_line
 from lightning_decentral.membership.store import store_client, store_host
 
@@ -25,7 +26,7 @@ class Keeper(Protocol):
     """What [`Survivors`][lightning_decentral.membership.Survivors] asks of the driver
     ([`StepDriver`][lightning_decentral.driver.StepDriver])."""
 
-    def keep(self, members: Any, first_step: int) -> None: ...
+    def keep(self, members: Any, first_step: int, of: Any = None) -> None: ...
 
     def rebind_mixers(self) -> None: ...
 
@@ -57,12 +58,20 @@ class Survivors:
     A failure seen after the agreement by something of the generation given up (an exchange of it waited for late)
     is no new failure: `survive` ignores it.
 
+    With `joins` (`rejoin=True`), [`begin`][lightning_decentral.membership.Survivors.begin] also looks for a lost rank
+    started again that asks to rejoin ([`rejoin`][lightning_decentral.membership.rejoin]): at the join step the members
+    [`admit`][lightning_decentral.membership.Membership.admit] it, make the grown group (`W` of the grown members, from
+    the topology at the start), and the source ([`source_for`][lightning_decentral.membership.rejoin.source_for]) hands
+    it `handover()`, its state.
+
     Args:
         membership: this run's membership, started.
         driver: the driver to re-bind (`keep`, `rebind_mixers`) and whose `mixers` to close when a peer fails.
         backend: the process-group backend to rebuild with.
         timeout: the process-group timeout.
         on_change: called with each decision, once the survivors' group exists.
+        joins: with `rejoin=True`, the members' watch for ranks asking to rejoin.
+        handover: the state a source hands to a rank that rejoins (the executor's: replica, optimizer, loop).
     """
 
     def __init__(
@@ -72,29 +81,69 @@ class Survivors:
         backend: str,
         timeout: timedelta,
         on_change: Callable[[Decision], None] = lambda decision: None,
+        joins: Optional[Joins] = None,
+        handover: Optional[Callable[[], Any]] = None,
     ) -> None:
         self.membership, self.driver, self.backend, self.timeout = membership, driver, backend, timeout
-        self.on_change = on_change
+        self.on_change, self.joins, self.handover = on_change, joins, handover
+        self.start_topology = driver.topology  # what the members of a join take their graph from
+        self.published: dict[str, Any] = {"rejoin": False}  # what publish() says besides the membership
         self.pending: Optional[Decision] = None  # agreed; the survivors' group is not made yet
-        self._server = default_store()  # rank 0's may host the job's store: it lives as long as this object, so it
+        self._server = default_store() if dist.is_initialized() else None  # rank 0's may host the job's store: it lives as long as this object, so it
         # must outlive the default group, which the survivors replace
 
     @classmethod
     def start(
-        cls, driver: Keeper, run: int, min_workers: int, backend: str, timeout: timedelta, on_change: Callable[[Decision], None]
+        cls, driver: Keeper, run: int, min_workers: int, backend: str, timeout: timedelta, on_change: Callable[[Decision], None],
+        rejoin: Optional[tuple[Callable[[], int], str]] = None, handover: Optional[Callable[[], Any]] = None,
     ) -> tuple[Survivors, str]:
         """This rank's survivors of run `run` (a number the same on every rank and new to the store), its heartbeat
-        beating; and, if the job's store cannot outlive a worker, why (a warning for the executor to give)."""
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        store = GuardedStore(lambda: store_client(timeout), timeout.total_seconds(), where)
+        beating; and, if the job's store cannot outlive a worker, why (a warning for the executor to give). With
+        `rejoin` (the join margin, the job's token: [`job_token`][lightning_decentral.rendezvous.job_token]), lost
+        ranks started again may rejoin: what they need is published, and every step looks for them."""
+        store = cls._store(timeout)
         outlives, words = store_host(store)
-        membership = Membership(
-            store, lambda: store_client(timeout), f"{run:x}", dist.get_rank(), dist.get_world_size(),
+        membership = cls._membership(store, f"{run:x}", dist.get_rank(), dist.get_world_size(), min_workers, timeout)
+        membership.start()
+        joins = Joins(membership, rejoin[0]) if rejoin is not None else None
+        survivors = cls(membership, driver, backend, timeout, on_change, joins, handover)
+        survivors.published = {"rejoin": True, "token": rejoin[1]} if rejoin is not None else {"rejoin": False}
+        publish(store, membership, **survivors.published)
+        warning = "" if outlives else f"on_peer_failure='continue': {words}. The store's host is the run's single point of failure."
+        return survivors, warning
+
+    @classmethod
+    def rejoin(
+        cls, driver: Keeper, info: dict[str, Any], rank: int, min_workers: int, backend: str, timeout: timedelta,
+        on_change: Callable[[Decision], None], handover: Callable[[], Any], margin: Callable[[], int],
+    ) -> tuple[Survivors, Join]:
+        """A lost rank started again (`rank`, of the run `info` describes, [`current`][lightning_decentral.membership.rejoin.current]):
+        ask to rejoin, wait until the members admit it, make the grown group with them (the default process group,
+        this rank's place in it as the decision says) and keep `W` of the grown members from the join step. Returns
+        its survivors and the decision; the executor then takes its state from the decision's source."""
+        store = cls._store(timeout)
+        membership = cls._membership(store, info["run"], rank, info["start_size"], min_workers, timeout)
+        membership.start()
+        survivors = cls(membership, driver, backend, timeout, on_change, Joins(membership, margin), handover)
+        survivors.published = {"rejoin": True, "token": info["token"]}
+        decision = ask(membership, driver.topology, timeout.total_seconds())
+        assert isinstance(decision, Join)  # a decision that admits it
+        driver.keep(decision.members, decision.step + 1, of=survivors.start_topology)
+        log.warning(decision_line(decision, rank, driver.topology))
+        membership.form_group(backend, timeout)
+        return survivors, decision
+
+    @staticmethod
+    def _store(timeout: timedelta) -> GuardedStore:
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        return GuardedStore(lambda: store_client(timeout), timeout.total_seconds(), where)
+
+    @staticmethod
+    def _membership(store: GuardedStore, run: str, rank: int, size: int, min_workers: int, timeout: timedelta) -> Membership:
+        return Membership(
+            store, lambda: store_client(timeout), run, rank, size,
             silence=timeout.total_seconds(), min_workers=min_workers, toward=os.environ.get("MASTER_ADDR"),
         )
-        membership.start()
-        warning = "" if outlives else f"on_peer_failure='continue': {words}. The store's host is the run's single point of failure."
-        return cls(membership, driver, backend, timeout, on_change), warning
 
     @property
     def alone(self) -> bool:
@@ -133,9 +182,25 @@ class Survivors:
     # -- the survivors' group ----------------------------------------------------------------------------------
 
     def begin(self, step: int) -> None:
-        """Before step `step`: make the survivors' group if they mix again from this step on."""
+        """Before step `step`: make the survivors' group if they mix again from this step on; with `joins`, admit the
+        ranks asking to rejoin if this is the join step."""
         if self.pending is not None and step > self.pending.step:
             self.form()
+        elif self.pending is None and self.joins is not None and self.joins.due(step):
+            self._admit(step)
+
+    def _admit(self, step: int) -> None:
+        """At the join step `step`: agree (the askers join, a member lost meanwhile is left out), keep `W` of the
+        members decided from the topology at the start, make their group now (or, when a failure decided a later step
+        first, go on alone until then)."""
+        decision = self.membership.admit(step - 1, self.joins.asking() if self.joins is not None else [])
+        self.driver.keep(decision.members, decision.step + 1, of=self.start_topology)
+        log.warning(decision_line(decision, self.membership.first_rank, self.driver.topology))
+        self.pending = decision
+        if step > decision.step:
+            self.form()
+        else:
+            alone(self.backend, self.timeout)
 
     def form(self) -> None:
         """Make the survivors' default process group now (every survivor together), rebind the mixers to it. A
@@ -150,6 +215,15 @@ class Survivors:
             self.pending = None
             self.driver.rebind_mixers()
             self.on_change(decision)
+            publish(self.membership.store, self.membership, **self.published)
+            self._hand_over(decision)
+
+    def _hand_over(self, decision: Decision) -> None:
+        """This member is the source of a rank that rejoins with `decision`: hand it this rank's state."""
+        for joiner in decision.joined if isinstance(decision, Join) else ():
+            source = source_for(joiner, decision.members, decision.joined, self.driver.topology)
+            if source == self.membership.first_rank and self.handover is not None:
+                hand_over(self.handover(), to=decision.members.index(joiner))
 
     def close(self) -> None:
         """Stop the heartbeat."""

@@ -47,6 +47,7 @@ from lightning_decentral.simulation.data import WorkerLoaders, first_batch_toget
 from lightning_decentral.simulation.isolation import random_states_kept
 from lightning_decentral.simulation.hooks import WorkerHooks
 from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy, log_over_workers
+from lightning_decentral.simulation.rejoins import Comings, checked_rejoins
 from lightning_decentral.simulation.workers import SimulatedWorkers, checked_failures, copy_of, optimizer_like
 from lightning_decentral.simulation.vectorized import (
     StackedWorkers,
@@ -92,6 +93,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             survivors ([`for_members`][lightning_decentral.topology.Topology.for_members]). Each survivor keeps its
             replica, optimizer state and data; the lost workers' data is not visited. Runs the workers apart
             (`vectorize="auto"` keeps them apart; `True` is refused), with `staleness=0`.
+        rejoins: `{step: [workers]}`: workers lost by `failures` come back at the start of that step, as with
+            `rejoin=True` on processes ([`Comings`][lightning_decentral.simulation.rejoins.Comings]).
         accelerator: Lightning's accelerator (the Trainer's `accelerator=` sets it).
         checkpoint_io: writes and reads the checkpoint file (default: an
             [`AtomicCheckpointIO`][lightning_decentral.files.AtomicCheckpointIO], whole or not at all).
@@ -115,6 +118,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         *,
         vectorize: Union[bool, Literal["auto"]] = "auto",
         failures: Optional[dict[int, list[int]]] = None,
+        rejoins: Optional[dict[int, list[int]]] = None,
         accelerator: Optional[Any] = None,
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
@@ -137,6 +141,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         )
         self.vectorize = vectorize
         self.failures = checked_failures(failures, workers, vectorize, gossip.staleness)
+        self.rejoins = checked_rejoins(rejoins, self.failures)
         if self.failures and gossip.outer_overlap:
             raise ValueError(
                 "SimulatedDecentralizedStrategy(failures=...) rebuilds the graph between two steps, which outer_overlap=True "
@@ -153,6 +158,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
         self._outputs: list[Any] = []  # each worker's training_step output of this batch
         self._hooks: Optional[WorkerHooks] = None  # the module's hooks on every worker (per-worker path)
+        self._comings: Optional[Comings] = None  # failures= and rejoins= (per-worker path)
         self._context: Optional[RuleContext] = None  # the rules' context, kept to stack the workers later
         self._undecided = False  # vectorize="auto": the path is chosen at the first training DataLoader
 
@@ -206,6 +212,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         module's hooks on every worker."""
         group = SimulatedWorkers(self._mixer, self.root_device)
         quiet = dataclasses.replace(context, warn=_quiet)
+        make = self.driver.make_rule
+        self._comings = Comings(self.failures, self.rejoins, self.driver.topology, lambda *made: make(*made, quiet))
         for rank, worker_module in enumerate(modules):
             optimizer = self.optimizers[0] if rank == 0 else optimizer_like(self.optimizers[0], copy_of(modules[0], worker_module))
             group.add(worker_module, optimizer, self.driver.make_rule, self.gossip_buffers, context if rank == 0 else quiet)
@@ -224,7 +232,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             self._choose_path(dataloader)
         together = isinstance(self._group, StackedWorkers)
         return WorkerLoaders(
-            dataloader, self.workers, self._group.as_worker, together=together, origins=lambda: self._group.origins
+            dataloader, self.workers, self._group.as_worker, together=together,
+            origins=lambda: self._comings.visited(self._group) if self._comings else self._group.origins,
         )
 
     def _choose_path(self, dataloader: torch.utils.data.DataLoader) -> None:
@@ -263,16 +272,12 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Before each training batch: the workers `failures` names for this step die; every worker begins the
-        optimizer step (AWC posts `x(k)`)."""
+        """Before each training batch: the workers `failures` names for this step die, those `rejoins` names come back
+        ([`Comings`][lightning_decentral.simulation.rejoins.Comings]); every worker begins the optimizer step."""
         super().on_train_batch_start(batch, batch_idx)
         step = self.lightning_module.trainer.global_step
-        lost = [self._group.origins.index(w) for w in self.failures.get(step, []) if w in self._group.origins]
-        if lost:
-            survivors = [i for i in range(len(self._group.origins)) if i not in lost]
-            self._group.remove(lost)
-            self.driver.keep(survivors, first_step=step + 1)
-            self.driver.rebind_mixers()
+        if self.failures:
+            self._comings.at(step, self._group, self.driver)  # type: ignore[union-attr,arg-type]  # the workers apart
         self.driver.begin(step)
 
     @override
@@ -406,3 +411,4 @@ def _loss_of(output: Any) -> Optional[Tensor]:
 def _say_path(which: str) -> None:
     """The one info line of `vectorize="auto"`."""
     rank_zero_info(f"SimulatedDecentralizedStrategy(vectorize='auto'): {which}. vectorize=True or False chooses.")
+

@@ -323,7 +323,7 @@ class SimulatedWorkers(WorkerGroup):
     @contextlib.contextmanager
     def as_worker(self, rank: int) -> Iterator[None]:
         """Worker `rank`'s torch random state inside the block (worker 0's is the process's own)."""
-        if rank == 0 or not self.workers:
+        if rank == 0 or rank >= len(self.workers):  # past the members: a worker away (rejoins=), its data only
             yield
             return
         worker, cuda = self.workers[rank], self.device.type == "cuda"

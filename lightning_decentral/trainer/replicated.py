@@ -157,6 +157,10 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self.activities = Activities.of_group(self._ranks, self._timeout)
         if self._resume_shard is None:
             self._ranks.broadcast_from_rank_zero(list(state_tensors(self.lightning_module)))
+        self._start_saves()
+
+    def _start_saves(self) -> None:
+        """The end of `_start_replicas`: what the saves of this fit need."""
         self._failed = False
         if isinstance(self.checkpoint_io, AsyncCheckpointIO):
             group = dist.new_group(backend="gloo", timeout=self._timeout)

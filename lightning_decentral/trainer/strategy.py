@@ -44,6 +44,7 @@ from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.rendezvous import job_store
 from lightning_decentral.replicas import Replica
+from lightning_decentral.trainer.rejoin import Rejoining
 from lightning_decentral.trainer.replicated import ReplicaStrategy
 from lightning_decentral.rules import RuleContext
 from lightning_decentral.trainer.stop import StopAgreement, next_key, stop_margin
@@ -52,7 +53,7 @@ from lightning_decentral.trainer.signals import stop_together
 
 
 @takes_gossip_options
-class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
+class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     """Decentralized data-parallel training: each rank keeps its own replica and gossips it.
 
     Update rules (docs/algorithms.md), with `U` the user's optimizer:
@@ -87,6 +88,9 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
             stop at once.
         start_method: how the ranks are launched: `"popen"` (a script per rank), `"spawn"`, `"fork"`,
             `"forkserver"`.
+        rejoin: with `on_peer_failure="continue"`, a lost rank started again (the same command and environment)
+            rejoins the run in progress at a step the members agree on, from a neighbour's live state
+            ([Rejoining](../reliability/rejoining.md)); `False`: it stops with `LeftOut`.
 
     No collective runs on the default group at every step: a SIGTERM on any rank stops every rank at the same
     step, agreed through the job's store ([`stop`][lightning_decentral.trainer.stop]), in place of Lightning's broadcast
@@ -117,9 +121,12 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        rejoin: bool = False,
         **options: Any,
     ) -> None:
         gossip = gossip_options(type(self).__name__, **options)
+        if rejoin and gossip.on_peer_failure != "continue":
+            raise ValueError("rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue' with it.")
         super().__init__(
             resume=resume,
             accelerator=accelerator,
@@ -132,6 +139,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
             start_method=start_method,
         )
         self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
+        self.rejoins = rejoin
         self._replica: Optional[Replica] = None
         self._mixer: Optional[Mixer] = None
         self._stops: Optional[StopAgreement] = None  # this fit's agreement on a step to stop at after a SIGTERM
@@ -170,7 +178,8 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
             self._agree_on_stops(trainer)  # before this fit's first collective
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
         if trainer.state.fn == TrainerFn.FITTING:
-            self._ranks.check_same_optimizers(self.optimizers)
+            if self.joined is None:  # a rank that rejoins runs the same command: the members checked theirs
+                self._ranks.check_same_optimizers(self.optimizers)
             context = RuleContext(
                 bucket_bytes=self.options.bucket_bytes,
                 grad_scaler=enabled_grad_scaler(self.precision_plugin),
@@ -198,7 +207,11 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
         """Runs in `setup` when fitting, before the optimizers exist: start every replica from rank 0's
         weights (or from its own shard when resuming), pack it into flat buffers (no DDP wrapper) and
         build the gossip engine."""
-        self._start_replicas()
+        if self.joined is not None:
+            self.take_over_state()
+            self._start_saves()
+        else:
+            self._start_replicas()
         self._replica = Replica(self.lightning_module, self.gossip_buffers)
         self._mixer = self.start_gossip()
 
@@ -208,6 +221,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Before each training batch: begin its optimizer step (AWC posts `x(k)` here)."""
         super().on_train_batch_start(batch, batch_idx)
+        self.joining = False
         if batch_idx == 0:
             self._check_replica()
         step = self.lightning_module.trainer.global_step
@@ -272,12 +286,34 @@ class DecentralizedStrategy(Driven, OnProcesses, ReplicaStrategy):
     def _agree_on_stops(self, trainer: Trainer) -> None:
         """A SIGTERM stops every rank at one step agreed through the store, not through a broadcast per batch."""
         self._stops = StopAgreement(job_store(), next_key(), self._stop_margin(), self._timeout)
-        if self.global_rank == 0:
+        if self.global_rank == 0 and self.joined is None:
             self._stops.forget_earlier_runs()
         stop_together(trainer, self._stops, self._check_replica)
 
     def _stop_margin(self) -> int:
         return stop_margin(self.topology, self.staleness, self.gossip_every)
+
+    @override
+    def join_margin(self) -> int:
+        """The stop margin of the current graph: a join step is as far ahead as a stop step."""
+        return self._stop_margin()
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's barrier; a rank that rejoins runs none before its first batch (the members are training)."""
+        if not self.joining:
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's broadcast; a rank that rejoins keeps its own `obj` before its first batch."""
+        return obj if self.joining else super().broadcast(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        """Lightning's reduce; a rank that rejoins keeps its own value before its first batch (the length of its data
+        Lightning checks)."""
+        return tensor if self.joining else super().reduce(tensor, group, reduce_op)
 
     @override
     def on_survivors(self, decision: Decision) -> None:

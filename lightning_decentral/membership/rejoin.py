@@ -1,0 +1,244 @@
+"""A lost rank started again rejoins the run in progress, while the members train (`rejoin=True`).
+
+```text
+joiner (the lost rank, same command)            members (each at the start of every step k)
+reads the run in progress (current)
+asks: ask/g/<rank>, asks/g += 1     ------>     one look at asks/g every LOOK_EVERY steps; the first to see it
+                                                proposes the join step J >= k + margin + LOOK_EVERY (compare-and-
+                                                set: every member learns it)
+                                                ... the steps before J, as before ...
+waits for decide/g                  <------     at the start of J: admit (the agreement of a failure, the
+                                                members grown by the askers), a new generation
+form_group (generation g + 1)                   form_group, W of the grown members (from J), rebind the mixers
+take_over(source)                   <------     the source (source_for) hands over its replica, optimizer and
+                                                rule state and the loop's position (hand_over)
+trains from step J                              train from step J
+```
+
+`margin` is the stop margin ([`stop_margin`][lightning_decentral.trainer.stop.stop_margin]): more steps than two
+members can be apart, so that none has begun `J` when it is proposed. The members look every `LOOK_EVERY` steps
+only (a store round trip each), and `J` leaves room for that ([`Joins`][lightning_decentral.membership.rejoin.Joins]). The members pause for the agreement and
+one handover (the source alone sends). A rank that cannot rejoin (the run does not take rejoins, it is over, the
+grown graph is not connected, no decision admits it within the timeout) stops at once with
+[`CannotRejoin`][lightning_decentral.membership.rejoin.CannotRejoin]. A rank that is not one of the ranks the run
+started with is refused ([`refuse_new_rank`][lightning_decentral.membership.rejoin.refuse_new_rank]).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from lightning_decentral.failures import GuardedStore
+from lightning_decentral.membership.protocol import POLL, Decision, Excluded, Membership
+from lightning_decentral.rendezvous import LeftOut
+from lightning_decentral.topology import Topology
+
+CURRENT = "lightning_decentral/current"  # the run in progress, as its lowest-ranked member last published it
+LOOK_EVERY = 5  # the members look for ranks asking at the steps that are multiples of it (one store round trip)
+
+
+class CannotRejoin(LeftOut):
+    """A lost rank started again cannot rejoin the run in progress (the reason says why and what to do)."""
+
+
+def publish(store: Any, membership: Membership, **extra: Any) -> None:
+    """Say what a rank that rejoins needs: the run's prefix, generation, members and size at the start, and `extra`
+    (the job's token, whether rejoins are taken, the margin). The lowest-ranked member writes it."""
+    if membership.members[0] == membership.first_rank:
+        info = dict(run=membership.run, generation=membership.generation, members=membership.members,
+                    start_size=membership.start_size, **extra)
+        store.set(CURRENT, json.dumps(info))
+
+
+def current(store: Any) -> Optional[dict[str, Any]]:
+    """The run in progress as its members last published it (`run`, `generation`, `members` by their first ranks,
+    `start_size`, `rejoin`, ...), or `None`: what a rank that rejoins reads first, and what a test or a soak can watch
+    (`current(dist.TCPStore(host, port, is_master=False))["members"]`)."""
+    return json.loads(store.get(CURRENT)) if store.check([CURRENT]) else None
+
+
+def asking(store: Any) -> list[int]:
+    """The ranks asking to rejoin the run in progress now (its current generation), for a test or a soak to watch."""
+    info = current(store)
+    if info is None:
+        return []
+    if not store.check([_key(info, "asks", info["generation"])]):  # what the members look at: written last
+        return []
+    left_out = [r for r in range(info["start_size"]) if r not in info["members"]]
+    return [r for r in left_out if store.check([_key(info, "ask", info["generation"], r)])]
+
+
+def _key(info: dict[str, Any], *parts: Any) -> str:
+    """The key of `parts` under the run `info` describes (as [`Membership.key`][lightning_decentral.membership.Membership.key])."""
+    return "/".join(["lightning_decentral", info["run"], *map(str, parts)])
+
+
+def source_for(joiner: int, members: Sequence[int], joined: Sequence[int], topology: Topology) -> int:
+    """The member that hands its state to `joiner`: the lowest-ranked member (by first rank) adjacent to it in the
+    grown topology `topology` (bound to `len(members)`, member `members[i]` its rank `i`; an edge of any `W(k)` of a
+    period), not itself rejoining; else (no such neighbour) the lowest-ranked member not rejoining. A neighbour,
+    because its replica is the nearest the joiner's would have been: it mixed with the joiner's place in the graph
+    before the loss; the lowest rank, so that every member and the simulation name the same one without a word.
+
+    Examples:
+        >>> from lightning_decentral.topology import Ring
+        >>> source_for(3, [0, 1, 2, 3, 4], [3], Ring(world_size=5))  # ring 0-1-2-3-4-0: 3's neighbours are 2 and 4
+        2
+    """
+    me, joining = list(members).index(joiner), set(joined)
+    touches = [
+        members[j] for j in range(len(members))
+        if members[j] not in joining
+        and any(topology.mixing(k)[me, j] != 0 or topology.mixing(k)[j, me] != 0 for k in range(topology.period))
+    ]
+    return min(touches) if touches else min(m for m in members if m not in joining)
+
+
+def refuse_new_rank(store: Any, rank: int, world_size: int) -> None:
+    """Raise `CannotRejoin` if a run in progress on this store started with another number of ranks (a new rank,
+    growing 4 -> 5): only a lost rank started again with its own `RANK` and `WORLD_SIZE` rejoins."""
+    info = current(store)
+    if info is not None and info["start_size"] != world_size and _beating(store, _key(info, "heartbeat", info["members"][0])):
+        raise CannotRejoin(
+            f"Rank {rank} of {world_size} found a run of {info['start_size']} ranks in progress on this store: a new "
+            "rank cannot join a running job (its data shard, its place in the graph and every rank's share of the data "
+            "are fixed at the start). Only a lost rank started again with its own RANK and WORLD_SIZE rejoins "
+            "(rejoin=True); to grow, save a checkpoint and start the job again with more processes."
+        )
+
+
+def _beating(store: Any, heartbeat: str, look: float = 1.0) -> bool:
+    """Whether the counter `heartbeat` moves within `look` seconds (its member is alive)."""
+    if not store.check([heartbeat]):
+        return False
+    first = store.get(heartbeat)
+    time.sleep(look)
+    return store.get(heartbeat) != first
+
+
+class Joins:
+    """The members' side: at the start of every `LOOK_EVERY`-th step (`k % LOOK_EVERY == 0`), one look at the store
+    for ranks asking to rejoin; the first member to see one proposes the join step `J`, the first multiple of
+    `LOOK_EVERY` at least `k + margin + LOOK_EVERY`. Every member looks at least once between the proposal and `J`
+    (members are fewer than `margin` steps apart, and look every `LOOK_EVERY` steps), so none passes `J` unaware.
+
+    Examples:
+        >>> import torch.distributed as dist
+        >>> from datetime import timedelta
+        >>> from lightning_decentral.failures import GuardedStore
+        >>> store = GuardedStore.around(dist.HashStore(), timedelta(seconds=5))
+        >>> members = [Membership(store, lambda: store, "run", r, 3, silence=5.0, min_workers=1) for r in (0, 1, 2)]
+        >>> joins = [Joins(m, margin=lambda: 3) for m in members]
+        >>> store.add(members[0].key("asks", 0), 1)  # a rank asks
+        1
+        >>> [joins[0].due(k) for k in (9, 10)], joins[0].step  # looks at 10: J = 20, the first multiple of 5 >= 18
+        ([False, False], 20)
+        >>> [joins[1].due(k) for k in (12, 15, 20)], joins[1].step  # looks at 15, finds J
+        ([False, False, True], 20)
+
+    Args:
+        membership: this member's membership.
+        margin: the join step is `k + margin()` for a request first seen at step `k` (the executor's stop margin of
+            the current graph).
+    """
+
+    def __init__(self, membership: Membership, margin: Callable[[], int]) -> None:
+        self.membership, self.margin = membership, margin
+        self.step: Optional[int] = None  # the agreed join step of this generation
+        self._generation = membership.generation
+        self._looked = -1
+
+    def due(self, step: int) -> bool:
+        """Whether the members admit the ranks asking before step `step` (at most one store round trip per step)."""
+        m = self.membership
+        if self._generation != m.generation:
+            self.step, self._generation = None, m.generation
+        if self.step is None and step != self._looked and step % LOOK_EVERY == 0:
+            self._looked = step
+            if m.store.check([m.key("asks", m.generation)]):
+                join = -(-(step + self.margin() + LOOK_EVERY) // LOOK_EVERY) * LOOK_EVERY
+                self.step = int(m.store.compare_set(m.key("grow", m.generation), "", str(join)))
+        if self.step is not None and step > self.step:
+            raise RuntimeError(
+                f"Step {step} is past the join step {self.step} the members agreed on: they were more than "
+                f"{self.margin()} steps apart. This is a bug of lightning_decentral's margin; please report it."
+            )
+        return step == self.step
+
+    def asking(self) -> list[int]:
+        """The ranks of the start, not members, that ask to rejoin this generation."""
+        m = self.membership
+        return [r for r in m.left_out if m.store.check([m.key("ask", m.generation, r)])]
+
+
+def ask(membership: Membership, topology: Topology, timeout: float) -> Decision:
+    """The joiner's side: ask to rejoin the run in progress and wait until the members admit this rank (a failure
+    decided meanwhile: ask the next generation); returns the decision, adopted. `membership` is this rank's, started
+    (its heartbeat beats), its prefix the run's; `topology` the run's at the start. Raises `CannotRejoin`."""
+    store, rank, deadline = membership.store, membership.first_rank, time.monotonic() + timeout
+    while True:
+        info = _joinable(store, rank, topology)
+        if info is None:  # its loss is not decided yet: the members still count it
+            _wait_a_little(deadline, rank, "the members to decide it was lost")
+            continue
+        membership.enter(info["generation"], info["members"])
+        g = membership.generation
+        store.set(membership.key("ask", g, rank), "1")
+        store.add(membership.key("asks", g), 1)
+        decided = membership.key("decide", g)
+        while not store.check([decided]):
+            if all(membership.left(m) for m in membership.members):
+                raise CannotRejoin(f"Rank {rank} cannot rejoin: the run it was lost by is over (every member left).")
+            _wait_a_little(deadline, rank, f"the members to admit it (generation {g})")
+        try:
+            return membership.adopt(json.loads(store.get(decided)))
+        except Excluded:  # a failure was decided first: ask the next generation
+            continue
+
+
+def run_in_progress(store: Any, rank: int) -> dict[str, Any]:
+    """The run in progress that `rank` was lost by ([`current`][lightning_decentral.membership.rejoin.current]), if it
+    takes rejoins; else `CannotRejoin`."""
+    info = current(store)
+    if info is None or not info.get("rejoin"):
+        raise CannotRejoin(
+            f"Rank {rank} cannot rejoin the run in progress: it does not take rejoins. Pass rejoin=True (with "
+            "on_peer_failure='continue') to every rank's DecentralizedStrategy, or let the survivors finish and resume "
+            "from their checkpoint."
+        )
+    return info
+
+
+def _joinable(store: GuardedStore, rank: int, topology: Topology) -> Optional[dict[str, Any]]:
+    info = run_in_progress(store, rank)
+    if rank in info["members"]:
+        return None
+    grown = sorted([*info["members"], rank])
+    try:
+        topology.for_members(grown)
+    except ValueError as error:
+        raise CannotRejoin(f"Rank {rank} cannot rejoin: the graph of ranks {grown} would not be connected ({error}).") from None
+    return info
+
+
+def _wait_a_little(deadline: float, rank: int, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise CannotRejoin(f"Rank {rank} cannot rejoin: it waited for {what} for longer than the timeout.")
+    time.sleep(POLL * 5)
+
+
+def hand_over(state: Any, to: int) -> None:
+    """The source: send `state` (a picklable object of tensors) to rank `to` of the current default group."""
+    dist.send_object_list([state], dst=to)
+
+
+def take_over(source: int) -> Any:
+    """The joiner: what rank `source` of the current default group sends with `hand_over`."""
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=source)
+    return box[0]

@@ -1,0 +1,62 @@
+"""What the Trainer's strategy adds for a lost rank that rejoins a run in progress (`rejoin=True`,
+[`membership.rejoin`][lightning_decentral.membership.rejoin]): the state a member hands over, and how the rank that
+rejoins resumes from it as from a checkpoint, over the network.
+
+The state is this rank's shard (replica, optimizer, precision plugin, rule state: DecentLaM's and the outer step's) as
+a save writes it ([`make_shard`][lightning_decentral.checkpoint.make_shard]), the fit loop's state and the learning-rate
+schedulers'. The rank that rejoins loads the replica, and the Trainer restores the rest after the strategy's setup,
+as for `fit(ckpt_path=...)`: the loops (the step, the epoch, the batch), the optimizer, the schedulers. It keeps its
+own random state and its own data shard; the callbacks start afresh (a `ModelCheckpoint`'s best score is not sent).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning.pytorch import LightningModule
+
+from lightning_decentral import checkpoint as shards
+from lightning_decentral._compat.lightning import resume_from_state
+from lightning_decentral.failures import Activities
+from lightning_decentral.membership import Join
+from lightning_decentral.membership.rejoin import source_for, take_over
+
+
+class Rejoining:
+    """The Trainer's `DecentralizedStrategy`'s side of a rejoin (a mixin: listed before `OnProcesses`)."""
+
+    joined: Optional[Join]
+    lightning_module: LightningModule
+
+    def handover_state(self) -> dict[str, Any]:
+        """What this member hands to a rank that rejoins (see the module docstring), when step `k` begins."""
+        trainer = self.lightning_module.trainer
+        parts = self._shard_parts({"optimizer_states": None})  # type: ignore[attr-defined]
+        return {
+            "shard": shards.make_shard(0, self.global_rank, self.world_size, **parts),  # type: ignore[attr-defined]
+            "loops": {"fit_loop": trainer.fit_loop.state_dict()},
+            "epoch": trainer.current_epoch,
+            "global_step": trainer.global_step,
+            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        }
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """`fit(ckpt_path=...)` on a rank that rejoins (the same command as the members'): read the file alone, no
+        agreement with the members (theirs is past); the state handed over replaces what it restores."""
+        if self.joined is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
+        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[attr-defined]
+
+    def take_over_state(self) -> None:
+        """A rank that rejoins, in `configure_ddp`, paired with the members' collectives after a join: publish its
+        activities, receive the source's state, load the replica, and have the Trainer restore the rest after setup."""
+        decision = self.joined
+        assert decision is not None
+        self.activities = Activities.of_group(self._ranks, self._timeout)  # type: ignore[attr-defined]
+        source = source_for(self.first_rank, decision.members, decision.joined, self.driver.topology)  # type: ignore[attr-defined]
+        state = take_over(decision.members.index(source))
+        shard = {**state.pop("shard"), "rng": shards.rng_state()}  # its own random state, not the source's
+        self.lightning_module.load_state_dict(shard["state_dict"])
+        self._resume_shard = shard
+        precision_key = type(self.precision_plugin).__qualname__  # type: ignore[attr-defined]
+        resume_from_state(self.lightning_module.trainer, shards.with_shard(state, shard, precision_key))

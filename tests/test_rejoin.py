@@ -1,0 +1,160 @@
+"""A lost rank started again rejoins the run in progress (`rejoin=True`): processes launched one by one as a launcher
+would, `SIGKILL`ed by themselves, started again; every process bounded (`BOUND`)."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_decentral import SimulatedDecentralizedStrategy
+from lightning_decentral.membership.rejoin import asking
+from tests import survival_workers as workers
+from tests.helpers import free_port, start_processes, start_rank
+
+BOUND = 240.0  # seconds any process of a test may run (seconds alone; minutes when the 2 cores are shared ten ways)
+
+
+def _wait_for(condition, deadline: float) -> None:
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _kill_rejoin(tmp_path: Path, world_size: int, dead: int, die_at: int, hold_at: int, steps: int, **strategy):
+    """`world_size` ranks, `dead` killed when step `die_at` starts; once the others decided to go on (they then wait at
+    the start of step `hold_at`), `dead` is started again with the same command, and the others are released once it
+    asks to rejoin. Every process's result (or error), by rank: the first `world_size` then the one started again."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=steps, hold_at=hold_at, **strategy)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_error, world_size, out, port=port, deaths={dead: die_at}, **run)
+        restarted = None
+        try:
+            deadline = time.monotonic() + BOUND
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
+            restarted = start_rank(workers.survive_or_error, dead, world_size, port, again, deaths={}, **run)
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+            _wait_for(lambda: asking(store) == [dead] or not restarted.is_alive(), deadline)
+            (tmp_path / "released").touch()
+            for p in [*procs, restarted]:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in [*procs, restarted]:
+                if p is not None and p.is_alive():
+                    p.kill()
+        results = {r: pickle.loads((Path(out) / f"{r}.pkl").read_bytes())[1] for r in range(world_size) if r != dead}
+        results[dead] = pickle.loads((Path(again) / f"{dead}.pkl").read_bytes())[1]
+    return results
+
+
+def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: Path) -> None:
+    """3 ranks on a ring, momentum SGD, rank 2 killed at step 3; the survivors go on as 2; rank 2 started again asks
+    while they wait at step 6: at step 10 (they look every 5 steps) they agree on the join step 20 (the first multiple
+    of 5 from 10 + 3, the stop margin of a ring of 2, + 5), rank 0 (its lowest-ranked neighbour) hands it its state,
+    and all three end at step 30 as 3 ranks, finite and close."""
+    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=6, steps=30, rejoin=True)
+    for rank, r in sorted(results.items(), reverse=True):
+        assert isinstance(r, dict), f"rank {rank}: {r}"
+        assert (r["world_size"], r["global_step"]) == (3, 30), (rank, r["world_size"], r["global_step"])
+        assert torch.isfinite(r["replica"]).all()
+    last = results[0]["decisions"][-1]
+    assert (last["joined"], last["members"], last["step"]) == ((2,), (0, 1, 2), 19), last
+    assert results[2]["decisions"][-1] == last
+    replicas = torch.stack([results[r]["replica"] for r in range(3)])
+    apart = (replicas - replicas.mean(0)).norm(dim=1)  # after 10 steps mixing: as near x̄ as the members
+    assert apart[2] <= 2 * apart[:2].max(), apart
+
+
+def test_the_launcher_starts_a_killed_worker_again_and_it_rejoins(tmp_path: Path) -> None:
+    """`lightning-decentral-launch --max-restarts 1`, 3 workers, rank 1 killed at step 5: the launcher starts it again;
+    once it asks to rejoin (the others wait at step 10 until then), it rejoins, and all three end at step 30 as 3
+    ranks; the launcher exits 0."""
+    script, port = Path(__file__).with_name("survival_script.py"), free_port()
+    command = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", "3", "--max-restarts", "1",
+               "--master-port", str(port)]
+    arguments = ["--out", str(tmp_path), "--deaths", "1:5", "--steps", "30", "--min-workers", "1", "--rejoin", "--hold-at", "10"]
+    launcher = subprocess.Popen([*command, str(script), *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + BOUND
+        _wait_for(lambda: (tmp_path / "decided").exists() or launcher.poll() is not None, deadline)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+        _wait_for(lambda: asking(store) == [1] or launcher.poll() is not None, deadline)
+        (tmp_path / "released").touch()
+        stdout, stderr = launcher.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "worker 1 (pid" in stdout and "was killed by SIGKILL" in stdout
+    assert "lightning-decentral-launch: worker 1 started again (pid" in stdout and "restart 1 of 1" in stdout
+    results = [torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False) for rank in range(3)]
+    for r in results:
+        assert (r["world_size"], r["global_step"]) == (3, 30) and torch.isfinite(r["replica"]).all()
+        assert r["decisions"][-1]["joined"] == (1,) and r["decisions"][-1]["members"] == (0, 1, 2)
+
+
+def test_the_simulation_brings_a_worker_back_as_the_processes_bring_a_rank_back(tmp_path: Path) -> None:
+    """The run of the first test to step 26 (the join step 20 is an epoch boundary: the rank started again reads its
+    shard from the epoch's start), against `SimulatedDecentralizedStrategy(failures={s: [2]}, rejoins={20: [2]})` with
+    the processes' agreed failure step `s`: the same replicas, to float tolerance."""
+    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=6, steps=26, rejoin=True)
+    assert all(isinstance(r, dict) for r in results.values()), results
+    lost, joined = results[0]["decisions"]
+    assert joined["joined"] == (2,) and joined["step"] == 19, joined
+    simulated = workers.simulate(3, {2: lost["step"]}, 26, "ring", rejoins={20: [2]})
+    for rank in range(3):
+        torch.testing.assert_close(simulated[rank], results[rank]["replica"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_rank_that_cannot_rejoin_stops_at_once_with_a_clear_error(tmp_path: Path) -> None:
+    """3 ranks without rejoin=True, rank 2 killed at step 3; while the survivors wait at step 6, rank 2 started again
+    with rejoin=True stops at once (the run does not take rejoins), and so does a new rank 3 of 4 (a new rank cannot
+    join); the survivors finish as 2."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=10, hold_at=6)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_error, 3, out, port=port, deaths={2: 3}, **run)
+        started = []
+        try:
+            deadline = time.monotonic() + BOUND
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
+            started = [
+                start_rank(workers.survive_or_error, 2, 3, port, again, deaths={}, rejoin=True, **run),
+                start_rank(workers.survive_or_error, 3, 4, port, again, deaths={}, rejoin=True, **run),
+            ]
+            for p in started:
+                p.join(max(0.0, deadline - time.monotonic()))
+            (tmp_path / "released").touch()
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert [p.exitcode for p in [*procs[:2], *started]] == [0, 0, 0, 0]
+        finally:
+            for p in [*procs, *started]:
+                if p.is_alive():
+                    p.kill()
+        lost, new = (pickle.loads((Path(again) / f"{rank}.pkl").read_bytes())[1] for rank in (2, 3))
+        survivors = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+    assert lost.startswith("CannotRejoin: Rank 2 cannot rejoin the run in progress: it does not take rejoins. Pass rejoin=True"), lost
+    assert new.startswith("CannotRejoin: Rank 3 of 4 found a run of 3 ranks in progress on this store: a new rank cannot join"), new
+    for r in survivors:
+        assert (r["world_size"], r["global_step"]) == (2, 10)
+
+
+def test_rejoin_is_checked_when_the_strategy_is_built() -> None:
+    from lightning_decentral import DecentralizedStrategy
+    from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
+
+    with pytest.raises(ValueError, match="rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue'"):
+        DecentralizedStrategy(rejoin=True)
+    with pytest.raises(ValueError, match="rejoin=True is supported by the Trainer's DecentralizedStrategy only"):
+        FabricStrategy(on_peer_failure="continue", rejoin=True)
+    with pytest.raises(ValueError, match=r"`rejoins` maps an optimizer step to workers lost by `failures` at an earlier step"):
+        SimulatedDecentralizedStrategy(workers=4, failures={3: [2]}, rejoins={3: [2]})
