@@ -25,7 +25,7 @@ from lightning_decentral.membership import (
     store_host,
 )
 from lightning_decentral.failures import LATE, wait_works
-from tests.helpers import free_port, start_rank
+from tests.helpers import start_rank
 
 
 _MADE: list[Membership] = []
@@ -33,8 +33,8 @@ _MADE: list[Membership] = []
 
 @pytest.fixture()
 def connect() -> Callable[[], dist.TCPStore]:
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    port = server.port  # bound by the server itself: no other process can take it between a probe and the bind
     yield lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     while _MADE:  # stop the heartbeats before the store goes
         _MADE.pop().close()
@@ -120,8 +120,8 @@ def test_a_member_whose_process_is_gone_is_polled_before_the_silence() -> None:
     does) and nobody announces anything: once rank 1 has been silent for the confirmation window, its beacon is probed
     and `poll` says it is gone, long before the silence (a minute). A member that said it leaves (its run is over) is
     no failure to poll for."""
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    port = server.port  # bound by the server itself: no other process can take it between a probe and the bind
     connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
     process = start_rank(_member_until_killed, 1, 3, port, tempfile.gettempdir(), store_port=port)
     members = [Membership(GuardedStore(connect, timeout=10.0, where="test"), connect, "run", r, 3, silence=60.0, min_workers=1) for r in (0, 2)]

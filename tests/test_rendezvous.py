@@ -66,8 +66,8 @@ def test_a_rank_that_never_starts_ends_the_others_with_a_timeout_naming_the_fix(
 def test_a_new_generation_on_the_same_store_sees_none_of_the_earlier_ones_keys() -> None:
     """What broke torchrun restarts: the agent's store outlives the workers and torch names the keys alike in every
     generation. Here the store is hosted by this process, as rank 0 (or torchrun's agent) hosts it."""
-    port = free_port()
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    port = server.port  # bound by the server itself: no other process can take it between a probe and the bind
 
     def rank_of_a_generation(rank: int) -> dist.Store:
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
