@@ -9,8 +9,8 @@ Every run trains the digits MLP of ``examples/reproduce/common.py`` (momentum SG
 each worker its shard) with ``DecentralizedStrategy`` on a ring, on ``--workers`` processes over gloo, and
 validates ``x̄`` on the 359 held-out digits at the last step. Three modes, each for every seed:
 
-* ``free``: ``lightning-decentral-launch``, ``on_peer_failure="continue"``, nothing killed;
-* ``rejoin``: ``lightning-decentral-launch --max-restarts K``, ``on_peer_failure="continue"``; each time the run's
+* ``free``: ``lightning-decentral-launch``, ``on_peer_failure="continue", rejoin=True``, nothing killed;
+* ``rejoin``: ``lightning-decentral-launch --max-restarts K``, the same strategy; each time the run's
   furthest step passes a multiple of ``--kill-every``, this script kills a random worker that is training
   (``SIGKILL`` by the PID it wrote), the launcher starts it again and it rejoins the others;
 * ``torchrun``: ``torchrun --max-restarts K``, ``on_peer_failure="stop"``, ``ModelCheckpoint`` every
@@ -73,8 +73,9 @@ def worker(args: argparse.Namespace) -> None:
     if args.mode == "torchrun":
         callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=args.save_every, save_last=True))
         resume = "last" if Path(out, "checkpoints", "last.ckpt").exists() else None
-    failure = "stop" if args.mode == "torchrun" else "continue"
-    strategy = DecentralizedStrategy(topology="ring", on_peer_failure=failure, timeout=timedelta(seconds=30))
+    survive = {"on_peer_failure": "continue", "rejoin": True}  # free: the same strategy as rejoin, nothing killed
+    options = {"on_peer_failure": "stop"} if args.mode == "torchrun" else survive
+    strategy = DecentralizedStrategy(topology="ring", timeout=timedelta(seconds=30), **options)
     pl.seed_everything(args.seed, verbose=False)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.steps,
