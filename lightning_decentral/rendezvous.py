@@ -121,12 +121,13 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: tim
     if world_size == 1:
         return uuid.uuid4().hex
     base = dist.PrefixStore(HANDSHAKE, store)
-    _refuse_if_kept_out(base, rank)
+    over = _refuse_if_kept_out(base, rank)
     if rank == 0:
         return _hand_out_token(base, world_size, timeout)
     nonce = uuid.uuid4().hex
     base.set(f"hello/{rank}", nonce)
-    _wait(base, [f"ack/{nonce}"], timeout, f"rank {rank} waited for rank 0 to answer")
+    why = f" (rank {rank} was lost by an earlier run on this store, which is over: start every rank again)" if over else ""
+    _wait(base, [f"ack/{nonce}"], timeout, f"rank {rank} waited for rank 0 to answer{why}")
     token = base.get(f"ack/{nonce}").decode()
     base.delete_key(f"ack/{nonce}")
     base.add(f"joined/{token}", 1)
@@ -149,11 +150,12 @@ def keep_out(store: dist.Store, ranks: Iterable[int]) -> None:
         store.add(f"{HANDSHAKE}/left_out/{rank}", 1)
 
 
-def _refuse_if_kept_out(base: dist.Store, rank: int) -> None:
-    """Raise `LeftOut` if a run in progress keeps `rank` out: its `keep_out` mark moves within `KEPT_OUT_LOOK` s."""
+def _refuse_if_kept_out(base: dist.Store, rank: int) -> bool:
+    """Raise `LeftOut` if a run in progress keeps `rank` out: its `keep_out` mark moves within `KEPT_OUT_LOOK` s.
+    Whether an earlier run on this store, now over, had left `rank` out (its mark stands still)."""
     key = f"left_out/{rank}"
     if not base.check([key]):
-        return
+        return False
     first = base.get(key)
     time.sleep(KEPT_OUT_LOOK)
     if base.get(key) != first:
@@ -163,6 +165,7 @@ def _refuse_if_kept_out(base: dist.Store, rank: int) -> None:
             "resume on as many processes), or stop them and start the whole job again from its newest checkpoint, "
             "every rank together."
         )
+    return True
 
 
 def _hand_out_token(base: dist.Store, world_size: int, timeout: timedelta) -> str:

@@ -101,6 +101,35 @@ def test_the_launcher_starts_a_killed_worker_again_and_it_rejoins(tmp_path: Path
         assert r["decisions"][-1]["joined"] == (1,) and r["decisions"][-1]["members"] == (0, 1, 2)
 
 
+def test_the_launcher_starts_nobody_again_once_the_run_is_over(tmp_path: Path) -> None:
+    """Worker 0 finishes with 0 (the run is over), then worker 1 fails: with restarts left, nobody is started again
+    (there is nothing to rejoin), and the launcher exits 0; a worker that fails while none has finished is started
+    again."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "rank, marks = os.environ['RANK'], sys.argv[1]\n"
+        "open(os.path.join(marks, 'start-' + rank), 'a').write('x')\n"
+        "if rank == '0':\n"
+        "    sys.exit(0)\n"
+        "while not os.path.exists(os.path.join(marks, 'start-0')): time.sleep(0.05)\n"
+        "time.sleep(0.5)\n"
+        "sys.exit(3)\n"
+    )
+    command = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", "2", "--max-restarts", "2"]
+    done = subprocess.run([*command, str(script), str(tmp_path)], capture_output=True, text=True, timeout=BOUND)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "worker 1 (pid" in done.stdout and "exited with 3" in done.stdout and "started again" not in done.stdout
+    assert (tmp_path / "start-1").read_text() == "x"  # started once
+
+    (tmp_path / "start-0").unlink()
+    (tmp_path / "start-1").unlink()
+    script.write_text(script.read_text().replace("if rank == '0':\n    sys.exit(0)", "if rank == '0':\n    sys.exit(2)"))
+    done = subprocess.run([*command, str(script), str(tmp_path)], capture_output=True, text=True, timeout=BOUND)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "worker 1 started again" in done.stdout and (tmp_path / "start-1").read_text() == "xxx"  # 2 restarts
+
+
 def test_the_simulation_brings_a_worker_back_as_the_processes_bring_a_rank_back(tmp_path: Path) -> None:
     """The run of the first test to step 26 (the join step 20 is an epoch boundary: the rank started again reads its
     shard from the epoch's start), against `SimulatedDecentralizedStrategy(failures={s: [2]}, rejoins={20: [2]})` with

@@ -108,6 +108,18 @@ def test_a_rank_that_a_run_in_progress_went_on_without_stops_at_once_and_an_old_
     assert len(set(tokens)) == 1 and all(isinstance(t, str) for t in tokens), tokens
 
 
+def test_a_rank_alone_after_the_run_that_lost_it_is_over_times_out_saying_so() -> None:
+    """A lost rank started again after its run finished (its mark stands still) waits for a new generation, as any
+    rank would, and its timeout says why nobody answers; a rank never lost gets the plain timeout."""
+    store, short = dist.HashStore(), timedelta(seconds=0.5)
+    rendezvous.keep_out(store, [2])
+    (lost,) = _on_threads(1, lambda rank: rendezvous.agree_generation(store, 2, 3, short))
+    assert isinstance(lost, TimeoutError)
+    assert "rank 2 was lost by an earlier run on this store, which is over: start every rank again" in str(lost)
+    (plain,) = _on_threads(1, lambda rank: rendezvous.agree_generation(store, 1, 3, short))
+    assert isinstance(plain, TimeoutError) and "earlier run" not in str(plain)
+
+
 def test_job_store_is_the_store_connect_made() -> None:
     port = free_port()
     store = rendezvous.connect("127.0.0.1", port, rank=0, world_size=1, timeout=TIMEOUT)
