@@ -3,7 +3,7 @@ without failures and against the restart path (torchrun ``--max-restarts`` from 
 
     python benchmarks/chaos.py                                    # 4 workers, 300 steps, a kill every 30 steps
     python benchmarks/chaos.py --workers 6 --steps 600 --seeds 3 --out chaos.md --out chaos.json
-    python benchmarks/chaos.py --smoke                            # 4 workers, 40 steps, one kill (the tests)
+    python benchmarks/chaos.py --smoke                            # 4 workers, 90 steps, one kill (the tests)
 
 Every run trains the digits MLP of ``examples/reproduce/common.py`` (momentum SGD, lr 0.1, batch 32 per worker,
 each worker its shard) with ``DecentralizedStrategy`` on a ring, on ``--workers`` processes over gloo, and
@@ -22,7 +22,10 @@ worker-steps of the final trajectory per second of wall time, from the launch un
 worker the distinct steps it completed (a step done again after a rollback counts once, a step missed while dead
 not at all), summed over the workers, over the wall time. The report gives it per mode and its ratio to ``free``;
 whether every worker still running at the end ended at the last step; and the accuracy of ``x̄`` (rank 0's
-validation at the last step).
+validation at the last step). Every step sleeps ``--step-sleep`` seconds first (emulated compute: on 2 cores the
+MLP's own steps are shorter than a restart by far). ``free`` and ``rejoin`` save a checkpoint at the last step; a
+further launch on as many processes resumes it, and ``resumes_exactly`` says whether every rank's replica at the
+start of that fit equals the one it ended with, bit for bit.
 """
 
 from __future__ import annotations
@@ -64,25 +67,45 @@ def worker(args: argparse.Namespace) -> None:
     Path(out, f"pid-{rank}").write_text(str(os.getpid()))
     progress = open(Path(out, f"progress-{rank}"), "a", buffering=1)
 
+    def replica(module: pl.LightningModule) -> torch.Tensor:
+        return torch.nn.utils.parameters_to_vector(module.parameters()).detach().clone()
+
     class Progress(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            if args.mode == "check":  # the replica as the end checkpoint restored it
+                torch.save(replica(module), out / f"resumed-{rank}.pt")
+
+        def on_train_batch_start(self, *rest: Any) -> None:
+            time.sleep(args.step_sleep)  # emulated compute
+
         def on_train_batch_end(self, trainer: pl.Trainer, *rest: Any) -> None:
             progress.write(f"{trainer.global_step} {time.time()}\n")
 
+        def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+            if args.mode != "check":
+                torch.save(replica(module), out / f"replica-{rank}.pt")
+
     callbacks: list[pl.Callback] = [Progress()]
-    resume = None
+    resume, steps, end = None, args.steps, out / "end" / "end.ckpt"
     if args.mode == "torchrun":
         callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=args.save_every, save_last=True))
         resume = "last" if Path(out, "checkpoints", "last.ckpt").exists() else None
+    elif args.mode == "check":
+        resume, steps = end, args.steps + 1  # resume the end checkpoint on as many processes, one step more
+    else:  # the checkpoint at the end, which the check mode resumes
+        callbacks.append(ModelCheckpoint(dirpath=end.parent, filename=end.stem, every_n_train_steps=args.steps))
     survive = {"on_peer_failure": "continue", "rejoin": True}  # free: the same strategy as rejoin, nothing killed
     options = {"on_peer_failure": "stop"} if args.mode == "torchrun" else survive
     strategy = DecentralizedStrategy(topology="ring", timeout=timedelta(seconds=30), **options)
     pl.seed_everything(args.seed, verbose=False)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=args.steps,
-        callbacks=callbacks, logger=False, enable_checkpointing=args.mode == "torchrun", enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, check_val_every_n_epoch=None, val_check_interval=args.steps,
+        strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=steps,
+        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        check_val_every_n_epoch=None, val_check_interval=args.steps,
     )
     trainer.fit(common.DigitsMLP(0.1, 0.9, batch=32, seed=args.seed), ckpt_path=resume)
+    if args.mode == "check":
+        return
     accuracy = trainer.callback_metrics.get("val_acc")
     result = {"step": trainer.global_step, "val_acc": None if accuracy is None else float(accuracy)}
     Path(out, f"result-{rank}.json").write_text(json.dumps(result))
@@ -100,7 +123,7 @@ def _command(mode: str, args: argparse.Namespace, out: str, seed: int) -> list[s
         launch = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", str(args.workers)]
         launch += ["--max-restarts", restarts] if mode == "rejoin" else []
     work = ["--worker", "--mode", mode, "--dir", out, "--steps", str(args.steps), "--seed", str(seed),
-            "--save-every", str(args.save_every)]
+            "--save-every", str(args.save_every), "--step-sleep", str(args.step_sleep)]
     return [*launch, __file__, *work]
 
 
@@ -126,11 +149,12 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         launcher = subprocess.Popen(_command(mode, args, out, seed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     text=True, start_new_session=True)
         kills: list[dict[str, Any]] = []
-        next_kill, restarted_at = args.kill_every, {r: start for r in range(args.workers)}
+        next_kill, restarted_at, timed_out = args.kill_every, {r: start for r in range(args.workers)}, False
         try:
             while launcher.poll() is None:
                 if time.time() - start > args.timeout:
-                    raise TimeoutError(f"{mode} run (seed {seed}) still running after {args.timeout} s")
+                    timed_out = True
+                    break
                 furthest = max((s[-1][0] for s in (_steps(out, r) for r in range(args.workers)) if s), default=0)
                 if mode != "free" and furthest >= next_kill and next_kill < args.steps:
                     live = [r for r in range(args.workers) if _training(out, r, restarted_at[r])]
@@ -150,13 +174,30 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             log = launcher.communicate()[0]
         wall = time.time() - start
         steps = {r: _steps(out, r) for r in range(args.workers)}
+        resumes = _resumes_exactly(args, out, seed) if mode != "torchrun" and launcher.returncode == 0 else None
+        if timed_out:
+            reached = {r: s[-1][0] if s else None for r, s in steps.items()}
+            raise TimeoutError(f"{mode} run (seed {seed}) still running after {args.timeout} s; the last step of each "
+                               f"worker: {reached}; kills: {kills}; the launcher's output:\n{log[-6000:]}")
         results = {r: json.loads(p.read_text()) for r in range(args.workers) if (p := Path(out, f"result-{r}.json")).exists()}
     distinct = sum(len({step for step, _ in s}) for s in steps.values())
     return {
         "mode": mode, "seed": seed, "exit": launcher.returncode, "wall_s": wall, "worker_steps": distinct,
         "goodput": distinct / wall, "kills": kills, "ended_at": {r: res["step"] for r, res in results.items()},
-        "val_acc": results.get(0, {}).get("val_acc"), "log": log[-3000:] if launcher.returncode else "",
+        "val_acc": results.get(0, {}).get("val_acc"), "resumes_exactly": resumes, "log": log[-3000:],
     }
+
+
+def _resumes_exactly(args: argparse.Namespace, out: str, seed: int) -> bool:
+    """Whether the checkpoint a run saved at its last step, resumed by a new launch on as many processes, gives every
+    rank the replica it ended with, bit for bit."""
+    done = subprocess.run(_command("check", args, out, seed), capture_output=True, text=True, timeout=args.timeout)
+    if done.returncode:
+        raise RuntimeError(f"resuming the end checkpoint failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
+    import torch
+
+    pairs = [(Path(out, f"replica-{r}.pt"), Path(out, f"resumed-{r}.pt")) for r in range(args.workers)]
+    return all(torch.equal(torch.load(a), torch.load(b)) for a, b in pairs)
 
 
 # -- the report ------------------------------------------------------------------------------------------------
@@ -193,16 +234,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take before it is killed")
     parser.add_argument("--directory", default=None, help="where the runs write (default: the system's temporary)")
     parser.add_argument("--out", action="append", default=[])
-    parser.add_argument("--smoke", action="store_true", help="4 workers, 40 steps, a kill at step 20")
+    parser.add_argument("--smoke", action="store_true", help="4 workers, 90 steps, a kill at step 45")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--step-sleep", type=float, default=0.2, help="seconds of emulated compute per step")
+    parser.add_argument("--mode", choices=[*MODES, "check"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args)
     if args.smoke:
-        args.workers, args.steps, args.kill_every, args.timeout = 4, 40, 20, 240.0
+        args.workers, args.steps, args.kill_every, args.timeout = 4, 90, 45, 240.0
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(args.modes) - set(MODES))
     if unknown:

@@ -13,7 +13,8 @@ the forked workers joining with ``Trainer(num_nodes=n, devices=1)``, one process
 ``dpsgd_one_peer`` (AWC on ``one_peer_exponential`` every step); ``diloco`` (``topology="complete"``,
 ``gossip_every=H``, DiLoCo's outer Nesterov step); ``outer_one_peer`` (the same outer step over one-peer gossip);
 ``outer_one_peer_sign`` and ``diloco_sign`` (the same with ``compression="sign"``; a method the strategy refuses
-is skipped, with its reason).
+is skipped, with its reason); ``dpsgd_ring``, ``outer_ring`` and ``outer_ring_sign`` (the same on a ring, a graph
+whose edges are the same at every round).
 
 ``ddp`` trains ``--steps`` (500) optimizer steps, where every method's loss is compared (the same tokens); the
 others go on to ``--extend`` (2) times that, to see when they reach ddp's final loss.
@@ -61,12 +62,15 @@ def methods(every: int) -> dict[str, Optional[dict[str, Any]]]:
         "outer_one_peer": simulated["outer_one_peer"],
         "outer_one_peer_sign": simulated["outer_one_peer_sign"],
         "diloco_sign": simulated["diloco_sign"],
+        "dpsgd_ring": {"topology": "ring"},
+        "outer_ring": {**simulated["outer_one_peer"], "topology": "ring"},
+        "outer_ring_sign": {**simulated["outer_one_peer_sign"], "topology": "ring"},
     }
 
 
 # what each method is compared with for the bytes goal: the same topology exchanging at every step
 SAME_TOPOLOGY_EVERY_STEP = {"diloco": "ddp", "outer_one_peer": "dpsgd_one_peer", "outer_one_peer_sign": "dpsgd_one_peer",
-                            "diloco_sign": "ddp"}
+                            "diloco_sign": "ddp", "outer_ring": "dpsgd_ring", "outer_ring_sign": "dpsgd_ring"}
 
 
 def make_strategy(options: Optional[dict[str, Any]]) -> Any:

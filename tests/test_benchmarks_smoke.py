@@ -160,7 +160,8 @@ def test_outer_network_smoke(tmp_path: Path) -> None:
     _run_smoke("outer_network.py", "--out", str(out))
     (profile,) = json.loads(out.read_text())["profiles"]
     rows = {row["method"]: row for row in profile["rows"]}
-    every = {"ddp", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_sign", "diloco_sign"}
+    every = {"ddp", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_sign", "diloco_sign", "dpsgd_ring", "outer_ring",
+             "outer_ring_sign"}
     assert set(rows) | set(profile["skipped"]) == every
     assert every <= set(rows)  # compression composes with the outer optimizer: nothing refused
     assert rows["outer_one_peer_sign"]["bytes_vs_every_step"] < rows["outer_one_peer"]["bytes_vs_every_step"]
