@@ -348,6 +348,7 @@ class Membership:
         adopted = self.store.add(self.key("adopted", self.generation), 1)
         self.members, self.generation = list(decision.members), decision.generation
         self.decisions.append(decision)
+        keep_out(self.store, self.left_out)  # at once, not at the next heartbeat: a lost rank started now sees it
         if len(self.members) < self.min_workers:
             # the run ends here: let every survivor read the decision before any leaves (one may host the store, and
             # it leaves only once every survivor has read it: a store gone meanwhile means they all have)
