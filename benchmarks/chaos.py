@@ -146,7 +146,8 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     chooser = random.Random(seed)
     with tempfile.TemporaryDirectory(dir=args.directory) as out:
         start = time.time()
-        launcher = subprocess.Popen(_command(mode, args, out, seed), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        output = open(Path(out, "launcher.log"), "w+")  # a file, not a pipe: nobody blocks on a full pipe meanwhile
+        launcher = subprocess.Popen(_command(mode, args, out, seed), stdout=output, stderr=subprocess.STDOUT,
                                     text=True, start_new_session=True)
         kills: list[dict[str, Any]] = []
         next_kill, restarted_at, timed_out = args.kill_every, {r: start for r in range(args.workers)}, False
@@ -171,7 +172,10 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         finally:
             if launcher.poll() is None:
                 os.killpg(launcher.pid, signal.SIGKILL)
-            log = launcher.communicate()[0]
+            launcher.wait()
+            output.seek(0)
+            log = output.read()
+            output.close()
         wall = time.time() - start
         steps = {r: _steps(out, r) for r in range(args.workers)}
         resumes = _resumes_exactly(args, out, seed) if mode != "torchrun" and launcher.returncode == 0 else None
