@@ -178,7 +178,8 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             output.close()
         wall = time.time() - start
         steps = {r: _steps(out, r) for r in range(args.workers)}
-        resumes = _resumes_exactly(args, out, seed) if mode != "torchrun" and launcher.returncode == 0 else None
+        ended = sorted(r for r in range(args.workers) if Path(out, f"replica-{r}.pt").exists())
+        resumes = _resumes_exactly(args, out, seed, ended) if mode != "torchrun" and launcher.returncode == 0 else None
         if timed_out:
             reached = {r: s[-1][0] if s else None for r, s in steps.items()}
             raise TimeoutError(f"{mode} run (seed {seed}) still running after {args.timeout} s; the last step of each "
@@ -192,15 +193,17 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     }
 
 
-def _resumes_exactly(args: argparse.Namespace, out: str, seed: int) -> bool:
-    """Whether the checkpoint a run saved at its last step, resumed by a new launch on as many processes, gives every
-    rank the replica it ended with, bit for bit."""
-    done = subprocess.run(_command("check", args, out, seed), capture_output=True, text=True, timeout=args.timeout)
+def _resumes_exactly(args: argparse.Namespace, out: str, seed: int, ended: list[int]) -> bool:
+    """Whether the checkpoint a run saved at its last step, resumed by a new launch on as many processes as ranks
+    ended the run (`ended`, by their first ranks, renumbered in that order as the survivors are), gives every rank
+    the replica it ended with, bit for bit."""
+    check = argparse.Namespace(**{**vars(args), "workers": len(ended)})
+    done = subprocess.run(_command("check", check, out, seed), capture_output=True, text=True, timeout=args.timeout)
     if done.returncode:
         raise RuntimeError(f"resuming the end checkpoint failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     import torch
 
-    pairs = [(Path(out, f"replica-{r}.pt"), Path(out, f"resumed-{r}.pt")) for r in range(args.workers)]
+    pairs = [(Path(out, f"replica-{first}.pt"), Path(out, f"resumed-{now}.pt")) for now, first in enumerate(ended)]
     return all(torch.equal(torch.load(a), torch.load(b)) for a, b in pairs)
 
 
