@@ -175,6 +175,7 @@ def survive(
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
+        "batches_ready": trainer.fit_loop.epoch_loop.batch_progress.total.ready,
         "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
         "best_model_path": callbacks[0].best_model_path if callbacks else "",
     }

@@ -64,7 +64,8 @@ def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: 
     for rank, r in sorted(results.items(), reverse=True):
         assert isinstance(r, dict), f"rank {rank}: {r}"
         assert (r["world_size"], r["global_step"]) == (3, 30), (rank, r["world_size"], r["global_step"])
-        assert torch.isfinite(r["replica"]).all()
+        assert r["batches_ready"] == 30, (rank, r["batches_ready"])  # the join step's batch counted once (else it
+        assert torch.isfinite(r["replica"]).all()  # validates a step before the members: their collectives wait)
     last = results[0]["decisions"][-1]
     assert (last["joined"], last["members"], last["step"]) == ((2,), (0, 1, 2), 19), last
     assert results[2]["decisions"][-1] == last

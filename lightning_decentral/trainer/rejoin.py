@@ -32,9 +32,13 @@ class Rejoining:
         """What this member hands to a rank that rejoins (see the module docstring), when step `k` begins."""
         trainer = self.lightning_module.trainer
         parts = self._shard_parts({"optimizer_states": None})  # type: ignore[attr-defined]
+        fit_loop = trainer.fit_loop.state_dict()
+        for tracker in fit_loop["epoch_loop.batch_progress"].values():  # as at the end of step k − 1: when step k
+            if isinstance(tracker, dict):  # begins, its batch already counts as ready, and the rank that rejoins
+                tracker["ready"] = tracker["completed"]  # readies it again (else it validates a step early)
         return {
             "shard": shards.make_shard(0, self.global_rank, self.world_size, **parts),  # type: ignore[attr-defined]
-            "loops": {"fit_loop": trainer.fit_loop.state_dict()},
+            "loops": {"fit_loop": fit_loop},
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
