@@ -123,13 +123,20 @@ def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     return done
 
 
-def test_netns_smoke(tmp_path: Path) -> None:
+def _emulated_profile(tmp_path: Path, script: str, *arguments: str) -> dict:
+    """The one profile a smoke of `script` on the emulated network writes (skipped where namespaces are not
+    permitted)."""
     permitted, why = benchmarks_harness().netns_permitted()
     if not permitted:
         pytest.skip(f"the emulated network needs network namespaces: {why}")
-    out = tmp_path / "netns.json"
-    _run_smoke("netns.py", "--out", str(out))
+    out = tmp_path / f"{Path(script).stem}.json"
+    _run_smoke(script, *arguments, "--out", str(out))
     (profile,) = json.loads(out.read_text())["profiles"]
+    return profile
+
+
+def test_netns_smoke(tmp_path: Path) -> None:
+    profile = _emulated_profile(tmp_path, "netns.py")
     assert [row["name"] for row in profile["rows"]] == ["ddp", "ring"]
     assert all(row["step_median_s"] > 0 and len(row["loss_s"]) == 1 for row in profile["rows"])
     assert all(len(job["mean_loss"]) == 3 for job in profile["jobs"] if job["kind"] == "loss")
@@ -139,12 +146,7 @@ def test_netns_smoke(tmp_path: Path) -> None:
 
 def test_netns_powersgd_smoke(tmp_path: Path) -> None:
     """DDP with PowerSGD's comm hook beside DDP on the emulated network, and what each host's eth0 sent."""
-    permitted, why = benchmarks_harness().netns_permitted()
-    if not permitted:
-        pytest.skip(f"the emulated network needs network namespaces: {why}")
-    out = tmp_path / "netns.json"
-    _run_smoke("netns.py", "--methods", "ddp,ddp_powersgd", "--jobs", "steps", "--warmup", "2", "--out", str(out))
-    (profile,) = json.loads(out.read_text())["profiles"]
+    profile = _emulated_profile(tmp_path, "netns.py", "--methods", "ddp,ddp_powersgd", "--jobs", "steps", "--warmup", "2")
     assert [row["name"] for row in profile["rows"]] == ["ddp", "ddp_powersgd"]
     assert all(row["sent_per_step"] > 0 and row["step_median_s"] > 0 for row in profile["rows"])
 
@@ -153,12 +155,7 @@ def test_outer_network_smoke(tmp_path: Path) -> None:
     """The headline's jobs on the emulated network (2 hosts, H = 2): every method trains (the compressed ones too: the
     strategy refuses none), an outer step every 2 steps sends half of what its topology sends every step, `sign`
     less, and each host's eth0 sent at least what the strategy counted."""
-    permitted, why = benchmarks_harness().netns_permitted()
-    if not permitted:
-        pytest.skip(f"the emulated network needs network namespaces: {why}")
-    out = tmp_path / "outer_network.json"
-    _run_smoke("outer_network.py", "--out", str(out))
-    (profile,) = json.loads(out.read_text())["profiles"]
+    profile = _emulated_profile(tmp_path, "outer_network.py")
     rows = {row["method"]: row for row in profile["rows"]}
     every = {"ddp", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_sign", "diloco_sign", "dpsgd_ring", "outer_ring",
              "outer_ring_sign"}
