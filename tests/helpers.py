@@ -137,3 +137,12 @@ def run_distributed(fn: Callable, world_size: int = 4, timeout: float = 600.0, *
             codes = [p.exitcode for p in procs]
             raise RuntimeError(f"workers died without a result (exit codes {codes})")
         return results
+
+
+def assert_resumed_as_straight(runs: dict) -> None:
+    """A run resumed mid-round (`runs["resumed"]`) ends with every worker's model bit for bit that of the run without
+    a stop (`runs["straight"]`), and the part after the stop moved the models (`runs["first"]`, where recorded)."""
+    for worker, (a, b) in enumerate(zip(runs["resumed"], runs["straight"])):
+        assert torch.equal(a, b), f"worker {worker}"
+    if "first" in runs:
+        assert (runs["first"][0] - runs["straight"][0]).abs().max() > 1e-3  # the second epoch moved
