@@ -10,6 +10,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -60,7 +61,7 @@ def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: 
     while they wait at step 6: at step 10 (they look every 5 steps) they agree on the join step 20 (the first multiple
     of 5 from 10 + 3, the stop margin of a ring of 2, + 5), rank 0 (its lowest-ranked neighbour) hands it its state,
     and all three end at step 30 as 3 ranks, finite and close."""
-    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=6, steps=30, rejoin=True)
+    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=6, steps=30, save_at=25, validate=True, rejoin=True)
     for rank, r in sorted(results.items(), reverse=True):
         assert isinstance(r, dict), f"rank {rank}: {r}"
         assert (r["world_size"], r["global_step"]) == (3, 30), (rank, r["world_size"], r["global_step"])
@@ -176,6 +177,36 @@ def test_a_rank_that_cannot_rejoin_stops_at_once_with_a_clear_error(tmp_path: Pa
     assert new.startswith("CannotRejoin: Rank 3 of 4 found a run of 3 ranks in progress on this store: a new rank cannot join"), new
     for r in survivors:
         assert (r["world_size"], r["global_step"]) == (2, 10)
+
+
+def test_a_rank_started_again_after_its_run_is_over_stops_at_once(tmp_path: Path) -> None:
+    """3 ranks with rejoin=True on a store that outlives them (hosted here, as torchrun's agent hosts it), rank 2
+    killed at step 3; the survivors finish as 2 and leave. Rank 2 started again then stops with `CannotRejoin` (the
+    run is over) before its timeout of 10 minutes: without the check it would wait that long for a new generation."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    run = dict(root=str(tmp_path), steps=10, rejoin=True)
+    with mock.patch.dict("os.environ", TORCHELASTIC_USE_AGENT_STORE="True"), tempfile.TemporaryDirectory() as out, \
+            tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_error, 3, out, port=port, deaths={2: 3}, **run)
+        restarted = None
+        try:
+            deadline = time.monotonic() + BOUND
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            restarted = start_rank(workers.survive_or_error, 2, 3, port, again, deaths={}, timeout=600.0, **run)
+            restarted.join(max(0.0, deadline - time.monotonic()))
+            assert [p.exitcode for p in [*procs[:2], restarted]] == [0, 0, 0]
+        finally:
+            for p in [*procs, restarted]:
+                if p is not None and p.is_alive():
+                    p.kill()
+        survivors = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+        lost = pickle.loads((Path(again) / "2.pkl").read_bytes())[1]
+    del store
+    for r in survivors:
+        assert (r["world_size"], r["global_step"]) == (2, 10), r
+    assert lost.startswith("CannotRejoin: Rank 2 cannot rejoin: the run it was lost by is over (its members [0, 1]"), lost
 
 
 def test_rejoin_is_checked_when_the_strategy_is_built() -> None:

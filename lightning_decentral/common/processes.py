@@ -27,7 +27,7 @@ from lightning_decentral.failures import Activities
 from lightning_decentral.membership.guard import Guard
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import Decision, Join, Membership, Survivors
-from lightning_decentral.membership.rejoin import refuse_new_rank, run_in_progress
+from lightning_decentral.membership.rejoin import refuse_after_the_run, refuse_new_rank, run_in_progress
 from lightning_decentral.membership.report import losses, survivor_metrics
 from lightning_decentral.membership.store import store_client
 from lightning_decentral.mixing import Mixer
@@ -189,7 +189,9 @@ class OnProcesses:
         assert environment is not None
         if self.rejoins and self.global_rank > 0:  # rank 0 may host the store: it would wait for itself
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
-            refuse_new_rank(store_client(self._timeout), self.global_rank, self.world_size)
+            client = store_client(self._timeout)
+            refuse_new_rank(client, self.global_rank, self.world_size)
+            refuse_after_the_run(client, self.global_rank)
         try:
             init_default_group(environment, backend, self.global_rank, self.world_size, self._timeout, self.root_device)
         except LeftOut:
@@ -248,11 +250,16 @@ class OnProcesses:
         return survivors
 
     def on_survivors(self, decision: Decision) -> None:
-        """After a failure, in the survivors' process group (every survivor together): Lightning's rank-zero utilities
-        follow the new rank, and the ranks publish their activities among the survivors."""
+        """After a failure or a join, in the new members' process group (every member together): Lightning's rank-zero
+        utilities follow the new rank, and the ranks publish their activities among the members. After a join, each
+        member republishes the batch it is in (the join step's) as its first: the rank that rejoins begins that batch
+        as its first, so that both count their later activities alike."""
         rank_zero_only.rank = self.global_rank
         if self.activities is not None:
+            current = self.activities.current
             self.activities = Activities.of_group(self._ranks, self._timeout)
+            if isinstance(decision, Join):
+                self.activities.start(current)
 
     @property
     def survivor_metrics(self) -> dict[str, float]:

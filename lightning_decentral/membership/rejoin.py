@@ -21,7 +21,8 @@ only (a store round trip each), and `J` leaves room for that ([`Joins`][lightnin
 one handover (the source alone sends). A rank that cannot rejoin (the run does not take rejoins, it is over, the
 grown graph is not connected, no decision admits it within the timeout) stops at once with
 [`CannotRejoin`][lightning_decentral.membership.rejoin.CannotRejoin]. A rank that is not one of the ranks the run
-started with is refused ([`refuse_new_rank`][lightning_decentral.membership.rejoin.refuse_new_rank]).
+started with is refused ([`refuse_new_rank`][lightning_decentral.membership.rejoin.refuse_new_rank]), and so is a
+rank started again after its run is over ([`refuse_after_the_run`][lightning_decentral.membership.rejoin.refuse_after_the_run]).
 """
 
 from __future__ import annotations
@@ -109,6 +110,21 @@ def refuse_new_rank(store: Any, rank: int, world_size: int) -> None:
             "rank cannot join a running job (its data shard, its place in the graph and every rank's share of the data "
             "are fixed at the start). Only a lost rank started again with its own RANK and WORLD_SIZE rejoins "
             "(rejoin=True); to grow, save a checkpoint and start the job again with more processes."
+        )
+
+
+def refuse_after_the_run(store: Any, rank: int) -> None:
+    """Raise `CannotRejoin` if the run this store last published took rejoins, had lost `rank`, and is over: every
+    member said it leaves (a clean end, or an error). Without it a rank started again after that run would wait the
+    timeout for a new generation, its lost rank's mark standing still
+    ([`agree_generation`][lightning_decentral.rendezvous.agree_generation])."""
+    info = current(store)
+    if info is None or not info.get("rejoin") or rank in info["members"]:
+        return
+    if all(store.check([_key(info, "left", member)]) for member in info["members"]):
+        raise CannotRejoin(
+            f"Rank {rank} cannot rejoin: the run it was lost by is over (its members {info['members']}, ranks of the "
+            "start, have all left). Resume from that run's last checkpoint with a new job to train further."
         )
 
 
