@@ -17,7 +17,8 @@ validates ``x̄`` on the 359 held-out digits at the last step. Three modes, each
   ``--save-every`` steps with ``last.ckpt``, every start resuming from ``last.ckpt``: the same kills make torchrun
   stop every worker and start them all again from the last save.
 
-Each worker appends the end of every step (its number and ``time.time()``) to a file of its own. Goodput is the
+Each worker appends the end of every step (its number and ``time.time()``), and its process's start, to a file of
+its own; a start no kill explains (a worker that failed and was started again) is counted and reported. Goodput is the
 worker-steps of the final trajectory per second of wall time, from the launch until the launcher exits: for each
 worker the distinct steps it completed (a step done again after a rollback counts once, a step missed while dead
 not at all), summed over the workers, over the wall time. The report gives it per mode and its ratio to ``free``;
@@ -31,6 +32,7 @@ start of that fit equals the one it ended with, bit for bit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -42,7 +44,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import harness
 
@@ -66,6 +68,7 @@ def worker(args: argparse.Namespace) -> None:
     rank, out = int(os.environ["RANK"]), Path(args.dir)
     Path(out, f"pid-{rank}").write_text(str(os.getpid()))
     progress = open(Path(out, f"progress-{rank}"), "a", buffering=1)
+    progress.write(f"start {time.time()}\n")  # this process began (a start, or a start again)
 
     def replica(module: pl.LightningModule) -> torch.Tensor:
         return torch.nn.utils.parameters_to_vector(module.parameters()).detach().clone()
@@ -100,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
     pl.seed_everything(args.seed, verbose=False)
     trainer = pl.Trainer(
         strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=steps,
-        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
         check_val_every_n_epoch=None, val_check_interval=args.steps,
     )
     trainer.fit(common.DigitsMLP(0.1, 0.9, batch=32, seed=args.seed), ckpt_path=resume)
@@ -127,12 +130,15 @@ def _command(mode: str, args: argparse.Namespace, out: str, seed: int) -> list[s
     return [*launch, __file__, *work]
 
 
-def _steps(out: str, rank: int) -> list[tuple[int, float]]:
+def _progress(out: str, rank: int) -> list[tuple[str, float]]:
+    """Worker `rank`'s lines so far: `(step, time)` at the end of each step, `("start", time)` when a process began."""
     path = Path(out, f"progress-{rank}")
-    if not path.exists():
-        return []
-    lines = [line.split() for line in path.read_text().splitlines()]
-    return [(int(step), float(at)) for step, at in (line for line in lines if len(line) == 2)]
+    lines = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+    return [(what, float(at)) for what, at in (line for line in lines if len(line) == 2)]
+
+
+def _steps(out: str, rank: int) -> list[tuple[int, float]]:
+    return [(int(what), at) for what, at in _progress(out, rank) if what != "start"]
 
 
 def _training(out: str, rank: int, since: float) -> bool:
@@ -141,10 +147,23 @@ def _training(out: str, rank: int, since: float) -> bool:
     return bool(steps) and steps[-1][1] > since
 
 
+@contextlib.contextmanager
+def _run_directory(args: argparse.Namespace, prefix: str) -> Iterator[str]:
+    """Where a run writes: removed after it unless `--keep` (then its path is printed, to read the progress files
+    and the launcher's log)."""
+    if not args.keep:
+        with tempfile.TemporaryDirectory(dir=args.directory, prefix=prefix) as out:
+            yield out
+        return
+    out = tempfile.mkdtemp(dir=args.directory, prefix=prefix)
+    print(f"kept: {out}")
+    yield out
+
+
 def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     """One run of `mode`: the launcher's process, the kills, and what the workers recorded."""
     chooser = random.Random(seed)
-    with tempfile.TemporaryDirectory(dir=args.directory) as out:
+    with _run_directory(args, f"{mode}-{seed}-") as out:
         start = time.time()
         output = open(Path(out, "launcher.log"), "w+")  # a file, not a pipe: nobody blocks on a full pipe meanwhile
         launcher = subprocess.Popen(_command(mode, args, out, seed), stdout=output, stderr=subprocess.STDOUT,
@@ -178,6 +197,7 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
             output.close()
         wall = time.time() - start
         steps = {r: _steps(out, r) for r in range(args.workers)}
+        starts = sum(what == "start" for r in range(args.workers) for what, _ in _progress(out, r))
         ended = sorted(r for r in range(args.workers) if Path(out, f"replica-{r}.pt").exists())
         resumes = _resumes_exactly(args, out, seed, ended) if mode != "torchrun" and launcher.returncode == 0 else None
         if timed_out:
@@ -186,9 +206,11 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
                                f"worker: {reached}; kills: {kills}; the launcher's output:\n{log[-6000:]}")
         results = {r: json.loads(p.read_text()) for r in range(args.workers) if (p := Path(out, f"result-{r}.json")).exists()}
     distinct = sum(len({step for step, _ in s}) for s in steps.values())
+    planned = args.workers + len(kills) * (args.workers if mode == "torchrun" else 1)  # torchrun starts all again
     return {
         "mode": mode, "seed": seed, "exit": launcher.returncode, "wall_s": wall, "worker_steps": distinct,
-        "goodput": distinct / wall, "kills": kills, "ended_at": {r: res["step"] for r, res in results.items()},
+        "goodput": distinct / wall, "kills": kills,
+        "unplanned_starts": starts - planned, "ended_at": {r: res["step"] for r, res in results.items()},
         "val_acc": results.get(0, {}).get("val_acc"), "resumes_exactly": resumes, "log": log[-3000:],
     }
 
@@ -223,10 +245,12 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
         accuracies = [r["val_acc"] for r in mine if r["val_acc"] is not None]
         accuracy = f"{statistics.mean(accuracies):.4f} ± {statistics.pstdev(accuracies):.4f}" if accuracies else "–"
         kills = statistics.mean(len(r["kills"]) for r in mine)
-        rows.append(f"| {mode} | {len(mine)} | {kills:.1f} | {goodput:.1f} | {ratio} | {'yes' if ended else 'no'} | {accuracy} |")
+        unplanned = sum(r["unplanned_starts"] for r in mine)
+        rows.append(f"| {mode} | {len(mine)} | {kills:.1f} | {unplanned} | {goodput:.1f} | {ratio} | {'yes' if ended else 'no'} "
+                    f"| {accuracy} |")
     return "\n".join([
-        f"| mode | runs | kills per run | goodput (worker-steps/s) | ratio to free | every worker ended at step {args.steps} "
-        "| accuracy of x̄ |", "|---|---|---|---|---|---|---|", *rows])
+        "| mode | runs | kills per run | starts not caused by a kill | goodput (worker-steps/s) | ratio to free "
+        f"| every worker ended at step {args.steps} | accuracy of x̄ |", "|---|---|---|---|---|---|---|---|", *rows])
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -241,6 +265,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a run may take before it is killed")
     parser.add_argument("--directory", default=None, help="where the runs write (default: the system's temporary)")
     parser.add_argument("--out", action="append", default=[])
+    parser.add_argument("--keep", action="store_true", help="keep each run's directory (progress files, logs)")
     parser.add_argument("--smoke", action="store_true", help="4 workers, 90 steps, a kill at step 45")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--step-sleep", type=float, default=0.2, help="seconds of emulated compute per step")
@@ -262,8 +287,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             result = run(mode, args, seed)
             runs.append(result)
             print(f"{mode} seed {seed}: exit {result['exit']}, {result['wall_s']:.1f} s, goodput {result['goodput']:.1f} "
-                  f"worker-steps/s, {len(result['kills'])} kills, ended at {result['ended_at']}, acc {result['val_acc']}")
-            if result["exit"]:
+                  f"worker-steps/s, {len(result['kills'])} kills, {result['unplanned_starts']} starts not caused by a "
+                  f"kill, ended at {result['ended_at']}, acc {result['val_acc']}, resumes exactly {result['resumes_exactly']}")
+            if result["exit"] or result["unplanned_starts"]:
                 print(result["log"])
     table = report(runs, args)
     print(table)
