@@ -132,6 +132,29 @@ def test_the_launcher_starts_nobody_again_once_the_run_is_over(tmp_path: Path) -
     assert "worker 1 started again" in done.stdout and (tmp_path / "start-1").read_text() == "xxx"  # 2 restarts
 
 
+def test_the_launcher_starts_nobody_again_once_every_member_left(tmp_path: Path) -> None:
+    """A worker fails after the run it belongs to published itself and every member said it leaves (`run_over`), as
+    a rank that cannot rejoin a finished run does: with restarts left, it is not started again."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from datetime import timedelta\n"
+        "import torch.distributed as dist\n"
+        "store = dist.TCPStore(os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']), is_master=False,\n"
+        "                      timeout=timedelta(seconds=30))\n"
+        "open(os.path.join(sys.argv[1], 'starts'), 'a').write('x')\n"
+        "store.set('lightning_decentral/current', json.dumps({'run': 'r', 'generation': 1, 'members': [0, 1],\n"
+        "                                                     'start_size': 3, 'rejoin': True}))\n"
+        "for member in (0, 1):\n"
+        "    store.set(f'lightning_decentral/r/left/{member}', '1')\n"
+        "sys.exit(3)\n"
+    )
+    command = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", "1", "--max-restarts", "2"]
+    done = subprocess.run([*command, str(script), str(tmp_path)], capture_output=True, text=True, timeout=BOUND)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "started again" not in done.stdout and (tmp_path / "starts").read_text() == "x", done.stdout
+
+
 def test_the_simulation_brings_a_worker_back_as_the_processes_bring_a_rank_back(tmp_path: Path) -> None:
     """The run of the first test to step 26 (the join step 20 is an epoch boundary: the rank started again reads its
     shard from the epoch's start), against `SimulatedDecentralizedStrategy(failures={s: [2]}, rejoins={20: [2]})` with

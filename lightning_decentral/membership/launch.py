@@ -13,7 +13,8 @@ only watches them:
 * with `--max-restarts K`, a worker that dies or fails is started again, up to `K` times per worker, with the same
   command and environment: with `rejoin=True` it rejoins the run in progress
   ([Rejoining](../reliability/rejoining.md)); else it stops at once with `LeftOut`. Once a worker of the node has
-  finished with 0 (the run is over), nobody is started again;
+  finished with 0, or every member of the run has left ([`run_over`][lightning_decentral.membership.rejoin.run_over]:
+  the run is over), nobody is started again;
 * it exits with 0 if some worker finished with 0 (the run survived), else with the first worker's failure code.
 
 ```bash
@@ -43,6 +44,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from lightning_decentral.membership.rejoin import run_over
 from lightning_decentral.membership.store import LAUNCHER_KEY
 
 NODE_SILENCE = 30.0  # seconds without a beat after which the first node stops waiting for a node's launcher
@@ -125,7 +127,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             if local not in codes and worker.poll() is not None:
                 rank = args.node_rank * args.nproc_per_node + local
                 print(f"lightning-decentral-launch: worker {rank} (pid {worker.pid}) {_describe(worker.returncode)}", flush=True)
-                over = 0 in codes.values()  # a worker finished: the run is over, there is nothing to rejoin
+                over = 0 in codes.values() or run_over(store)  # a worker finished, or every member left: nothing to rejoin
                 if worker.returncode != 0 and restarts[local] < args.max_restarts and not (stopping.is_set() or over):
                     restarts[local] += 1
                     workers[local] = subprocess.Popen(command, env=_worker_env(args, local, port, run))

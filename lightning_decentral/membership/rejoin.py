@@ -121,11 +121,22 @@ def refuse_after_the_run(store: Any, rank: int) -> None:
     info = current(store)
     if info is None or not info.get("rejoin") or rank in info["members"]:
         return
-    if all(store.check([_key(info, "left", member)]) for member in info["members"]):
+    if _left(store, info):
         raise CannotRejoin(
             f"Rank {rank} cannot rejoin: the run it was lost by is over (its members {info['members']}, ranks of the "
             "start, have all left). Resume from that run's last checkpoint with a new job to train further."
         )
+
+
+def run_over(store: Any) -> bool:
+    """Whether the run this store last published is over (every member said it leaves): nobody can rejoin it, and
+    `lightning-decentral-launch` starts nobody again. `False` before a run published itself."""
+    info = current(store)
+    return info is not None and _left(store, info)
+
+
+def _left(store: Any, info: dict[str, Any]) -> bool:
+    return all(store.check([_key(info, "left", member)]) for member in info["members"])
 
 
 def _beating(store: Any, heartbeat: str, look: float = 1.0) -> bool:
