@@ -58,10 +58,10 @@ def _kill_rejoin(tmp_path: Path, world_size: int, dead: int, die_at: int, hold_a
 
 def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: Path) -> None:
     """3 ranks on a ring, momentum SGD, rank 2 killed at step 3; the survivors go on as 2; rank 2 started again asks
-    while they wait at step 6: at step 10 (they look every 5 steps) they agree on the join step 20 (the first multiple
-    of 5 from 10 + 3, the stop margin of a ring of 2, + 5), rank 0 (its lowest-ranked neighbour) hands it its state,
-    and all three end at step 30 as 3 ranks, finite and close."""
-    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=6, steps=30, save_at=25, validate=True, rejoin=True)
+    while they wait at step 11: at step 15 (they look every 5 steps) they agree on the join step 20 (the first multiple
+    of 5 from 15 + 3, the stop margin of a ring of 2), rank 0 (its lowest-ranked neighbour) hands it its state, and
+    all three end at step 30 as 3 ranks, finite and close."""
+    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=11, steps=30, save_at=25, validate=True, rejoin=True)
     for rank, r in sorted(results.items(), reverse=True):
         assert isinstance(r, dict), f"rank {rank}: {r}"
         assert (r["world_size"], r["global_step"]) == (3, 30), (rank, r["world_size"], r["global_step"])
@@ -159,7 +159,7 @@ def test_the_simulation_brings_a_worker_back_as_the_processes_bring_a_rank_back(
     """The run of the first test to step 26 (the join step 20 is an epoch boundary: the rank started again reads its
     shard from the epoch's start), against `SimulatedDecentralizedStrategy(failures={s: [2]}, rejoins={20: [2]})` with
     the processes' agreed failure step `s`: the same replicas, to float tolerance."""
-    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=6, steps=26, rejoin=True)
+    results = _kill_rejoin(tmp_path, 3, dead=2, die_at=3, hold_at=11, steps=26, rejoin=True)
     assert all(isinstance(r, dict) for r in results.values()), results
     lost, joined = results[0]["decisions"]
     assert joined["joined"] == (2,) and joined["step"] == 19, joined

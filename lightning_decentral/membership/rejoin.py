@@ -4,7 +4,7 @@
 joiner (the lost rank, same command)            members (each at the start of every step k)
 reads the run in progress (current)
 asks: ask/g/<rank>, asks/g += 1     ------>     one look at asks/g every LOOK_EVERY steps; the first to see it
-                                                proposes the join step J >= k + margin + LOOK_EVERY (compare-and-
+                                                proposes the join step J >= k + margin, a multiple of LOOK_EVERY (compare-and-
                                                 set: every member learns it)
                                                 ... the steps before J, as before ...
 waits for decide/g                  <------     at the start of J: admit (the agreement of a failure, the
@@ -151,8 +151,9 @@ def _beating(store: Any, heartbeat: str, look: float = 1.0) -> bool:
 class Joins:
     """The members' side: at the start of every `LOOK_EVERY`-th step (`k % LOOK_EVERY == 0`), one look at the store
     for ranks asking to rejoin; the first member to see one proposes the join step `J`, the first multiple of
-    `LOOK_EVERY` at least `k + margin + LOOK_EVERY`. Every member looks at least once between the proposal and `J`
-    (members are fewer than `margin` steps apart, and look every `LOOK_EVERY` steps), so none passes `J` unaware.
+    `LOOK_EVERY` at least `k + margin`. No member has begun `J` then (members are fewer than `margin` steps apart),
+    and every member looks at the start of `J` at the latest (a multiple of `LOOK_EVERY`) before it decides whether
+    `J` is the join step, so none passes `J` unaware.
 
     Examples:
         >>> import torch.distributed as dist
@@ -163,15 +164,15 @@ class Joins:
         >>> joins = [Joins(m, margin=lambda: 3) for m in members]
         >>> store.add(members[0].key("asks", 0), 1)  # a rank asks
         1
-        >>> [joins[0].due(k) for k in (9, 10)], joins[0].step  # looks at 10: J = 20, the first multiple of 5 >= 18
-        ([False, False], 20)
-        >>> [joins[1].due(k) for k in (12, 15, 20)], joins[1].step  # looks at 15, finds J
-        ([False, False, True], 20)
+        >>> [joins[0].due(k) for k in (9, 10)], joins[0].step  # looks at 10: J = 15, the first multiple of 5 >= 13
+        ([False, False], 15)
+        >>> [joins[1].due(k) for k in (12, 15)], joins[1].step  # 2 steps ahead, it looks at 15, finds J: it is J
+        ([False, True], 15)
 
     Args:
         membership: this member's membership.
-        margin: the join step is `k + margin()` for a request first seen at step `k` (the executor's stop margin of
-            the current graph).
+        margin: the join step is at least `k + margin()` for a request first seen at step `k` (the executor's stop
+            margin of the current graph).
     """
 
     def __init__(self, membership: Membership, margin: Callable[[], int]) -> None:
@@ -188,7 +189,7 @@ class Joins:
         if self.step is None and step != self._looked and step % LOOK_EVERY == 0:
             self._looked = step
             if m.store.check([m.key("asks", m.generation)]):
-                join = -(-(step + self.margin() + LOOK_EVERY) // LOOK_EVERY) * LOOK_EVERY
+                join = -(-(step + self.margin()) // LOOK_EVERY) * LOOK_EVERY
                 self.step = int(m.store.compare_set(m.key("grow", m.generation), "", str(join)))
         if self.step is not None and step > self.step:
             raise RuntimeError(
