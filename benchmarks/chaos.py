@@ -3,7 +3,7 @@ without failures and against the restart path (torchrun ``--max-restarts`` from 
 
     python benchmarks/chaos.py                                    # 4 workers, 300 steps, a kill every 30 steps
     python benchmarks/chaos.py --workers 6 --steps 600 --seeds 3 --out chaos.md --out chaos.json
-    python benchmarks/chaos.py --smoke                            # 4 workers, 90 steps, one kill (the tests)
+    python benchmarks/chaos.py --smoke                            # 3 workers, 90 steps, one kill (the tests)
 
 Every run trains the digits MLP of ``examples/reproduce/common.py`` (momentum SGD, lr 0.1, batch 32 per worker,
 each worker its shard) with ``DecentralizedStrategy`` on a ring, on ``--workers`` processes over gloo, and
@@ -294,7 +294,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--directory", default=None, help="where the runs write (default: the system's temporary)")
     parser.add_argument("--out", action="append", default=[])
     parser.add_argument("--keep", action="store_true", help="keep each run's directory (progress files, logs)")
-    parser.add_argument("--smoke", action="store_true", help="4 workers, 90 steps, a kill at step 45")
+    parser.add_argument("--smoke", action="store_true", help="3 workers, 90 steps, a kill at step 45")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--step-sleep", type=float, default=0.2, help="seconds of emulated compute per step")
     parser.add_argument("--mode", choices=[*MODES, "check"], help=argparse.SUPPRESS)
@@ -304,7 +304,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.worker:
         return worker(args)
     if args.smoke:
-        args.workers, args.steps, args.kill_every, args.timeout = 4, 90, 45, 240.0
+        args.workers, args.steps, args.kill_every, args.timeout = 3, 90, 45, 240.0
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(args.modes) - set(MODES))
     if unknown:
