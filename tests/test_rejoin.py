@@ -103,12 +103,20 @@ def test_the_launcher_starts_a_killed_worker_again_and_it_rejoins(tmp_path: Path
         assert r["decisions"][-1]["joined"] == (1,) and r["decisions"][-1]["members"] == (0, 1, 2)
 
 
+def _launch_toy(tmp_path: Path, script: str, workers: int, restarts: int) -> subprocess.CompletedProcess:
+    """`lightning-decentral-launch --max-restarts restarts` of `workers` toy workers running `script` (written to
+    `tmp_path/worker.py`, given `tmp_path` as its argument), bounded."""
+    (tmp_path / "worker.py").write_text(script)
+    command = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", str(workers),
+               "--max-restarts", str(restarts), str(tmp_path / "worker.py"), str(tmp_path)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=BOUND)
+
+
 def test_the_launcher_starts_nobody_again_once_the_run_is_over(tmp_path: Path) -> None:
     """Worker 0 finishes with 0 (the run is over), then worker 1 fails: with restarts left, nobody is started again
     (there is nothing to rejoin), and the launcher exits 0; a worker that fails while none has finished is started
     again."""
-    script = tmp_path / "worker.py"
-    script.write_text(
+    script = (
         "import os, sys, time\n"
         "rank, marks = os.environ['RANK'], sys.argv[1]\n"
         "open(os.path.join(marks, 'start-' + rank), 'a').write('x')\n"
@@ -118,16 +126,14 @@ def test_the_launcher_starts_nobody_again_once_the_run_is_over(tmp_path: Path) -
         "time.sleep(0.5)\n"
         "sys.exit(3)\n"
     )
-    command = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", "2", "--max-restarts", "2"]
-    done = subprocess.run([*command, str(script), str(tmp_path)], capture_output=True, text=True, timeout=BOUND)
+    done = _launch_toy(tmp_path, script, workers=2, restarts=2)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "worker 1 (pid" in done.stdout and "exited with 3" in done.stdout and "started again" not in done.stdout
     assert (tmp_path / "start-1").read_text() == "x"  # started once
 
     (tmp_path / "start-0").unlink()
     (tmp_path / "start-1").unlink()
-    script.write_text(script.read_text().replace("if rank == '0':\n    sys.exit(0)", "if rank == '0':\n    sys.exit(2)"))
-    done = subprocess.run([*command, str(script), str(tmp_path)], capture_output=True, text=True, timeout=BOUND)
+    done = _launch_toy(tmp_path, script.replace("if rank == '0':\n    sys.exit(0)", "if rank == '0':\n    sys.exit(2)"), 2, 2)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "worker 1 started again" in done.stdout and (tmp_path / "start-1").read_text() == "xxx"  # 2 restarts
 
@@ -135,8 +141,7 @@ def test_the_launcher_starts_nobody_again_once_the_run_is_over(tmp_path: Path) -
 def test_the_launcher_starts_nobody_again_once_every_member_left(tmp_path: Path) -> None:
     """A worker fails after the run it belongs to published itself and every member said it leaves (`run_over`), as
     a rank that cannot rejoin a finished run does: with restarts left, it is not started again."""
-    script = tmp_path / "worker.py"
-    script.write_text(
+    script = (
         "import json, os, sys\n"
         "from datetime import timedelta\n"
         "import torch.distributed as dist\n"
@@ -149,8 +154,7 @@ def test_the_launcher_starts_nobody_again_once_every_member_left(tmp_path: Path)
         "    store.set(f'lightning_decentral/r/left/{member}', '1')\n"
         "sys.exit(3)\n"
     )
-    command = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", "1", "--max-restarts", "2"]
-    done = subprocess.run([*command, str(script), str(tmp_path)], capture_output=True, text=True, timeout=BOUND)
+    done = _launch_toy(tmp_path, script, workers=1, restarts=2)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "started again" not in done.stdout and (tmp_path / "starts").read_text() == "x", done.stdout
 
