@@ -43,9 +43,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import harness
 
@@ -92,7 +93,9 @@ def worker(args: argparse.Namespace) -> None:
     callbacks: list[pl.Callback] = [Progress()]
     resume, steps, end = None, args.steps, out / "end" / "end.ckpt"
     if args.mode == "torchrun":
-        callbacks.append(ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=args.save_every, save_last=True))
+        callbacks.append(
+            ModelCheckpoint(dirpath=out / "checkpoints", every_n_train_steps=args.save_every, save_last=True)
+        )
         resume = "last" if Path(out, "checkpoints", "last.ckpt").exists() else None
     elif args.mode == "check":
         resume, steps = end, args.steps + 1  # resume the end checkpoint on as many processes, one step more
@@ -103,9 +106,16 @@ def worker(args: argparse.Namespace) -> None:
     strategy = DecentralizedStrategy(topology="ring", timeout=timedelta(seconds=30), **options)
     pl.seed_everything(args.seed, verbose=False)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=int(os.environ["LOCAL_WORLD_SIZE"]), max_steps=steps,
-        callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        check_val_every_n_epoch=None, val_check_interval=args.steps,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=int(os.environ["LOCAL_WORLD_SIZE"]),
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        check_val_every_n_epoch=None,
+        val_check_interval=args.steps,
     )
     trainer.fit(common.DigitsMLP(0.1, 0.9, batch=32, seed=args.seed), ckpt_path=resume)
     if args.mode == "check":
@@ -121,13 +131,34 @@ def worker(args: argparse.Namespace) -> None:
 def _command(mode: str, args: argparse.Namespace, out: str, seed: int) -> list[str]:
     restarts = str(args.max_restarts)
     if mode == "torchrun":
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.workers),
-                  "--max-restarts", restarts]
+        launch = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(args.workers),
+            "--max-restarts",
+            restarts,
+        ]
     else:
         launch = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", str(args.workers)]
         launch += ["--max-restarts", restarts] if mode == "rejoin" else []
-    work = ["--worker", "--mode", mode, "--dir", out, "--steps", str(args.steps), "--seed", str(seed),
-            "--save-every", str(args.save_every), "--step-sleep", str(args.step_sleep)]
+    work = [
+        "--worker",
+        "--mode",
+        mode,
+        "--dir",
+        out,
+        "--steps",
+        str(args.steps),
+        "--seed",
+        str(seed),
+        "--save-every",
+        str(args.save_every),
+        "--step-sleep",
+        str(args.step_sleep),
+    ]
     return [*launch, __file__, *work]
 
 
@@ -142,14 +173,16 @@ def _steps(out: str, rank: int) -> list[tuple[int, float]]:
     return [(int(what), at) for what, at in _progress(out, rank) if what != "start"]
 
 
-def _back(progress: list[tuple[str, float]], killed: float) -> dict[str, Optional[float]]:
+def _back(progress: list[tuple[str, float]], killed: float) -> dict[str, float | None]:
     """Seconds from a kill at `killed` to the worker's next process start (`started_s`) and its next step's end
     (`training_s`); `None` if there was none."""
     later = [(what, at) for what, at in progress if at > killed]
     started = next((at for what, at in later if what == "start"), None)
     stepped = next((at for what, at in later if what != "start" and started is not None and at > started), None)
-    return {"started_s": None if started is None else started - killed,
-            "training_s": None if stepped is None else stepped - killed}
+    return {
+        "started_s": None if started is None else started - killed,
+        "training_s": None if stepped is None else stepped - killed,
+    }
 
 
 def _training(out: str, rank: int, since: float) -> bool:
@@ -177,8 +210,9 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
     with _run_directory(args, f"{mode}-{seed}-") as out:
         start = time.time()
         output = open(Path(out, "launcher.log"), "w+")  # a file, not a pipe: nobody blocks on a full pipe meanwhile
-        launcher = subprocess.Popen(_command(mode, args, out, seed), stdout=output, stderr=subprocess.STDOUT,
-                                    text=True, start_new_session=True)
+        launcher = subprocess.Popen(
+            _command(mode, args, out, seed), stdout=output, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         kills: list[dict[str, Any]] = []
         next_kill, restarted_at, timed_out = args.kill_every, {r: start for r in range(args.workers)}, False
         try:
@@ -216,16 +250,29 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         resumes = _resumes_exactly(args, out, seed, ended) if mode != "torchrun" and launcher.returncode == 0 else None
         if timed_out:
             reached = {r: s[-1][0] if s else None for r, s in steps.items()}
-            raise TimeoutError(f"{mode} run (seed {seed}) still running after {args.timeout} s; the last step of each "
-                               f"worker: {reached}; kills: {kills}; the launcher's output:\n{log[-6000:]}")
-        results = {r: json.loads(p.read_text()) for r in range(args.workers) if (p := Path(out, f"result-{r}.json")).exists()}
+            raise TimeoutError(
+                f"{mode} run (seed {seed}) still running after {args.timeout} s; the last step of each "
+                f"worker: {reached}; kills: {kills}; the launcher's output:\n{log[-6000:]}"
+            )
+        results = {
+            r: json.loads(p.read_text()) for r in range(args.workers) if (p := Path(out, f"result-{r}.json")).exists()
+        }
     distinct = sum(len({step for step, _ in s}) for s in steps.values())
     planned = args.workers + len(kills) * (args.workers if mode == "torchrun" else 1)  # torchrun starts all again
     return {
-        "mode": mode, "seed": seed, "exit": launcher.returncode, "wall_s": wall, "worker_steps": distinct,
-        "goodput": distinct / wall, "kills": kills,
-        "unplanned_starts": starts - planned, "ended_at": {r: res["step"] for r, res in results.items()},
-        "accuracy": accuracy, "val_acc": results.get(0, {}).get("val_acc"), "resumes_exactly": resumes, "log": log[-3000:],
+        "mode": mode,
+        "seed": seed,
+        "exit": launcher.returncode,
+        "wall_s": wall,
+        "worker_steps": distinct,
+        "goodput": distinct / wall,
+        "kills": kills,
+        "unplanned_starts": starts - planned,
+        "ended_at": {r: res["step"] for r, res in results.items()},
+        "accuracy": accuracy,
+        "val_acc": results.get(0, {}).get("val_acc"),
+        "resumes_exactly": resumes,
+        "log": log[-3000:],
     }
 
 
@@ -259,7 +306,11 @@ def _resumes_exactly(args: argparse.Namespace, out: str, seed: int, ended: list[
 
 
 def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    free = statistics.mean(r["goodput"] for r in runs if r["mode"] == "free") if any(r["mode"] == "free" for r in runs) else None
+    free = (
+        statistics.mean(r["goodput"] for r in runs if r["mode"] == "free")
+        if any(r["mode"] == "free" for r in runs)
+        else None
+    )
     rows = []
     for mode in args.modes:
         mine = [r for r in runs if r["mode"] == mode]
@@ -273,15 +324,21 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
         accuracy = f"{statistics.mean(accuracies):.4f} ± {statistics.pstdev(accuracies):.4f}" if accuracies else "–"
         kills = statistics.mean(len(r["kills"]) for r in mine)
         unplanned = sum(r["unplanned_starts"] for r in mine)
-        rows.append(f"| {mode} | {len(mine)} | {kills:.1f} | {unplanned} | {goodput:.1f} | {ratio} | {at_end:.1f} of {args.workers} "
-                    f"| {'yes' if ended else 'no'} | {accuracy} |")
-    return "\n".join([
-        "| mode | runs | kills per run | starts not caused by a kill | goodput (worker-steps/s) | ratio to free "
-        f"| workers that ended the run (mean) | each of them at step {args.steps} | accuracy of x̄ |",
-        "|---|---|---|---|---|---|---|---|---|", *rows])
+        rows.append(
+            f"| {mode} | {len(mine)} | {kills:.1f} | {unplanned} | {goodput:.1f} | {ratio} | {at_end:.1f} of {args.workers} "
+            f"| {'yes' if ended else 'no'} | {accuracy} |"
+        )
+    return "\n".join(
+        [
+            "| mode | runs | kills per run | starts not caused by a kill | goodput (worker-steps/s) | ratio to free "
+            f"| workers that ended the run (mean) | each of them at step {args.steps} | accuracy of x̄ |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=300)
@@ -314,15 +371,18 @@ def main(argv: Optional[list[str]] = None) -> None:
         for mode in args.modes:
             result = run(mode, args, seed)
             runs.append(result)
-            print(f"{mode} seed {seed}: exit {result['exit']}, {result['wall_s']:.1f} s, goodput {result['goodput']:.1f} "
-                  f"worker-steps/s, {len(result['kills'])} kills, {result['unplanned_starts']} starts not caused by a "
-                  f"kill, ended at {result['ended_at']}, accuracy of x̄ {result['accuracy']}, resumes exactly {result['resumes_exactly']}")
+            print(
+                f"{mode} seed {seed}: exit {result['exit']}, {result['wall_s']:.1f} s, goodput {result['goodput']:.1f} "
+                f"worker-steps/s, {len(result['kills'])} kills, {result['unplanned_starts']} starts not caused by a "
+                f"kill, ended at {result['ended_at']}, accuracy of x̄ {result['accuracy']}, resumes exactly {result['resumes_exactly']}"
+            )
             if result["exit"] or result["unplanned_starts"]:
                 print(result["log"])
     table = report(runs, args)
     print(table)
-    harness.write_outputs(args.out, {"command": harness.command_line(__file__, argv), "runs": runs,
-                                     "load": os.getloadavg()}, table)
+    harness.write_outputs(
+        args.out, {"command": harness.command_line(__file__, argv), "runs": runs, "load": os.getloadavg()}, table
+    )
 
 
 if __name__ == "__main__":

@@ -45,12 +45,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
+import harness
 import torch
 import torch.distributed as dist
 
-import harness
 from lightning_decentral.compression import resolve_compression
 from lightning_decentral.gossip import CompressedGossip, Gossip
 from lightning_decentral.mixing import DenseMixer
@@ -110,13 +110,15 @@ def summarize_bytes(results: list[dict[str, Any]], n: int, steps: int) -> list[d
     for name, repeats in results[0].items():
         best = min(repeats, key=lambda r: r["measured"])
         slowest = [max(ranks) for i in range(len(repeats)) for ranks in zip(*(r[name][i]["times"] for r in results))]
-        rows.append({
-            "compression": name,
-            "counted_per_rank_step": best["counted"] / n / steps,
-            "measured_per_rank_step": best["measured"] / n / steps,
-            "overhead": best["measured"] / best["counted"] - 1,
-            "exchange_ms": 1e3 * statistics.median(slowest),
-        })
+        rows.append(
+            {
+                "compression": name,
+                "counted_per_rank_step": best["counted"] / n / steps,
+                "measured_per_rank_step": best["measured"] / n / steps,
+                "overhead": best["measured"] / best["counted"] - 1,
+                "exchange_ms": 1e3 * statistics.median(slowest),
+            }
+        )
     plain = rows[0]["counted_per_rank_step"]
     for row in rows:
         row["fewer_than_plain"] = plain / row["counted_per_rank_step"]
@@ -139,7 +141,9 @@ def render_bytes(rows: list[dict[str, Any]]) -> str:
 
 def consensus_after(compression: str, gamma: float, topology: str, n: int, d: int, steps: int) -> float:
     """The consensus distance after `steps` steps of gossip alone over its start (`float("inf")` past 1e6)."""
-    mixer = DenseMixer(resolve_topology(topology, n), compression=resolve_compression(compression), consensus_step=gamma)
+    mixer = DenseMixer(
+        resolve_topology(topology, n), compression=resolve_compression(compression), consensus_step=gamma
+    )
     x = torch.randn(n, d, generator=torch.Generator().manual_seed(0))
     mean = x.mean(0)
     start = float((x - mean).square().sum(1).mean().sqrt())
@@ -151,7 +155,9 @@ def consensus_after(compression: str, gamma: float, topology: str, n: int, d: in
     return ratio if math.isfinite(ratio) and ratio < 1e6 else float("inf")
 
 
-def sweep(compressions: list[str], gammas: list[float], topologies: list[str], n: int, d: int, steps: int) -> list[dict[str, Any]]:
+def sweep(
+    compressions: list[str], gammas: list[float], topologies: list[str], n: int, d: int, steps: int
+) -> list[dict[str, Any]]:
     rows = []
     for topology in topologies:
         for compression in compressions:
@@ -178,7 +184,9 @@ def render_sweep(rows: list[dict[str, Any]], gammas: list[float]) -> str:
     return "\n".join(lines)
 
 
-def train_digits(options: dict[str, Any], seed: int, workers: int, epochs: int, alpha: Optional[float] = None) -> dict[str, float]:
+def train_digits(
+    options: dict[str, Any], seed: int, workers: int, epochs: int, alpha: float | None = None
+) -> dict[str, float]:
     """One simulated run on the digits: the accuracy of `x̄` and `Ξ / ‖x̄‖` at the end, and its wall time."""
     import lightning.pytorch as pl
 
@@ -192,25 +200,48 @@ def train_digits(options: dict[str, Any], seed: int, workers: int, epochs: int, 
     model = common.DigitsMLP(0.1, 0.9, batch=512 // workers, alpha=alpha, seed=seed)
     strategy = SimulatedDecentralizedStrategy(workers=workers, **options)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, check_val_every_n_epoch=epochs,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=epochs,
     )
     trainer.fit(model)
-    x = torch.stack([torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in strategy.worker_modules()]).double()
+    x = torch.stack(
+        [torch.cat([p.detach().reshape(-1) for p in m.parameters()]) for m in strategy.worker_modules()]
+    ).double()
     mean = x.mean(0)
     distance = float((x - mean).square().sum(1).mean().sqrt() / mean.norm())
-    return {"accuracy": float(trainer.callback_metrics["val_acc"]), "distance": distance, "seconds": time.perf_counter() - started}
+    return {
+        "accuracy": float(trainer.callback_metrics["val_acc"]),
+        "distance": distance,
+        "seconds": time.perf_counter() - started,
+    }
 
 
-def train_cells(cells: dict[str, dict[str, Any]], seeds: int, workers: int, epochs: int, alpha: Optional[float]) -> list[dict[str, Any]]:
+def train_cells(
+    cells: dict[str, dict[str, Any]], seeds: int, workers: int, epochs: int, alpha: float | None
+) -> list[dict[str, Any]]:
     """Every cell (label: strategy options) over `seeds` seeds."""
     rows = []
     for label, options in cells.items():
         runs = [train_digits(options, seed, workers, epochs, alpha) for seed in range(seeds)]
-        row = {"label": label, "options": options, **{key: [r[key] for r in runs] for key in ("accuracy", "distance", "seconds")}}
+        row = {
+            "label": label,
+            "options": options,
+            **{key: [r[key] for r in runs] for key in ("accuracy", "distance", "seconds")},
+        }
         rows.append(row)
-        print(f"{label}: accuracy {_mean_std(row['accuracy'])}, Ξ/‖x̄‖ {statistics.mean(row['distance']):.2e} "
-              f"({statistics.mean(row['seconds']):.1f} s a run)", flush=True)
+        print(
+            f"{label}: accuracy {_mean_std(row['accuracy'])}, Ξ/‖x̄‖ {statistics.mean(row['distance']):.2e} "
+            f"({statistics.mean(row['seconds']):.1f} s a run)",
+            flush=True,
+        )
     return rows
 
 
@@ -236,17 +267,25 @@ def render_accuracy(rows: list[dict[str, Any]], seeds: int) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("bytes", "sweep", "accuracy", "gamma"))
     parser.add_argument("--compressions", default=None, help="names, comma-separated (default: each command's own)")
-    parser.add_argument("--gammas", default=",".join(map(str, TRAINING_GAMMAS)), help="gamma: the steps γ, comma-separated")
+    parser.add_argument(
+        "--gammas", default=",".join(map(str, TRAINING_GAMMAS)), help="gamma: the steps γ, comma-separated"
+    )
     parser.add_argument("--seeds", type=int, default=5, help="accuracy, gamma: seeds per row (mean ± std)")
     parser.add_argument("--epochs", type=int, default=30, help="accuracy, gamma: epochs of the digits")
-    parser.add_argument("--alpha", type=float, default=None, help="accuracy, gamma: Dirichlet label skew per worker (default: IID)")
+    parser.add_argument(
+        "--alpha", type=float, default=None, help="accuracy, gamma: Dirichlet label skew per worker (default: IID)"
+    )
     parser.add_argument("--workers", type=int, default=None, help="bytes: 4 processes; sweep: 8 workers")
-    parser.add_argument("--topology", default="one_peer_exponential", help="bytes: the topology (default one_peer_exponential)")
-    parser.add_argument("--steps", type=int, default=None, help="bytes: exchanges per repetition (3); sweep: steps (200)")
+    parser.add_argument(
+        "--topology", default="one_peer_exponential", help="bytes: the topology (default one_peer_exponential)"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=None, help="bytes: exchanges per repetition (3); sweep: steps (200)"
+    )
     parser.add_argument("--reps", type=int, default=3, help="bytes: measured repetitions (the least measured counts)")
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--out", action="append", default=[], help="write results: .md (table) or .json; repeatable")
@@ -262,11 +301,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         n = args.workers or 4
         config = {
             "numel": 100_000 if args.smoke else harness.count_parameters(harness.FULL_WIDTHS),
-            "steps": args.steps or (1 if args.smoke else 3), "reps": 1 if args.smoke else args.reps,
-            "compressions": compressions, "topology": args.topology,
+            "steps": args.steps or (1 if args.smoke else 3),
+            "reps": 1 if args.smoke else args.reps,
+            "compressions": compressions,
+            "topology": args.topology,
         }
-        print(f"{n} gloo processes on the loopback, {args.topology}, {config['numel']:,} float32 elements, "
-              f"{config['steps']} exchanges x {config['reps']} repetitions; {os.cpu_count()} CPU cores; torch {torch.__version__}")
+        print(
+            f"{n} gloo processes on the loopback, {args.topology}, {config['numel']:,} float32 elements, "
+            f"{config['steps']} exchanges x {config['reps']} repetitions; {os.cpu_count()} CPU cores; torch {torch.__version__}"
+        )
         results = harness.run_ranks(functools.partial(_bytes_worker, config), n, timeout=args.timeout)
         rows = summarize_bytes(results, n, config["steps"])
         table = render_bytes(rows)
@@ -274,13 +317,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         n = args.workers or (4 if args.smoke else 16)
         seeds, epochs = (1, 1) if args.smoke else (args.seeds, args.epochs)
         data = "IID" if args.alpha is None else f"label skew Dirichlet α = {args.alpha:g}"
-        print(f"digits ({data}), {n} simulated workers, ring, AWC, {epochs} epochs, {seeds} seeds; torch {torch.__version__}", flush=True)
+        print(
+            f"digits ({data}), {n} simulated workers, ring, AWC, {epochs} epochs, {seeds} seeds; torch {torch.__version__}",
+            flush=True,
+        )
         if args.what == "accuracy":
             cells = {**BASELINES, **{name: {"topology": "ring", "compression": name} for name in compressions}}
         else:
             gammas = [float(g) for g in args.gammas.split(",")][: 2 if args.smoke else None]
-            cells = {f"{name}, γ = {g:g}": {"topology": "ring", "compression": name, "consensus_step": g}
-                     for name in compressions for g in gammas}
+            cells = {
+                f"{name}, γ = {g:g}": {"topology": "ring", "compression": name, "consensus_step": g}
+                for name in compressions
+                for g in gammas
+            }
             cells = {"gossip": BASELINES["gossip"], **cells}
         rows = train_cells(cells, seeds, n, epochs, args.alpha)
         table = render_accuracy(rows, seeds)

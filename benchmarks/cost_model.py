@@ -47,7 +47,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import harness
 
@@ -98,8 +98,16 @@ def exponential_degree(n: int) -> int:
     return sum(1 for k in range(n.bit_length()) if 2**k < n)
 
 
-def step_seconds(method: str, n: int, model_bytes: float, link: LinkCost, *, bucket_bytes: float = 4 * 2**20,
-                 ranks_per_node: int = 8, inner: LinkCost = NVLINK) -> float:
+def step_seconds(
+    method: str,
+    n: int,
+    model_bytes: float,
+    link: LinkCost,
+    *,
+    bucket_bytes: float = 4 * 2**20,
+    ranks_per_node: int = 8,
+    inner: LinkCost = NVLINK,
+) -> float:
     """Per-step communication time of ``method`` on ``n`` ranks (the formulas of the module docstring)."""
     a, b, m = link.alpha_s, link.beta_s_per_byte, model_bytes
     if method == "ddp":
@@ -130,6 +138,7 @@ METHODS = ("ddp", "ring", "exponential", "one_peer_exponential", "decentlam", "h
 def _measure(config: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
+
     from lightning_decentral.gossip import Gossip
     from lightning_decentral.topology import resolve_topology
 
@@ -180,7 +189,9 @@ def measure_network(name: str, args: argparse.Namespace) -> dict[str, Any]:
     link = None if name == "loopback" else harness.PROFILES[name]
     spec = dict(sizes=args.sizes, reps=args.reps, params=args.params, exchange_reps=args.exchange_reps)
     with harness.network_or_loopback(link, args.workers) as network:
-        records = harness.run_ranks(functools.partial(_measure, spec), args.workers, timeout=args.timeout, network=network)
+        records = harness.run_ranks(
+            functools.partial(_measure, spec), args.workers, timeout=args.timeout, network=network
+        )
         shaping = network.shaping if network is not None else "127.0.0.1 TCP, no shaping"
     alpha, beta = fit_alpha_beta(args.sizes, records[0]["pingpong_s"])
     exchange = {
@@ -189,36 +200,64 @@ def measure_network(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     label = "loopback" if link is None else f"emulated {link.rate_mbit / 1000:g} Gbit/s"
     return {
-        "network": name, "shaping": shaping, "link": asdict(LinkCost(f"{label} (measured)", alpha, beta, "measured")),
-        "sizes": args.sizes, "pingpong_s": records[0]["pingpong_s"], "exchange_s": exchange,
+        "network": name,
+        "shaping": shaping,
+        "link": asdict(LinkCost(f"{label} (measured)", alpha, beta, "measured")),
+        "sizes": args.sizes,
+        "pingpong_s": records[0]["pingpong_s"],
+        "exchange_s": exchange,
     }
 
 
 def render(measured: list[dict[str, Any]], links: list[LinkCost], args: argparse.Namespace, command: str) -> str:
     model_bytes = args.params * 4
-    lines = [f"Command: `{command}`", "", "Measured links (ping-pong fit, one way):", "",
-             "| network | shaping | alpha (µs) | 1/beta (GB/s) | largest fit error |", "|---|---|---|---|---|"]
+    lines = [
+        f"Command: `{command}`",
+        "",
+        "Measured links (ping-pong fit, one way):",
+        "",
+        "| network | shaping | alpha (µs) | 1/beta (GB/s) | largest fit error |",
+        "|---|---|---|---|---|",
+    ]
     for m in measured:
         link = m["link"]
-        errors = [abs(link["alpha_s"] + link["beta_s_per_byte"] * s - t) / t for s, t in zip(m["sizes"], m["pingpong_s"])]
-        lines.append(f"| {m['network']} | {m['shaping']} | {link['alpha_s'] * 1e6:.1f} | "
-                     f"{_gbyte_per_s(link['beta_s_per_byte'])} | {max(errors):.0%} |")
-    lines += ["", f"One step's exchange of {args.params:,} float32 parameters on {args.workers} ranks, measured "
-              "(median of the slowest rank) against the model with the fitted alpha, beta:", "",
-              "| network | method | measured (s) | model (s) | measured / model |", "|---|---|---|---|---|"]
+        errors = [
+            abs(link["alpha_s"] + link["beta_s_per_byte"] * s - t) / t for s, t in zip(m["sizes"], m["pingpong_s"])
+        ]
+        lines.append(
+            f"| {m['network']} | {m['shaping']} | {link['alpha_s'] * 1e6:.1f} | "
+            f"{_gbyte_per_s(link['beta_s_per_byte'])} | {max(errors):.0%} |"
+        )
+    lines += [
+        "",
+        f"One step's exchange of {args.params:,} float32 parameters on {args.workers} ranks, measured "
+        "(median of the slowest rank) against the model with the fitted alpha, beta:",
+        "",
+        "| network | method | measured (s) | model (s) | measured / model |",
+        "|---|---|---|---|---|",
+    ]
     for m in measured:
         link = LinkCost(**m["link"])
         for method, seconds in m["exchange_s"].items():
             model = step_seconds(method, args.workers, model_bytes, link)
             lines.append(f"| {m['network']} | {method} | {seconds:.4f} | {model:.4f} | {seconds / model:.2f} |")
     shown = [n for n in (8, 64, 1024) if n in N_RANGE]
-    lines += ["", f"Extrapolated per-step communication (ms) for {model_bytes / 1e6:.1f} MB of parameters "
-              f"(hierarchical: {args.ranks_per_node} ranks per node on NVLink inside):", "",
-              "| link | " + " | ".join(f"{m} n={n}" for m in ("ddp", "one_peer_exponential", "ring", "hierarchical") for n in shown) + " |",
-              "|---|" + "---|" * (4 * len(shown))]
+    lines += [
+        "",
+        f"Extrapolated per-step communication (ms) for {model_bytes / 1e6:.1f} MB of parameters "
+        f"(hierarchical: {args.ranks_per_node} ranks per node on NVLink inside):",
+        "",
+        "| link | "
+        + " | ".join(f"{m} n={n}" for m in ("ddp", "one_peer_exponential", "ring", "hierarchical") for n in shown)
+        + " |",
+        "|---|" + "---|" * (4 * len(shown)),
+    ]
     for link in links:
-        cells = [f"{step_seconds(m, n, model_bytes, link, ranks_per_node=args.ranks_per_node) * 1e3:.2f}"
-                 for m in ("ddp", "one_peer_exponential", "ring", "hierarchical") for n in shown]
+        cells = [
+            f"{step_seconds(m, n, model_bytes, link, ranks_per_node=args.ranks_per_node) * 1e3:.2f}"
+            for m in ("ddp", "one_peer_exponential", "ring", "hierarchical")
+            for n in shown
+        ]
         lines.append(f"| {link.name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -233,33 +272,54 @@ def plot(links: list[LinkCost], args: argparse.Namespace, path: Path) -> None:
     fig, axes = plt.subplots(1, len(links), figsize=(4.2 * len(links), 3.8), squeeze=False, sharey=False)
     for ax, link in zip(axes[0], links):
         for method, style in zip(METHODS, ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))):
-            ax.plot(N_RANGE, [step_seconds(method, n, model_bytes, link, ranks_per_node=args.ranks_per_node) * 1e3
-                              for n in N_RANGE], linestyle=style, marker="o", markersize=3, label=method)
+            ax.plot(
+                N_RANGE,
+                [step_seconds(method, n, model_bytes, link, ranks_per_node=args.ranks_per_node) * 1e3 for n in N_RANGE],
+                linestyle=style,
+                marker="o",
+                markersize=3,
+                label=method,
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("ranks n")
-        ax.set_title(f"{link.name}\nalpha {link.alpha_s * 1e6:.1f} µs, {_gbyte_per_s(link.beta_s_per_byte)} GB/s", fontsize=9)
+        ax.set_title(
+            f"{link.name}\nalpha {link.alpha_s * 1e6:.1f} µs, {_gbyte_per_s(link.beta_s_per_byte)} GB/s", fontsize=9
+        )
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("communication per step (ms)")
     axes[0][-1].legend(fontsize=8)
-    fig.suptitle(f"alpha-beta model, {model_bytes / 1e6:.1f} MB of float32 parameters; hierarchical: "
-                 f"{args.ranks_per_node} ranks per node, NVLink inside", fontsize=9)
+    fig.suptitle(
+        f"alpha-beta model, {model_bytes / 1e6:.1f} MB of float32 parameters; hierarchical: "
+        f"{args.ranks_per_node} ranks per node, NVLink inside",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--networks", default=None, help=f"comma-separated: loopback, {', '.join(harness.PROFILES)} (default loopback,1gbit)")
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--networks",
+        default=None,
+        help=f"comma-separated: loopback, {', '.join(harness.PROFILES)} (default loopback,1gbit)",
+    )
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--params", type=int, default=None, help="model parameters (default: step_time.py's MLP, 5,257,226)")
+    parser.add_argument(
+        "--params", type=int, default=None, help="model parameters (default: step_time.py's MLP, 5,257,226)"
+    )
     parser.add_argument("--reps", type=int, default=20, help="ping-pongs per size (a fifth of that above 1 MiB)")
     parser.add_argument("--exchange-reps", type=int, default=5, help="timed exchanges per method (default 5)")
     parser.add_argument("--ranks-per-node", type=int, default=8, help="hierarchical: ranks per node (default 8)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per network")
-    parser.add_argument("--png", default=None, help="the figure (default docs/img/benchmarks/cost_model.png; --smoke: none)")
+    parser.add_argument(
+        "--png", default=None, help="the figure (default docs/img/benchmarks/cost_model.png; --smoke: none)"
+    )
     parser.add_argument("--out", action="append", default=[], help="write results: .md (tables) or .json; repeatable")
     parser.add_argument("--smoke", action="store_true", help="loopback, sizes up to 4 kB, 2 reps, a 1k-parameter model")
     args = parser.parse_args(argv)
@@ -282,13 +342,15 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if any(n != "loopback" for n in args.networks):
         ok, why = harness.netns_permitted()
         if not ok:
-            print(f"--networks {','.join(args.networks)} needs network namespaces: {why}. Use --networks loopback.",
-                  file=sys.stderr)
+            print(
+                f"--networks {','.join(args.networks)} needs network namespaces: {why}. Use --networks loopback.",
+                file=sys.stderr,
+            )
             return 2
     harness.exit_on_sigterm()
     command = harness.command_line(__file__, argv)
@@ -299,7 +361,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in args.networks:
         measured.append(measure_network(name, args))
         link = measured[-1]["link"]
-        print(f"[{name}] alpha {link['alpha_s'] * 1e6:.1f} µs, 1/beta {_gbyte_per_s(link['beta_s_per_byte'])} GB/s", flush=True)
+        print(
+            f"[{name}] alpha {link['alpha_s'] * 1e6:.1f} µs, 1/beta {_gbyte_per_s(link['beta_s_per_byte'])} GB/s",
+            flush=True,
+        )
     links = [LinkCost(**m["link"]) for m in measured] + list(STATED)
     table = render(measured, links, args, command)
     print("\n" + table + f"\n\nwhole run: {time.monotonic() - started:.0f} s")
@@ -307,12 +372,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         plot(links, args, Path(args.png))
         print(f"wrote {args.png}")
     extrapolated = {
-        link.name: {m: [step_seconds(m, n, args.params * 4, link, ranks_per_node=args.ranks_per_node) for n in N_RANGE]
-                    for m in METHODS}
+        link.name: {
+            m: [step_seconds(m, n, args.params * 4, link, ranks_per_node=args.ranks_per_node) for n in N_RANGE]
+            for m in METHODS
+        }
         for link in links
     }
-    body = {"command": command, "measured": measured, "links": [asdict(l) for l in links], "nvlink": asdict(NVLINK),
-            "n": N_RANGE, "extrapolated_s": extrapolated, "params": args.params}
+    body = {
+        "command": command,
+        "measured": measured,
+        "links": [asdict(l) for l in links],
+        "nvlink": asdict(NVLINK),
+        "n": N_RANGE,
+        "extrapolated_s": extrapolated,
+        "params": args.params,
+    }
     harness.write_outputs(args.out, body, table, indent=1)
     return 0
 

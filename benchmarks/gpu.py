@@ -31,7 +31,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -93,7 +93,9 @@ def _images(size: int, samples: int, batch: int) -> torch.utils.data.DataLoader:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 3, size, size, generator=generator)
     y = torch.randint(0, 10, (samples,), generator=generator)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch, shuffle=True, drop_last=True)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=batch, shuffle=True, drop_last=True
+    )
 
 
 class SyncedClock(pl.Callback):
@@ -111,12 +113,17 @@ class SyncedClock(pl.Callback):
         self.device = str(module.device)
 
 
-def _peak_mb() -> Optional[float]:
+def _peak_mb() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20 if torch.cuda.is_available() else None
 
 
 def _fit(
-    strategy: Any, args: argparse.Namespace, precision: str, batch: int, steps: int, ckpt_path: Optional[str] = None,
+    strategy: Any,
+    args: argparse.Namespace,
+    precision: str,
+    batch: int,
+    steps: int,
+    ckpt_path: str | None = None,
     model: str = "mlp",
 ) -> dict[str, Any]:
     """One fit of ``model`` (``"mlp"`` or ``"resnet20"``) up to optimizer step ``steps``: its median step time and peak
@@ -133,7 +140,12 @@ def _fit(
         module, loader = MLP(tuple(args.widths), 0.1, 0.9), digits_loader(x, y, batch)
     trainer.fit(module, train_dataloaders=loader, ckpt_path=ckpt_path)
     gaps = [b - a for a, b in zip(clock.ends, clock.ends[1:])][args.warmup - 1 :]
-    return {"step_s": statistics.median(gaps) if gaps else None, "peak_mb": _peak_mb(), "trainer": trainer, "device": clock.device}
+    return {
+        "step_s": statistics.median(gaps) if gaps else None,
+        "peak_mb": _peak_mb(),
+        "trainer": trainer,
+        "device": clock.device,
+    }
 
 
 def check_paths(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -150,7 +162,9 @@ def check_paths(args: argparse.Namespace) -> list[dict[str, Any]]:
                     first.save_checkpoint(path)
                     row["device"] = run["device"]
                     row["finite"] = all(bool(torch.isfinite(p).all()) for p in first.lightning_module.parameters())
-                    resumed = _fit(DecentralizedStrategy(momentum=momentum), args, precision, 64, 5, ckpt_path=path)["trainer"]
+                    resumed = _fit(DecentralizedStrategy(momentum=momentum), args, precision, 64, 5, ckpt_path=path)[
+                        "trainer"
+                    ]
                     row["resumed_at"], row["ended_at"] = 3, resumed.global_step
                     row["ok"] = row["finite"] and resumed.global_step == 5
             except Exception as exc:  # recorded: the other runs go on
@@ -167,13 +181,25 @@ def measure_simulation(args: argparse.Namespace) -> list[dict[str, Any]]:
     for model, precision in [(model, precision) for model in args.models for precision in args.precisions]:
         global_batch = args.conv_global_batch if model == "resnet20" else args.global_batch
         base = _fit("auto", args, precision, global_batch, steps, model=model)
-        base_row = {"model": model, "kind": "lightning", "n": 1, "precision": precision, "device": base["device"],
-                    "step_s": base["step_s"], "peak_mb": base["peak_mb"]}
+        base_row = {
+            "model": model,
+            "kind": "lightning",
+            "n": 1,
+            "precision": precision,
+            "device": base["device"],
+            "step_s": base["step_s"],
+            "peak_mb": base["peak_mb"],
+        }
         rows.append(base_row)
         print(json.dumps(base_row), flush=True)
         for n in args.workers:
             for vectorize in (False, True):
-                row: dict[str, Any] = {"model": model, "kind": "stacked" if vectorize else "apart", "n": n, "precision": precision}
+                row: dict[str, Any] = {
+                    "model": model,
+                    "kind": "stacked" if vectorize else "apart",
+                    "n": n,
+                    "precision": precision,
+                }
                 try:
                     strategy = SimulatedDecentralizedStrategy(workers=n, topology="ring", vectorize=vectorize)
                     run = _fit(strategy, args, precision, global_batch // n, steps, model=model)
@@ -190,25 +216,36 @@ def measure_simulation(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def render(result: dict[str, Any]) -> str:
     """The markdown tables of ``docs/benchmarks.md``."""
-    lines = [f"Device: {result['device']}; torch {result['torch']}, lightning {result['lightning']}.", "",
-             "| rule | precision | device | finite after 3 steps | resumed at 3, ended at | error |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"Device: {result['device']}; torch {result['torch']}, lightning {result['lightning']}.",
+        "",
+        "| rule | precision | device | finite after 3 steps | resumed at 3, ended at | error |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in result["paths"]:
-        lines.append(f"| {r['momentum']} | {r['precision']} | {r.get('device', '')} | {r.get('finite', '')} | "
-                     f"{r.get('resumed_at', '')}, {r.get('ended_at', '')} | {r.get('error', '')} |")
-    lines += ["", "| model | run | n | precision | device | median step (ms) | × plain Trainer | peak memory (MB) | MB per worker | error |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r['momentum']} | {r['precision']} | {r.get('device', '')} | {r.get('finite', '')} | "
+            f"{r.get('resumed_at', '')}, {r.get('ended_at', '')} | {r.get('error', '')} |"
+        )
+    lines += [
+        "",
+        "| model | run | n | precision | device | median step (ms) | × plain Trainer | peak memory (MB) | MB per worker | error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def number(value: Any, scale: float = 1.0, digits: int = 2) -> str:
         return "" if value is None else f"{value * scale:.{digits}f}"
 
     for r in result["simulation"]:
-        lines.append(f"| {r['model']} | {r['kind']} | {r['n']} | {r['precision']} | {r.get('device', '')} | {number(r.get('step_s'), 1e3)} | "
-                     f"{number(r.get('ratio_to_lightning'))} | {number(r.get('peak_mb'), digits=1)} | "
-                     f"{number(r.get('mb_per_worker'), digits=2)} | {r.get('error', '')} |")
+        lines.append(
+            f"| {r['model']} | {r['kind']} | {r['n']} | {r['precision']} | {r.get('device', '')} | {number(r.get('step_s'), 1e3)} | "
+            f"{number(r.get('ratio_to_lightning'))} | {number(r.get('peak_mb'), digits=1)} | "
+            f"{number(r.get('mb_per_worker'), digits=2)} | {r.get('error', '')} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--accelerator", default="gpu" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--workers", default="16,32,64", help="comma-separated n (default 16,32,64)")
@@ -219,8 +256,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--models", default="mlp,resnet20", help="the simulation's models (default mlp,resnet20)")
     parser.add_argument("--conv-global-batch", type=int, default=1024, help="resnet20's global batch (default 1024)")
     parser.add_argument("--out", action="append", default=[], help=".json or .md; repeatable")
-    parser.add_argument("--smoke", action="store_true",
-                        help="n = 4, 32-true, 2 + 2 steps, a 64-16-10 MLP, resnet20 of width 4 on 8 x 8 images, batch 16")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="n = 4, 32-true, 2 + 2 steps, a 64-16-10 MLP, resnet20 of width 4 on 8 x 8 images, batch 16",
+    )
     args = parser.parse_args(argv)
     args.workers = [int(n) for n in args.workers.split(",")]
     args.precisions = args.precisions.split(",")
@@ -230,8 +270,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.workers, args.precisions, args.steps, args.warmup, args.widths = [4], ["32-true"], 2, 2, (64, 16, 10)
         args.conv_width, args.image_size, args.conv_global_batch = 4, 8, 16
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    result = {"device": device, "torch": torch.__version__, "lightning": pl.__version__,
-              "paths": check_paths(args), "simulation": measure_simulation(args)}
+    result = {
+        "device": device,
+        "torch": torch.__version__,
+        "lightning": pl.__version__,
+        "paths": check_paths(args),
+        "simulation": measure_simulation(args),
+    }
     for out in args.out:
         Path(out).write_text(render(result) if out.endswith(".md") else json.dumps(result, indent=1))
     print(render(result))

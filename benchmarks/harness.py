@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import json
 import logging
 import multiprocessing
@@ -35,7 +36,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 IP, TC = shutil.which("ip") or "/usr/sbin/ip", shutil.which("tc") or "/usr/sbin/tc"
@@ -118,7 +119,7 @@ class EmulatedNetwork:
         self.delay_applied = False
         self.shaping = ""
 
-    def __enter__(self) -> "EmulatedNetwork":
+    def __enter__(self) -> EmulatedNetwork:
         try:
             self._create()
         except BaseException:
@@ -141,7 +142,9 @@ class EmulatedNetwork:
             _ip("-n", ns, "addr", "add", f"{address}/24", "dev", self.interface)
             _ip("-n", ns, "link", "set", self.interface, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-        sides = [(ns, self.interface) for ns in self.namespaces] + [(self.hub, f"p{i}") for i in range(len(self.namespaces))]
+        sides = [(ns, self.interface) for ns in self.namespaces] + [
+            (self.hub, f"p{i}") for i in range(len(self.namespaces))
+        ]
         for ns, device in sides:
             self.delay_applied = self._shape(ns, device)
         rate, delay = self.link.rate_mbit, self.link.delay_ms
@@ -156,12 +159,16 @@ class EmulatedNetwork:
         """netem (delay/2 and rate) on ``device``'s egress; tbf (rate only) without sch_netem. True: netem."""
         rate, half_delay = f"{self.link.rate_mbit:g}mbit", f"{self.link.delay_ms / 2:g}ms"
         tc = [IP, "netns", "exec", ns, TC, "qdisc", "replace", "dev", device, "root"]
-        netem = subprocess.run([*tc, "netem", "delay", half_delay, "rate", rate, "limit", "100000"], capture_output=True, text=True)
+        netem = subprocess.run(
+            [*tc, "netem", "delay", half_delay, "rate", rate, "limit", "100000"], capture_output=True, text=True
+        )
         if netem.returncode == 0:
             return True
         # the bucket holds 1 ms at the rate (at least two 64 kB GSO packets): the average rate stays R
         burst = max(131072, int(self.link.rate_mbit * 1e6 / 8 * 1e-3))
-        tbf = subprocess.run([*tc, "tbf", "rate", rate, "burst", str(burst), "latency", "200ms"], capture_output=True, text=True)
+        tbf = subprocess.run(
+            [*tc, "tbf", "rate", rate, "burst", str(burst), "latency", "200ms"], capture_output=True, text=True
+        )
         if tbf.returncode:
             raise RuntimeError(
                 f"cannot shape {device} in {ns}: netem: {netem.stderr.strip()}; tbf: {tbf.stderr.strip()}. "
@@ -205,7 +212,9 @@ class EmulatedNetwork:
         try:
             done = subprocess.run(
                 [*self.exec_prefix(0), sys.executable, "-c", client, self.addresses[1]],
-                capture_output=True, text=True, timeout=30 + seconds,
+                capture_output=True,
+                text=True,
+                timeout=30 + seconds,
             )
             return float(done.stdout.strip())
         finally:
@@ -226,7 +235,7 @@ def private_loopback() -> Iterator[str]:
         _ip("netns", "del", name, check=False)
 
 
-def network_or_loopback(link: Optional[Link], hosts: int) -> Any:
+def network_or_loopback(link: Link | None, hosts: int) -> Any:
     """``EmulatedNetwork(hosts, link)``, or a do-nothing context giving ``None`` (loopback) when ``link`` is None."""
     return EmulatedNetwork(hosts, link) if link is not None else contextlib.nullcontext(None)
 
@@ -266,7 +275,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(work: Callable[[int], Any], rank: int, env: dict[str, str], namespace: Optional[str], out: str) -> None:
+def _rank(work: Callable[[int], Any], rank: int, env: dict[str, str], namespace: str | None, out: str) -> None:
     """One rank: enter its namespace, take its environment, run ``work(rank)``, write the result atomically."""
     try:
         if namespace is not None:
@@ -289,7 +298,7 @@ def run_ranks(
     n: int,
     *,
     timeout: float,
-    network: Optional[EmulatedNetwork] = None,
+    network: EmulatedNetwork | None = None,
     one_node: bool = False,
     start_method: str = START_METHOD,
 ) -> list[Any]:
@@ -312,8 +321,11 @@ def run_ranks(
     try:
         for rank in range(n):
             env = dict(
-                MASTER_ADDR="127.0.0.1" if network is None else network.addresses[0], MASTER_PORT=str(port),
-                WORLD_SIZE=str(n), NODE_RANK="0" if one_node else str(rank), LOCAL_RANK=str(rank) if one_node else "0",
+                MASTER_ADDR="127.0.0.1" if network is None else network.addresses[0],
+                MASTER_PORT=str(port),
+                WORLD_SIZE=str(n),
+                NODE_RANK="0" if one_node else str(rank),
+                LOCAL_RANK=str(rank) if one_node else "0",
             )
             if network is not None:
                 env["GLOO_SOCKET_IFNAME"] = network.interface
@@ -392,7 +404,7 @@ FULL_WIDTHS = (1024, 2048, 1024, 1024, 10)  # 5,257,226 parameters
 SMOKE_WIDTHS = (64, 64, 10)
 
 
-def parse_widths(text: Optional[str], smoke: bool) -> tuple[int, ...]:
+def parse_widths(text: str | None, smoke: bool) -> tuple[int, ...]:
     """``--widths`` as given (``"64,64,10"``), else the smoke or the full default."""
     if text:
         return tuple(int(w) for w in text.split(","))
@@ -400,7 +412,7 @@ def parse_widths(text: Optional[str], smoke: bool) -> tuple[int, ...]:
 
 
 def count_parameters(widths: tuple[int, ...]) -> int:
-    return sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
+    return sum(a * b + b for a, b in itertools.pairwise(widths))
 
 
 # -- figures and output ------------------------------------------------------------------------------
@@ -421,12 +433,12 @@ def step_times(records: list[dict[str, Any]], warmup: int) -> list[float]:
     return [max(column) for column in zip(*per_rank)]
 
 
-def command_line(script: str, argv: Optional[list[str]]) -> str:
+def command_line(script: str, argv: list[str] | None) -> str:
     """``python benchmarks/<script> <arguments>``: how this run was started (``argv`` as given to ``main``)."""
     return " ".join(["python", f"benchmarks/{Path(script).name}", *(sys.argv[1:] if argv is None else argv)])
 
 
-def write_outputs(paths: list[str], body: Any, table: str, indent: Optional[int] = None) -> None:
+def write_outputs(paths: list[str], body: Any, table: str, indent: int | None = None) -> None:
     """Write ``body`` as JSON to every ``.json`` path, ``table`` (Markdown) to every other one."""
     for out in paths:
         path = Path(out)

@@ -3,6 +3,7 @@ data of ``simulate.py`` and ``gpu.py``, a step clock, and a Trainer that logs, c
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
@@ -11,9 +12,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+
 def build_mlp(widths: tuple[int, ...]) -> nn.Sequential:
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(widths)):
         layers.append(nn.Linear(a, b))
         if i < len(widths) - 2:
             layers.append(nn.ReLU())
@@ -79,6 +81,10 @@ def quiet_trainer(strategy: Any, max_steps: int, callbacks: list[pl.Callback], *
     """A CPU ``Trainer`` without logger, checkpoints (unless ``enable_checkpointing=True``), progress bar or model
     summary."""
     settings: dict[str, Any] = dict(
-        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     return pl.Trainer(strategy=strategy, max_steps=max_steps, callbacks=callbacks, **{**settings, **kwargs})

@@ -65,7 +65,7 @@ import sys
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import Any
 
 import harness
 
@@ -115,7 +115,6 @@ def register_powersgd(trainer: Any) -> None:
 
 def make_trainer(method: str, world_size: int, max_steps: int, callbacks: list, **kwargs: Any) -> Any:
     import lightning.pytorch as pl
-
     from mlp import quiet_trainer
 
     class PowerSGD(pl.Callback):
@@ -124,8 +123,16 @@ def make_trainer(method: str, world_size: int, max_steps: int, callbacks: list, 
 
     if method == "ddp_powersgd":
         callbacks = [PowerSGD(), *callbacks]
-    return quiet_trainer(make_strategy(method), max_steps, callbacks, num_nodes=world_size, devices=1,
-                         num_sanity_val_steps=0, limit_val_batches=0, **kwargs)
+    return quiet_trainer(
+        make_strategy(method),
+        max_steps,
+        callbacks,
+        num_nodes=world_size,
+        devices=1,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **kwargs,
+    )
 
 
 def sent_bytes() -> int:
@@ -135,7 +142,6 @@ def sent_bytes() -> int:
 
 def _step_time_job(method: str, config: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     import lightning.pytorch as pl
-
     from mlp import MLP, StepClock, make_loader
 
     widths = tuple(config["widths"])
@@ -161,7 +167,6 @@ def _decent_dp_steps(widths: tuple[int, ...], loader: Any) -> dict[str, Any]:
     import torch.distributed as dist
     from decent_dp.ddp import DecentralizedDataParallel
     from loguru import logger
-
     from mlp import MLP
 
     logger.remove()  # its debug lines
@@ -169,7 +174,9 @@ def _decent_dp_steps(widths: tuple[int, ...], loader: Any) -> dict[str, Any]:
         dist.init_process_group("gloo")
     net = MLP(widths, lr=0.01, momentum=0.9).net  # the same initial model (seed 0)
     model = DecentralizedDataParallel(
-        net, optim_fn=lambda named: torch.optim.SGD([p for _, p in named], lr=0.01, momentum=0.9), topology="one-peer-exp"
+        net,
+        optim_fn=lambda named: torch.optim.SGD([p for _, p in named], lr=0.01, momentum=0.9),
+        topology="one-peer-exp",
     )
     ends, sent = [], []
     for x, y in loader:
@@ -202,7 +209,9 @@ def _time_to_loss_job(method: str, config: dict[str, Any], rank: int, world_size
     record = Record()
     torch.manual_seed(0)
     trainer = make_trainer(method, world_size, config["digits_steps"], [record])
-    trainer.fit(digits.DigitsCNN(lr=config["digits_lr"]), datamodule=digits.DigitsDataModule(batch_size=config["digits_batch"]))
+    trainer.fit(
+        digits.DigitsCNN(lr=config["digits_lr"]), datamodule=digits.DigitsDataModule(batch_size=config["digits_batch"])
+    )
     return {"start": record.start, "ends": record.ends, "losses": record.losses}
 
 
@@ -220,7 +229,7 @@ def _work(spec: dict[str, Any], rank: int) -> list[dict[str, Any]]:
 # -- the driver ----------------------------------------------------------------------------------
 
 
-def time_to_loss(records: list[dict[str, Any]], threshold: float, smooth: int) -> tuple[Optional[float], Optional[int]]:
+def time_to_loss(records: list[dict[str, Any]], threshold: float, smooth: int) -> tuple[float | None, int | None]:
     """Seconds (from the common start) and steps until the rank-mean loss, averaged over the last
     ``smooth`` steps, first falls below ``threshold``; ``(None, None)`` if it never does."""
     start = min(r["start"] for r in records)
@@ -246,17 +255,26 @@ def summarize(profile: dict[str, Any], methods: list[str], config: dict[str, Any
     repeats = sorted({job["repeat"] for job in profile["jobs"]})
     rows = []
     for m in methods:
-        row: dict[str, Any] = {"name": m, "method": METHODS[m][0], "topology": METHODS[m][1] or "all-reduce (gradients)"}
+        row: dict[str, Any] = {
+            "name": m,
+            "method": METHODS[m][0],
+            "topology": METHODS[m][1] or "all-reduce (gradients)",
+        }
         if ("steps", m, 0) in by:
             row["sent_per_step"] = statistics.median(by[("steps", m, r)]["sent_per_step"] for r in repeats)
             pooled = [t for r in repeats for t in by[("steps", m, r)]["step_s"]]
             row["step_median_s"], row["step_q25_s"], row["step_q75_s"] = (
-                statistics.median(pooled), harness.quantile(pooled, 0.25), harness.quantile(pooled, 0.75))
+                statistics.median(pooled),
+                harness.quantile(pooled, 0.25),
+                harness.quantile(pooled, 0.75),
+            )
             row["step_repeat_medians_s"] = [statistics.median(by[("steps", m, r)]["step_s"]) for r in repeats]
         if ("loss", m, 0) in by:
             row["loss_s"] = [by[("loss", m, r)]["time_to_loss_s"] for r in repeats]
             row["loss_steps"] = [by[("loss", m, r)]["steps_to_loss"] for r in repeats]
-            row["final_loss"] = [statistics.fmean(by[("loss", m, r)]["mean_loss"][-config["smooth"] :]) for r in repeats]
+            row["final_loss"] = [
+                statistics.fmean(by[("loss", m, r)]["mean_loss"][-config["smooth"] :]) for r in repeats
+            ]
         rows.append(row)
     ddp = next((r for r in rows if r["name"] == "ddp"), None)
     for row in rows:
@@ -281,7 +299,7 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def ratio(values: Optional[list[float]]) -> str:
+    def ratio(values: list[float] | None) -> str:
         if not values:
             return "n/a"
         return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
@@ -296,7 +314,11 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
         lines.append(
             f"| {r['method']} | {r['topology']} | "
             + (f"{r['sent_per_step'] / 1e6:.2f} | " if "sent_per_step" in r else "n/a | ")
-            + (f"{r['step_median_s']:.3f} | {r['step_q25_s']:.3f}–{r['step_q75_s']:.3f} | " if "step_median_s" in r else "n/a | n/a | ")
+            + (
+                f"{r['step_median_s']:.3f} | {r['step_q25_s']:.3f}–{r['step_q75_s']:.3f} | "
+                if "step_median_s" in r
+                else "n/a | n/a | "
+            )
             + f"{ratio(r.get('step_ratio'))} | {loss if 'loss_s' in r else 'n/a'} | "
             + f"{statistics.median(steps) if steps else 'n/a'} | {ratio(r.get('loss_ratio'))} | "
             + (f"{statistics.median(r['final_loss']):.3f} |" if "final_loss" in r else "n/a |")
@@ -304,9 +326,13 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
     return "\n".join(lines)
 
 
-def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profiles", default=None, help=f"comma-separated, from {','.join(harness.PROFILES)} (default 1gbit,10gbit)")
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--profiles", default=None, help=f"comma-separated, from {','.join(harness.PROFILES)} (default 1gbit,10gbit)"
+    )
     parser.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma-separated, from {','.join(METHODS)}")
     parser.add_argument("--workers", type=int, default=4, help="hosts, one worker each (default 4)")
     parser.add_argument("--repeats", type=int, default=None, help="rotated repeats of the method list (default 3)")
@@ -340,8 +366,11 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     args.steps, args.warmup = args.steps or 10, args.warmup or 3
     args.digits_steps = args.digits_steps or 100
     args.widths = harness.parse_widths(args.widths, args.smoke)
-    for name, values, known in (("profiles", args.profiles, harness.PROFILES), ("methods", args.methods, METHODS),
-                                ("jobs", args.jobs, JOBS)):
+    for name, values, known in (
+        ("profiles", args.profiles, harness.PROFILES),
+        ("methods", args.methods, METHODS),
+        ("jobs", args.jobs, JOBS),
+    ):
         unknown = [v for v in values if v not in known]
         if unknown:
             parser.error(f"unknown {name} {unknown}; choose from {list(known)}")
@@ -350,7 +379,9 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     if "loss" in args.jobs and any(m in STEPS_ONLY for m in args.methods):
         parser.error(f"{', '.join(STEPS_ONLY)} run(s) the step-time job only: add --jobs steps")
     if "decent_dp" in args.methods and importlib.util.find_spec("decent_dp") is None:
-        parser.error("decent_dp needs Decent-DP, not installed here: pip install decent-dp (with loguru), e.g. with --target DIR and PYTHONPATH=DIR")
+        parser.error(
+            "decent_dp needs Decent-DP, not installed here: pip install decent-dp (with loguru), e.g. with --target DIR and PYTHONPATH=DIR"
+        )
     if "ddp_powersgd" in args.methods and args.warmup < 2:
         parser.error("ddp_powersgd all-reduces its first two steps plainly: use --warmup >= 2")
     if args.warmup < 1 or args.steps < 1 or args.smooth < 1 or args.digits_steps < args.smooth:
@@ -358,7 +389,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.cleanup:
         print("removed:", harness.remove_stale_namespaces() or "nothing")
@@ -369,9 +400,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     harness.exit_on_sigterm()
     config = dict(
-        widths=args.widths, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size, threads=args.threads,
-        digits_steps=args.digits_steps, digits_batch=args.digits_batch, digits_lr=args.digits_lr,
-        threshold=args.threshold, smooth=args.smooth,
+        widths=args.widths,
+        steps=args.steps,
+        warmup=args.warmup,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        digits_steps=args.digits_steps,
+        digits_batch=args.digits_batch,
+        digits_lr=args.digits_lr,
+        threshold=args.threshold,
+        smooth=args.smooth,
     )
     command = harness.command_line(__file__, argv)
     parameters = harness.count_parameters(args.widths)
@@ -396,21 +434,33 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{name}] {network.shaping}; TCP goodput {goodput:.2f} Gbit/s", flush=True)
             spec = {"config": config, "jobs": _jobs(args.methods, args.repeats, args.jobs)}
             t0 = time.monotonic()
-            records = harness.run_ranks(functools.partial(_work, spec), args.workers, timeout=args.timeout, network=network)
+            records = harness.run_ranks(
+                functools.partial(_work, spec), args.workers, timeout=args.timeout, network=network
+            )
             jobs = []
             for i, job in enumerate(spec["jobs"]):
                 per_rank = [r[i] for r in records]
                 if job["kind"] == "steps":
                     sent = [(r["sent"][-1] - r["sent"][args.warmup - 1]) / args.steps for r in per_rank]
-                    job = {**job, "step_s": harness.step_times(per_rank, args.warmup), "sent_per_step": statistics.fmean(sent)}
+                    job = {
+                        **job,
+                        "step_s": harness.step_times(per_rank, args.warmup),
+                        "sent_per_step": statistics.fmean(sent),
+                    }
                 else:
                     seconds, steps = time_to_loss(per_rank, args.threshold, args.smooth)
-                    mean_loss = [statistics.fmean(r["losses"][k] for r in per_rank) for k in range(len(per_rank[0]["losses"]))]
+                    mean_loss = [
+                        statistics.fmean(r["losses"][k] for r in per_rank) for k in range(len(per_rank[0]["losses"]))
+                    ]
                     job = {**job, "time_to_loss_s": seconds, "steps_to_loss": steps, "mean_loss": mean_loss}
                 jobs.append(job)
             profile = {
-                "link": asdict(link), "shaping": network.shaping, "delay_applied": network.delay_applied,
-                "goodput_gbit": goodput, "wall_s": time.monotonic() - t0, "jobs": jobs,
+                "link": asdict(link),
+                "shaping": network.shaping,
+                "delay_applied": network.delay_applied,
+                "goodput_gbit": goodput,
+                "wall_s": time.monotonic() - t0,
+                "jobs": jobs,
                 "namespaces": [*network.namespaces, network.hub],
             }
         rows = summarize(profile, args.methods, config)
@@ -419,9 +469,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         tables.append(render(profile, rows, config, command))
         print("\n" + tables[-1] + "\n", flush=True)
     results["meta"] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command, "config": config,
-        "methods": args.methods, "workers": args.workers, "repeats": args.repeats, "parameters": parameters,
-        "cpu_cores": os.cpu_count(), "load_average_at_start": load, "elapsed_s": time.monotonic() - started,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "config": config,
+        "methods": args.methods,
+        "workers": args.workers,
+        "repeats": args.repeats,
+        "parameters": parameters,
+        "cpu_cores": os.cpu_count(),
+        "load_average_at_start": load,
+        "elapsed_s": time.monotonic() - started,
     }
     print(f"whole run: {results['meta']['elapsed_s']:.0f} s")
     harness.write_outputs(args.out, results, "\n\n".join(tables), indent=1)

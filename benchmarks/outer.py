@@ -41,7 +41,7 @@ import math
 import sysconfig
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -142,14 +142,26 @@ def methods(every: int) -> dict[str, dict[str, Any]]:
         "dpsgd_one_peer": one_peer,
         "diloco": {"topology": "complete", "gossip_every": every, "outer_optimizer": NESTEROV},
         "outer_one_peer": {**one_peer, "gossip_every": every, "outer_optimizer": NESTEROV},
-        "outer_one_peer_overlap": {**one_peer, "gossip_every": every, "outer_optimizer": NESTEROV, "outer_overlap": True},
+        "outer_one_peer_overlap": {
+            **one_peer,
+            "gossip_every": every,
+            "outer_optimizer": NESTEROV,
+            "outer_overlap": True,
+        },
         "averaging_one_peer": {**one_peer, "combine": "atc", "gossip_every": every},
-        "diloco_sign": {"topology": "complete", "gossip_every": every, "outer_optimizer": NESTEROV, "compression": "sign"},
+        "diloco_sign": {
+            "topology": "complete",
+            "gossip_every": every,
+            "outer_optimizer": NESTEROV,
+            "compression": "sign",
+        },
         "outer_one_peer_sign": {**one_peer, "gossip_every": every, "outer_optimizer": NESTEROV, "compression": "sign"},
     }
 
 
-def run(name: str, options: dict[str, Any], args: argparse.Namespace, train: torch.Tensor, val: torch.Tensor) -> dict[str, Any]:
+def run(
+    name: str, options: dict[str, Any], args: argparse.Namespace, train: torch.Tensor, val: torch.Tensor
+) -> dict[str, Any]:
     """One method: train, validate `x̄`, count the bytes."""
     pl.seed_everything(0, verbose=False)
     model = ByteGPT(args.context, args.width, args.layers)
@@ -157,8 +169,16 @@ def run(name: str, options: dict[str, Any], args: argparse.Namespace, train: tor
     counter = Bytes()
     strategy.observe(counter)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=args.val_batches,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=args.val_batches,
     )
     started = time.perf_counter()
     trainer.fit(model, DataLoader(TensorDataset(train), batch_size=args.batch, shuffle=True, drop_last=True))
@@ -176,7 +196,10 @@ def run(name: str, options: dict[str, Any], args: argparse.Namespace, train: tor
 def table(rows: list[dict[str, Any]]) -> str:
     """A markdown table of `rows`, with each method's loss and bytes relative to the first row's."""
     base = rows[0]
-    lines = ["| method | val loss (nats/byte) | vs first | bytes/step/worker | vs first | seconds |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| method | val loss (nats/byte) | vs first | bytes/step/worker | vs first | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ratio = r["bytes_per_step"] / base["bytes_per_step"] if base["bytes_per_step"] else float("nan")
         lines.append(
@@ -186,7 +209,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=160)
@@ -203,7 +226,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", default="", help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.workers, args.steps, args.every, args.batch, args.width, args.bytes, args.val_batches = 4, 6, 3, 4, 16, 200_000, 1
+        args.workers, args.steps, args.every, args.batch, args.width, args.bytes, args.val_batches = (
+            4,
+            6,
+            3,
+            4,
+            16,
+            200_000,
+            1,
+        )
     torch.set_num_threads(args.threads)
     windows = sequences(stdlib_bytes(args.bytes), args.context)
     split = int(0.9 * len(windows))

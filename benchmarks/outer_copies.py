@@ -42,13 +42,30 @@ def loss(state: torch.Tensor) -> float:
 
 
 def main() -> None:
-    print("| topology | no compression | sign, copies from x(0) | sign, from 0 | top_k:0.2, from x(0) | top_k:0.2, from 0 |")
+    print(
+        "| topology | no compression | sign, copies from x(0) | sign, from 0 | top_k:0.2, from x(0) | top_k:0.2, from 0 |"
+    )
     print("|---|---|---|---|---|---|")
     for topology in ("complete", "one_peer_exponential"):
         cells = []
-        for compression, start in [(None, None), ("sign", "x0"), ("sign", "0"), ("top_k:0.2", "x0"), ("top_k:0.2", "0")]:
-            config = Config("copies", topology=topology, optimizer={"lr": 0.02}, outer={"lr": 0.7, "momentum": 0.9, "nesterov": True},
-                            gossip_every=5, steps=100, batch_size=16, compression=compression, dtype=torch.float64)
+        for compression, start in [
+            (None, None),
+            ("sign", "x0"),
+            ("sign", "0"),
+            ("top_k:0.2", "x0"),
+            ("top_k:0.2", "0"),
+        ]:
+            config = Config(
+                "copies",
+                topology=topology,
+                optimizer={"lr": 0.02},
+                outer={"lr": 0.7, "momentum": 0.9, "nesterov": True},
+                gossip_every=5,
+                steps=100,
+                batch_size=16,
+                compression=compression,
+                dtype=torch.float64,
+            )
             original = outer_reference.ChocoReference
             outer_reference.ChocoReference = FromZero if start == "0" else ChocoReference
             try:

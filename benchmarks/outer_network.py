@@ -39,19 +39,20 @@ import sys
 import time
 from dataclasses import asdict
 from datetime import datetime, timezone
-from typing import Any, Optional
-
-import lightning.pytorch as pl
-import torch
+from typing import Any
 
 import harness
+import lightning.pytorch as pl
 import outer
+import torch
 
-GOALS = "time to DDP's final loss <= 0.2x DDP's (100 Mbit/s); bytes/step <= 1/H of the same topology every step; " \
-        "loss at the same tokens within 2 % of DDP's, gossip + outer within 1 % of DiLoCo's"
+GOALS = (
+    "time to DDP's final loss <= 0.2x DDP's (100 Mbit/s); bytes/step <= 1/H of the same topology every step; "
+    "loss at the same tokens within 2 % of DDP's, gossip + outer within 1 % of DiLoCo's"
+)
 
 
-def methods(every: int) -> dict[str, Optional[dict[str, Any]]]:
+def methods(every: int) -> dict[str, dict[str, Any] | None]:
     """Name -> ``DecentralizedStrategy`` options (``None``: Lightning's DDP). One entry per method; a variant
     is one more entry."""
     simulated = outer.methods(every)  # the options of outer.py's simulation, run here on processes
@@ -69,18 +70,24 @@ def methods(every: int) -> dict[str, Optional[dict[str, Any]]]:
 
 
 # what each method is compared with for the bytes goal: the same topology exchanging at every step
-SAME_TOPOLOGY_EVERY_STEP = {"diloco": "ddp", "outer_one_peer": "dpsgd_one_peer", "outer_one_peer_sign": "dpsgd_one_peer",
-                            "diloco_sign": "ddp", "outer_ring": "dpsgd_ring", "outer_ring_sign": "dpsgd_ring"}
+SAME_TOPOLOGY_EVERY_STEP = {
+    "diloco": "ddp",
+    "outer_one_peer": "dpsgd_one_peer",
+    "outer_one_peer_sign": "dpsgd_one_peer",
+    "diloco_sign": "ddp",
+    "outer_ring": "dpsgd_ring",
+    "outer_ring_sign": "dpsgd_ring",
+}
 
 
-def make_strategy(options: Optional[dict[str, Any]]) -> Any:
+def make_strategy(options: dict[str, Any] | None) -> Any:
     """The strategy of a method (raises the strategy's ``ValueError`` where it refuses the options)."""
     from lightning_decentral import DecentralizedStrategy
 
     return "ddp" if options is None else DecentralizedStrategy(**options)
 
 
-def refusals(chosen: dict[str, Optional[dict[str, Any]]]) -> dict[str, str]:
+def refusals(chosen: dict[str, dict[str, Any] | None]) -> dict[str, str]:
     """The methods the strategy refuses at construction, with its reason."""
     refused = {}
     for name, options in chosen.items():
@@ -97,8 +104,14 @@ def refusals(chosen: dict[str, Optional[dict[str, Any]]]) -> dict[str, str]:
 class Curve(pl.Callback):
     """Every ``every`` steps, at step ``also`` and at the last: the worker's validation loss, training time and bytes so far."""
 
-    def __init__(self, val: Any, every: int, also: int, counted: Any, ddp_bytes_per_step: Optional[float]) -> None:
-        self.val, self.every, self.also, self.counted, self.ddp_bytes_per_step = val, every, also, counted, ddp_bytes_per_step
+    def __init__(self, val: Any, every: int, also: int, counted: Any, ddp_bytes_per_step: float | None) -> None:
+        self.val, self.every, self.also, self.counted, self.ddp_bytes_per_step = (
+            val,
+            every,
+            also,
+            counted,
+            ddp_bytes_per_step,
+        )
         self.points: list[dict[str, Any]] = []
         self.start, self.paused, self.sent0, self.received0 = 0.0, 0.0, 0, 0
         self.load: list[float] = []
@@ -120,8 +133,16 @@ class Curve(pl.Callback):
         with torch.no_grad():
             loss = float(module.loss((self.val,)))
         module.train()
-        self.points.append({"step": step, "seconds": now - self.start - self.paused, "loss": loss, "counted": counted,
-                            "eth0_sent": sent - self.sent0, "eth0_received": received - self.received0})
+        self.points.append(
+            {
+                "step": step,
+                "seconds": now - self.start - self.paused,
+                "loss": loss,
+                "counted": counted,
+                "eth0_sent": sent - self.sent0,
+                "eth0_received": received - self.received0,
+            }
+        )
         self.paused += time.monotonic() - now
 
     def on_train_end(self, trainer: Any, module: Any) -> None:
@@ -144,8 +165,9 @@ def _job(method: str, config: dict[str, Any], data: dict[str, Any], rank: int, w
         strategy.observe(counted)
     curve = Curve(data["val"], config["every"], config["steps"], counted, ddp_bytes)
     steps = config["steps"] if options is None else round(config["extend"] * config["steps"])
-    trainer = quiet_trainer(strategy, steps, [curve], num_nodes=world_size, devices=1,
-                            num_sanity_val_steps=0, limit_val_batches=0)
+    trainer = quiet_trainer(
+        strategy, steps, [curve], num_nodes=world_size, devices=1, num_sanity_val_steps=0, limit_val_batches=0
+    )
     loader = DataLoader(TensorDataset(data["train"]), batch_size=config["batch"], shuffle=True, drop_last=True)
     trainer.fit(model, loader)
     return {"points": curve.points, "load": curve.load}
@@ -167,19 +189,22 @@ def combine(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
     n = len(per_rank)
     points = []
     for column in zip(*(r["points"] for r in per_rank)):
-        points.append({
-            "step": column[0]["step"],
-            "seconds": max(p["seconds"] for p in column),
-            "loss": statistics.fmean(p["loss"] for p in column),
-            "loss_spread": max(p["loss"] for p in column) - min(p["loss"] for p in column),
-            **{key: sum(p[key] for p in column) / n for key in ("eth0_sent", "eth0_received")},
-            "counted": None if None in (p["counted"] for p in column) else sum(p["counted"] for p in column) / n,
-        })
+        points.append(
+            {
+                "step": column[0]["step"],
+                "seconds": max(p["seconds"] for p in column),
+                "loss": statistics.fmean(p["loss"] for p in column),
+                "loss_spread": max(p["loss"] for p in column) - min(p["loss"] for p in column),
+                **{key: sum(p[key] for p in column) / n for key in ("eth0_sent", "eth0_received")},
+                "counted": None if None in (p["counted"] for p in column) else sum(p["counted"] for p in column) / n,
+            }
+        )
     return points
 
 
-def summarize(curves: dict[str, list[dict[str, Any]]], steps: int,
-              same_topology: dict[str, str] = SAME_TOPOLOGY_EVERY_STEP) -> list[dict[str, Any]]:
+def summarize(
+    curves: dict[str, list[dict[str, Any]]], steps: int, same_topology: dict[str, str] = SAME_TOPOLOGY_EVERY_STEP
+) -> list[dict[str, Any]]:
     """One row per method: its loss, time and bytes at step ``steps`` (the same tokens for every method; counted:
     ``None`` where nothing counts them), when it first reached ddp's loss at that step (over its whole curve), and
     the goals' ratios: against ``ddp``, against ``diloco``, bytes against ``same_topology[method]``'s."""
@@ -189,17 +214,22 @@ def summarize(curves: dict[str, list[dict[str, Any]]], steps: int,
         last = next(p for p in curve if p["step"] == steps)
         reached = next((p for p in curve if p["loss"] <= ddp["loss"]), None)
         ddp_there = next((p for p in curves["ddp"] if p["loss"] <= last["loss"]), None)
-        rows.append({
-            "method": name, "loss": last["loss"], "seconds": last["seconds"],
-            "loss_vs_ddp": last["loss"] / ddp["loss"] - 1,
-            "time_ratio": last["seconds"] / ddp["seconds"],
-            "steps_run": curve[-1]["step"], "to_ddp_loss_step": reached["step"] if reached else None,
-            "to_ddp_loss_s": reached["seconds"] if reached else None,
-            "to_ddp_loss_ratio": reached["seconds"] / ddp["seconds"] if reached else None,
-            "ddp_to_this_loss_s": ddp_there["seconds"] if ddp_there else None,
-            "counted_per_step": None if last["counted"] is None else last["counted"] / steps,
-            "eth0_sent_per_step": last["eth0_sent"] / steps,
-        })
+        rows.append(
+            {
+                "method": name,
+                "loss": last["loss"],
+                "seconds": last["seconds"],
+                "loss_vs_ddp": last["loss"] / ddp["loss"] - 1,
+                "time_ratio": last["seconds"] / ddp["seconds"],
+                "steps_run": curve[-1]["step"],
+                "to_ddp_loss_step": reached["step"] if reached else None,
+                "to_ddp_loss_s": reached["seconds"] if reached else None,
+                "to_ddp_loss_ratio": reached["seconds"] / ddp["seconds"] if reached else None,
+                "ddp_to_this_loss_s": ddp_there["seconds"] if ddp_there else None,
+                "counted_per_step": None if last["counted"] is None else last["counted"] / steps,
+                "eth0_sent_per_step": last["eth0_sent"] / steps,
+            }
+        )
     by = {r["method"]: r for r in rows}
     for row in rows:
         base = by.get(same_topology.get(row["method"], ""))
@@ -215,7 +245,7 @@ def render(profile: dict[str, Any], every: int, command: str) -> str:
     """One profile in Markdown: the methods' table, the skipped methods' reasons, the curves by step."""
     rows, curves = profile["rows"], profile["curves"]
 
-    def optional(value: Optional[float], spec: str) -> str:
+    def optional(value: float | None, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
     lines = [
@@ -233,22 +263,43 @@ def render(profile: dict[str, Any], every: int, command: str) -> str:
             f"| {r['method']} | {r['loss']:.4f} | {100 * r['loss_vs_ddp']:+.2f} %"
             + (f" ({100 * vs:+.2f} % vs diloco)" if vs is not None else "")
             + f" | {r['seconds']:.1f} | {r['time_ratio']:.2f} | {optional(r['to_ddp_loss_s'], '.1f')}"
-            + (f" (step {r['to_ddp_loss_step']})" if r["to_ddp_loss_step"] else f" (not in {r['steps_run']} steps)") + " | "
+            + (f" (step {r['to_ddp_loss_step']})" if r["to_ddp_loss_step"] else f" (not in {r['steps_run']} steps)")
+            + " | "
             f"{optional(r['to_ddp_loss_ratio'], '.2f')} | {optional(r['ddp_to_this_loss_s'], '.1f')} | "
             f"{optional(r['counted_per_step'], ',.0f')} | {r['eth0_sent_per_step']:,.0f} | "
-            + (f"{optional(r['bytes_vs_every_step'], '.4f')}, {r['eth0_vs_every_step']:.4f} (1/H = {1 / every:.4f})"
-               if r["eth0_vs_every_step"] is not None else "—") + " |"
+            + (
+                f"{optional(r['bytes_vs_every_step'], '.4f')}, {r['eth0_vs_every_step']:.4f} (1/H = {1 / every:.4f})"
+                if r["eth0_vs_every_step"] is not None
+                else "—"
+            )
+            + " |"
         )
     lines += [f"| {name} | skipped: the strategy refuses it (below) | | | | | | | | | |" for name in profile["skipped"]]
     lines += [f"\nSkipped `{name}`: {why}" for name, why in profile["skipped"].items()]
-    lines += ["", "The curves: validation loss averaged over the workers @ the slowest worker's training time, MB sent "
-              "per worker (counted / eth0):", "", "| step | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
+    lines += [
+        "",
+        "The curves: validation loss averaged over the workers @ the slowest worker's training time, MB sent "
+        "per worker (counted / eth0):",
+        "",
+        "| step | " + " | ".join(curves) + " |",
+        "|---|" + "---|" * len(curves),
+    ]
     at = {name: {p["step"]: p for p in curve} for name, curve in curves.items()}
     for step in sorted({step for points in at.values() for step in points}):
         cells = [at[name].get(step) for name in curves]
-        lines.append(f"| {step} | " + " | ".join("" if p is None else (
-            f"{p['loss']:.3f} @ {p['seconds']:.0f} s, {optional(p['counted'] and p['counted'] / 1e6, '.1f')}/"
-            f"{p['eth0_sent'] / 1e6:.1f} MB") for p in cells) + " |")
+        lines.append(
+            f"| {step} | "
+            + " | ".join(
+                ""
+                if p is None
+                else (
+                    f"{p['loss']:.3f} @ {p['seconds']:.0f} s, {optional(p['counted'] and p['counted'] / 1e6, '.1f')}/"
+                    f"{p['eth0_sent'] / 1e6:.1f} MB"
+                )
+                for p in cells
+            )
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -263,7 +314,9 @@ def plot(profiles: list[dict[str, Any]], path: str) -> None:
     for (left, right), profile in zip(axes, profiles):
         for name, curve in profile["curves"].items():
             left.plot([p["seconds"] for p in curve], [p["loss"] for p in curve], marker="o", markersize=3, label=name)
-            right.plot([p["eth0_sent"] / 1e6 for p in curve], [p["loss"] for p in curve], marker="o", markersize=3, label=name)
+            right.plot(
+                [p["eth0_sent"] / 1e6 for p in curve], [p["loss"] for p in curve], marker="o", markersize=3, label=name
+            )
         left.set_xlabel("training time (s)")
         right.set_xlabel("MB sent per host (eth0)")
         right.set_xscale("log")
@@ -277,14 +330,22 @@ def plot(profiles: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profiles", default="1gbit,100mbit", help=f"comma-separated, from {','.join(harness.PROFILES)}")
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--profiles", default="1gbit,100mbit", help=f"comma-separated, from {','.join(harness.PROFILES)}"
+    )
     parser.add_argument("--methods", default="", help="comma-separated (default: all of `methods`); ddp is always run")
     parser.add_argument("--workers", type=int, default=8, help="hosts, one worker each")
     parser.add_argument("--steps", type=int, default=500, help="ddp's optimizer steps (where the losses are compared)")
-    parser.add_argument("--extend", type=float, default=2.0,
-                        help="the other methods train this many times --steps, to see when they reach ddp's final loss")
+    parser.add_argument(
+        "--extend",
+        type=float,
+        default=2.0,
+        help="the other methods train this many times --steps, to see when they reach ddp's final loss",
+    )
     parser.add_argument("--every", type=int, default=50, help="H, the inner steps of a round (and the curve's spacing)")
     parser.add_argument("--batch", type=int, default=8, help="sequences per worker and step")
     parser.add_argument("--context", type=int, default=64)
@@ -305,7 +366,9 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     args.profiles = args.profiles.split(",")
     every_method = list(methods(args.every))
     args.methods = ["ddp"] + [m for m in args.methods.split(",") if m and m != "ddp"] if args.methods else every_method
-    unknown = [p for p in args.profiles if p not in harness.PROFILES] + [m for m in args.methods if m not in every_method]
+    unknown = [p for p in args.profiles if p not in harness.PROFILES] + [
+        m for m in args.methods if m not in every_method
+    ]
     if unknown:
         parser.error(f"unknown {unknown}; profiles: {list(harness.PROFILES)}, methods: {every_method}")
     if args.steps < args.every or args.workers < 2:
@@ -313,7 +376,7 @@ def parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     ok, why = harness.netns_permitted()
     if not ok:
@@ -328,13 +391,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     windows = outer.sequences(outer.stdlib_bytes(args.bytes), args.context)
     split = int(0.9 * len(windows))
     data = {"train": windows[:split], "val": windows[split:][: args.val_windows]}
-    config = {k: getattr(args, k) for k in ("steps", "extend", "every", "batch", "context", "width", "layers", "threads")}
+    config = {
+        k: getattr(args, k) for k in ("steps", "extend", "every", "batch", "context", "width", "layers", "threads")
+    }
     command = harness.command_line(__file__, argv)
     parameters = sum(p.numel() for p in outer.ByteGPT(args.context, args.width, args.layers).parameters())
     tokens = args.steps * args.workers * args.batch * args.context
-    print(f"{args.workers} hosts; ByteGPT width {args.width}, {args.layers} layers, context {args.context} "
-          f"({parameters:,} parameters); {args.steps} steps of {args.batch} sequences per worker ({tokens:,} tokens); "
-          f"H = {args.every}; {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"{args.workers} hosts; ByteGPT width {args.width}, {args.layers} layers, context {args.context} "
+        f"({parameters:,} parameters); {args.steps} steps of {args.batch} sequences per worker ({tokens:,} tokens); "
+        f"H = {args.every}; {os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     results: dict[str, Any] = {"profiles": []}
     tables = []
     started = time.monotonic()
@@ -346,22 +414,39 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"[{name}] {network.shaping}; TCP goodput {goodput:.3f} Gbit/s", flush=True)
             spec = {"config": config, "methods": run}
             t0 = time.monotonic()
-            records = harness.run_ranks(functools.partial(work, spec, data), args.workers, timeout=args.timeout, network=network)
+            records = harness.run_ranks(
+                functools.partial(work, spec, data), args.workers, timeout=args.timeout, network=network
+            )
             namespaces = [*network.namespaces, network.hub]
         curves = {m: combine([r[i] for r in records]) for i, m in enumerate(run)}
         profile = {
-            "link": asdict(link), "shaping": network.shaping, "delay_applied": network.delay_applied, "goodput_gbit": goodput,
-            "wall_s": time.monotonic() - t0, "load": [load_before, os.getloadavg()[0]], "skipped": skipped, "curves": curves,
-            "job_load": {m: records[0][i]["load"] for i, m in enumerate(run)}, "namespaces": namespaces,
+            "link": asdict(link),
+            "shaping": network.shaping,
+            "delay_applied": network.delay_applied,
+            "goodput_gbit": goodput,
+            "wall_s": time.monotonic() - t0,
+            "load": [load_before, os.getloadavg()[0]],
+            "skipped": skipped,
+            "curves": curves,
+            "job_load": {m: records[0][i]["load"] for i, m in enumerate(run)},
+            "namespaces": namespaces,
             "rows": summarize(curves, args.steps),
         }
         results["profiles"].append(profile)
         tables.append(render(profile, args.every, command))
         print("\n" + tables[-1] + "\n", flush=True)
     results["meta"] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command, "config": config,
-        "workers": args.workers, "parameters": parameters, "tokens": tokens, "val_windows": args.val_windows,
-        "train_windows": split, "cpu_cores": os.cpu_count(), "elapsed_s": time.monotonic() - started, "goals": GOALS,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "config": config,
+        "workers": args.workers,
+        "parameters": parameters,
+        "tokens": tokens,
+        "val_windows": args.val_windows,
+        "train_windows": split,
+        "cpu_cores": os.cpu_count(),
+        "elapsed_s": time.monotonic() - started,
+        "goals": GOALS,
     }
     print(f"whole run: {results['meta']['elapsed_s']:.0f} s")
     if args.png:

@@ -50,16 +50,16 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
+import harness
 import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-
-import harness
-from lightning_decentral import DecentralizedStrategy
 from mlp import MLP, StepClock, make_loader, quiet_trainer
+
+from lightning_decentral import DecentralizedStrategy
 
 DEFAULT_METHODS = (
     "none,every10,every10_background,every10_link,every50,every50_background,every50_link,"
@@ -68,7 +68,7 @@ DEFAULT_METHODS = (
 SMOKE_METHODS = "none,every2_background,ddp_none,ddp_every2_background"
 
 
-def _method(name: str) -> tuple[str, Optional[int], bool, Union[bool, str]]:
+def _method(name: str) -> tuple[str, int | None, bool, bool | str]:
     """``[ddp_]none``, ``[ddp_]every<N>``, ``[ddp_]every<N>_background`` or ``[ddp_]every<N>_link`` -> (the strategy,
     ``"dpsgd"`` or ``"ddp"``; N or None; background; save_last)."""
     strategy, rest = ("ddp", name.removeprefix("ddp_")) if name.startswith("ddp_") else ("dpsgd", name)
@@ -89,7 +89,7 @@ def _baseline(name: str) -> str:
     return "ddp_none" if _method(name)[0] == "ddp" else "none"
 
 
-def _saves(every: Optional[int], warmup: int, steps: int) -> int:
+def _saves(every: int | None, warmup: int, steps: int) -> int:
     """The save steps inside the measured window: ``ModelCheckpoint`` saves at the end of the batch that makes
     ``global_step`` a multiple of ``every``, after ``StepClock`` noted the batch's end, so the save of step ``g``
     falls in batch ``g``'s (0-based) interval, and the window holds batches ``warmup .. warmup + steps - 1``.
@@ -128,14 +128,25 @@ class ProfiledCheckpoint(ModelCheckpoint):
         return sorted(rows, key=lambda row: -row[2])[:count]
 
 
-def _trainer(config: dict[str, Any], every: Optional[int], background: bool, directory: str, callbacks: list,
-             save_last: Union[bool, str] = True, strategy: str = "dpsgd", **kwargs: Any) -> Any:
+def _trainer(
+    config: dict[str, Any],
+    every: int | None,
+    background: bool,
+    directory: str,
+    callbacks: list,
+    save_last: bool | str = True,
+    strategy: str = "dpsgd",
+    **kwargs: Any,
+) -> Any:
     saving = ProfiledCheckpoint if config.get("profile") else ModelCheckpoint
     saves = [saving(directory, every_n_train_steps=every, save_last=save_last)] if every else []
     return quiet_trainer(
-        "ddp" if strategy == "ddp" else DecentralizedStrategy(**kwargs), config["warmup"] + config["steps"], [*callbacks, *saves],
+        "ddp" if strategy == "ddp" else DecentralizedStrategy(**kwargs),
+        config["warmup"] + config["steps"],
+        [*callbacks, *saves],
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
-        use_distributed_sampler=False, enable_checkpointing=bool(every),
+        use_distributed_sampler=False,
+        enable_checkpointing=bool(every),
         plugins=[AsyncCheckpointIO()] if background else None,
     )
 
@@ -178,7 +189,12 @@ def cost_per_step(args: argparse.Namespace) -> list[dict[str, Any]]:
         for name in args.methods[repeat % len(args.methods) :] + args.methods[: repeat % len(args.methods)]:
             with tempfile.TemporaryDirectory(dir=args.directory) as directory:  # the parent's: outlives every rank
                 profiled = {**config, "profile": args.profile and repeat == 0}
-                records = harness.run_ranks(functools.partial(_train, profiled, name, directory), args.workers, timeout=args.timeout, one_node=True)
+                records = harness.run_ranks(
+                    functools.partial(_train, profiled, name, directory),
+                    args.workers,
+                    timeout=args.timeout,
+                    one_node=True,
+                )
             if "profile" in records[0]:
                 profiles[name] = [records[0]["profile"], records[-1]["profile"]]
             w, s = args.warmup, args.steps
@@ -190,23 +206,29 @@ def cost_per_step(args: argparse.Namespace) -> list[dict[str, Any]]:
             runs[name].append(run)
             print(
                 f"  repeat {repeat + 1}/{args.repeats}  {name:<22} mean step {run['mean_step_s']:.4f} s, CPU per step "
-                f"{run['cpu_per_step_s']:.4f} s, after the last step {run['after_last_step_s']:.2f} s", flush=True,
+                f"{run['cpu_per_step_s']:.4f} s, after the last step {run['after_last_step_s']:.2f} s",
+                flush=True,
             )
     rows = []
     for name in args.methods:
-        rows.append({
-            "method": name,
-            "mean_step_s": statistics.mean(run["mean_step_s"] for run in runs[name]),
-            "repeats_s": [run["mean_step_s"] for run in runs[name]],
-            "cpu_per_step_s": statistics.mean(run["cpu_per_step_s"] for run in runs[name]),
-            "after_last_step_s": statistics.mean(run["after_last_step_s"] for run in runs[name]),
-            **({"profile": profiles[name]} if name in profiles else {}),
-        })
+        rows.append(
+            {
+                "method": name,
+                "mean_step_s": statistics.mean(run["mean_step_s"] for run in runs[name]),
+                "repeats_s": [run["mean_step_s"] for run in runs[name]],
+                "cpu_per_step_s": statistics.mean(run["cpu_per_step_s"] for run in runs[name]),
+                "after_last_step_s": statistics.mean(run["after_last_step_s"] for run in runs[name]),
+                **({"profile": profiles[name]} if name in profiles else {}),
+            }
+        )
     by_name = {row["method"]: row for row in rows}
     for row in rows:
         base = by_name.get(_baseline(row["method"]))
         saves = _saves(_method(row["method"])[1], args.warmup, args.steps)
-        for key, ratio, per_save in (("mean_step_s", "ratio_to_none", "per_save_step_s"), ("cpu_per_step_s", "cpu_ratio_to_none", "cpu_per_save_step_s")):
+        for key, ratio, per_save in (
+            ("mean_step_s", "ratio_to_none", "per_save_step_s"),
+            ("cpu_per_step_s", "cpu_ratio_to_none", "cpu_per_save_step_s"),
+        ):
             row[ratio] = row[key] / base[key] if base else None
             row[per_save] = (row[key] - base[key]) * args.steps / saves if base and saves else None
     return rows
@@ -219,7 +241,7 @@ def render_cost(rows: list[dict[str, Any]]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def shown(value: Optional[float], digits: int) -> str:
+    def shown(value: float | None, digits: int) -> str:
         return "n/a" if value is None else f"{value:.{digits}f}"
 
     for r in rows:
@@ -239,7 +261,12 @@ def render_profiles(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if "profile" in r:
             first, last = ({name: (calls, cpu) for name, calls, cpu in ranks} for ranks in r["profile"])
-            lines = [f"{r['method']}: CPU s per save step inside the save hook", "", "| function | calls, rank 0 | rank 0 | last rank |", "|---|---|---|---|"]
+            lines = [
+                f"{r['method']}: CPU s per save step inside the save hook",
+                "",
+                "| function | calls, rank 0 | rank 0 | last rank |",
+                "|---|---|---|---|",
+            ]
             for name, (calls, cpu) in first.items():
                 lines.append(f"| {name} | {calls} | {cpu:.4f} | {last.get(name, (0, 0.0))[1]:.4f} |")
             parts.append("\n".join(lines))
@@ -286,11 +313,30 @@ def kill_to_first_step(args: argparse.Namespace) -> dict[str, Any]:
     """Run the job under torchrun, kill a rank at each attempt but the last; the timeline of every restart."""
     root = Path(tempfile.mkdtemp(dir=args.directory, prefix="restart_"))
     command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.workers}", f"--max-restarts={args.kills}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{harness.free_port()}", "--monitor-interval=0.1",
-        __file__, "--worker", "--root", str(root), "--job-steps", str(args.job_steps), "--every", str(args.every),
-        "--kill-after", str(args.kill_after), "--kills", str(args.kills), "--widths", ",".join(map(str, args.widths)),
-        "--batch-size", str(args.batch_size),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={args.workers}",
+        f"--max-restarts={args.kills}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{harness.free_port()}",
+        "--monitor-interval=0.1",
+        __file__,
+        "--worker",
+        "--root",
+        str(root),
+        "--job-steps",
+        str(args.job_steps),
+        "--every",
+        str(args.every),
+        "--kill-after",
+        str(args.kill_after),
+        "--kills",
+        str(args.kills),
+        "--widths",
+        ",".join(map(str, args.widths)),
+        "--batch-size",
+        str(args.batch_size),
     ]
     kills: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -303,7 +349,10 @@ def kill_to_first_step(args: argparse.Namespace) -> dict[str, Any]:
                 pid, step = map(int, paused.read_text().split())
                 os.kill(pid, signal.SIGKILL)
                 kills.append({"attempt": len(kills), "killed_at": time.time(), "step": step})
-                print(f"  attempt {len(kills) - 1}: killed rank {(len(kills) - 1) % args.workers} at step {step}", flush=True)
+                print(
+                    f"  attempt {len(kills) - 1}: killed rank {(len(kills) - 1) % args.workers} at step {step}",
+                    flush=True,
+                )
             time.sleep(0.05)
         code = agent.poll()
     finally:
@@ -318,18 +367,36 @@ def kill_to_first_step(args: argparse.Namespace) -> dict[str, Any]:
         after = [torch.load(path) for path in paths if path.exists()]
         if len(after) < args.workers:
             nan = float("nan")
-            restarts.append({**kill, "resumed": None, "steps_lost": None, "kill_to_python_s": nan, "kill_to_workers_started_s": nan, "kill_to_first_step_s": nan})
+            restarts.append(
+                {
+                    **kill,
+                    "resumed": None,
+                    "steps_lost": None,
+                    "kill_to_python_s": nan,
+                    "kill_to_workers_started_s": nan,
+                    "kill_to_first_step_s": nan,
+                }
+            )
             continue
-        restarts.append({
-            **kill,
-            "resumed": after[0]["resumed"],
-            "steps_lost": kill["step"] - after[0]["resumed"],
-            "kill_to_python_s": max(r["python_started"] for r in after) - kill["killed_at"],  # the last rank's interpreter up
-            "kill_to_workers_started_s": max(r["worker_started"] for r in after) - kill["killed_at"],  # its imports done
-            "kill_to_first_step_s": max(r["first_step_end"] for r in after) - kill["killed_at"],
-        })
+        restarts.append(
+            {
+                **kill,
+                "resumed": after[0]["resumed"],
+                "steps_lost": kill["step"] - after[0]["resumed"],
+                "kill_to_python_s": max(r["python_started"] for r in after)
+                - kill["killed_at"],  # the last rank's interpreter up
+                "kill_to_workers_started_s": max(r["worker_started"] for r in after)
+                - kill["killed_at"],  # its imports done
+                "kill_to_first_step_s": max(r["first_step_end"] for r in after) - kill["killed_at"],
+            }
+        )
     final = [root / f"record-{args.kills}-{r}.pt" for r in range(args.workers)]
-    return {"exit_code": code, "restarts": restarts, "finished": all(p.exists() and torch.load(p)["end_step"] == args.job_steps for p in final), "log": str(root / "torchrun.log")}
+    return {
+        "exit_code": code,
+        "restarts": restarts,
+        "finished": all(p.exists() and torch.load(p)["end_step"] == args.job_steps for p in final),
+        "log": str(root / "torchrun.log"),
+    }
 
 
 def render_kills(result: dict[str, Any]) -> str:
@@ -344,12 +411,21 @@ def render_kills(result: dict[str, Any]) -> str:
             f"| {r['kill_to_workers_started_s']:.1f} "
             f"| {r['kill_to_first_step_s']:.1f} |"
         )
-    return "\n".join(lines) + f"\n\ntorchrun exit code {result['exit_code']}; every rank reached the last step: {result['finished']}"
+    return (
+        "\n".join(lines)
+        + f"\n\ntorchrun exit code {result['exit_code']}; every rank reached the last step: {result['finished']}"
+    )
 
 
-def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--methods", default=None, help=f"comma-separated: none, every<N>, every<N>_background or every<N>_link, each with a prefix ddp_ for Lightning's DDP (default {DEFAULT_METHODS})")
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated: none, every<N>, every<N>_background or every<N>_link, each with a prefix ddp_ for Lightning's DDP (default {DEFAULT_METHODS})",
+    )
     parser.add_argument("--steps", type=int, default=None, help="measured steps per method (default 100; --smoke: 4)")
     parser.add_argument("--job-steps", type=int, default=300, help="the torchrun job's steps")
     parser.add_argument("--warmup", type=int, default=5)
@@ -357,13 +433,23 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--widths", default=None, help="MLP widths (default step_time.py's: 1024,2048,1024,1024,10)")
-    parser.add_argument("--kills", type=int, default=None, help="restarts under torchrun after the cost table (default 3; --smoke: 0)")
+    parser.add_argument(
+        "--kills", type=int, default=None, help="restarts under torchrun after the cost table (default 3; --smoke: 0)"
+    )
     parser.add_argument("--every", type=int, default=10, help="the torchrun job's checkpoint interval")
-    parser.add_argument("--kill-after", type=int, default=25, help="steps past the resumed one at which a rank is killed")
+    parser.add_argument(
+        "--kill-after", type=int, default=25, help="steps past the resumed one at which a rank is killed"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
-    parser.add_argument("--directory", default=None, help="where checkpoints are written (default: the system's temporary directory)")
+    parser.add_argument(
+        "--directory", default=None, help="where checkpoints are written (default: the system's temporary directory)"
+    )
     parser.add_argument("--out", action="append", default=[], help="write results: .md (tables) or .json; repeatable")
-    parser.add_argument("--profile", action="store_true", help="profile the saves of the first repeat: CPU time per function, rank 0 and the last rank (the process's: in the background, the writer thread's counts for what the hook runs meanwhile)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the saves of the first repeat: CPU time per function, rank 0 and the last rank (the process's: in the background, the writer thread's counts for what the hook runs meanwhile)",
+    )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
@@ -387,14 +473,17 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.worker:
         worker(args)
         return 0
     harness.exit_on_sigterm()
     parameters = harness.count_parameters(args.widths)
-    print(f"MLP {'-'.join(map(str, args.widths))}: {parameters:,} parameters; {args.workers} processes on gloo, {os.cpu_count()} CPU cores", flush=True)
+    print(
+        f"MLP {'-'.join(map(str, args.widths))}: {parameters:,} parameters; {args.workers} processes on gloo, {os.cpu_count()} CPU cores",
+        flush=True,
+    )
     body: dict[str, Any] = {"command": harness.command_line(__file__, argv), "parameters": parameters}
     tables = []
     if args.methods:

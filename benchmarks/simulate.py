@@ -55,7 +55,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import harness
 
@@ -76,9 +76,9 @@ def _maxrss_mb() -> float:
 def _lightning(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     """``sim`` or ``vectorized`` (n workers), or ``lightning`` (no strategy, the whole batch): one process, ``devices=1``."""
     import torch
+    from mlp import MLP, StepClock, digits_loader, quiet_trainer
 
     from lightning_decentral import SimulatedDecentralizedStrategy
-    from mlp import MLP, StepClock, digits_loader, quiet_trainer
 
     n, total = job["n"], job["warmup"] + job["steps"]
     t0 = time.perf_counter()
@@ -98,15 +98,21 @@ def _lightning(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"ends": [clock.ends], "t0": t0, "wall0": wall0}
     if job.get("save") and job["kind"] in SIMULATIONS:
         modules = strategy.worker_modules()
-        torch.save({name: torch.stack([dict(m.net.named_parameters())[name].detach() for m in modules])
-                    for name, _ in module.net.named_parameters()}, job["save"])
+        torch.save(
+            {
+                name: torch.stack([dict(m.net.named_parameters())[name].detach() for m in modules])
+                for name, _ in module.net.named_parameters()
+            },
+            job["save"],
+        )
     return out
 
 
 def _rank(job: dict[str, Any], x: Any, y: Any, rank: int) -> dict[str, Any]:
     """One rank of ``DecentralizedStrategy`` on ``n`` processes."""
-    from lightning_decentral import DecentralizedStrategy
     from mlp import MLP, StepClock, digits_loader, quiet_trainer
+
+    from lightning_decentral import DecentralizedStrategy
 
     harness.use_threads(job["threads"])
     harness.quiet()
@@ -127,9 +133,18 @@ def _processes(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     t0 = time.perf_counter()
     wall0 = time.time()
     records = harness.run_ranks(
-        functools.partial(_rank, job, x, y), job["n"], timeout=job["timeout"], one_node=True, start_method=job["start_method"]
+        functools.partial(_rank, job, x, y),
+        job["n"],
+        timeout=job["timeout"],
+        one_node=True,
+        start_method=job["start_method"],
     )
-    return {"ends": [r["ends"] for r in records], "t0": t0, "wall0": wall0, "rank_maxrss_mb": [r["maxrss_mb"] for r in records]}
+    return {
+        "ends": [r["ends"] for r in records],
+        "t0": t0,
+        "wall0": wall0,
+        "rank_maxrss_mb": [r["maxrss_mb"] for r in records],
+    }
 
 
 def _worker_batches(n: int, batch: int, samples: int, steps: int) -> list[Any]:
@@ -154,10 +169,10 @@ def _worker_batches(n: int, batch: int, samples: int, steps: int) -> list[Any]:
 def _bare(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
     """The same update with ``torch.func`` and no Lightning: every worker's step as one vmapped call."""
     import torch
+    from mlp import MLP
     from torch.func import functional_call, grad, vmap
 
     from lightning_decentral.topology import resolve_topology
-    from mlp import MLP
 
     n, total, lr, beta = job["n"], job["warmup"] + job["steps"], job["lr"], job["momentum"]
     batches = _worker_batches(n, job["global_batch"] // n, len(x), total)
@@ -171,7 +186,7 @@ def _bare(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
         return torch.nn.functional.cross_entropy(functional_call(net, p, (xb,)), yb)
 
     gradients = vmap(grad(loss))
-    buffers: Optional[dict[str, Any]] = None
+    buffers: dict[str, Any] | None = None
     ends = []
     for index in batches:
         g = gradients(params, x[index], y[index])  # [n, ...] per parameter
@@ -192,14 +207,20 @@ def _child(job: dict[str, Any]) -> None:
     """One run, in its own process: print its record as the last line of stdout."""
     harness.use_threads(job["threads"])
     harness.quiet()
-    import torch  # noqa: F401  (the imports are part of what "imports" measures)
-
     import lightning.pytorch  # noqa: F401
-    import lightning_decentral  # noqa: F401
+    import torch  # noqa: F401  (the imports are part of what "imports" measures)
     from mlp import digits
 
+    import lightning_decentral  # noqa: F401
+
     x, y = digits()
-    run = {"sim": _lightning, "vectorized": _lightning, "lightning": _lightning, "processes": _processes, "bare": _bare}[job["kind"]]
+    run = {
+        "sim": _lightning,
+        "vectorized": _lightning,
+        "lightning": _lightning,
+        "processes": _processes,
+        "bare": _bare,
+    }[job["kind"]]
     record = run(job, x, y)
     record["maxrss_mb"] = _maxrss_mb()
     print(json.dumps(record))
@@ -212,8 +233,13 @@ def _launch(job: dict[str, Any], timeout: float) -> dict[str, Any]:
     launched = time.time()
     done = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(job)],
-        capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(harness.ROOT), os.environ.get("PYTHONPATH", "")]))},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(harness.ROOT), os.environ.get("PYTHONPATH", "")])),
+        },
     )
     if done.returncode:
         raise RuntimeError(f"run {job['kind']} n={job['n']} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
@@ -244,7 +270,9 @@ def _summarize(name: str, n: int, records: list[dict[str, Any]], warmup: int) ->
         "first_step_s": statistics.median(_first_step_s(r) for r in records),
         "imports_s": statistics.median(r["imports_s"] for r in records),
         "maxrss_mb": statistics.median(r["maxrss_mb"] for r in records),
-        "rank_maxrss_mb": statistics.median(max(r["rank_maxrss_mb"]) for r in records) if "rank_maxrss_mb" in records[0] else None,
+        "rank_maxrss_mb": statistics.median(max(r["rank_maxrss_mb"]) for r in records)
+        if "rank_maxrss_mb" in records[0]
+        else None,
         "step_times_s": [_steps(r, warmup) for r in records],
     }
 
@@ -286,19 +314,34 @@ def render_table(rows: list[dict[str, Any]], global_batch: int) -> str:
     return "\n".join(lines)
 
 
-def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workers", default=None, help="comma-separated n for sim and bare (default 8,16,64; --smoke: 4)")
-    parser.add_argument("--processes", type=int, default=None, help="gloo processes of DecentralizedStrategy (default 8; --smoke: 4; 0: none)")
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--workers", default=None, help="comma-separated n for sim and bare (default 8,16,64; --smoke: 4)"
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=None,
+        help="gloo processes of DecentralizedStrategy (default 8; --smoke: 4; 0: none)",
+    )
     parser.add_argument("--steps", type=int, default=None, help="measured optimizer steps per run (default 30)")
     parser.add_argument("--warmup", type=int, default=None, help="steps dropped before measuring, >= 1 (default 5)")
-    parser.add_argument("--repeats", type=int, default=None, help="every run this many times, in a rotated order (default 3)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="every run this many times, in a rotated order (default 3)"
+    )
     parser.add_argument("--global-batch", type=int, default=512, help="samples per step over all workers (default 512)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every run's process (default 1)")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.9)
-    parser.add_argument("--start-method", choices=("fork", "spawn"), default=harness.START_METHOD,
-                        help="how the gloo processes start (default fork, after the imports)")
+    parser.add_argument(
+        "--start-method",
+        choices=("fork", "spawn"),
+        default=harness.START_METHOD,
+        help="how the gloo processes start (default fork, after the imports)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run (default 900)")
     parser.add_argument("--out", action="append", default=[], help="write results: .md (table) or .json; repeatable")
     parser.add_argument("--smoke", action="store_true", help="n = 4, 1 + 2 steps, a 64-16-10 MLP, 1 repeat")
@@ -324,16 +367,24 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.child is not None:
         _child(json.loads(args.child))
         return 0
     harness.exit_on_sigterm()
     widths = SMOKE_WIDTHS if args.smoke else WIDTHS
-    common = dict(widths=list(widths), lr=args.lr, momentum=args.momentum, global_batch=args.global_batch,
-                  threads=args.threads, warmup=args.warmup, steps=args.steps, timeout=args.timeout,
-                  start_method=args.start_method)
+    common = dict(
+        widths=list(widths),
+        lr=args.lr,
+        momentum=args.momentum,
+        global_batch=args.global_batch,
+        threads=args.threads,
+        warmup=args.warmup,
+        steps=args.steps,
+        timeout=args.timeout,
+        start_method=args.start_method,
+    )
     runs = [(kind, n) for kind in (*SIMULATIONS, "bare") for n in args.workers]
     if args.processes:
         runs.append(("processes", args.processes))
@@ -370,7 +421,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             for n in args.workers:
                 sim, bare = torch.load(Path(scratch) / f"{kind}{n}.pt"), torch.load(Path(scratch) / f"bare{n}.pt")
                 checks[f"{kind} {n}"] = max(float((sim[k] - bare[k]).abs().max()) for k in sim)
-                print(f"  n={n}: bare against {kind}, largest |difference| of the final parameters: {checks[f'{kind} {n}']:.2e}", flush=True)
+                print(
+                    f"  n={n}: bare against {kind}, largest |difference| of the final parameters: {checks[f'{kind} {n}']:.2e}",
+                    flush=True,
+                )
     rows = [_summarize(kind, n, records[(kind, n)], args.warmup) for kind, n in runs]
     table = render_table(rows, args.global_batch)
     elapsed = time.monotonic() - started

@@ -35,12 +35,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import harness
 import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import harness
 from lightning_decentral import DecentralizedStrategy
 from lightning_decentral.mixing import raise_if_not_finite
 
@@ -82,12 +82,14 @@ class _Probe(pl.Callback):
             return
         now = time.perf_counter()
         gc.collect()
-        self.records.append({
-            "step": trainer.global_step,
-            "rss_mb": _rss_bytes() / 2**20,
-            "objects": len(gc.get_objects()) - len(self.records),  # less this probe's own records
-            "step_ms": (now - self._start) / self.window * 1e3,
-        })
+        self.records.append(
+            {
+                "step": trainer.global_step,
+                "rss_mb": _rss_bytes() / 2**20,
+                "objects": len(gc.get_objects()) - len(self.records),  # less this probe's own records
+                "step_ms": (now - self._start) / self.window * 1e3,
+            }
+        )
         self._start = time.perf_counter()  # the probe's own cost stays out of the next window
 
 
@@ -98,8 +100,13 @@ def _train(method: str, args: argparse.Namespace, checkpoints: str, rank: int) -
     data = DataLoader(TensorDataset(x, torch.sin(x[:, :8])), batch_size=16)
     probe = _Probe(args.window)
     trainer = pl.Trainer(
-        strategy=DecentralizedStrategy(**METHODS[method]), accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]),
-        max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=DecentralizedStrategy(**METHODS[method]),
+        accelerator="cpu",
+        devices=int(os.environ["WORLD_SIZE"]),
+        max_steps=args.steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         use_distributed_sampler=False,
         callbacks=[probe, pl.callbacks.ModelCheckpoint(checkpoints, every_n_train_steps=args.checkpoint_every)],
     )
@@ -161,7 +168,9 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=250, help="ModelCheckpoint(every_n_train_steps=...)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {list(METHODS)}")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per method before giving up")
-    parser.add_argument("--check-elements", type=int, default=5_257_226, help="buffer size for the NaN/Inf check timing")
+    parser.add_argument(
+        "--check-elements", type=int, default=5_257_226, help="buffer size for the NaN/Inf check timing"
+    )
     parser.add_argument("--out", type=Path, help="write the figures as JSON here")
     args = parser.parse_args()
     harness.exit_on_sigterm()
@@ -183,9 +192,12 @@ def main() -> None:
             f"{summary['objects_growth']:+d}, step time x{summary['step_time_ratio']:.2f}"
         )
     if args.out:
-        args.out.write_text(json.dumps(
-            {"args": {k: str(v) for k, v in vars(args).items()}, "finite_check": cost, "methods": summaries}, indent=1
-        ))
+        args.out.write_text(
+            json.dumps(
+                {"args": {k: str(v) for k, v in vars(args).items()}, "finite_check": cost, "methods": summaries},
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -53,15 +53,15 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
-
-import lightning.pytorch as pl
-import torch
+from typing import Any
 
 import harness
+import lightning.pytorch as pl
+import torch
+from mlp import MLP, StepClock, make_loader, quiet_trainer
+
 from lightning_decentral import DecentralizedStrategy
 from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver
-from mlp import MLP, StepClock, make_loader, quiet_trainer
 
 # -- what is measured ---------------------------------------------------------------------------
 
@@ -88,7 +88,15 @@ METHODS = {
         Method("complete", "dpsgd awc", "complete", "dpsgd", "awc", "complete"),
         Method("ring_atc", "dpsgd atc", "ring", "dpsgd", "atc", "ring"),
         Method("decentlam_ring", "decentlam", "ring", "dpsgd", "awc", "ring", "decentlam"),
-        Method("decentlam_one_peer", "decentlam", "one_peer_exponential", "dpsgd", "awc", "one_peer_exponential", "decentlam"),
+        Method(
+            "decentlam_one_peer",
+            "decentlam",
+            "one_peer_exponential",
+            "dpsgd",
+            "awc",
+            "one_peer_exponential",
+            "decentlam",
+        ),
         Method("local", "dpsgd, no gossip", "none (compute only)", "local"),
         Method("single", "1 process", "none (compute only)", "single"),
     )
@@ -138,13 +146,17 @@ def _train(method: Method, config: dict[str, Any], rank: int) -> dict[str, Any]:
     if method.strategy == "ddp":
         strategy: Any = "ddp"
     elif method.strategy == "dpsgd":
-        strategy = DecentralizedStrategy(topology=method.dpsgd_topology, combine=method.combine, momentum=method.momentum)
+        strategy = DecentralizedStrategy(
+            topology=method.dpsgd_topology, combine=method.combine, momentum=method.momentum
+        )
     elif method.strategy == "local":  # (k + 1) % gossip_every is never 0 in this run: every step is local
         strategy = DecentralizedStrategy(topology="ring", gossip_every=total + 1)
     else:
         strategy = "auto"
     clock = ByteClock()
-    trainer = quiet_trainer(strategy, total, [clock], devices=world_size, use_distributed_sampler=False, num_sanity_val_steps=0)
+    trainer = quiet_trainer(
+        strategy, total, [clock], devices=world_size, use_distributed_sampler=False, num_sanity_val_steps=0
+    )
     module = MLP(widths, config["lr"], config["momentum"])
     trainer.fit(module, train_dataloaders=make_loader(rank, widths, config["batch_size"], total))
     if len(clock.ends) != total:
@@ -170,8 +182,8 @@ class OtherLoad:
     running and the figures of that run are suspect.
     """
 
-    def __enter__(self) -> "OtherLoad":
-        self.seconds: Optional[float] = None
+    def __enter__(self) -> OtherLoad:
+        self.seconds: float | None = None
         self._start = self._sample()
         return self
 
@@ -181,7 +193,7 @@ class OtherLoad:
             self.seconds = max(0.0, (end[0] - self._start[0]) - (end[1] - self._start[1]))
 
     @staticmethod
-    def _sample() -> Optional[tuple[float, float]]:
+    def _sample() -> tuple[float, float] | None:
         try:
             import resource
 
@@ -215,14 +227,16 @@ def _measure(records: list[dict[str, Any]], config: dict[str, Any]) -> dict[str,
     }
 
 
-def _summarize(method: Method, runs: list[dict[str, Any]], ranks: int, parameters: int, world_size: int) -> dict[str, Any]:
+def _summarize(
+    method: Method, runs: list[dict[str, Any]], ranks: int, parameters: int, world_size: int
+) -> dict[str, Any]:
     """One table row from every repeat of one method: the measured steps of all repeats pooled."""
     slowest = [t for run in runs for t in run["slowest"]]
     inside = [t for run in runs for t in run["inside"]]
     model_bytes = parameters * 4  # float32
     ring_allreduce = 2 * (world_size - 1) / world_size * model_bytes
-    gossip_counted: Optional[float] = None
-    sent: Optional[float] = None
+    gossip_counted: float | None = None
+    sent: float | None = None
     if method.strategy in ("dpsgd", "local") and all(run["bytes"] for run in runs):
         steps = [(b, a) for run in runs for b, a in zip(run["bytes"], run["all_reduce"])]
         gossip_counted = statistics.mean(b for b, _ in steps)
@@ -267,7 +281,7 @@ def _summarize(method: Method, runs: list[dict[str, Any]], ranks: int, parameter
     }
 
 
-def _fmt_bytes(value: Optional[float]) -> str:
+def _fmt_bytes(value: float | None) -> str:
     if value is None:
         return "n/a"
     if value == 0:
@@ -277,7 +291,7 @@ def _fmt_bytes(value: Optional[float]) -> str:
     return f"{value / 1e6:.1f} MB"
 
 
-def _fmt_other(values: list[Optional[float]]) -> str:
+def _fmt_other(values: list[float | None]) -> str:
     known = [v for v in values if v is not None]
     return f"{max(known):.1f}" if known else "n/a"
 
@@ -299,8 +313,10 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=None, help="measured optimizer steps per method (default 30)")
     parser.add_argument("--warmup", type=int, default=None, help="steps dropped before measuring, >= 1 (default 5)")
     parser.add_argument("--workers", type=int, default=4, help="processes per distributed method (default 4)")
@@ -352,22 +368,28 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def _git_state() -> Optional[str]:
+def _git_state() -> str | None:
     """``<commit>`` of the checkout, ``+ uncommitted changes in lightning_decentral/`` if any."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        )
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "lightning_decentral"], cwd=root, capture_output=True, text=True, check=True
+            ["git", "status", "--porcelain", "--", "lightning_decentral"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
         )
     except (OSError, subprocess.CalledProcessError):
         return None
     return commit.stdout.strip() + (" + uncommitted changes in lightning_decentral/" if dirty.stdout.strip() else "")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     harness.exit_on_sigterm()
     config = dict(
@@ -410,8 +432,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             t0 = time.monotonic()
             with OtherLoad() as other:
                 records = harness.run_ranks(
-                    functools.partial(_train, method, config), 1 if method.strategy == "single" else args.workers,
-                    timeout=args.timeout, one_node=True, start_method=args.start_method,
+                    functools.partial(_train, method, config),
+                    1 if method.strategy == "single" else args.workers,
+                    timeout=args.timeout,
+                    one_node=True,
+                    start_method=args.start_method,
                 )
             if records[0]["parameters"] != parameters:
                 raise RuntimeError(f"the model has {records[0]['parameters']} parameters, expected {parameters}")

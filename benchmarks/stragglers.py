@@ -42,7 +42,7 @@ import hashlib
 import statistics
 import time
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import Any
 
 import harness
 
@@ -83,9 +83,8 @@ def compute_ms(case: str, rank: int, step: int, seed: int, base: float, ranks: i
 
 def _digits(validation: bool) -> Any:
     """The digits (standardized), the first 80 % for training, the rest for validation."""
-    from torch.utils.data import TensorDataset
-
     from mlp import digits
+    from torch.utils.data import TensorDataset
 
     x, y = digits()
     split = int(0.8 * len(x))
@@ -96,9 +95,8 @@ def _model(case: str, seed: int, base: float, ranks: int, lr: float, epochs_step
     import lightning.pytorch as pl
     import torch
     import torchmetrics
-    from torch import nn
-
     from mlp import build_mlp
+    from torch import nn
 
     class Emulated(pl.LightningModule):
         """The MLP after `compute_ms` of sleep per training step; logs its validation accuracy."""
@@ -148,8 +146,15 @@ def _launch(job: dict[str, Any], rank: int) -> dict[str, Any]:
 
         model = _model(job["case"], job["seed"], job["compute_ms"], job["ranks"], job["lr"], job["steps"])
         trainer = pl.Trainer(
-            accelerator="cpu", devices=job["ranks"], strategy=strategy, max_steps=job["steps"], callbacks=[Clock()],
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            accelerator="cpu",
+            devices=job["ranks"],
+            strategy=strategy,
+            max_steps=job["steps"],
+            callbacks=[Clock()],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
             num_sanity_val_steps=0,
         )
         trainer.fit(model, DataLoader(train, batch_size=job["batch"], shuffle=True, drop_last=True))
@@ -184,24 +189,38 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     for launch in range(args.repeats):
         for case in args.cases:
             job = {
-                "case": case, "seed": launch, "methods": args.methods, "steps": args.steps, "ranks": args.ranks,
-                "compute_ms": args.compute_ms, "batch": args.batch, "lr": args.lr,
+                "case": case,
+                "seed": launch,
+                "methods": args.methods,
+                "steps": args.steps,
+                "ranks": args.ranks,
+                "compute_ms": args.compute_ms,
+                "batch": args.batch,
+                "lr": args.lr,
             }
             started = time.monotonic()
-            results = harness.run_ranks(lambda rank: _launch(job, rank), args.ranks, timeout=args.timeout, one_node=True)
+            results = harness.run_ranks(
+                lambda rank: _launch(job, rank), args.ranks, timeout=args.timeout, one_node=True
+            )
             print(f"launch {launch} {case}: {time.monotonic() - started:.0f} s", flush=True)
             ddp = _summary([r["ddp"]["ends"] for r in results], args.warmup)
             for method in ["ddp", *args.methods]:
                 summary = _summary([r[method]["ends"] for r in results], args.warmup)
                 row = rows.setdefault(f"{case}/{method}", {"case": case, "method": method, "launches": []})
                 row["launches"].append(
-                    {**summary, "ratio": summary["steps_per_s"] / ddp["steps_per_s"], "accuracy": results[0][method]["accuracy"]}
+                    {
+                        **summary,
+                        "ratio": summary["steps_per_s"] / ddp["steps_per_s"],
+                        "accuracy": results[0][method]["accuracy"],
+                    }
                 )
     for row in rows.values():
         launches = row["launches"]
         row["steps_per_s"] = statistics.median(x["steps_per_s"] for x in launches)
         row["ratio"] = statistics.median(x["ratio"] for x in launches)
-    header = "| case | method | steps/s | × DDP | apart | when the first finished | acc |\n|---|---|---|---|---|---|---|"
+    header = (
+        "| case | method | steps/s | × DDP | apart | when the first finished | acc |\n|---|---|---|---|---|---|---|"
+    )
     lines = [
         f"| {r['case']} | {r['method']} | {r['steps_per_s']:.2f} | {r['ratio']:.2f} | {r['launches'][0]['apart']} | "
         f"{r['launches'][0]['when_first_finished']} | {r['launches'][0]['accuracy']:.3f} |"
@@ -210,7 +229,9 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": list(rows.values()), "table": "\n".join([header, *lines])}
 
 
-def _simulated_accuracy(combine: str, staleness: int, seed: int, epochs: int, batch: int, lr: float, workers: int) -> float:
+def _simulated_accuracy(
+    combine: str, staleness: int, seed: int, epochs: int, batch: int, lr: float, workers: int
+) -> float:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
@@ -221,12 +242,22 @@ def _simulated_accuracy(combine: str, staleness: int, seed: int, epochs: int, ba
     steps = epochs * (len(train) // (batch * workers))
     model = _model("none", seed, 0.0, workers, lr, steps)
     strategy = SimulatedDecentralizedStrategy(
-        workers=workers, combine=combine, staleness=staleness, delays=RandomDelays(seed) if staleness else None,
+        workers=workers,
+        combine=combine,
+        staleness=staleness,
+        delays=RandomDelays(seed) if staleness else None,
         vectorize=True,
     )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_epochs=epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(model, DataLoader(train, batch_size=batch, shuffle=True, drop_last=True))
     (metrics,) = trainer.validate(model, DataLoader(validation, batch_size=256), verbose=False)
@@ -238,12 +269,18 @@ def accuracy(args: argparse.Namespace, rules: tuple[tuple[str, int], ...] = ACCU
     rows = []
     for combine, staleness in rules:
         values = [
-            _simulated_accuracy(combine, staleness, seed, args.epochs, args.batch, args.lr, args.ranks) for seed in range(args.seeds)
+            _simulated_accuracy(combine, staleness, seed, args.epochs, args.batch, args.lr, args.ranks)
+            for seed in range(args.seeds)
         ]
-        rows.append({
-            "rule": combine, "staleness": staleness, "accuracies": values, "mean": statistics.mean(values),
-            "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-        })
+        rows.append(
+            {
+                "rule": combine,
+                "staleness": staleness,
+                "accuracies": values,
+                "mean": statistics.mean(values),
+                "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            }
+        )
         print(f"{combine} s={staleness}: {values}", flush=True)
     header = "| rule | staleness | x̄ accuracy, mean | std over seeds | min | max |\n|---|---|---|---|---|---|"
     lines = [
@@ -277,8 +314,10 @@ def drift(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows, "table": "\n".join([header, *lines])}
 
 
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", type=lambda s: s.split(","), default=list(CASES), help=f"of {','.join(CASES)}")
     parser.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS), help=f"of {','.join(METHODS)}")
     parser.add_argument("--repeats", type=int, default=3, help="launches per case (seeds 0, 1, ...)")
@@ -297,7 +336,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--out", action="append", default=[], help="a .json (all results) or .md (the table) path")
     args = parser.parse_args(argv)
     harness.exit_on_sigterm()
-    meta = {"command": harness.command_line(__file__, argv), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    meta = {
+        "command": harness.command_line(__file__, argv),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     if args.smoke:
         args.cases, args.methods, args.repeats, args.steps, args.warmup = ["random_100"], ["ring_awc_s1"], 1, 6, 2
         args.ranks, args.seeds, args.epochs = 2, 1, 1

@@ -45,7 +45,7 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import harness
 
@@ -58,10 +58,10 @@ SMALL = (64, 256, 256, 10)
 def worker(args: argparse.Namespace) -> None:
     """One rank of a ``recovery`` or ``rejoin`` run, started by lightning-decentral-launch."""
     import lightning.pytorch as pl
+    from mlp import MLP, make_loader, quiet_trainer
 
     from lightning_decentral import DecentralizedStrategy
     from lightning_decentral.membership import Join
-    from mlp import MLP, make_loader, quiet_trainer
 
     imported = time.time()
 
@@ -84,10 +84,16 @@ def worker(args: argparse.Namespace) -> None:
             self.ends[trainer.global_step - 1] = time.time()
 
     clock = Clock()
-    strategy = DecentralizedStrategy(topology="ring", on_peer_failure="continue", timeout=timedelta(seconds=30), rejoin=args.rejoin)
-    trainer = quiet_trainer(strategy, args.steps, [clock], devices=int(os.environ["WORLD_SIZE"]), num_sanity_val_steps=0)
+    strategy = DecentralizedStrategy(
+        topology="ring", on_peer_failure="continue", timeout=timedelta(seconds=30), rejoin=args.rejoin
+    )
+    trainer = quiet_trainer(
+        strategy, args.steps, [clock], devices=int(os.environ["WORLD_SIZE"]), num_sanity_val_steps=0
+    )
     trainer.fit(MLP(widths, 0.05, 0.9), train_dataloaders=make_loader(rank, widths, 32, args.steps))
-    decisions = [{"members": list(d.members), "step": d.step} for d in strategy.failures_survived if not isinstance(d, Join)]
+    decisions = [
+        {"members": list(d.members), "step": d.step} for d in strategy.failures_survived if not isinstance(d, Join)
+    ]
     joins = [{"joined": list(d.joined), "step": d.step} for d in strategy.failures_survived if isinstance(d, Join)]
     record = {"ends": clock.ends, "starts": clock.starts, "decisions": decisions, "joins": joins, "imported": imported}
     Path(args.dir, f"rank-{rank}-{os.getpid()}.json").write_text(json.dumps(record))
@@ -104,10 +110,20 @@ def recovery(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         unblocked = max(min(t for t in e.values() if t > killed) for e in ends) - killed
         mixing = max(e[step + 1] for e in ends) - killed
         runs.append({"unblocked_s": unblocked, "mixing_s": mixing, "agreed_step": step, "survivors": len(ranks)})
-        print(f"run {repeat}: every survivor unblocked {unblocked:.3f} s and mixing {mixing:.3f} s after the kill (step {step})")
-    rows = [f"| {i} | {r['survivors']} | {r['agreed_step']} | {r['unblocked_s']:.2f} | {r['mixing_s']:.2f} |" for i, r in enumerate(runs)]
-    table = "\n".join(["| run | survivors | agreed step | every survivor unblocked (s) | every survivor mixing again (s) |",
-                       "|---|---|---|---|---|", *rows])
+        print(
+            f"run {repeat}: every survivor unblocked {unblocked:.3f} s and mixing {mixing:.3f} s after the kill (step {step})"
+        )
+    rows = [
+        f"| {i} | {r['survivors']} | {r['agreed_step']} | {r['unblocked_s']:.2f} | {r['mixing_s']:.2f} |"
+        for i, r in enumerate(runs)
+    ]
+    table = "\n".join(
+        [
+            "| run | survivors | agreed step | every survivor unblocked (s) | every survivor mixing again (s) |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
+    )
     return {"runs": runs}, table
 
 
@@ -115,13 +131,35 @@ def _launch(args: argparse.Namespace, out: str, repeat: int) -> tuple[float, lis
     """One run of 4 ranks under lightning-decentral-launch (``rejoin``: ``--max-restarts 1``); the kill's time and
     every process's record."""
     restarts = ["--max-restarts", "1"] if args.rejoin else []
-    command = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", "4", *restarts, __file__]
-    command += ["--worker", "--dir", out, "--victim", str(args.victim), "--at", str(args.at), "--steps", str(args.steps)]
-    command += ["--widths", ",".join(map(str, harness.parse_widths(args.widths, False)))] + (["--rejoin"] if args.rejoin else [])
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_decentral.membership.launch",
+        "--nproc-per-node",
+        "4",
+        *restarts,
+        __file__,
+    ]
+    command += [
+        "--worker",
+        "--dir",
+        out,
+        "--victim",
+        str(args.victim),
+        "--at",
+        str(args.at),
+        "--steps",
+        str(args.steps),
+    ]
+    command += ["--widths", ",".join(map(str, harness.parse_widths(args.widths, False)))] + (
+        ["--rejoin"] if args.rejoin else []
+    )
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise RuntimeError(f"run {repeat} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return float(Path(out, "killed").read_text()), [json.loads(p.read_text()) for p in sorted(Path(out).glob("rank-*.json"))]
+    return float(Path(out, "killed").read_text()), [
+        json.loads(p.read_text()) for p in sorted(Path(out).glob("rank-*.json"))
+    ]
 
 
 def rejoin(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
@@ -138,14 +176,29 @@ def rejoin(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         for r in members:
             spans = {int(k): r["ends"][k] - r["starts"][k] for k in r["ends"] if k in r["starts"]}
             pauses.append(spans[step] - statistics.median(spans.values()))
-        run = {"imports_to_training_s": first - joiner["imported"], "kill_to_training_s": first - killed,
-               "members_pause_s": max(pauses), "join_step": step}
+        run = {
+            "imports_to_training_s": first - joiner["imported"],
+            "kill_to_training_s": first - killed,
+            "members_pause_s": max(pauses),
+            "join_step": step,
+        }
         runs.append(run)
-        print(f"run {repeat}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in run.items()))
-    rows = [f"| {i} | {r['join_step']} | {r['imports_to_training_s']:.2f} | {r['kill_to_training_s']:.2f} | {r['members_pause_s']:.3f} |"
-            for i, r in enumerate(runs)]
-    table = "\n".join(["| run | join step | restarted process: imports done to training (s) | kill to training (s) | "
-                       "slowest member's pause for the join (s) |", "|---|---|---|---|---|", *rows])
+        print(
+            f"run {repeat}: "
+            + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in run.items())
+        )
+    rows = [
+        f"| {i} | {r['join_step']} | {r['imports_to_training_s']:.2f} | {r['kill_to_training_s']:.2f} | {r['members_pause_s']:.3f} |"
+        for i, r in enumerate(runs)
+    ]
+    table = "\n".join(
+        [
+            "| run | join step | restarted process: imports done to training (s) | kill to training (s) | "
+            "slowest member's pause for the join (s) |",
+            "|---|---|---|---|---|",
+            *rows,
+        ]
+    )
     return {"runs": runs}, table
 
 
@@ -173,15 +226,31 @@ def accuracy(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             model = common.DigitsMLP(0.1, 0.9, batch=512 // workers, seed=seed)
             strategy = SimulatedDecentralizedStrategy(workers=workers, topology="ring", failures=failures)
             trainer = pl.Trainer(
-                strategy=strategy, accelerator="cpu", devices=1, max_epochs=epochs, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, check_val_every_n_epoch=epochs,
+                strategy=strategy,
+                accelerator="cpu",
+                devices=1,
+                max_epochs=epochs,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                num_sanity_val_steps=0,
+                check_val_every_n_epoch=epochs,
             )
             trainer.fit(model)
             results.setdefault(label, []).append(float(trainer.callback_metrics["val_acc"]))
         print(f"{label}: {common.mean_std(results[label])}")
-    rows = [f"| {label} | {16 - sum(map(len, cells[label].values()))} | {common.mean_std(values)} |" for label, values in results.items()]
-    table = "\n".join([f"| workers lost at step {at} of {epochs * steps_per_epoch} | survivors | accuracy of x̄ ({args.seeds} seeds) |",
-                       "|---|---|---|", *rows])
+    rows = [
+        f"| {label} | {16 - sum(map(len, cells[label].values()))} | {common.mean_std(values)} |"
+        for label, values in results.items()
+    ]
+    table = "\n".join(
+        [
+            f"| workers lost at step {at} of {epochs * steps_per_epoch} | survivors | accuracy of x̄ ({args.seeds} seeds) |",
+            "|---|---|---|",
+            *rows,
+        ]
+    )
     return {"at_step": at, "accuracy": results}, table
 
 
@@ -189,14 +258,17 @@ def accuracy(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def _overhead_rank(job: dict[str, Any], rank: int) -> dict[str, Any]:
-    from lightning_decentral import DecentralizedStrategy
     from mlp import MLP, StepClock, make_loader, quiet_trainer
+
+    from lightning_decentral import DecentralizedStrategy
 
     harness.quiet()
     harness.use_threads(1)
     clock = StepClock()
     mode = "continue" if job["mode"] == "rejoin" else job["mode"]
-    strategy = DecentralizedStrategy(topology="ring", on_peer_failure=mode, timeout=timedelta(seconds=60), rejoin=job["mode"] == "rejoin")
+    strategy = DecentralizedStrategy(
+        topology="ring", on_peer_failure=mode, timeout=timedelta(seconds=60), rejoin=job["mode"] == "rejoin"
+    )
     trainer = quiet_trainer(strategy, job["steps"], [clock], devices=4, num_sanity_val_steps=0)
     widths = tuple(job["widths"])
     trainer.fit(MLP(widths, 0.05, 0.9), train_dataloaders=make_loader(rank, widths, 32, job["steps"]))
@@ -213,17 +285,22 @@ def overhead(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             times[mode] += harness.step_times(records, args.warmup)
     median = {mode: statistics.median(values) for mode, values in times.items()}
     ratio = median["continue"] / median["stop"]
-    print(f"median step: stop {1e3 * median['stop']:.2f} ms, continue {1e3 * median['continue']:.2f} ms, ratio {ratio:.3f}")
-    table = "\n".join([
-        "| on_peer_failure | median step (ms) | ratio to \"stop\" |", "|---|---|---|",
-        f"| \"stop\" | {1e3 * median['stop']:.2f} | 1.000 |",
-        f"| \"continue\" | {1e3 * median['continue']:.2f} | {ratio:.3f} |",
-        f"| \"continue\", rejoin=True | {1e3 * median['rejoin']:.2f} | {median['rejoin'] / median['stop']:.3f} |",
-    ])
+    print(
+        f"median step: stop {1e3 * median['stop']:.2f} ms, continue {1e3 * median['continue']:.2f} ms, ratio {ratio:.3f}"
+    )
+    table = "\n".join(
+        [
+            '| on_peer_failure | median step (ms) | ratio to "stop" |',
+            "|---|---|---|",
+            f'| "stop" | {1e3 * median["stop"]:.2f} | 1.000 |',
+            f'| "continue" | {1e3 * median["continue"]:.2f} | {ratio:.3f} |',
+            f'| "continue", rejoin=True | {1e3 * median["rejoin"]:.2f} | {median["rejoin"] / median["stop"]:.3f} |',
+        ]
+    )
     return {"median_s": median, "ratio": ratio, "parameters": harness.count_parameters(widths)}, table
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("part", nargs="?", choices=["recovery", "accuracy", "overhead", "rejoin"])
     parser.add_argument("--repeats", type=int, default=5)
@@ -235,7 +312,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--at", type=int, default=20)
     parser.add_argument("--widths", default=",".join(map(str, SMALL)))
     parser.add_argument("--out", action="append", default=[])
-    parser.add_argument("--smoke", action="store_true", help="a couple of steps: 1 seed of 1 epoch, 1 repeat of 8 steps")
+    parser.add_argument(
+        "--smoke", action="store_true", help="a couple of steps: 1 seed of 1 epoch, 1 repeat of 8 steps"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)  # a worker's output directory
     parser.add_argument("--rejoin", action="store_true", help=argparse.SUPPRESS)  # a worker of ``rejoin``

@@ -43,7 +43,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import harness
 
@@ -107,11 +107,20 @@ def _train(run: str, config: dict[str, Any], rank: int, world_size: int) -> dict
     widths = tuple(config["widths"])
     total = config["warmup"] + config["steps"]
     stamps = Stamps()
-    trainer = quiet_trainer(_strategy(run, config["topology"], total), total, [stamps], num_nodes=world_size, devices=1,
-                            use_distributed_sampler=False)
+    trainer = quiet_trainer(
+        _strategy(run, config["topology"], total),
+        total,
+        [stamps],
+        num_nodes=world_size,
+        devices=1,
+        use_distributed_sampler=False,
+    )
     EVENTS.clear()
     trainer.strategy.observe(_recorder())
-    trainer.fit(TimedMLP(widths, lr=0.01, momentum=0.9), train_dataloaders=make_loader(rank, widths, config["batch_size"], total))
+    trainer.fit(
+        TimedMLP(widths, lr=0.01, momentum=0.9),
+        train_dataloaders=make_loader(rank, widths, config["batch_size"], total),
+    )
     ends = [t for what, t in stamps.marks if what == "batch_end"]
     return {"ends": ends, "marks": stamps.marks, "events": list(EVENTS)}
 
@@ -120,6 +129,7 @@ def _communicate(run: str, config: dict[str, Any], rank: int, world_size: int) -
     """The bytes of one step through ``Gossip`` alone, ``--steps`` times: seconds from post to last wait."""
     import torch
     import torch.distributed as dist
+
     from lightning_decentral.gossip import Gossip
     from lightning_decentral.topology import resolve_topology
 
@@ -146,7 +156,9 @@ def _work(spec: dict[str, Any], rank: int) -> dict[str, Any]:
     results: dict[str, list[dict[str, Any]]] = {run: [] for run in RUNS}
     for repeat in range(spec["config"]["repeats"]):  # rotated: no run always first (the machine drifts)
         for run in RUNS[repeat % len(RUNS) :] + RUNS[: repeat % len(RUNS)]:
-            results[run].append((_communicate if run.startswith("comm_") else _train)(run, spec["config"], rank, world_size))
+            results[run].append(
+                (_communicate if run.startswith("comm_") else _train)(run, spec["config"], rank, world_size)
+            )
     return results
 
 
@@ -196,11 +208,19 @@ def plot(records: list[dict[str, Any]], warmup: int, shown: int, path: Path, tit
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    colors = {"forward": "#4C72B0", "backward": "#55A868", "optimizer + combine": "#C44E52",
-              "in flight": "#CCCCCC", "blocked in wait": "#DD8452", "post": "#8172B2"}
-    runs = [("awc", "dpsgd awc: the exchange of x(k) posted at batch start, waited for after backward"),
-            ("decentlam", "decentlam: each bucket of z posted from backward (ticks), waited for before the step"),
-            ("atc", "dpsgd atc: blocking exchange after the step (no overlap)")]
+    colors = {
+        "forward": "#4C72B0",
+        "backward": "#55A868",
+        "optimizer + combine": "#C44E52",
+        "in flight": "#CCCCCC",
+        "blocked in wait": "#DD8452",
+        "post": "#8172B2",
+    }
+    runs = [
+        ("awc", "dpsgd awc: the exchange of x(k) posted at batch start, waited for after backward"),
+        ("decentlam", "decentlam: each bucket of z posted from backward (ticks), waited for before the step"),
+        ("atc", "dpsgd atc: blocking exchange after the step (no overlap)"),
+    ]
     fig, axes = plt.subplots(len(runs), 1, figsize=(13, 2.0 + 1.2 * len(records) * len(runs)), squeeze=False)
     span = 0.0  # one time scale for every panel
     for ax, (run, caption) in zip(axes[:, 0], runs):
@@ -256,21 +276,35 @@ def plot(records: list[dict[str, Any]], warmup: int, shown: int, path: Path, tit
     plt.close(fig)
 
 
-def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--network", default="1gbit", help=f"loopback, or a netns.py profile: {', '.join(harness.PROFILES)} (default 1gbit)")
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--network",
+        default="1gbit",
+        help=f"loopback, or a netns.py profile: {', '.join(harness.PROFILES)} (default 1gbit)",
+    )
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--topology", default="one_peer_exponential", help="the gossip topology (default one_peer_exponential)")
+    parser.add_argument(
+        "--topology", default="one_peer_exponential", help="the gossip topology (default one_peer_exponential)"
+    )
     parser.add_argument("--steps", type=int, default=None, help="measured steps per run (default 12)")
     parser.add_argument("--warmup", type=int, default=None, help="steps dropped first (default 3)")
-    parser.add_argument("--repeats", type=int, default=None, help="rotated repeats of all runs, pooled (default 2; --smoke 1)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="rotated repeats of all runs, pooled (default 2; --smoke 1)"
+    )
     parser.add_argument("--shown", type=int, default=3, help="steps drawn in the timeline (default 3)")
     parser.add_argument("--widths", default=None, help="MLP widths (default: step_time.py's, 5.3M parameters)")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per worker per step (default 64)")
-    parser.add_argument("--bucket-cap-mb", type=float, default=4.0, help="DecentLaM's bucket size (the strategy's default)")
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=4.0, help="DecentLaM's bucket size (the strategy's default)"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=420.0)
-    parser.add_argument("--png", default=None, help="the figure (default docs/img/benchmarks/timeline.png; --smoke: none)")
+    parser.add_argument(
+        "--png", default=None, help="the figure (default docs/img/benchmarks/timeline.png; --smoke: none)"
+    )
     parser.add_argument("--out", action="append", default=[], help="write results: .md (table) or .json; repeatable")
     parser.add_argument("--smoke", action="store_true", help="2 measured steps on a tiny model")
     args = parser.parse_args(argv)
@@ -289,7 +323,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     return args
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     link = None if args.network == "loopback" else harness.PROFILES[args.network]
     if link is not None:
@@ -299,18 +333,31 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 2
     harness.exit_on_sigterm()
     command = harness.command_line(__file__, argv)
-    config = dict(widths=args.widths, steps=args.steps, warmup=args.warmup, batch_size=args.batch_size,
-                  threads=args.threads, topology=args.topology, bucket_cap_mb=args.bucket_cap_mb, repeats=args.repeats)
-    import lightning_decentral  # noqa: F401  imported once here, inherited by the forked workers
+    config = dict(
+        widths=args.widths,
+        steps=args.steps,
+        warmup=args.warmup,
+        batch_size=args.batch_size,
+        threads=args.threads,
+        topology=args.topology,
+        bucket_cap_mb=args.bucket_cap_mb,
+        repeats=args.repeats,
+    )
     import mlp  # noqa: F401
+
+    import lightning_decentral  # noqa: F401  imported once here, inherited by the forked workers
 
     started = time.monotonic()
     with harness.network_or_loopback(link, args.workers) as network:
         setting = network.shaping if network is not None else "loopback TCP (gloo), no shaping"
-        print(f"{args.workers} workers, {setting}; MLP {'-'.join(map(str, args.widths))}, batch {args.batch_size}, "
-              f"topology {args.topology}; {args.warmup}+{args.steps} steps per run", flush=True)
-        records = harness.run_ranks(functools.partial(_work, {"config": config}), args.workers, timeout=args.timeout,
-                                    network=network)
+        print(
+            f"{args.workers} workers, {setting}; MLP {'-'.join(map(str, args.widths))}, batch {args.batch_size}, "
+            f"topology {args.topology}; {args.warmup}+{args.steps} steps per run",
+            flush=True,
+        )
+        records = harness.run_ranks(
+            functools.partial(_work, {"config": config}), args.workers, timeout=args.timeout, network=network
+        )
     medians = summarize(records, args.warmup)
     setting += f"; {args.workers} workers, topology {args.topology}, MLP {'-'.join(map(str, args.widths))}, batch {args.batch_size}"
     table = render_table(medians, command, setting)

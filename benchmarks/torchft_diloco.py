@@ -30,14 +30,13 @@ import sys
 import time
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any, Optional
-
-import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from typing import Any
 
 import harness
 import outer
 import outer_network
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 LIGHTHOUSE_PORT, STORE_PORT, MANAGER_PORT = 29510, 29520, 29530
 
@@ -55,15 +54,31 @@ def _torchft(config: dict[str, Any], data: dict[str, Any], addresses: list[str],
     model = outer.ByteGPT(config["context"], config["width"], config["layers"])
     inner = model.configure_optimizers()  # outer.py's AdamW
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=120)), min_replica_size=n, use_async_quorum=False, init_sync=False,
-        load_state_dict=lambda state: model.load_state_dict(state["model"]), state_dict=lambda: {"model": model.state_dict()},
-        replica_id=f"host{rank}", store_addr=addresses[rank], store_port=STORE_PORT, rank=0, world_size=1,
-        lighthouse_addr=f"http://{addresses[0]}:{LIGHTHOUSE_PORT}", hostname=addresses[rank], port=MANAGER_PORT,
-        timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120), connect_timeout=timedelta(seconds=120),
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
+        min_replica_size=n,
+        use_async_quorum=False,
+        init_sync=False,
+        load_state_dict=lambda state: model.load_state_dict(state["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        replica_id=f"host{rank}",
+        store_addr=addresses[rank],
+        store_port=STORE_PORT,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=f"http://{addresses[0]}:{LIGHTHOUSE_PORT}",
+        hostname=addresses[rank],
+        port=MANAGER_PORT,
+        timeout=timedelta(seconds=120),
+        quorum_timeout=timedelta(seconds=120),
+        connect_timeout=timedelta(seconds=120),
     )
     train = TensorDataset(data["train"])
-    loader = DataLoader(train, batch_size=config["batch"], drop_last=True,
-                        sampler=DistributedSampler(train, num_replicas=n, rank=rank, shuffle=True, seed=0))
+    loader = DataLoader(
+        train,
+        batch_size=config["batch"],
+        drop_last=True,
+        sampler=DistributedSampler(train, num_replicas=n, rank=rank, shuffle=True, seed=0),
+    )
     total = round(config["extend"] * config["steps"])
 
     def batches() -> Any:  # epoch after epoch, reshuffled as Lightning's sampler is
@@ -74,8 +89,15 @@ def _torchft(config: dict[str, Any], data: dict[str, Any], addresses: list[str],
     points, paused = [], 0.0
     received0, sent0 = harness.interface_bytes(harness.EmulatedNetwork.interface)
     start = time.monotonic()
-    with DiLoCo(manager, [model], inner, outer.NESTEROV(model.parameters()), sync_every=every,
-                backup_device=torch.device("cpu"), pin_memory=False):
+    with DiLoCo(
+        manager,
+        [model],
+        inner,
+        outer.NESTEROV(model.parameters()),
+        sync_every=every,
+        backup_device=torch.device("cpu"),
+        pin_memory=False,
+    ):
         for step, batch in enumerate(batches(), start=1):
             loss = model.loss(batch)
             inner.zero_grad()
@@ -86,8 +108,16 @@ def _torchft(config: dict[str, Any], data: dict[str, Any], addresses: list[str],
                 received, sent = harness.interface_bytes(harness.EmulatedNetwork.interface)
                 with torch.no_grad():
                     val = float(model.loss((data["val"],)))
-                points.append({"step": step, "seconds": now - start - paused, "loss": val, "counted": None,
-                               "eth0_sent": sent - sent0, "eth0_received": received - received0})
+                points.append(
+                    {
+                        "step": step,
+                        "seconds": now - start - paused,
+                        "loss": val,
+                        "counted": None,
+                        "eth0_sent": sent - sent0,
+                        "eth0_received": received - received0,
+                    }
+                )
                 paused += time.monotonic() - now
             if step == total:
                 break
@@ -101,10 +131,10 @@ def _torchft(config: dict[str, Any], data: dict[str, Any], addresses: list[str],
 def _work(spec: dict[str, Any], data: dict[str, Any], addresses: list[str], rank: int) -> list[dict[str, Any]]:
     """One worker: ``outer_network.py``'s methods (Lightning), then torchft's DiLoCo, in the same processes."""
     ours = outer_network.work(spec, data, rank)
-    return ours + [{"method": "torchft_diloco", **_torchft(spec["config"], data, addresses, rank)}]
+    return [*ours, {"method": "torchft_diloco", **_torchft(spec["config"], data, addresses, rank)}]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profiles", default="1gbit,100mbit")
     parser.add_argument("--methods", default="ddp,diloco", help="outer_network.py's methods run first (ddp always)")
@@ -113,8 +143,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", action="append", default=[], help="write results: .md or .json; repeatable")
     parser.add_argument("--smoke", action="store_true", help="outer_network.py's smoke task (2 hosts, 4 steps, H = 2)")
     args = parser.parse_args(argv)
-    task = outer_network.parse(["--methods", args.methods] + (["--smoke"] if args.smoke else [])
-                               + ([] if args.steps is None else ["--steps", str(args.steps)]))
+    task = outer_network.parse(
+        ["--methods", args.methods]
+        + (["--smoke"] if args.smoke else [])
+        + ([] if args.steps is None else ["--steps", str(args.steps)])
+    )
     if args.smoke:
         args.profiles = "1gbit"
     ok, why = harness.netns_permitted()
@@ -123,7 +156,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     harness.exit_on_sigterm()
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse and managers log every quorum otherwise
-    config = {k: getattr(task, k) for k in ("steps", "extend", "every", "batch", "context", "width", "layers", "threads")}
+    config = {
+        k: getattr(task, k) for k in ("steps", "extend", "every", "batch", "context", "width", "layers", "threads")
+    }
     windows = outer.sequences(outer.stdlib_bytes(task.bytes), task.context)
     split = int(0.9 * len(windows))
     data = {"train": windows[:split], "val": windows[split:][: task.val_windows]}
@@ -140,9 +175,15 @@ def main(argv: Optional[list[str]] = None) -> int:
             records = harness.run_ranks(work, task.workers, timeout=args.timeout, network=network)
         names = [job["method"] for job in records[0]]
         curves = {m: outer_network.combine([r[i] for r in records]) for i, m in enumerate(names)}
-        profile = {"link": asdict(network.link), "shaping": network.shaping, "goodput_gbit": goodput,
-                   "load": [load, os.getloadavg()[0]], "skipped": {}, "curves": curves,
-                   "rows": outer_network.summarize(curves, task.steps, same_topology)}
+        profile = {
+            "link": asdict(network.link),
+            "shaping": network.shaping,
+            "goodput_gbit": goodput,
+            "load": [load, os.getloadavg()[0]],
+            "skipped": {},
+            "curves": curves,
+            "rows": outer_network.summarize(curves, task.steps, same_topology),
+        }
         results["profiles"].append(profile)
         tables.append(outer_network.render(profile, task.every, command))
         print("\n" + tables[-1] + "\n", flush=True)

@@ -32,13 +32,14 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
+import harness
 import torch
 import torch.distributed as dist
 
-import harness
 from lightning_decentral.gossip import Gossip
 from lightning_decentral.topology import Ring
 
@@ -59,7 +60,7 @@ class Ringside:
 
     def edge_allreduce(self, x: torch.Tensor, scratch: list[torch.Tensor]) -> torch.Tensor:
         works = []
-        for (edge, group), buffer in zip(self.mine, scratch):
+        for (_edge, group), buffer in zip(self.mine, scratch):
             torch.mul(x, self.weight, out=buffer)
             works.append(dist.all_reduce(buffer, group=group, async_op=True))
         for work in works:
@@ -167,7 +168,9 @@ def _fmt_size(size: int) -> str:
 def render(rows: list[dict[str, Any]]) -> str:
     names = list(rows[0]["median_s"])
     lines = [
-        "| message | " + " | ".join(f"{name} (ms)" for name in names) + " | fastest neighbour exchange | its ratio to p2p |",
+        "| message | "
+        + " | ".join(f"{name} (ms)" for name in names)
+        + " | fastest neighbour exchange | its ratio to p2p |",
         "|---|" + "---|" * len(names) + "---|---|",
     ]
     for row in rows:
@@ -181,12 +184,14 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=4, help="processes (default 4)")
     parser.add_argument("--sizes", default=None, help="message sizes in bytes, comma-separated (default 4 KB .. 64 MB)")
     parser.add_argument("--transports", default=",".join(TRANSPORTS), help=f"from {','.join(TRANSPORTS)}")
-    parser.add_argument("--reps", type=int, default=None, help="measured repetitions per size and transport (default 15)")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="measured repetitions per size and transport (default 15)"
+    )
     parser.add_argument("--warmup", type=int, default=None, help="repetitions dropped first (default 3)")
     parser.add_argument("--timeout", type=float, default=1200.0)
     parser.add_argument("--out", action="append", default=[], help="write results: .md (table) or .json; repeatable")
@@ -205,8 +210,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "reps": args.reps or (2 if args.smoke else 15),
         "warmup": args.warmup if args.warmup is not None else (1 if args.smoke else 3),
     }
-    print(f"{args.workers} gloo processes, ring exchange, float32; {config['warmup']} warm-up + {config['reps']} "
-          f"measured repetitions; {os.cpu_count()} CPU cores; torch {torch.__version__}", flush=True)
+    print(
+        f"{args.workers} gloo processes, ring exchange, float32; {config['warmup']} warm-up + {config['reps']} "
+        f"measured repetitions; {os.cpu_count()} CPU cores; torch {torch.__version__}",
+        flush=True,
+    )
     started = time.monotonic()
     harness.exit_on_sigterm()
     results = harness.run_ranks(functools.partial(_worker, config), args.workers, timeout=args.timeout)
@@ -214,7 +222,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     table = render(rows)
     print(table)
     print(f"\nwhole run: {time.monotonic() - started:.0f} s")
-    body = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "workers": args.workers, "config": config, "rows": rows}
+    body = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "workers": args.workers,
+        "config": config,
+        "rows": rows,
+    }
     harness.write_outputs(args.out, body, table, indent=2)
     return 0
 

@@ -37,7 +37,9 @@ class CIFAR10DataModule(LightningDataModule):
         download: download the dataset if it is not in ``data_dir`` (on each node's local rank 0).
     """
 
-    def __init__(self, data_dir: str = "data/cifar10", batch_size: int = 32, num_workers: int = 4, download: bool = True):
+    def __init__(
+        self, data_dir: str = "data/cifar10", batch_size: int = 32, num_workers: int = 4, download: bool = True
+    ):
         super().__init__()
         self.data_dir = data_dir
         self.batch_size = batch_size

@@ -15,7 +15,7 @@ the end is that of the averaged model ``x̄``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torchmetrics
@@ -35,7 +35,7 @@ class DigitsDataModule(LightningDataModule):
     """
 
     def __init__(
-        self, batch_size: int = 32, val_fraction: float = 0.2, seed: int = 0, dirichlet_alpha: Optional[float] = None
+        self, batch_size: int = 32, val_fraction: float = 0.2, seed: int = 0, dirichlet_alpha: float | None = None
     ) -> None:
         super().__init__()
         self.batch_size = batch_size

@@ -38,7 +38,8 @@ def generate_text(sentences: int, seed: int = 0) -> str:
     """Sentences of a small grammar: the same text on every worker (seeded)."""
     rng = random.Random(seed)
     return " ".join(
-        f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(ENDINGS)}." for _ in range(sentences)
+        f"{rng.choice(SUBJECTS)} {rng.choice(VERBS)} {rng.choice(OBJECTS)} {rng.choice(ENDINGS)}."
+        for _ in range(sentences)
     )
 
 
@@ -155,8 +156,10 @@ def main(args: argparse.Namespace) -> dict[str, float]:
                 val_loss = validate(fabric, model, val)
             metrics = {"val_loss": val_loss, **consensus_metrics(strategy)}
             fabric.log_dict(metrics, step=strategy.step)
-            fabric.print(f"step {strategy.step}: val loss of x̄ {val_loss:.3f}, consensus distance "
-                         f"{float(metrics['consensus/distance']):.2e}")
+            fabric.print(
+                f"step {strategy.step}: val loss of x̄ {val_loss:.3f}, consensus distance "
+                f"{float(metrics['consensus/distance']):.2e}"
+            )
     fabric.save(checkpoint, state)
     fabric.print(f"Saved {checkpoint} (x̄ and {fabric.world_size} shards) at step {strategy.step}")
     fabric.logger.finalize("success")  # writes the CSV

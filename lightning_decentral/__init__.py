@@ -15,7 +15,6 @@ from lightning_decentral import fabric
 from lightning_decentral.data import DirichletSampler
 from lightning_decentral.mixing import DelaySchedule, RandomDelays
 from lightning_decentral.simulation import SimulatedDecentralizedStrategy
-from lightning_decentral.trainer import DecentralizedStrategy
 from lightning_decentral.topology import (
     TOPOLOGIES,
     Complete,
@@ -29,6 +28,7 @@ from lightning_decentral.topology import (
     Topology,
     Torus,
 )
+from lightning_decentral.trainer import DecentralizedStrategy
 
 __version__ = "0.1.0"
 

@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,14 +50,14 @@ class Ranks:
         rank: int,
         world_size: int,
         device: torch.device,
-        group: Optional[dist.ProcessGroup] = None,
-        guard: Optional[Guard] = None,
+        group: dist.ProcessGroup | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self.rank, self.world_size, self.device, self.group = rank, world_size, device, group
         self.guard = guard if guard is not None else Guard()
 
     @classmethod
-    def of_world(cls, device: torch.device, guard: Optional[Guard] = None) -> Ranks:
+    def of_world(cls, device: torch.device, guard: Guard | None = None) -> Ranks:
         """The ranks of the default process group now (one rank before there is one): after a failure, the
         survivors' (or this rank alone, while they agree)."""
         if dist.is_available() and dist.is_initialized():
@@ -139,7 +139,7 @@ class Ranks:
         all-gather itself failed (`during` names it: a rank died, so the others' outcome is unknown), else a
         `RuntimeError` naming the ranks that failed to do `what`.
         """
-        error: Optional[BaseException] = None
+        error: BaseException | None = None
         try:
             action()
         except Exception as exc:
@@ -156,7 +156,7 @@ class Ranks:
         if failed:
             raise RuntimeError(f"Rank(s) {failed} could not {what} (their logs say why); no checkpoint was written.")
 
-    def check_same_configuration(self, fields: dict[str, Union[int, str]], advice: str = _SAME_BUILD) -> None:
+    def check_same_configuration(self, fields: dict[str, int | str], advice: str = _SAME_BUILD) -> None:
         """Stop every rank if a rank's `fields` differ from rank 0's.
 
         Each field travels as int64 values (a string as its first 64 code points; use
@@ -175,11 +175,13 @@ class Ranks:
         if differences:
             raise ValueError("The ranks do not run the same configuration: " + "; ".join(differences) + ". " + advice)
 
-    def check_same_checkpoint(self, ckpt_path: Optional[str]) -> None:
+    def check_same_checkpoint(self, ckpt_path: str | None) -> None:
         """Stop every rank, naming `ckpt_path` and each rank's value, unless every rank resumes from the same
         checkpoint (or none). One all-gather of a digest of the path and the path shortened to 64 characters."""
         tail = _STRING_SLOTS - 3  # the end of a long path names the checkpoint: keep it
-        shown = "None" if ckpt_path is None else repr(ckpt_path if len(ckpt_path) <= tail else "…" + ckpt_path[1 - tail :])
+        shown = (
+            "None" if ckpt_path is None else repr(ckpt_path if len(ckpt_path) <= tail else "…" + ckpt_path[1 - tail :])
+        )
         mine = digest(b"\0none") if ckpt_path is None else digest(ckpt_path.encode())
         table = self.gather([mine, *_encode(shown)])
         if len(set(table[:, 0].tolist())) > 1:
@@ -203,12 +205,12 @@ class Ranks:
         )
         self.check_same_configuration({"optimizers": len(optimizers)}, advice)
         where = [f" (optimizer {i})" if len(optimizers) > 1 else "" for i in range(len(optimizers))]
-        structure: dict[str, Union[int, str]] = {}
+        structure: dict[str, int | str] = {}
         for optimizer, at in zip(optimizers, where):
             structure[f"optimizer class{at}"] = fitted(f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
             structure[f"param groups{at}"] = len(optimizer.param_groups)
         self.check_same_configuration(structure, advice)
-        values: dict[str, Union[int, str]] = {}
+        values: dict[str, int | str] = {}
         for i, optimizer in enumerate(optimizers):
             groups = optimizer.param_groups
             for g, group in enumerate(groups):
@@ -247,7 +249,7 @@ def _exact(value: Any) -> str:
     return fitted(repr(value))
 
 
-def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) -> dict[str, Union[int, str]]:
+def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) -> dict[str, int | str]:
     """What every rank must agree on before the first exchange: the strategy's update-rule arguments (its
     [`options`][lightning_decentral.options.GossipOptions]), its bound topology, the precision and the model's
     trainable layout. Strings up to 64 characters, digests of what does not fit."""
@@ -258,7 +260,9 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
     return {
         "world size": strategy.world_size,
         "topology": repr(topology),
-        "mixing matrices W(0..period-1)": digest(*(topology.mixing(k).round(12).tobytes() for k in range(topology.period))),
+        "mixing matrices W(0..period-1)": digest(
+            *(topology.mixing(k).round(12).tobytes() for k in range(topology.period))
+        ),
         "momentum": options.momentum,
         "combine": options.combine,
         "gossip_every": options.gossip_every,
@@ -272,7 +276,9 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "delays": schedule_name(options.delays),
         "on_peer_failure": options.on_peer_failure,
         "min_workers": options.min_workers_for(strategy.world_size),
-        "outer_optimizer": "" if options.outer_optimizer is None else fitted(outer_optimizer_name(options.outer_optimizer)),
+        "outer_optimizer": ""
+        if options.outer_optimizer is None
+        else fitted(outer_optimizer_name(options.outer_optimizer)),
         "outer_overlap": int(options.outer_overlap),
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
@@ -315,7 +321,7 @@ def _schedule_text(schedule: RoundsSchedule) -> str:
     return fitted(str(schedule)) if len(schedule.milestones) > 1 else ""
 
 
-def mean_optimizer_state(ranks: Ranks, state: dict[str, Any], mean: Optional[MeanFn] = None) -> dict[str, Any]:
+def mean_optimizer_state(ranks: Ranks, state: dict[str, Any], mean: MeanFn | None = None) -> dict[str, Any]:
     """An optimizer `state_dict` with every floating-point state tensor (momentum, Adam's moments) replaced
     by its mean over the ranks, one all-reduce per (device, dtype) (`mean`, default `ranks.mean`); the live state is
     never touched.
@@ -360,14 +366,14 @@ def released_by_gloo(tensor: Tensor, limit: float = 1.0) -> None:
         time.sleep(1e-4)
 
 
-def _encode(value: Union[int, str]) -> list[int]:
+def _encode(value: int | str) -> list[int]:
     if isinstance(value, str):
         codes = [ord(c) for c in value[:_STRING_SLOTS]]
         return codes + [0] * (_STRING_SLOTS - len(codes))
     return [int(value)]
 
 
-def _decode(row: list[int], like: dict[str, Union[int, str]]) -> dict[str, Union[int, str]]:
+def _decode(row: list[int], like: dict[str, int | str]) -> dict[str, int | str]:
     decoded, offset = {}, 0
     for name, value in like.items():
         if isinstance(value, str):

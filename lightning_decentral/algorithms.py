@@ -8,7 +8,6 @@ that joins them.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -32,9 +31,7 @@ def add_(target: Sequence[Tensor], correction: Sequence[Tensor]) -> None:
         t.add_(c)
 
 
-def decentlam_trial_point_(
-    z: Tensor, x: Tensor, grad: Tensor, lr: Optional[float], scale: Union[float, Tensor] = 1.0
-) -> None:
+def decentlam_trial_point_(z: Tensor, x: Tensor, grad: Tensor, lr: float | None, scale: float | Tensor = 1.0) -> None:
     """`z <- x − γ g`, the [DecentLaM](../algorithms.md#decentlam-strategydecentlam-momentumdecentlam)
     trial step that is sent (not applied), with `g = grad / scale` and `γ = lr`.
 

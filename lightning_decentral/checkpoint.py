@@ -26,7 +26,7 @@ import os
 import random
 import secrets
 from collections.abc import Callable
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,7 +35,16 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from torch import Tensor
 
 from lightning_decentral.failures import PeerFailure
-from lightning_decentral.files import StrPath, adopt, atomic_link, atomic_write, disown, owned, removable_temporary, temporary_name
+from lightning_decentral.files import (
+    StrPath,
+    adopt,
+    atomic_link,
+    atomic_write,
+    disown,
+    owned,
+    removable_temporary,
+    temporary_name,
+)
 
 META_KEY = "decentralized_shards"  # in the checkpoint file: {"save_id", "world_size"}
 
@@ -62,7 +71,7 @@ class ShardProblem(enum.IntEnum):
     OTHER_SAVE = 4
     UNREADABLE = 5
 
-    def describe(self, saved: Optional[int] = None, now: Optional[int] = None) -> str:
+    def describe(self, saved: int | None = None, now: int | None = None) -> str:
         """The problem in words (`saved`, `now`: the world sizes, for `OTHER_WORLD_SIZE`).
 
         Examples:
@@ -85,7 +94,7 @@ class EarlierShards(Protocol):
     """This rank's shard of an earlier save of the step ([`StepShards`][lightning_decentral.trainer.reuse.StepShards]):
     `same_as(shard)` is its `(save_id, path)` if it holds what `shard` holds but the id, else `None`."""
 
-    def same_as(self, shard: dict[str, Any]) -> Optional[tuple[int, str]]: ...
+    def same_as(self, shard: dict[str, Any]) -> tuple[int, str] | None: ...
 
     def remember(self, shard: dict[str, Any], save_id: int, path: str) -> None: ...
 
@@ -96,7 +105,7 @@ def save_with_shards(
     filepath: StrPath,
     make_shard: Callable[[int], dict[str, Any]],
     write_file: Callable[[], None],
-    earlier: Optional[EarlierShards] = None,
+    earlier: EarlierShards | None = None,
     agreed: Callable[[bool], None] = lambda linked: None,
 ) -> None:
     """Every rank writes its shard, then `write_file` writes the checkpoint file (on rank 0).
@@ -192,12 +201,12 @@ def make_shard(
     world_size: int,
     state_dict: dict[str, Any],
     step: int,
-    optimizer_states: Optional[list[dict[str, Any]]] = None,
-    precision: Optional[dict[str, Any]] = None,
-    rng: Optional[dict[str, Any]] = None,
-    rule: Optional[dict[str, str]] = None,
-    rule_state: Optional[dict[str, Any]] = None,
-    gossip: Optional[dict[str, Any]] = None,
+    optimizer_states: list[dict[str, Any]] | None = None,
+    precision: dict[str, Any] | None = None,
+    rng: dict[str, Any] | None = None,
+    rule: dict[str, str] | None = None,
+    rule_state: dict[str, Any] | None = None,
+    gossip: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A rank's shard: its own `state_dict`, the optimizer step and the update rule it ran (`rule`, e.g.
     `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this process's
@@ -245,12 +254,14 @@ def rule_record(rule: str, topology: Any) -> dict[str, str]:
     return {"rule": rule, "topology": repr(topology)}
 
 
-def rule_change_warning(checkpoint_path: StrPath, shard: dict[str, Any], rule: dict[str, str]) -> Optional[str]:
+def rule_change_warning(checkpoint_path: StrPath, shard: dict[str, Any], rule: dict[str, str]) -> str | None:
     """The warning of an exact resume under another update rule or topology than `shard` was saved with
     (`rule`: this run's, as [`make_shard`][lightning_decentral.checkpoint.make_shard] records it); `None` if
     nothing recorded changed. A key the shard lacks (an older shard) is unknown, not a change."""
     saved = shard.get("strategy", {})
-    changes = [f"{key} {saved[key]!r} -> {value!r}" for key, value in rule.items() if key in saved and saved[key] != value]
+    changes = [
+        f"{key} {saved[key]!r} -> {value!r}" for key, value in rule.items() if key in saved and saved[key] != value
+    ]
     if not changes:
         return None
     return (
@@ -269,8 +280,8 @@ def resume_rank_state(shard: dict[str, Any], step: int) -> None:
 
 
 def load_own_shard(
-    ranks: RankGroup, checkpoint_path: StrPath, meta: Optional[dict[str, int]], warn: Callable[[str], None]
-) -> Optional[dict[str, Any]]:
+    ranks: RankGroup, checkpoint_path: StrPath, meta: dict[str, int] | None, warn: Callable[[str], None]
+) -> dict[str, Any] | None:
     """This rank's shard of the save `meta` names, if every rank has its own; else `None` on every rank, and `warn`
     (rank 0's) says why each rank could not."""
     shard, problem = read_own_shard(checkpoint_path, meta, ranks.rank, ranks.world_size)
@@ -282,8 +293,8 @@ def load_own_shard(
 
 
 def read_own_shard(
-    checkpoint_path: StrPath, meta: Optional[dict[str, int]], rank: int, world_size: int
-) -> tuple[Optional[dict[str, Any]], ShardProblem]:
+    checkpoint_path: StrPath, meta: dict[str, int] | None, rank: int, world_size: int
+) -> tuple[dict[str, Any] | None, ShardProblem]:
     """`(shard, ShardProblem.NONE)`, or `(None, problem)`."""
     if meta is None:
         return None, ShardProblem.NOT_SHARDED
@@ -303,7 +314,7 @@ def read_own_shard(
     return shard, ShardProblem.NONE
 
 
-def resume_warning(path: StrPath, problems: list[ShardProblem], meta: Optional[dict[str, int]], world_size: int) -> str:
+def resume_warning(path: StrPath, problems: list[ShardProblem], meta: dict[str, int] | None, world_size: int) -> str:
     """The one warning of a resume from `x̄`: why each rank could not resume from its shard."""
     if problems[0] in (ShardProblem.NOT_SHARDED, ShardProblem.OTHER_WORLD_SIZE):  # the same file everywhere
         reason = problems[0].describe(saved=meta and meta["world_size"], now=world_size)
@@ -385,12 +396,14 @@ def _files_of_rank(checkpoint_path: StrPath, rank: int, pattern: str) -> list[st
     """This rank's files matching `pattern` in the shard directory; none when another rank removes the directory
     (emptied of its own files) while this one lists it."""
     try:
-        return sorted(get_filesystem(checkpoint_path).glob(f"{shard_directory(checkpoint_path)}/{_prefix(rank)}{pattern}"))
+        return sorted(
+            get_filesystem(checkpoint_path).glob(f"{shard_directory(checkpoint_path)}/{_prefix(rank)}{pattern}")
+        )
     except FileNotFoundError:
         return []
 
 
-def remove_shards(checkpoint_path: StrPath, rank: int, keep: Optional[str] = None) -> None:
+def remove_shards(checkpoint_path: StrPath, rank: int, keep: str | None = None) -> None:
     """Delete this rank's shards of `checkpoint_path` that this process wrote or resumed from, but the file `keep`,
     and the temporary files this process or a dead one left; the directory too once empty.
 

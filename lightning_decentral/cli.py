@@ -33,18 +33,17 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn
 
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_decentral.measures import Monitored
-
 
 DESCRIPTION = (
     "lightning-decentral: Lightning's command line (LightningCLI) with the decentralized (gossip) strategies "
@@ -68,7 +67,7 @@ class DecentralizedParser(LightningArgumentParser):
     what is wrong, the close match of a misspelled option or choice: [`headline`][lightning_decentral.cli.headline]),
     then the parser's own account, without the usage of every option. `JSONARGPARSE_DEBUG=true` raises instead."""
 
-    def error(self, message: str, ex: Optional[Exception] = None, first: Optional[str] = None) -> NoReturn:
+    def error(self, message: str, ex: Exception | None = None, first: str | None = None) -> NoReturn:
         """Write `first` (default: the headline of `message`), then `message` if it says more; exit with code 2."""
         if not self.exit_on_error or _debugging():
             super().error(message, ex)
@@ -99,7 +98,7 @@ _REGISTERED = {
 }
 
 
-def headline(message: str, options: Optional[list[str]] = None) -> str:
+def headline(message: str, options: list[str] | None = None) -> str:
     """The one line of a jsonargparse error `message` that matters: the deepest error in its tree of `Parser key`
     and `class_path` entries, with the path of the option it concerns, and the close match of a misspelled
     `Literal` value, option of a class, or command-line option (one of `options`).
@@ -118,8 +117,8 @@ def headline(message: str, options: Optional[list[str]] = None) -> str:
         >>> headline("unrecognized arguments: --trainer.max_epohcs 3", ["--trainer.max_epochs", "--trainer.max_steps"])
         'unrecognized arguments: --trainer.max_epohcs 3. Did you mean --trainer.max_epochs?'
     """
-    stack: list[tuple[int, str, Optional[str]]] = []  # (indent, path component, class_path) of the open entries
-    deepest: Optional[tuple[int, list[str], Optional[str], str]] = None
+    stack: list[tuple[int, str, str | None]] = []  # (indent, path component, class_path) of the open entries
+    deepest: tuple[int, list[str], str | None, str] | None = None
     given = None
     for line in message.splitlines():
         text, indent = line.strip(), len(line) - len(line.lstrip())
@@ -133,7 +132,12 @@ def headline(message: str, options: Optional[list[str]] = None) -> str:
             given = given or value[1]
         elif text and not _NOISE.match(text) and (deepest is None or len(stack) > deepest[0]):
             classes = [entry[2] for entry in stack if entry[2] is not None]
-            deepest = (len(stack), [entry[1] for entry in stack], classes[-1] if classes else None, text.removeprefix("- "))
+            deepest = (
+                len(stack),
+                [entry[1] for entry in stack],
+                classes[-1] if classes else None,
+                text.removeprefix("- "),
+            )
     if deepest is None:
         return message.strip().splitlines()[0] if message.strip() else message
     _, path, class_path, text = deepest
@@ -143,7 +147,9 @@ def headline(message: str, options: Optional[list[str]] = None) -> str:
         text = f"{value!r} is not one of {', '.join(map(repr, choices))}." + _did_you_mean(value, choices, repr)
     elif option := _OPTION.match(text):
         where, name = f"{where}.{option[1]}" if where else option[1], option[1]
-        text = f"{class_path or 'the class'} has no option {name!r}." + _did_you_mean(name, _parameters(class_path), repr)
+        text = f"{class_path or 'the class'} has no option {name!r}." + _did_you_mean(
+            name, _parameters(class_path), repr
+        )
     elif unregistered := _UNREGISTERED.search(text):
         kind, name = unregistered[1], unregistered[2]
         where = f"trainer.{kind}"
@@ -173,14 +179,18 @@ def _did_you_mean(value: str, choices: list[Any], show: Any) -> str:
     return f" Did you mean {show(names[match[0]])}?" if match else ""
 
 
-def _parameters(class_path: Optional[str]) -> list[str]:
+def _parameters(class_path: str | None) -> list[str]:
     """The constructor arguments of the class at `class_path` (none if it does not import)."""
     if class_path is None or "." not in class_path:
         return []
     module, _, name = class_path.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
-        return [p.name for p in inspect.signature(cls).parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        return [
+            p.name
+            for p in inspect.signature(cls).parameters.values()
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
     except (ImportError, AttributeError, TypeError, ValueError):
         return []
 
@@ -231,7 +241,7 @@ class DecentralizedCLI(LightningCLI):
         topology that does not fit the world size) exits like a parse error: the message, no traceback
         (`JSONARGPARSE_DEBUG=true` raises it instead). A strategy's own error comes first, on one line with the
         option's path, before the parser's account of it."""
-        self._refused: Optional[str] = None
+        self._refused: str | None = None
         try:
             super().instantiate_classes()
         except (ValueError, TypeError, MisconfigurationException) as error:
@@ -297,7 +307,9 @@ def _report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> s
     workers = trainer.world_size
     if isinstance(strategy, Monitored):
         what = "the averaged model x̄" if strategy.eval_on == "average" else "worker 0's own replica"
-        rule = {"decentlam": "decentlam", "outer": "local steps with an outer optimizer"}.get(strategy.rule, f"dpsgd {strategy.rule}")
+        rule = {"decentlam": "decentlam", "outer": "local steps with an outer optimizer"}.get(
+            strategy.rule, f"dpsgd {strategy.rule}"
+        )
         how = f"{rule}, {strategy.topology!r}"
         workers = strategy.num_workers
         if workers > trainer.world_size:  # several workers in each process
@@ -319,7 +331,7 @@ def _report(trainer: Trainer, metrics: dict[str, float], plots: list[Path]) -> s
     return "\n".join(lines)
 
 
-def main(args: Optional[list[str]] = None) -> None:
+def main(args: list[str] | None = None) -> None:
     """The `lightning-decentral` console command (`args` defaults to `sys.argv[1:]`)."""
     cwd = os.getcwd()
     if cwd not in sys.path:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterator, Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ _ATTEMPTS = 100  # redraws of the proportions until no shard is empty
 
 
 def dirichlet_shards(
-    labels: Union[Sequence[int], np.ndarray, torch.Tensor], num_replicas: int, alpha: Optional[float], seed: int = 0
+    labels: Sequence[int] | np.ndarray | torch.Tensor, num_replicas: int, alpha: float | None, seed: int = 0
 ) -> list[np.ndarray]:
     """The `num_replicas` shards (sorted dataset indices) of a Dirichlet(`alpha`) label-skewed split.
 
@@ -105,11 +105,11 @@ class DirichletSampler(DistributedSampler):
 
     def __init__(
         self,
-        dataset: Union[Dataset, Sequence[Any]],
-        labels: Union[Sequence[int], np.ndarray, torch.Tensor],
-        alpha: Optional[float] = None,
-        num_replicas: Optional[int] = None,
-        rank: Optional[int] = None,
+        dataset: Dataset | Sequence[Any],
+        labels: Sequence[int] | np.ndarray | torch.Tensor,
+        alpha: float | None = None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
     ) -> None:
@@ -127,7 +127,9 @@ class DirichletSampler(DistributedSampler):
         self.num_samples = len(self.labels) // num_replicas
         self.total_size = self.num_samples * num_replicas
         if self.num_samples == 0:
-            raise ValueError(f"{len(self.labels)} samples cannot give each of {num_replicas} workers one: use fewer workers.")
+            raise ValueError(
+                f"{len(self.labels)} samples cannot give each of {num_replicas} workers one: use fewer workers."
+            )
         self.shard = dirichlet_shards(self.labels, num_replicas, self.alpha, seed)[rank]
         """This rank's shard: the sorted indices of its samples (before the common length is applied)."""
 
@@ -183,7 +185,11 @@ def _as_array(labels: Any) -> np.ndarray:
         labels = labels.detach().cpu().numpy()
     values = np.asarray(labels).reshape(-1)
     if values.dtype.kind not in "iub":
-        whole = np.isfinite(values) & (values == np.round(values)) if values.dtype.kind == "f" else np.zeros(len(values), bool)
+        whole = (
+            np.isfinite(values) & (values == np.round(values))
+            if values.dtype.kind == "f"
+            else np.zeros(len(values), bool)
+        )
         if not whole.all():
             raise ValueError(
                 f"`labels` must be whole class indices (integers, or floats holding whole numbers), got "

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import fields
 from datetime import timedelta
-from typing import Any, Optional, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -39,8 +39,9 @@ from torch import Tensor
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.compression import ChocoStates
 from lightning_decentral.gossip import CompressedGossip, Gossip, StaleGossip
-from lightning_decentral.membership.guard import Guard, Surviving as Guarded
 from lightning_decentral.measures import random_state
+from lightning_decentral.membership.guard import Guard
+from lightning_decentral.membership.guard import Surviving as Guarded
 from lightning_decentral.mixing import (
     TRAINER,
     DelayedMixing,
@@ -55,7 +56,7 @@ from lightning_decentral.options import GossipOptions
 from lightning_decentral.outer import OuterStep
 from lightning_decentral.replicas import Replica
 from lightning_decentral.rules import RULES, Closure, RuleContext, UpdateRule, check_one_optimizer
-from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
+from lightning_decentral.schedule import GossipSchedule, StepPlan
 from lightning_decentral.topology import Topology, resolve_topology
 
 
@@ -79,7 +80,7 @@ class StepRunner(Protocol):
 
     def teardown(self) -> None: ...
 
-    def residual(self, step: int) -> Optional[Tensor]: ...
+    def residual(self, step: int) -> Tensor | None: ...
 
     def mix(self, step: int, rounds: int) -> None: ...
 
@@ -120,19 +121,23 @@ class StepDriver:
         (StepPlan(step=0, rounds=1), {'rule': 'atc', 'topology': 'Complete(world_size=2)'})
     """
 
-    def __init__(self, options: GossipOptions, epoch: Optional[Callable[[], int]] = None, phrasing: Phrasing = TRAINER) -> None:
+    def __init__(
+        self, options: GossipOptions, epoch: Callable[[], int] | None = None, phrasing: Phrasing = TRAINER
+    ) -> None:
         self.options = options
-        self.schedule: Optional[GossipSchedule] = None
-        self.runner: Optional[StepRunner] = None
+        self.schedule: GossipSchedule | None = None
+        self.runner: StepRunner | None = None
         self.watch = Watch(phrasing=phrasing)  # shared with every mixer the driver builds
-        self.survival: Optional[Surviving] = None  # on_peer_failure="continue" on processes
-        self.guard = Guard()  # every collective besides the exchange goes through it; its step: the step begun, or the next
+        self.survival: Surviving | None = None  # on_peer_failure="continue" on processes
+        self.guard = (
+            Guard()
+        )  # every collective besides the exchange goes through it; its step: the step begun, or the next
         self.failed = False  # an error left a step: no collective when the run ends (the others may be gone)
         self._epoch = epoch
         self._mixers: list[Mixer] = []
         self.copies = ChocoStates()  # compressed gossip: the workers' public copies, their bytes, from run to run
-        self._plan: Optional[StepPlan] = None  # the step begun and not yet stepped
-        self._rule: Optional[UpdateRule] = None  # what build_rule built (processes)
+        self._plan: StepPlan | None = None  # the step begun and not yet stepped
+        self._rule: UpdateRule | None = None  # what build_rule built (processes)
 
     # -- binding ------------------------------------------------------------------------------
 
@@ -144,7 +149,7 @@ class StepDriver:
         self.schedule = GossipSchedule(topology, self.options.gossip_every, self.options.gossip_steps)
         self.options.min_workers_for(world_size)  # more than the world raises here
 
-    def keep(self, members: Sequence[int], first_step: int, of: Optional[Topology] = None) -> None:
+    def keep(self, members: Sequence[int], first_step: int, of: Topology | None = None) -> None:
         """Go on with the workers `members` of the topology `of` (default: the current one; a join's members are ranks
         of the one at the start) alone, in order, member `members[i]` becoming worker `i`: `W` for them
         ([`for_members`][lightning_decentral.topology.Topology.for_members]) and the steps before `first_step` local.
@@ -191,10 +196,10 @@ class StepDriver:
     def process_mixer(
         self,
         device: torch.device,
-        backend: Optional[str],
+        backend: str | None,
         timeout: timedelta,
         on_default_group: bool,
-        survival: Optional[Surviving] = None,
+        survival: Surviving | None = None,
     ) -> Mixer:
         """This rank's mixer when every worker is a process (every rank calls it together): bounded staleness over
         [`StaleGossip`][lightning_decentral.gossip.StaleGossip] (its own gloo group), else
@@ -221,7 +226,15 @@ class StepDriver:
         worker `i`'s."""
         options, topology = self.options, self.topology
         delayed = DelayedMixing(topology, options.staleness, options.delays) if options.staleness else None
-        mixer = DenseMixer(topology, options.gossip_dtype, delayed, self.watch, options.compression, options.consensus_step, options.rule == "outer")
+        mixer = DenseMixer(
+            topology,
+            options.gossip_dtype,
+            delayed,
+            self.watch,
+            options.compression,
+            options.consensus_step,
+            options.rule == "outer",
+        )
         return self._built(mixer)
 
     def _built(self, mixer: AnyMixer) -> AnyMixer:
@@ -230,7 +243,11 @@ class StepDriver:
         return mixer
 
     def build_rule(
-        self, replica: Replica, mixer: Mixer, optimizers: list[Any], context: Optional[RuleContext] = None,
+        self,
+        replica: Replica,
+        mixer: Mixer,
+        optimizers: list[Any],
+        context: RuleContext | None = None,
         source: str = "`configure_optimizers` returned",
     ) -> UpdateRule:
         """The rule the options select, over `replica`, `mixer` and the one optimizer; from now on the runner."""
@@ -239,7 +256,9 @@ class StepDriver:
         self.run(self._rule)
         return self._rule
 
-    def make_rule(self, replica: Replica, mixer: Mixer, optimizer: Any, context: Optional[RuleContext] = None) -> UpdateRule:
+    def make_rule(
+        self, replica: Replica, mixer: Mixer, optimizer: Any, context: RuleContext | None = None
+    ) -> UpdateRule:
         """One worker's rule (a [`RuleFactory`][lightning_decentral.rules.RuleFactory], for the simulation's workers):
         [`OuterStep`][lightning_decentral.outer.OuterStep] with an `outer_optimizer`, else `RULES[options.rule]`."""
         outer, every, overlap = self.options.outer_optimizer, self.options.gossip_every, self.options.outer_overlap
@@ -336,7 +355,7 @@ class StepDriver:
         """Whether [`measure_residuals`][lightning_decentral.driver.StepDriver.measure_residuals] was called."""
         return self.watch.measure_residuals
 
-    def residual(self, step: int) -> Optional[Tensor]:
+    def residual(self, step: int) -> Tensor | None:
         """The runner's gossip residual of step `step`, if measured."""
         return self.runner.residual(step) if self.runner is not None else None
 
@@ -406,7 +425,7 @@ class Driven:
         ([`gossip_residual`][lightning_decentral.driver.Driven.gossip_residual])."""
         self.driver.measure_residuals()
 
-    def gossip_residual(self, step: int) -> Optional[Tensor]:
+    def gossip_residual(self, step: int) -> Tensor | None:
         """`Σ_i ‖y_i − Σ_j w_ij(k) y_j‖²` over this process's workers (a rank: its own term) and trainable
         parameters, for the first round of the exchange of step `k = step`: `y = x(k)` (AWC), `U(x(k), g)` (ATC),
         `z = x(k) − γ g` (DecentLaM). A 0-dim float64 tensor, not synchronized; `None` if step `step` exchanged
@@ -446,5 +465,7 @@ def _option(name: str) -> property:
 for _field in fields(GossipOptions):
     if _field.name != "topology":  # Driven.topology is the bound one
         setattr(Driven, _field.name, _option(_field.name))
-Driven.bytes_sent = property(lambda self: self.driver.copies.bytes_sent,  # type: ignore[attr-defined]
-                             doc="Bytes compressed gossip put on the wire (this process's workers; `gossip/bytes_sent`).")
+Driven.bytes_sent = property(
+    lambda self: self.driver.copies.bytes_sent,  # type: ignore[attr-defined]
+    doc="Bytes compressed gossip put on the wire (this process's workers; `gossip/bytes_sent`).",
+)

@@ -18,7 +18,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
@@ -58,7 +58,9 @@ def checked_timeout(timeout: Any) -> timedelta:
             "(how long a rank waits for a silent peer; a number is refused, its unit would be a guess)."
         )
     if not isinstance(timeout, timedelta):
-        raise TypeError(f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=5), got {type(timeout).__name__} {timeout!r}.")
+        raise TypeError(
+            f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=5), got {type(timeout).__name__} {timeout!r}."
+        )
     if timeout <= timedelta(0):
         shown = "timedelta(0)" if not timeout else f"timedelta(seconds={timeout.total_seconds():g})"
         raise ValueError(
@@ -90,7 +92,7 @@ class Survival(Protocol):
     """What a mixer or a [`Guard`][lightning_decentral.membership.guard.Guard] asks when a peer may have failed, with
     `on_peer_failure="continue"` (the driver's [`Survivors`][lightning_decentral.membership.Survivors])."""
 
-    def poll(self) -> Optional[str]:
+    def poll(self) -> str | None:
         """Why the exchange in flight should be given up now (a member failed), or `None`."""
 
     def survive(self, step: int, failure: PeerFailure) -> None:
@@ -136,7 +138,7 @@ class GuardedStore:
     def __init__(self, connect: Callable[[], Any], timeout: float, where: str) -> None:
         self.timeout, self.where = timeout, where
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._lost: Optional[str] = None
+        self._lost: str | None = None
         threading.Thread(target=_serve, args=(self._requests,), daemon=True, name="lightning_decentral-store").start()
         weakref.finalize(self, self._requests.put, None)  # the thread ends when nobody can call any more
         self._store = self._call(connect)
@@ -144,7 +146,11 @@ class GuardedStore:
     @classmethod
     def around(cls, store: Any, timeout: timedelta) -> GuardedStore:
         """`store`, a client of the job's store this process already has (the default group's), under the watchdog."""
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}" if "MASTER_PORT" in os.environ else "(in process)"
+        where = (
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            if "MASTER_PORT" in os.environ
+            else "(in process)"
+        )
         return cls(lambda: store, timeout.total_seconds(), where)
 
     def _call(self, call: Callable[..., Any], *args: Any) -> Any:
@@ -213,7 +219,7 @@ def _serve(requests: queue.SimpleQueue) -> None:
         call, args, answer, done = request
         try:
             answer.append((True, call(*args)))
-        except BaseException as error:  # noqa: BLE001 - handed to the caller
+        except BaseException as error:
             answer.append((False, error))
         done.set()
 
@@ -245,7 +251,7 @@ def peers_answer(what: str, peers: str = "a peer") -> Iterator[None]:
 def _without_frames(error: BaseException) -> BaseException:
     """`error` and the errors under it (`__cause__`) without their frames (where in this package's waits they were
     raised, which says nothing): a `PeerFailure` prints its own traceback, then each cause in one line."""
-    cause: Optional[BaseException] = error
+    cause: BaseException | None = error
     while cause is not None:
         cause.__traceback__ = None
         cause = cause.__cause__
@@ -254,10 +260,10 @@ def _without_frames(error: BaseException) -> BaseException:
 
 def wait_works(
     works: Sequence[Any],
-    poll: Optional[Callable[[], Optional[str]]],
+    poll: Callable[[], str | None] | None,
     what: str,
     peers: str = "a peer",
-    ranks: Sequence[Optional[int]] = (),
+    ranks: Sequence[int | None] = (),
 ) -> None:
     """Wait for every `torch.distributed` work of `works`; a failure raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]
     (`what`, `peers` as for [`peers_answer`][lightning_decentral.failures.peers_answer]; `ranks[i]` is the peer of
@@ -283,7 +289,7 @@ def wait_works(
             for index, work in enumerate(works):
                 try:
                     work.wait()
-                except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+                except BaseException as error:
                     failed.append((index, error))
                     return
         finally:
@@ -343,7 +349,7 @@ class Activities:
 
     def __init__(
         self,
-        store: Optional[dist.Store],
+        store: dist.Store | None,
         rank: int,
         world_size: int,
         timeout: float,
@@ -359,7 +365,7 @@ class Activities:
         self.current = ""
 
     @classmethod
-    def of_group(cls, ranks: Any, timeout: Optional[timedelta]) -> Activities:
+    def of_group(cls, ranks: Any, timeout: timedelta | None) -> Activities:
         """Activities of the ranks of the default process group (`ranks`, a [`Ranks`][lightning_decentral.agreement.Ranks],
         whose guard they share), under keys of their own (one all-gather agrees on them) of the default group's store;
         published nowhere without a process group, or with one rank."""
@@ -421,7 +427,9 @@ class Activities:
                 )
             if waited > self.warn_after and not warned:
                 warned = True
-                self.warn(f"Rank {self.rank} has waited {waited:.1f} s in {what} for {named}; it gives up after {self.timeout:.1f} s.")
+                self.warn(
+                    f"Rank {self.rank} has waited {waited:.1f} s in {what} for {named}; it gives up after {self.timeout:.1f} s."
+                )
             time.sleep(pause)
             pause = min(2 * pause, 0.2)
 
@@ -445,6 +453,8 @@ class Activities:
         for rank in range(self.world_size):
             if rank != self.rank:
                 key = str(rank)
-                number, _, what = self.store.get(key).decode().partition("|") if self.store.check([key]) else ("0", "", "")
+                number, _, what = (
+                    self.store.get(key).decode().partition("|") if self.store.check([key]) else ("0", "", "")
+                )
                 seen[rank] = (int(number), what)
         return seen

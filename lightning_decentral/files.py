@@ -19,7 +19,7 @@ import hashlib
 import os
 import socket
 from collections.abc import Callable
-from typing import IO, Any, Optional, Union
+from typing import IO, Any, Union
 
 import fsspec
 import torch
@@ -45,7 +45,7 @@ MACHINE = _machine()
 _OWNED: set[str] = set()  # the files this process wrote or resumed from (absolute local paths, or URLs)
 
 
-def temporary_name(path: str, pid: Optional[int] = None) -> str:
+def temporary_name(path: str, pid: int | None = None) -> str:
     """Where [`atomic_write`][lightning_decentral.files.atomic_write] writes `path` before renaming it: beside it,
     naming this machine and process `pid` (default this one).
 
@@ -56,7 +56,7 @@ def temporary_name(path: str, pid: Optional[int] = None) -> str:
     return f"{path}.{MACHINE}-{os.getpid() if pid is None else pid}.tmp"
 
 
-def writer_of(temporary: str) -> Optional[tuple[str, int]]:
+def writer_of(temporary: str) -> tuple[str, int] | None:
     """`(machine, pid)` of the process that writes the temporary file `temporary`; `None` for another name (an
     older version's `<name>.tmp`, which says nothing of its writer).
 
@@ -222,7 +222,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     your own; it also serves any Lightning strategy: `Trainer(plugins=[AtomicCheckpointIO()])`.
     """
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: StrPath, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: StrPath, storage_options: Any | None = None) -> None:
         """Write `checkpoint` to `path` with `torch.save`, atomically where `path` is local."""
         if storage_options is not None or not isinstance(fsspec.core.url_to_fs(str(path))[0], LocalFileSystem):
             return super().save_checkpoint(checkpoint, path, storage_options)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ class Monitored(Protocol):
     def measure_residuals(self) -> None:
         """From now on, measure each exchange's gossip residual."""
 
-    def gossip_residual(self, step: int) -> Optional[Tensor]:
+    def gossip_residual(self, step: int) -> Tensor | None:
         """`Σ ‖y_i − Σ_j w_ij y_j‖²` over this process's workers, of step `step`'s first round (`None`: not measured)."""
 
     def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
@@ -85,7 +85,7 @@ def sum_over_ranks(tensor: Tensor) -> Tensor:
     return tensor
 
 
-def gossip_residual(strategy: Any, step: int) -> Optional[Tensor]:
+def gossip_residual(strategy: Any, step: int) -> Tensor | None:
     """`R(step) = sqrt( (1/n) Σ_i r_i )` from each rank's `r_i = ‖y_i − Σ_j w_ij y_j‖²`
     (`strategy.gossip_residual(step)`).
 

@@ -7,7 +7,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Optional, TypeVar, Union, get_type_hints
+from typing import Any, Literal, TypeVar, Union, get_type_hints
 
 import torch
 from torch.optim import Optimizer
@@ -149,19 +149,19 @@ class GossipOptions:
     combine: Literal["awc", "atc"] = "awc"
     momentum: Literal["local", "decentlam"] = "local"
     gossip_every: int = 1
-    gossip_steps: Union[int, RoundsSchedule, dict[str, dict[int, int]]] = 1
+    gossip_steps: int | RoundsSchedule | dict[str, dict[int, int]] = 1
     gossip_buffers: bool = True
     eval_on: Literal["average", "local"] = "average"
     bucket_cap_mb: float = 4.0
-    gossip_dtype: Optional[Union[torch.dtype, GossipDtypeName]] = None
+    gossip_dtype: torch.dtype | GossipDtypeName | None = None
     staleness: int = 0
-    delays: Optional[DelaySchedule] = None
+    delays: DelaySchedule | None = None
     on_peer_failure: Literal["stop", "continue"] = "stop"
-    min_workers: Optional[int] = None
-    outer_optimizer: Optional[OptimizerFactory] = None
+    min_workers: int | None = None
+    outer_optimizer: OptimizerFactory | None = None
     outer_overlap: bool = False
-    compression: Optional[Union[str, Compressor]] = None
-    consensus_step: Optional[float] = None
+    compression: str | Compressor | None = None
+    consensus_step: float | None = None
 
     def __post_init__(self) -> None:
         _check_choice("combine", self.combine, COMBINE)
@@ -198,13 +198,20 @@ class GossipOptions:
                 raise ValueError("`delays` say how stale each neighbour's replica is: they need staleness ≥ 1.")
             return
         unsupported = [
-            (self.rule == "decentlam", "momentum='decentlam' (its correction needs every neighbour's z of the same step)",
-             "use combine='awc' or 'atc'"),
+            (
+                self.rule == "decentlam",
+                "momentum='decentlam' (its correction needs every neighbour's z of the same step)",
+                "use combine='awc' or 'atc'",
+            ),
             (self.gossip_every != 1, f"gossip_every={self.gossip_every}", "use gossip_every=1"),
             (self.gossip_steps != RoundsSchedule.of(1), f"gossip_steps={self.gossip_steps}", "use gossip_steps=1"),
             (self.gossip_dtype is not None, f"gossip_dtype={self.gossip_dtype}", "use gossip_dtype=None"),
-            (self.on_peer_failure != "stop", f"on_peer_failure={self.on_peer_failure!r} (the survivors rebuild the "
-             "graph at one agreed step, which ranks steps apart cannot name)", "use on_peer_failure='stop'"),
+            (
+                self.on_peer_failure != "stop",
+                f"on_peer_failure={self.on_peer_failure!r} (the survivors rebuild the "
+                "graph at one agreed step, which ranks steps apart cannot name)",
+                "use on_peer_failure='stop'",
+            ),
         ]
         for bad, what, fix in unsupported:
             if bad:
@@ -220,21 +227,36 @@ class GossipOptions:
             raise ValueError(f"`outer_overlap` must be True or False, got {self.outer_overlap!r}.")
         if self.outer_optimizer is None:
             if self.outer_overlap:
-                raise ValueError("outer_overlap=True overlaps the exchange of an outer step: it needs an outer_optimizer.")
+                raise ValueError(
+                    "outer_overlap=True overlaps the exchange of an outer step: it needs an outer_optimizer."
+                )
             return
         probe_outer_optimizer(self.outer_optimizer)  # raises naming the fix
         unsupported = [
-            (self.momentum == "decentlam", "momentum='decentlam' (its correction needs an exchange at every step)",
-             "use momentum='local'"),
-            (self.staleness > 0, f"staleness={self.staleness} (an outer step waits for its round's exchange)",
-             "use staleness=0"),
-            (self.outer_overlap and self.on_peer_failure != "stop", "outer_overlap=True with on_peer_failure='continue' "
-             "(an exchange in flight across steps cannot be discarded at one agreed step)", "use outer_overlap=False"),
+            (
+                self.momentum == "decentlam",
+                "momentum='decentlam' (its correction needs an exchange at every step)",
+                "use momentum='local'",
+            ),
+            (
+                self.staleness > 0,
+                f"staleness={self.staleness} (an outer step waits for its round's exchange)",
+                "use staleness=0",
+            ),
+            (
+                self.outer_overlap and self.on_peer_failure != "stop",
+                "outer_overlap=True with on_peer_failure='continue' "
+                "(an exchange in flight across steps cannot be discarded at one agreed step)",
+                "use outer_overlap=False",
+            ),
         ]
         for bad, what, fix in unsupported:
             if bad:
-                raise ValueError(f"outer_optimizer runs local steps and one outer step per gossip round, but {what} is "
-                                 f"not supported with it: {fix}, or outer_optimizer=None.")
+                raise ValueError(
+                    f"outer_optimizer runs local steps and one outer step per gossip round, but {what} is "
+                    f"not supported with it: {fix}, or outer_optimizer=None."
+                )
+
     def _check_compression(self) -> None:
         """`compression` resolves to a compressor (or `None`); `consensus_step` is in `(0, 1]`, and only with one; they
         run with AWC and ATC, synchronous, in the compressor's own format, while every rank lives."""
@@ -253,16 +275,28 @@ class GossipOptions:
             raise ValueError(f"`consensus_step` (CHOCO's γ) must be in (0, 1], got {step!r}.")
         object.__setattr__(self, "consensus_step", float(step))
         unsupported = [
-            (self.rule == "decentlam", "momentum='decentlam' (its correction needs Σ_j w_ij z_j exactly)",
-             "use momentum='local' with combine='awc' or 'atc'"),
+            (
+                self.rule == "decentlam",
+                "momentum='decentlam' (its correction needs Σ_j w_ij z_j exactly)",
+                "use momentum='local' with combine='awc' or 'atc'",
+            ),
             (self.staleness > 0, f"staleness={self.staleness}", "use staleness=0"),
-            (self.gossip_dtype is not None, f"gossip_dtype={self.gossip_dtype} (the compressor decides what travels)",
-             "use gossip_dtype=None"),
-            (self.on_peer_failure != "stop", f"on_peer_failure={self.on_peer_failure!r} (the survivors' graph would need "
-             "new public copies on both ends of every edge)", "use on_peer_failure='stop'"),
-            (isinstance(t := self.topology, Hierarchical) or (isinstance(t, str) and TOPOLOGIES[t] is Hierarchical),
-             "a Hierarchical topology (one compressed exchange would replace its two levels)",
-             "use a flat topology such as topology='ring' or 'one_peer_exponential'"),
+            (
+                self.gossip_dtype is not None,
+                f"gossip_dtype={self.gossip_dtype} (the compressor decides what travels)",
+                "use gossip_dtype=None",
+            ),
+            (
+                self.on_peer_failure != "stop",
+                f"on_peer_failure={self.on_peer_failure!r} (the survivors' graph would need "
+                "new public copies on both ends of every edge)",
+                "use on_peer_failure='stop'",
+            ),
+            (
+                isinstance(t := self.topology, Hierarchical) or (isinstance(t, str) and TOPOLOGIES[t] is Hierarchical),
+                "a Hierarchical topology (one compressed exchange would replace its two levels)",
+                "use a flat topology such as topology='ring' or 'one_peer_exponential'",
+            ),
         ]
         for bad, what, fix in unsupported:
             if bad:
@@ -336,7 +370,9 @@ def gossip_options(owner: str, **arguments: Any) -> GossipOptions:
         if name not in names:
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise TypeError(f"{owner} got an unexpected argument {name!r}: {hint}The update-rule arguments are {names}.")
+            raise TypeError(
+                f"{owner} got an unexpected argument {name!r}: {hint}The update-rule arguments are {names}."
+            )
     return GossipOptions(**arguments)
 
 
@@ -349,7 +385,8 @@ def takes_gossip_options(executor: Executor) -> Executor:
     and LightningCLI's help show) becomes its positional arguments, the fields of `GossipOptions`, then its
     keyword-only arguments, so the list of update-rule arguments is written once."""
     own = [
-        p for name, p in inspect.signature(executor.__init__).parameters.items()
+        p
+        for name, p in inspect.signature(executor.__init__).parameters.items()
         if name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD
     ]
     hints = get_type_hints(GossipOptions)
@@ -368,7 +405,7 @@ def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ValueError(f"`{name}` must be one of {list(choices)}, got {value!r}.")
 
 
-def _check_gossip_dtype(dtype: Any) -> Optional[torch.dtype]:
+def _check_gossip_dtype(dtype: Any) -> torch.dtype | None:
     """`None`, or one of `GOSSIP_DTYPES` (also given by name: `"bfloat16"`, `"torch.bfloat16"`, `"float16"`)."""
     if dtype is None:
         return None
@@ -407,8 +444,10 @@ def probe_outer_optimizer(factory: Any) -> Optimizer:
         ...
         ValueError: `outer_optimizer` must be a factory, ...; building it failed: ValueError: Invalid learning rate: -1.0
     """
-    fix = ("`outer_optimizer` must be a factory, parameters -> optimizer, such as functools.partial(torch.optim.SGD, "
-           "lr=0.7, momentum=0.9, nesterov=True) (YAML: class_path: torch.optim.SGD, init_args: {lr: 0.7, ...})")
+    fix = (
+        "`outer_optimizer` must be a factory, parameters -> optimizer, such as functools.partial(torch.optim.SGD, "
+        "lr=0.7, momentum=0.9, nesterov=True) (YAML: class_path: torch.optim.SGD, init_args: {lr: 0.7, ...})"
+    )
     if not callable(factory) or isinstance(factory, Optimizer):
         raise ValueError(f"{fix}, got a {type(factory).__name__}.")
     try:

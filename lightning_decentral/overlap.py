@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Union
 
 import torch
 from torch import Tensor
@@ -35,8 +34,8 @@ class _Segment:
     x: Tensor
     grad: Tensor
     send: Tensor
-    group: Optional[int]
-    lr: Optional[float] = None  # the group's γ when z was formed; g̃ uses the same one
+    group: int | None
+    lr: float | None = None  # the group's γ when z was formed; g̃ uses the same one
 
 
 @dataclass
@@ -45,7 +44,7 @@ class _Bucket:
     send: Tensor
     segments: list[_Segment]
     ready: int = 0
-    pending: Optional[Pending] = None
+    pending: Pending | None = None
     posted: bool = False
 
 
@@ -89,7 +88,7 @@ class GradientBuckets:
         optimizer: Optimizer,
         mixer: Mixer,
         bucket_bytes: int,
-        grad_scale: Callable[[], Union[float, Tensor]] = lambda: 1.0,
+        grad_scale: Callable[[], float | Tensor] = lambda: 1.0,
         check_finite: bool = True,
     ) -> None:
         self.optimizer = optimizer
@@ -146,16 +145,18 @@ class GradientBuckets:
             self.late_gradient = True
             return
         bucket.ready += 1
-        while self._next < len(self._buckets) and self._buckets[self._next].ready == len(self._buckets[self._next].params):
+        while self._next < len(self._buckets) and self._buckets[self._next].ready == len(
+            self._buckets[self._next].params
+        ):
             self._post(self._buckets[self._next], self._grad_scale())
 
-    def post_all(self, scale: Union[float, Tensor] = 1.0) -> None:
+    def post_all(self, scale: float | Tensor = 1.0) -> None:
         """Post every bucket not posted yet (unused parameters, or no overlap this step)."""
         self.listening = False
         for bucket in self._buckets[self._next :]:
             self._post(bucket, scale)
 
-    def _post(self, bucket: _Bucket, scale: Union[float, Tensor]) -> None:
+    def _post(self, bucket: _Bucket, scale: float | Tensor) -> None:
         for segment in bucket.segments:
             segment.lr = self._lr(segment)
             algorithms.decentlam_trial_point_(segment.send, segment.x, segment.grad, segment.lr, scale)
@@ -197,7 +198,7 @@ class GradientBuckets:
                 bucket.pending.wait()
                 bucket.pending = None
 
-    def _lr(self, segment: _Segment) -> Optional[float]:
+    def _lr(self, segment: _Segment) -> float | None:
         if segment.group is None:
             return None
         return float(self.optimizer.param_groups[segment.group]["lr"])

@@ -27,7 +27,6 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Union
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)]
 _INSTALL = "pip install 'lightning-decentral[plot]'"
@@ -48,7 +47,7 @@ _FIGURES: list[tuple[str, str, Callable[[str], bool], bool]] = [
 _AXIS_LABELS = {"consensus/gossip_steps": "gossip rounds (consensus/gossip_steps)"}  # else the metric's name
 
 
-def read_csv(path: Union[str, Path]) -> Series:
+def read_csv(path: str | Path) -> Series:
     """The metrics of a Lightning `metrics.csv`: `{name: [(step, value), ...]}` (empty cells skipped).
 
     Examples:
@@ -72,7 +71,7 @@ def read_csv(path: Union[str, Path]) -> Series:
     return series
 
 
-def read_tensorboard(directory: Union[str, Path]) -> Series:
+def read_tensorboard(directory: str | Path) -> Series:
     """The scalars of the TensorBoard event files in `directory`: `{tag: [(step, value), ...]}`."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -87,7 +86,7 @@ def read_tensorboard(directory: Union[str, Path]) -> Series:
     }
 
 
-def find_runs(log_dir: Union[str, Path]) -> list[tuple[str, Series]]:
+def find_runs(log_dir: str | Path) -> list[tuple[str, Series]]:
     """Every run under `log_dir`, as `(label, series)`; a directory holding both a CSV and TensorBoard
     log counts once (the CSV).
 
@@ -99,8 +98,12 @@ def find_runs(log_dir: Union[str, Path]) -> list[tuple[str, Series]]:
     """
     root = Path(log_dir)
     if not root.is_dir():
-        raise FileNotFoundError(f"No log directory {str(root)!r}: pass the save_dir (or a version_N folder) of a logger.")
-    directories = sorted({p.parent for p in root.rglob("metrics.csv")} | {p.parent for p in root.rglob("events.out.tfevents.*")})
+        raise FileNotFoundError(
+            f"No log directory {str(root)!r}: pass the save_dir (or a version_N folder) of a logger."
+        )
+    directories = sorted(
+        {p.parent for p in root.rglob("metrics.csv")} | {p.parent for p in root.rglob("events.out.tfevents.*")}
+    )
     runs = []
     for directory in directories:
         csv_file = directory / "metrics.csv"
@@ -118,7 +121,7 @@ def _label(root: Path, directory: Path, single: bool) -> str:
     return f"{name}/{directory.relative_to(root).as_posix()}"
 
 
-def plot_runs(log_dirs: Sequence[Union[str, Path]], out_dir: Union[str, Path]) -> list[Path]:
+def plot_runs(log_dirs: Sequence[str | Path], out_dir: str | Path) -> list[Path]:
     """Write one PNG per quantity found in the runs under `log_dirs` into `out_dir`; return their paths."""
     plt = _pyplot()
     runs = [run for log_dir in log_dirs for run in find_runs(log_dir)]
@@ -181,7 +184,7 @@ def _pyplot():  # type: ignore[no-untyped-def]
     return plt
 
 
-def main(argv: Union[Sequence[str], None] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """`python -m lightning_decentral.plot LOG_DIR [LOG_DIR ...] [--out DIR]`: the exit status (2 on an error)."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_decentral.plot",

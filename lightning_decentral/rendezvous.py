@@ -31,7 +31,6 @@ import time
 import uuid
 from collections.abc import Iterable
 from datetime import timedelta
-from typing import Optional
 
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
@@ -42,8 +41,8 @@ NAMESPACE = "lightning_decentral"
 HANDSHAKE = f"{NAMESPACE}/handshake"  # agree_generation's keys, the same for every generation
 _POLL_SECONDS = 0.01
 KEPT_OUT_LOOK = 0.5  # seconds a rank watches its keep_out mark (the survivors move it every heartbeat, 0.1 s)
-_current: Optional[dist.Store] = None  # the store connect() made last in this process
-_token: Optional[str] = None  # its generation's token
+_current: dist.Store | None = None  # the store connect() made last in this process
+_token: str | None = None  # its generation's token
 
 
 class LeftOut(RuntimeError):
@@ -51,7 +50,7 @@ class LeftOut(RuntimeError):
     process started again as it cannot rejoin that run."""
 
 
-def connect(address: str, port: int, rank: int, world_size: int, timeout: Optional[timedelta] = None) -> dist.Store:
+def connect(address: str, port: int, rank: int, world_size: int, timeout: timedelta | None = None) -> dist.Store:
     """The store to make the default process group on, `init_process_group(..., store=connect(...))`: the
     store `env://` would use, under a namespace new for this generation of workers.
 
@@ -71,7 +70,7 @@ def connect(address: str, port: int, rank: int, world_size: int, timeout: Option
     return _current
 
 
-def job_token() -> Optional[str]:
+def job_token() -> str | None:
     """The token of the generation [`connect`][lightning_decentral.rendezvous.connect] joined last in this process
     (`None` before): what a lost rank started again needs to find the same [`job_store`][lightning_decentral.rendezvous.job_store]."""
     return _token
@@ -126,7 +125,11 @@ def agree_generation(store: dist.Store, rank: int, world_size: int, timeout: tim
         return _hand_out_token(base, world_size, timeout)
     nonce = uuid.uuid4().hex
     base.set(f"hello/{rank}", nonce)
-    why = f" (rank {rank} was lost by an earlier run on this store, which is over: start every rank again)" if over else ""
+    why = (
+        f" (rank {rank} was lost by an earlier run on this store, which is over: start every rank again)"
+        if over
+        else ""
+    )
     _wait(base, [f"ack/{nonce}"], timeout, f"rank {rank} waited for rank 0 to answer{why}")
     token = base.get(f"ack/{nonce}").decode()
     base.delete_key(f"ack/{nonce}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -76,7 +76,11 @@ class Replica:
 
     @classmethod
     def of_buffers(
-        cls, parameters: list[Parameter], flat_parameters: list[Tensor], flat_buffers: list[Tensor], buffers: list[Tensor]
+        cls,
+        parameters: list[Parameter],
+        flat_parameters: list[Tensor],
+        flat_buffers: list[Tensor],
+        buffers: list[Tensor],
     ) -> Replica:
         """A replica over flat buffers that already hold the tensors (`parameters` are views of `flat_parameters`,
         the mixed module `buffers` of `flat_buffers`): nothing is packed or moved."""
@@ -107,13 +111,20 @@ class Replica:
     def join(self, pieces: list[Tensor]) -> list[Tensor]:
         """The inverse of `split`: new flat tensors laid out as `mixed` (its first buffers, for fewer pieces)."""
         layout = self.layout()[: len(pieces)]
-        return [torch.cat([p.reshape(-1) for p, (j, _, _) in zip(pieces, layout) if j == i]) for i in sorted({j for j, _, _ in layout})]
+        return [
+            torch.cat([p.reshape(-1) for p, (j, _, _) in zip(pieces, layout) if j == i])
+            for i in sorted({j for j, _, _ in layout})
+        ]
 
     def layout(self) -> list[tuple[int, int, int]]:
         """For each tensor held (parameters, then mixed buffers), in order: its buffer in `mixed`, offset and size."""
         out = []
         for tensor in [p.data for p in self.parameters] + self.buffers:
-            i = next(i for i, flat in enumerate(self.mixed) if flat.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr())
+            i = next(
+                i
+                for i, flat in enumerate(self.mixed)
+                if flat.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+            )
             out.append((i, tensor.storage_offset() - self.mixed[i].storage_offset(), tensor.numel()))
         return out
 
@@ -137,7 +148,7 @@ class AveragedModel:
         self._own: dict[int, Tensor] = {}  # while averaged: id(tensor) -> this worker's own value
 
     @contextlib.contextmanager
-    def swapped_in(self, module: Module, mean: Optional[MeanFn]) -> Iterator[None]:
+    def swapped_in(self, module: Module, mean: MeanFn | None) -> Iterator[None]:
         """Replace every floating-point parameter and buffer of `module` by its mean over the workers
         inside the block, then restore each exactly. A nested use is free.
 
@@ -169,7 +180,7 @@ class AveragedModel:
         state = module.state_dict(keep_vars=True)
         return {name: self._own.get(id(value), value).detach() for name, value in state.items()}
 
-    def state_dict(self, module: Module, mean: Optional[MeanFn]) -> dict[str, Tensor]:
+    def state_dict(self, module: Module, mean: MeanFn | None) -> dict[str, Tensor]:
         """`x̄`'s state dict, in new tensors where floating-point: this worker's own state dict averaged by `mean` (one
         call, a collective every worker enters together; the module is not touched), or a copy of the module's while
         `x̄` is swapped in or `mean` is `None` (one worker).

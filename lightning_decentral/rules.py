@@ -34,7 +34,7 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,7 +67,7 @@ class RuleContext:
     """
 
     bucket_bytes: int = 4 * 2**20
-    grad_scaler: Optional[torch.amp.GradScaler] = None
+    grad_scaler: torch.amp.GradScaler | None = None
     any_worker: Callable[[Tensor], Tensor] = field(default=lambda flag: flag)
     overlap_backward: bool = True
     warn: Callable[[str], None] = field(default=warnings.warn)
@@ -84,12 +84,14 @@ class UpdateRule:
         context: see [`RuleContext`][lightning_decentral.rules.RuleContext].
     """
 
-    def __init__(self, replica: Replica, mixer: Mixer, optimizer: Optimizer, context: Optional[RuleContext] = None) -> None:
+    def __init__(
+        self, replica: Replica, mixer: Mixer, optimizer: Optimizer, context: RuleContext | None = None
+    ) -> None:
         self.replica, self.mixer, self.optimizer = replica, mixer, optimizer
         self.context = context or RuleContext()
-        self.plan: Optional[StepPlan] = None  # the step begun and not yet ended
-        self._residual: Optional[tuple[int, Tensor]] = None
-        self._pending: Optional[Pending] = None  # an exchange in flight
+        self.plan: StepPlan | None = None  # the step begun and not yet ended
+        self._residual: tuple[int, Tensor] | None = None
+        self._pending: Pending | None = None  # an exchange in flight
 
     def begin_step(self, plan: StepPlan) -> None:
         """Step `plan.step` begins (before its first forward pass)."""
@@ -141,7 +143,7 @@ class UpdateRule:
         in flight): extra rounds on top of the step's own ([`ConsensusControl`][lightning_decentral.callbacks.ConsensusControl])."""
         self.mixer.start(self.replica.mixed, step, rounds).wait()
 
-    def residual(self, step: int) -> Optional[Tensor]:
+    def residual(self, step: int) -> Tensor | None:
         """`‖y_i − Σ_j w_ij(k) y_j‖²` over the trainable parameters, of the first round of step `step`'s
         exchange of `y` (AWC: `x(k)`; ATC: `U(x(k), g)`; DecentLaM: `z`), if the mixer measured it."""
         if self._residual is not None and self._residual[0] == step:
@@ -152,7 +154,7 @@ class UpdateRule:
         assert self.plan is not None
         self._pending = self.mixer.start(tensors, self.plan.step, self.plan.rounds, **kwargs)
 
-    def _wait(self, measured: Optional[int] = None) -> None:
+    def _wait(self, measured: int | None = None) -> None:
         """Wait for the exchange in flight; keep the sum of its first `measured` residuals as the step's."""
         pending, self._pending = self._pending, None
         if pending is None:
@@ -175,7 +177,9 @@ class AdaptWithCombine(UpdateRule):
     statistics in place).
     """
 
-    def __init__(self, replica: Replica, mixer: Mixer, optimizer: Optimizer, context: Optional[RuleContext] = None) -> None:
+    def __init__(
+        self, replica: Replica, mixer: Mixer, optimizer: Optimizer, context: RuleContext | None = None
+    ) -> None:
         super().__init__(replica, mixer, optimizer, context)
         self._correction = [torch.empty_like(b) for b in replica.mixed]
         self._buffers_before = [torch.empty_like(b) for b in replica.flat_buffers]
@@ -260,7 +264,9 @@ class DecentLaM(UpdateRule):
     gradient on any worker is skipped on every worker.
     """
 
-    def __init__(self, replica: Replica, mixer: Mixer, optimizer: Optimizer, context: Optional[RuleContext] = None) -> None:
+    def __init__(
+        self, replica: Replica, mixer: Mixer, optimizer: Optimizer, context: RuleContext | None = None
+    ) -> None:
         super().__init__(replica, mixer, optimizer, context)
         context = self.context
         if isinstance(optimizer, torch.optim.LBFGS):
@@ -375,7 +381,7 @@ class DecentLaM(UpdateRule):
         return args, {**kwargs, "closure": lambda: result}
 
 
-RuleFactory = Callable[[Replica, Mixer, Optimizer, Optional[RuleContext]], UpdateRule]
+RuleFactory = Callable[[Replica, Mixer, Optimizer, RuleContext | None], UpdateRule]
 """`(replica, mixer, optimizer, context) -> rule`: a class of `RULES`, or what the
 [driver][lightning_decentral.driver.StepDriver.make_rule] builds from the options."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from lightning_decentral.topology import Topology
 
@@ -175,7 +175,11 @@ class GossipSchedule:
     """
 
     def __init__(
-        self, topology: Topology, gossip_every: int = 1, rounds: Union[int, RoundsSchedule, dict] = 1, first_step: int = 0
+        self,
+        topology: Topology,
+        gossip_every: int = 1,
+        rounds: int | RoundsSchedule | dict = 1,
+        first_step: int = 0,
     ) -> None:
         self.topology = topology
         self.gossip_every = gossip_every

@@ -8,7 +8,8 @@ package; they are tested on their own in ``tests/test_compression.py``.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,7 +26,11 @@ class ChocoReference:
     """
 
     def __init__(
-        self, compression: Any, consensus_step: float | None, mixing: Callable[[int], torch.Tensor], from_copy: bool = False,
+        self,
+        compression: Any,
+        consensus_step: float | None,
+        mixing: Callable[[int], torch.Tensor],
+        from_copy: bool = False,
         origins: dict[int, torch.Tensor] | None = None,
     ) -> None:
         self.compressor = resolve_compression(compression)

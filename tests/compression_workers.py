@@ -4,7 +4,7 @@ driving loop the single-process side of the tests runs on a compressing ``DenseM
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -66,15 +66,20 @@ def compressed_runs(rank: int, world_size: int, cases: list[tuple[str, str, int,
             again = CompressedGossip(Gossip(resolve_topology(topology, world_size)), resolve_compression(compression))
             again.load_state_dict(halfway.state_dict())
             drive([again], [resumed], range(steps // 2, steps), rounds)
-            results[case] = {"buffers": buffers, "resumed": resumed, "wire_bytes": mixer.wire_bytes,
-                             "resumed_wire_bytes": again.wire_bytes, "announced": count.sent}
+            results[case] = {
+                "buffers": buffers,
+                "resumed": resumed,
+                "wire_bytes": mixer.wire_bytes,
+                "resumed_wire_bytes": again.wire_bytes,
+                "announced": count.sent,
+            }
         return results
     finally:
         dist.destroy_process_group()
 
 
 def wire_bytes(
-    rank: int, world_size: int, sizes: dict[Any, int], repeats: int, steps: int, namespace: Optional[str] = None
+    rank: int, world_size: int, sizes: dict[Any, int], repeats: int, steps: int, namespace: str | None = None
 ) -> dict[Any, list]:
     """For each compression of `sizes` (`None`: plain gossip) on a ring: `repeats` times, `(counted, measured)`, the
     bytes every rank counted for `steps` exchanges of a buffer of `sizes[compression]` elements, and the loopback

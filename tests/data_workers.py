@@ -54,8 +54,14 @@ class Recorder(pl.LightningModule):
 
 def _trainer(strategy: Any, devices: int) -> pl.Trainer:
     return pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=EPOCHS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=EPOCHS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
 
 

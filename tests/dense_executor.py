@@ -34,16 +34,16 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_decentral.compression import resolve_compression
 from lightning_decentral.mixing import DelayedMixing, DenseMixer, ExchangeObserver
-from lightning_decentral.replicas import Replica
 from lightning_decentral.options import rule_name
 from lightning_decentral.outer import OuterStep
+from lightning_decentral.replicas import Replica
 from lightning_decentral.rules import RULES, RuleContext, UpdateRule
 from lightning_decentral.schedule import GossipSchedule
 from lightning_decentral.topology import resolve_topology
@@ -75,7 +75,11 @@ class DenseExecutor:
         delayed = DelayedMixing(topology, config.staleness, config.delays) if config.staleness else None
         compression = resolve_compression(config.compression)
         self.mixer = DenseMixer(
-            topology, config.gossip_dtype, delayed, compression=compression, consensus_step=config.consensus_step,
+            topology,
+            config.gossip_dtype,
+            delayed,
+            compression=compression,
+            consensus_step=config.consensus_step,
             from_copy=config.outer is not None,  # the outer step's compressed mixing, as the driver builds it
         )
         self.mixer.measure_residuals = measure_residuals
@@ -90,7 +94,10 @@ class DenseExecutor:
         cls = RULES[rule_name(config.momentum, config.combine)]
         if config.outer is not None:
             cls = functools.partial(
-                OuterStep, outer_optimizer=config.outer_optimizer(), every=config.gossip_every, overlap=config.outer_overlap
+                OuterStep,
+                outer_optimizer=config.outer_optimizer(),
+                every=config.gossip_every,
+                overlap=config.outer_overlap,
             )
         self.rules: list[UpdateRule] = [
             cls(replica, self.mixer.worker(i), optimizer, self.context)
@@ -124,8 +131,8 @@ class DenseExecutor:
     def step(
         self,
         k: int,
-        after_closures: Optional[Callable[[int], None]] = None,
-        after_update: Optional[Callable[[int], None]] = None,
+        after_closures: Callable[[int], None] | None = None,
+        after_update: Callable[[int], None] | None = None,
     ) -> None:
         """Optimizer step ``k`` of every worker, phase by phase (the module docstring).
 
@@ -155,7 +162,7 @@ class DenseExecutor:
             if scheduler is not None:
                 scheduler.step()
 
-    def run(self, steps: Optional[int] = None) -> torch.Tensor:
+    def run(self, steps: int | None = None) -> torch.Tensor:
         """``steps`` (default ``config.steps``) steps; every worker's state, as ``tests.reference.run`` returns it."""
         try:
             for k in range(self.config.steps if steps is None else steps):

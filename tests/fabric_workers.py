@@ -8,7 +8,7 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.fabric import Fabric
@@ -16,7 +16,13 @@ from lightning.pytorch import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_decentral.fabric import DataOrder, DecentralizedStrategy, consensus_metrics, effective_lr_metrics, under_prefix
+from lightning_decentral.fabric import (
+    DataOrder,
+    DecentralizedStrategy,
+    consensus_metrics,
+    effective_lr_metrics,
+    under_prefix,
+)
 from tests.models import Regression, flat, init_seed, initial_net, loader, make_optimizer, make_scheduler
 from tests.reference import Config
 
@@ -72,7 +78,7 @@ def fit_config(rank: int, world_size: int, config: Config) -> torch.Tensor:
     assert strategy.step == config.steps
     fabric.strategy.teardown()
     buffers = [b.reshape(-1) for b in model.buffers() if b.is_floating_point()]
-    return torch.cat([flat(model)] + buffers)
+    return torch.cat([flat(model), *buffers])
 
 
 def schedule_by_epoch_without_set_epoch(rank: int, world_size: int) -> str:
@@ -93,8 +99,16 @@ def fit_configs(rank: int, world_size: int, configs: list[Config]) -> dict[str, 
     return {c.name: fit_config(rank, world_size, c) for c in configs}
 
 
-def _run(rank: int, world_size: int, config: Config, steps: range, strategy: Optional[DecentralizedStrategy] = None,
-         path: Optional[str] = None, load: Optional[str] = None, model: Optional[nn.Module] = None) -> nn.Module:
+def _run(
+    rank: int,
+    world_size: int,
+    config: Config,
+    steps: range,
+    strategy: DecentralizedStrategy | None = None,
+    path: str | None = None,
+    load: str | None = None,
+    model: nn.Module | None = None,
+) -> nn.Module:
     """Steps ``steps`` of ``config``, after loading ``load``; saves to ``path`` at the end."""
     strategy = strategy or DecentralizedStrategy(**config.strategy_kwargs())
     fabric = fabric_for(world_size, strategy)
@@ -120,7 +134,7 @@ def resume(rank: int, world_size: int, config: Config, root: str) -> dict[str, A
     return {"full": full, "half": flat(half), "resumed": resumed}
 
 
-def _shuffled_epochs(world_size: int, epochs: range, load: Optional[str], save: Optional[str], order: bool) -> torch.Tensor:
+def _shuffled_epochs(world_size: int, epochs: range, load: str | None, save: str | None, order: bool) -> torch.Tensor:
     """Epochs ``epochs`` of a loop over a shuffled loader (Fabric's distributed sampler), after loading ``load``, then
     saving to ``save``; the data order in the state when ``order``. This rank's replica."""
     fabric = fabric_for(world_size, DecentralizedStrategy())
@@ -164,7 +178,11 @@ def resume_from_average(rank: int, world_size: int, config: Config, checkpoint: 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fabric.load(checkpoint, {"model": loop.model, "optimizer": loop.optimizer})
-    out = {"start": flat(loop.model), "step": strategy.step, "warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)]}
+    out = {
+        "start": flat(loop.model),
+        "step": strategy.step,
+        "warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)],
+    }
     fabric.strategy.teardown()
     return out
 
@@ -176,7 +194,7 @@ def from_trainer(rank: int, world_size: int, checkpoint: str, inner: bool = Fals
     strategy = DecentralizedStrategy()
     fabric = fabric_for(world_size, strategy)
     model = initial_net(init_seed(rank) + 3) if inner else Regression(seed=init_seed(rank) + 3)
-    model, optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    model, _optimizer = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     out: dict[str, Any] = {}
     if inner:
         before = flat(model)
@@ -188,9 +206,15 @@ def from_trainer(rank: int, world_size: int, checkpoint: str, inner: bool = Fals
         out["untouched"] = torch.equal(flat(model), before) and strategy.step == 0
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        remainder = fabric.load(checkpoint, {"state_dict": under_prefix(model, "net.") if inner else model}, strict=False)
-    out.update(replica=flat(model), step=strategy.step, global_step=remainder.get("global_step"),
-               warnings=[str(w.message) for w in caught if "Resuming" in str(w.message) or "left" in str(w.message)])
+        remainder = fabric.load(
+            checkpoint, {"state_dict": under_prefix(model, "net.") if inner else model}, strict=False
+        )
+    out.update(
+        replica=flat(model),
+        step=strategy.step,
+        global_step=remainder.get("global_step"),
+        warnings=[str(w.message) for w in caught if "Resuming" in str(w.message) or "left" in str(w.message)],
+    )
     fabric.strategy.teardown()
     return out
 
@@ -231,7 +255,9 @@ def bad_setups(rank: int, world_size: int) -> dict[str, str]:
         net = initial_net(0)
         try:
             if name == "two_optimizers":
-                fabric.setup(net, torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.SGD(net[2].parameters(), lr=0.1))
+                fabric.setup(
+                    net, torch.optim.SGD(net[0].parameters(), lr=0.1), torch.optim.SGD(net[2].parameters(), lr=0.1)
+                )
             elif name == "ddp_wrapped":
                 fabric.setup(nn.parallel.DistributedDataParallel(net), torch.optim.SGD(net.parameters(), lr=0.1))
             else:
@@ -355,18 +381,26 @@ def trainer_resumes_from_fabric(rank: int, world_size: int, config: Config, path
 
     model = Regression(seed=init_seed(rank) + 11, **config.optimizer)
     at_start = _AtTrainStart()
-    trainer = trainer_for(world_size, TrainerStrategy(**config.strategy_kwargs()), max_steps=config.steps + extra,
-                          callbacks=[at_start])
+    trainer = trainer_for(
+        world_size, TrainerStrategy(**config.strategy_kwargs()), max_steps=config.steps + extra, callbacks=[at_start]
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, train_dataloaders=loader(rank, config.samples, config.batch_size), ckpt_path=path)
-    return {"start": model.train_start_params, "start_step": at_start.global_step, "momentum": at_start.momentum,
-            "end_step": trainer.global_step, "warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)]}
+    return {
+        "start": model.train_start_params,
+        "start_step": at_start.global_step,
+        "momentum": at_start.momentum,
+        "end_step": trainer.global_step,
+        "warnings": [str(w.message) for w in caught if "Resuming" in str(w.message)],
+    }
 
 
 def fit_mixed_precision(rank: int, world_size: int, momentum: str) -> dict[str, Any]:
     """A few steps of the usual loop under ``precision="bf16-mixed"``: this rank's replica and step count."""
-    config = Config("bf16", momentum=momentum, optimizer={"lr": 0.05, "momentum": 0.9}, gossip_every=2)  # 2 ranks: W = 11ᵀ/2
+    config = Config(
+        "bf16", momentum=momentum, optimizer={"lr": 0.05, "momentum": 0.9}, gossip_every=2
+    )  # 2 ranks: W = 11ᵀ/2
     strategy = DecentralizedStrategy(**config.strategy_kwargs())
     fabric = fabric_for(world_size, strategy, precision="bf16-mixed")
     model = initial_net(init_seed(rank))

@@ -45,8 +45,14 @@ class Wide(pl.LightningModule):
 def _fit(steps: int, width: int, callbacks: list[pl.Callback]) -> None:
     trainer = pl.Trainer(
         strategy=SimulatedDecentralizedStrategy(workers=WORKERS, vectorize=False),
-        accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     data = DataLoader(TensorDataset(torch.randn(4 * steps * WORKERS, 64)), batch_size=4)
     trainer.fit(Wide(width), train_dataloaders=data)
@@ -57,9 +63,15 @@ def whole(path: Path) -> dict[str, Any]:
     try:
         checkpoint = torch.load(path, weights_only=True)
     except Exception as error:  # a damaged file
-        return {"error": f"{type(error).__name__}: {error}"[:200], "bytes": path.stat().st_size if path.exists() else None}
+        return {
+            "error": f"{type(error).__name__}: {error}"[:200],
+            "bytes": path.stat().st_size if path.exists() else None,
+        }
     meta = checkpoint[META_KEY]
-    shards = [read_shard(shard_path(str(path), rank, meta["world_size"], meta["save_id"])) for rank in range(meta["world_size"])]
+    shards = [
+        read_shard(shard_path(str(path), rank, meta["world_size"], meta["save_id"]))
+        for rank in range(meta["world_size"])
+    ]
     return {"step": checkpoint["global_step"], "shards": [shard["strategy"]["step"] for shard in shards]}
 
 
@@ -116,7 +128,9 @@ def killed_writer(directory: Path) -> dict[str, Any]:
     """Kill a writer (`kill -9`) the moment it starts writing the file of its second save: `last.ckpt` must stay a
     whole checkpoint, the first one or the second."""
     writer = subprocess.Popen(
-        [sys.executable, "-m", "tests.filesystems", "save_every_step", str(directory)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "tests.filesystems", "save_every_step", str(directory)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     path = directory / "last.ckpt"
     deadline = time.monotonic() + 120
@@ -125,8 +139,12 @@ def killed_writer(directory: Path) -> dict[str, Any]:
         assert time.monotonic() < deadline and writer.poll() is None, "the writer never saved"
     first = path.stat()
     started = lambda: (  # noqa: E731  # the file is being written: a temporary file beside it, or the file itself changed
-        any(p.name.startswith("last.ckpt") and p.name != "last.ckpt" and not p.name.endswith(".shards") for p in directory.iterdir())
-        or (path.stat().st_mtime_ns, path.stat().st_ino, path.stat().st_size) != (first.st_mtime_ns, first.st_ino, first.st_size)
+        any(
+            p.name.startswith("last.ckpt") and p.name != "last.ckpt" and not p.name.endswith(".shards")
+            for p in directory.iterdir()
+        )
+        or (path.stat().st_mtime_ns, path.stat().st_ino, path.stat().st_size)
+        != (first.st_mtime_ns, first.st_ino, first.st_size)
     )
     while not started():
         assert time.monotonic() < deadline and writer.poll() is None, "the writer never wrote the file again"

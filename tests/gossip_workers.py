@@ -22,7 +22,10 @@ def exchange(rank: int, world_size: int, topology: str, step: int, rounds: int) 
     """Gossip two float64 buffers, measuring the residual; also once without measuring."""
     gossip = Gossip(resolve_topology(topology, world_size))
     generator = torch.Generator().manual_seed(rank)
-    before = [torch.randn(10, generator=generator, dtype=torch.float64), torch.randn(3, generator=generator, dtype=torch.float64)]
+    before = [
+        torch.randn(10, generator=generator, dtype=torch.float64),
+        torch.randn(3, generator=generator, dtype=torch.float64),
+    ]
     measured = [b.clone() for b in before]
     gossip.measure_residuals = True
     pending = gossip.start(measured, step, rounds)

@@ -11,14 +11,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
-import sys
 import socket
+import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -28,7 +29,9 @@ def benchmarks_harness() -> ModuleType:
     """``benchmarks/harness.py`` (the benchmarks are not a package): its network namespaces serve some tests."""
     name = "benchmarks_harness"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py")
+        spec = importlib.util.spec_from_file_location(
+            name, Path(__file__).resolve().parents[1] / "benchmarks" / "harness.py"
+        )
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # its dataclasses look their module up
         spec.loader.exec_module(module)
@@ -42,10 +45,19 @@ def free_port() -> int:
 
 
 _PRELOAD = [
-    "torch", "lightning.pytorch", "lightning_decentral",
-    "tests.workers", "tests.gossip_workers", "tests.monitor_workers", "tests.reliability_workers",
-    "tests.simulation_workers", "tests.fabric_workers", "tests.straggler_workers", "tests.restart_workers",
-    "tests.survival_workers", "tests.compression_workers",
+    "torch",
+    "lightning.pytorch",
+    "lightning_decentral",
+    "tests.workers",
+    "tests.gossip_workers",
+    "tests.monitor_workers",
+    "tests.reliability_workers",
+    "tests.simulation_workers",
+    "tests.fabric_workers",
+    "tests.straggler_workers",
+    "tests.restart_workers",
+    "tests.survival_workers",
+    "tests.compression_workers",
 ]
 
 
@@ -80,7 +92,9 @@ def _failed(out: str, rank: int) -> bool:
         return pickle.load(f)[0] == "error"
 
 
-def start_processes(fn: Callable, world_size: int, out: str, port: Optional[int] = None, **kwargs: Any) -> list[mp.Process]:
+def start_processes(
+    fn: Callable, world_size: int, out: str, port: int | None = None, **kwargs: Any
+) -> list[mp.Process]:
     """Start ``fn(rank, world_size, **kwargs)`` for every rank, meeting at ``MASTER_PORT=port`` (default: a free
     one); each writes ``("ok", result)`` or ``("error", traceback)`` to ``out/<rank>.pkl``."""
     port = free_port() if port is None else port

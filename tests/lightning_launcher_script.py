@@ -12,11 +12,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: `tests` is importable
 
-from lightning.pytorch import Callback  # noqa: E402
+from lightning.pytorch import Callback
 
-from lightning_decentral import DecentralizedStrategy  # noqa: E402
-from tests.models import Regression, init_seed, loader  # noqa: E402
-from tests.workers import trainer_for  # noqa: E402
+from lightning_decentral import DecentralizedStrategy
+from tests.models import Regression, init_seed, loader
+from tests.workers import trainer_for
 
 
 class WritePid(Callback):

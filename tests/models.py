@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -46,7 +46,7 @@ def make_optimizer(params: Any, name: str = "sgd", lr: float = 0.1, **kwargs: An
     raise ValueError(name)
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, kind: Optional[str]) -> Optional[Any]:
+def make_scheduler(optimizer: torch.optim.Optimizer, kind: str | None) -> Any | None:
     if kind is None:
         return None
     if kind == "step":
@@ -63,7 +63,7 @@ class Regression(LightningModule):
         self,
         seed: int = 0,
         batch_norm: bool = False,
-        scheduler: Optional[str] = None,
+        scheduler: str | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         """``optimizer_kwargs`` go to :func:`make_optimizer` (``name``, ``lr``, ...)."""
@@ -72,7 +72,7 @@ class Regression(LightningModule):
         self.optimizer_kwargs = optimizer_kwargs
         self.scheduler_kind = scheduler
         self.validation_params: list[torch.Tensor] = []
-        self.train_start_params: Optional[torch.Tensor] = None
+        self.train_start_params: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

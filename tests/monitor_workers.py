@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -61,7 +61,7 @@ def _fit(
     world_size: int,
     strategy: Any,
     callbacks: list[Callback],
-    model: Optional[Regression] = None,
+    model: Regression | None = None,
     steps: int = STEPS,
     logger: Any = False,
     **trainer_kwargs: Any,
@@ -77,7 +77,12 @@ def _fit(
 
 
 def _record(recorder: Recorder) -> dict[str, Any]:
-    return {"before": recorder.before, "after": recorder.after, "batches": recorder.batches, "metrics": recorder.metrics}
+    return {
+        "before": recorder.before,
+        "after": recorder.after,
+        "batches": recorder.batches,
+        "metrics": recorder.metrics,
+    }
 
 
 def _state(model: Regression, trainer: Trainer) -> torch.Tensor:
@@ -143,8 +148,15 @@ def one_worker_control_warnings(rank: int, world_size: int, strategy: str) -> li
     import lightning_decentral  # noqa: F401  # registers "dpsgd"
 
     trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False, callbacks=[ConsensusControl(target=1.0)],
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        callbacks=[ConsensusControl(target=1.0)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

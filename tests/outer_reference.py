@@ -21,13 +21,12 @@ The outer optimizer is SGD with (Nesterov) momentum, written out as torch docume
 from __future__ import annotations
 
 import copy
-from typing import Optional
 
 import torch
 from torch import nn
 
-from tests.models import init_seed, initial_net, make_optimizer, rank_data
 from tests.choco_reference import ChocoReference
+from tests.models import init_seed, initial_net, make_optimizer, rank_data
 from tests.reference import Config, gossip, mixing, scheduled_rounds
 
 
@@ -36,7 +35,7 @@ class OuterSGD:
 
     def __init__(self, lr: float, momentum: float = 0.0, nesterov: bool = False) -> None:
         self.lr, self.momentum, self.nesterov = lr, momentum, nesterov
-        self.buffer: Optional[torch.Tensor] = None
+        self.buffer: torch.Tensor | None = None
 
     def step(self, theta: torch.Tensor, gradient: torch.Tensor) -> torch.Tensor:
         if self.momentum:
@@ -70,7 +69,9 @@ class _Workers:
             optimizer.step()
 
     def parameters(self) -> torch.Tensor:
-        return torch.stack([torch.cat([p.detach().reshape(-1) for p in net.parameters()]) for net in self.nets]).double()
+        return torch.stack(
+            [torch.cat([p.detach().reshape(-1) for p in net.parameters()]) for net in self.nets]
+        ).double()
 
     def buffers(self) -> torch.Tensor:
         rows = [[b.reshape(-1) for b in net.buffers() if b.is_floating_point()] for net in self.nets]
@@ -90,8 +91,9 @@ class _Workers:
         return torch.cat([self.parameters(), self.buffers()], dim=1)
 
 
-def mixed(y: torch.Tensor, config: Config, step: int, rounds: int, choco: Optional[ChocoReference] = None,
-          key: int = 0) -> torch.Tensor:
+def mixed(
+    y: torch.Tensor, config: Config, step: int, rounds: int, choco: ChocoReference | None = None, key: int = 0
+) -> torch.Tensor:
     """``W(step)^rounds y`` (with ``config.gossip_dtype``, the low-precision rule) for the rows of ``y``, as
     ``tests.reference.gossip`` writes it; with ``choco`` (``config.compression``) CHOCO's rounds on the public copies
     of buffer ``key``, ``y_i + γ (Σ_j w_ij ŷ_j − Σ_j w_ji ŷ_i)``; a row of width 0 (no buffers) as it is."""
@@ -121,15 +123,16 @@ def decentralized(config: Config, n: int) -> torch.Tensor:
     workers = _Workers(config, n)
     anchors = workers.parameters()
     outer = OuterSGD(**config.outer)
-    sent: Optional[tuple[int, torch.Tensor, torch.Tensor]] = None  # overlap: (step, y, its buffers)
+    sent: tuple[int, torch.Tensor, torch.Tensor] | None = None  # overlap: (step, y, its buffers)
     alive = list(range(n))
     choco = None  # compressed: the exchange of tag t numbers its parameters t, its buffers t + 1 (overlap: t = 1)
     assert config.compression is None or not config.failures
     tag = int(config.outer_overlap)
     if config.compression is not None:  # every copy starts at the models every worker starts from
         origins = {tag: workers.parameters()[0], tag + 1: workers.buffers()[0]}
-        choco = ChocoReference(config.compression, config.consensus_step, lambda step: mixing(config.topology, n, step),
-                               True, origins)
+        choco = ChocoReference(
+            config.compression, config.consensus_step, lambda step: mixing(config.topology, n, step), True, origins
+        )
     for k in range(config.steps):
         lost = config.failures.get(k, [])
         if lost:
@@ -150,7 +153,7 @@ def decentralized(config: Config, n: int) -> torch.Tensor:
             workers.assign(anchors, mix(b, 1))
             continue
         if sent is not None:
-            step, y, y_buffers, y_mixed, b_mixed = sent
+            _step, y, y_buffers, y_mixed, b_mixed = sent
             anchors = outer.step(anchors, anchors - y_mixed)
             x, b = anchors + (x - y), b + b_mixed - y_buffers
             workers.assign(x, b)

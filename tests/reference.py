@@ -11,8 +11,9 @@ from __future__ import annotations
 import copy
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,7 +56,7 @@ def _is_average(w: torch.Tensor) -> bool:
     return bool(torch.allclose(w, torch.full_like(w, 1.0 / w.shape[0]), atol=1e-12, rtol=0))
 
 
-def stages(config: "Config", n: int, step: int) -> list[tuple[torch.Tensor, bool]]:
+def stages(config: Config, n: int, step: int) -> list[tuple[torch.Tensor, bool]]:
     """The exchanges of one gossip round at ``step``, applied in order, each with whether it is an
     exact average over its group: ``[W(step)]``, or for ``hierarchical`` (``m`` ranks per node,
     rank ``a m + l``) ``[I_N ⊗ W_in, W_out ⊗ I_m]``, whose product is ``W_out ⊗ W_in``."""
@@ -71,7 +72,7 @@ def stages(config: "Config", n: int, step: int) -> list[tuple[torch.Tensor, bool
     return [(torch.kron(eye(n // m), w_in), _is_average(w_in)), (torch.kron(w_out, eye(m)), _is_average(w_out))]
 
 
-def gossip(x: torch.Tensor, config: "Config", step: int, rounds: int) -> torch.Tensor:
+def gossip(x: torch.Tensor, config: Config, step: int, rounds: int) -> torch.Tensor:
     """``rounds`` gossip rounds on the rows of ``x`` (one row per rank).
 
     Full precision: ``x <- W x``. With ``config.gossip_dtype``, the low-precision rule
@@ -99,27 +100,27 @@ class Config:
     optimizer: dict[str, Any] = field(default_factory=lambda: {"lr": 0.1})
     gossip_every: int = 1
     gossip_steps: Any = 1  # an int, or {"step": {first step: rounds}} / {"epoch": {first epoch: rounds}}
-    steps_per_epoch: Optional[int] = None  # with gossip_steps by epoch: step k is in epoch k // steps_per_epoch
+    steps_per_epoch: int | None = None  # with gossip_steps by epoch: step k is in epoch k // steps_per_epoch
     steps: int = 6
     batch_size: int = 8
     accumulate: int = 1
-    clip: Optional[float] = None
-    scheduler: Optional[str] = None
+    clip: float | None = None
+    scheduler: str | None = None
     dtype: torch.dtype = torch.float32
     batch_norm: bool = False
     bucket_cap_mb: float = 4.0
-    gossip_dtype: Optional[torch.dtype] = None
-    hierarchy: Optional[tuple] = None  # topology="hierarchical": (inner, outer, ranks_per_node); a part may be a matrix
+    gossip_dtype: torch.dtype | None = None
+    hierarchy: tuple | None = None  # topology="hierarchical": (inner, outer, ranks_per_node); a part may be a matrix
     num_nodes: int = 1  # nodes emulated through Lightning's layout (NODE_RANK, LOCAL_RANK)
     staleness: int = 0
-    delays: Optional[Callable[[int, int, int, int], int]] = None  # (worker, neighbour, step, staleness) -> d
+    delays: Callable[[int, int, int, int], int] | None = None  # (worker, neighbour, step, staleness) -> d
     restarts: tuple[int, ...] = ()  # steps a run resumed at: a neighbour's earlier steps are not used after them
-    epoch_steps: Optional[int] = None  # the data of this many steps, again every epoch (None: new data every step)
+    epoch_steps: int | None = None  # the data of this many steps, again every epoch (None: new data every step)
     failures: dict = field(default_factory=dict)  # {step: [ranks]}: they die there; the step is local for the others
-    outer: Optional[dict[str, Any]] = None  # an outer step every gossip_every steps: torch.optim.SGD's arguments
+    outer: dict[str, Any] | None = None  # an outer step every gossip_every steps: torch.optim.SGD's arguments
     outer_overlap: bool = False
     compression: Any = None  # compressed gossip (CHOCO): a name or a Compressor
-    consensus_step: Optional[float] = None  # its γ (None: the compressor's default)
+    consensus_step: float | None = None  # its γ (None: the compressor's default)
 
     @property
     def samples(self) -> int:
@@ -198,7 +199,9 @@ def run(config: Config, n: int) -> torch.Tensor:
         lost = config.failures.get(k, [])
         if lost:
             keep = [i for i, rank in enumerate(alive) if rank not in lost]
-            replicas, optimizers, schedulers, alive = ([v[i] for i in keep] for v in (replicas, optimizers, schedulers, alive))
+            replicas, optimizers, schedulers, alive = (
+                [v[i] for i in keep] for v in (replicas, optimizers, schedulers, alive)
+            )
         buffers_before = torch.stack([_flat_buffers(r) for r in replicas]).double()
         for i, (replica, optimizer) in enumerate(zip(replicas, optimizers)):
             optimizer.zero_grad()
@@ -211,6 +214,7 @@ def run(config: Config, n: int) -> torch.Tensor:
                 nn.utils.clip_grad_norm_(replica.parameters(), config.clip)
         before = torch.stack([_flat(r) for r in replicas]).double()
         rounds = scheduled_rounds(config, k) if (k + 1) % config.gossip_every == 0 and not lost else 0
+
         def mix(x: torch.Tensor, key: str = "x") -> torch.Tensor:
             if choco is not None:  # the flat parameters are buffer 0 of the exchange, the flat buffers buffer 1
                 return choco.mix(x, k, rounds, key=0 if key == "x" else 1) if rounds else x
@@ -285,7 +289,9 @@ def _decentlam_gradients(replicas: list[nn.Module], optimizers: list, mix: Calla
             offset += p.numel()
 
 
-def assert_every_rank_matches(trained: list[dict[str, torch.Tensor]], config: Config, world_size: int, atol: float = 1e-5) -> torch.Tensor:
+def assert_every_rank_matches(
+    trained: list[dict[str, torch.Tensor]], config: Config, world_size: int, atol: float = 1e-5
+) -> torch.Tensor:
     """Each rank's trained parameters (and buffers) equal the reference's row to ``atol``; returns the reference."""
     expected = run(config, world_size)
     for rank in range(world_size):

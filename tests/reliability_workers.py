@@ -10,10 +10,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import TorchCheckpointIO
-import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -49,12 +49,18 @@ def _fit(rank: int, world_size: int, name: str, root: str, ckpt_path: Any = None
     callbacks = [ModelCheckpoint(f"{root}/{name}", every_n_train_steps=None if on_validation else K, save_top_k=-1)]
     if name == "awc" and ckpt_path is None:  # the uninterrupted run only: a resumed one would add versions
         callbacks.append(
-            ModelCheckpoint(f"{root}/top_k", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True)
+            ModelCheckpoint(
+                f"{root}/top_k", every_n_train_steps=1, save_top_k=2, monitor="step", mode="max", save_last=True
+            )
         )
     model = Regression(seed=init_seed(rank) + seed, **optimizer)
     trainer = trainer_for(
-        world_size, DecentralizedStrategy(**strategy_kwargs), max_steps=2 * K, callbacks=callbacks,
-        enable_checkpointing=True, limit_val_batches=1 if on_validation else 0,
+        world_size,
+        DecentralizedStrategy(**strategy_kwargs),
+        max_steps=2 * K,
+        callbacks=callbacks,
+        enable_checkpointing=True,
+        limit_val_batches=1 if on_validation else 0,
     )
     val = loader(rank + world_size, BATCH, BATCH) if on_validation else None
     train = DataLoader(TensorDataset(*rank_data(rank, K * BATCH)), batch_size=BATCH, shuffle=shuffle)
@@ -199,7 +205,7 @@ def _outcome(action: Any, *args: Any, **kwargs: Any) -> str:
     try:
         action(*args, **kwargs)
         return "no error"
-    except Exception as exc:  # noqa: BLE001 - the test reads which error
+    except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
 
 
@@ -237,7 +243,9 @@ def optimizer_disagreement(rank: int, world_size: int) -> dict[str, str]:
 def rule_change_on_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Save at step K under AWC, then resume exactly under ATC and under AWC; the warnings of each resume."""
     callbacks = [ModelCheckpoint(root, every_n_train_steps=K, save_top_k=-1)]
-    trainer = trainer_for(world_size, DecentralizedStrategy(), max_steps=K, callbacks=callbacks, enable_checkpointing=True)
+    trainer = trainer_for(
+        world_size, DecentralizedStrategy(), max_steps=K, callbacks=callbacks, enable_checkpointing=True
+    )
     trainer.fit(Regression(seed=init_seed(rank), **MOMENTUM_SGD), loader(rank, K * BATCH, BATCH))
     out: dict[str, Any] = {}
     for combine in ("atc", "awc"):
@@ -381,7 +389,10 @@ def save_beside_another_job(job: int, jobs: int, path: str, saves: int) -> dict[
     try:
         for _ in range(saves):
             checkpoint_io.save_with_shards(
-                _OneRankJob(), state, path, make_shard=lambda save_id: {**content, "save_id": save_id, "rank": 0},
+                _OneRankJob(),
+                state,
+                path,
+                make_shard=lambda save_id: {**content, "save_id": save_id, "rank": 0},
                 write_file=lambda: TorchCheckpointIO().save_checkpoint(state, path),
             )
     except Exception as error:

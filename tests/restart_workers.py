@@ -12,7 +12,7 @@ import time
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 if __name__ == "__main__":  # under torchrun: `tests` is importable from the repository root
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -38,8 +38,8 @@ class FirstStep(Callback):
     """The step training starts from, and the wall time (`time.time()`) the first step of this fit ends."""
 
     def __init__(self) -> None:
-        self.step: Optional[int] = None
-        self.ended: Optional[float] = None
+        self.step: int | None = None
+        self.ended: float | None = None
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         self.step = trainer.global_step
@@ -67,13 +67,13 @@ def fit(
     world_size: int,
     directory: str,
     max_steps: int,
-    ckpt_path: Optional[str] = None,
+    ckpt_path: str | None = None,
     background: bool = False,
     top_k: int = -1,
-    strategy: Optional[dict] = None,
-    callbacks: Optional[list] = None,
+    strategy: dict | None = None,
+    callbacks: list | None = None,
     catch_warnings: bool = True,
-    save_last: Union[bool, str] = True,
+    save_last: bool | str = True,
 ) -> dict[str, Any]:
     """Train the regression of tests/models.py (momentum SGD, shuffled data: the order of each epoch comes from the
     RNG the shards restore) with a checkpoint every `EVERY` steps in `directory` and `last.ckpt`; return this rank's
@@ -83,8 +83,12 @@ def fit(
     model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
     saves = ModelCheckpoint(directory, every_n_train_steps=EVERY, save_top_k=top_k, save_last=save_last)
     trainer = trainer_for(
-        world_size, DecentralizedStrategy(**(strategy or {})), max_steps=max_steps, enable_checkpointing=True,
-        callbacks=[saves, *(callbacks or [])], plugins=[AsyncCheckpointIO()] if background else None,
+        world_size,
+        DecentralizedStrategy(**(strategy or {})),
+        max_steps=max_steps,
+        enable_checkpointing=True,
+        callbacks=[saves, *(callbacks or [])],
+        plugins=[AsyncCheckpointIO()] if background else None,
     )
     train = DataLoader(TensorDataset(*rank_data(rank, BATCHES * BATCH)), batch_size=BATCH, shuffle=True)
     first = FirstStep()
@@ -108,7 +112,10 @@ def background_saves(rank: int, world_size: int, root: str) -> dict[str, Any]:
     stopped at the end of its first epoch with `last.ckpt` a link (`save_last="link"`), resumed from the link with
     `fit(ckpt_path="last")`."""
     steps = 2 * BATCHES
-    out = {mode: fit(rank, world_size, f"{root}/{mode}", steps, background=mode == "background") for mode in ("sync", "background")}
+    out = {
+        mode: fit(rank, world_size, f"{root}/{mode}", steps, background=mode == "background")
+        for mode in ("sync", "background")
+    }
     start = f"{root}/background/epoch=0-step={BATCHES}.ckpt"  # an epoch boundary
     resumed = fit(rank, world_size, f"{root}/resumed", steps, ckpt_path=start, background=True)
     out["resumed"] = resumed
@@ -161,7 +168,7 @@ class AllReduces:
     def __init__(self, numel: int) -> None:
         self.numel, self.count = numel, 0
 
-    def __enter__(self) -> "AllReduces":
+    def __enter__(self) -> AllReduces:
         self.all_reduce = torch.distributed.all_reduce
 
         def counted(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -212,7 +219,7 @@ class Gathers:
     """Counts the ranks' agreements (`Ranks.gather`, from any thread) while entered: those of the shard protocol
     (`"protocol"`) and whether a save reuses an earlier save's mean (`"reuse"`)."""
 
-    def __enter__(self) -> "Gathers":
+    def __enter__(self) -> Gathers:
         self.counts = {"protocol": 0, "reuse": 0}
         self.gather = Ranks.gather
 
@@ -266,7 +273,10 @@ def newest_complete(rank: int, world_size: int, root: str) -> dict[str, Any]:
             f.truncate(100)
     torch.distributed.barrier()
     newest = {"resume": "newest_complete"}
-    out = {"trained": trained, "truncated": fit(rank, world_size, root, 2 * BATCHES + 1, ckpt_path="last", strategy=newest)}
+    out = {
+        "trained": trained,
+        "truncated": fit(rank, world_size, root, 2 * BATCHES + 1, ckpt_path="last", strategy=newest),
+    }
     lost = {2: f"{root}/last.ckpt", 1: f"{root}/epoch=1-step=8.ckpt"}.get(rank)
     if lost is not None:
         os.remove(_own_shard(lost, rank, world_size))
@@ -333,8 +343,15 @@ def main() -> None:
     pause = [Pause(args.pause_rank, args.pause_step, str(root / "paused"))] if attempt == 0 else []
     strategy = {"resume": "newest_complete", "timeout": timedelta(seconds=60)}
     result = fit(
-        rank, world_size, args.checkpoints or str(root / "checkpoints"), args.steps, ckpt_path="last", background=args.background,
-        strategy=strategy, callbacks=pause, catch_warnings=False,
+        rank,
+        world_size,
+        args.checkpoints or str(root / "checkpoints"),
+        args.steps,
+        ckpt_path="last",
+        background=args.background,
+        strategy=strategy,
+        callbacks=pause,
+        catch_warnings=False,
     )
     torch.save({**result, "world size": world_size}, root / "records" / f"{attempt}-{rank}.pt")
 

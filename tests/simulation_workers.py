@@ -48,14 +48,20 @@ def _trainer(strategy: Any, config: Config, devices: int, **kwargs: Any) -> pl.T
         accumulate_grad_batches=config.accumulate,
         gradient_clip_val=config.clip,
         precision=kwargs.pop("precision", "64-true" if config.dtype == torch.float64 else "32-true"),
-        **{"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-           "num_sanity_val_steps": 0, **kwargs},
+        **{
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            **kwargs,
+        },
     )
 
 
 def _state(module: nn.Module) -> torch.Tensor:
     buffers = [b.detach().reshape(-1).cpu() for b in module.buffers() if b.is_floating_point()]
-    return torch.cat([flat(module)] + buffers)
+    return torch.cat([flat(module), *buffers])
 
 
 def _counts(module: nn.Module) -> list[int]:
@@ -67,20 +73,30 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
     """Each config on ``world_size`` gloo processes: this rank's final state and its logged loss."""
     out = {}
     for config in configs:
-        model = LoggingRegression(dropout, seed=init_seed(rank), batch_norm=config.batch_norm, **config.optimizer_spec())
+        model = LoggingRegression(
+            dropout, seed=init_seed(rank), batch_norm=config.batch_norm, **config.optimizer_spec()
+        )
         pl.seed_everything(SEED, verbose=False)  # after the model, whose init seeds by rank: every rank alike
         trainer = _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size)
         trainer.fit(model.to(config.dtype), train_dataloaders=shared_loader(config, world_size))
         out[config.name] = {
-            "state": _state(model), "counts": _counts(model), "train_loss": float(trainer.callback_metrics["train_loss"]),
-            "bytes_sent": trainer.strategy.bytes_sent, "logged_bytes": _logged_bytes(trainer),
+            "state": _state(model),
+            "counts": _counts(model),
+            "train_loss": float(trainer.callback_metrics["train_loss"]),
+            "bytes_sent": trainer.strategy.bytes_sent,
+            "logged_bytes": _logged_bytes(trainer),
         }
     return out
 
 
 def fit_simulated(
-    config: Config, workers: int, dropout: float = 0.0, vectorize: Any = False, module: type = LoggingRegression,
-    precision: str = "32-true", dataset_class: type = TensorDataset,
+    config: Config,
+    workers: int,
+    dropout: float = 0.0,
+    vectorize: Any = False,
+    module: type = LoggingRegression,
+    precision: str = "32-true",
+    dataset_class: type = TensorDataset,
 ) -> dict[str, Any]:
     """The same config on ``workers`` simulated workers (the samples of ``shared_loader`` in a ``dataset_class``):
     every worker's final state, integer buffers and module, and the logged loss."""
@@ -162,7 +178,9 @@ def fit_processes_monitored(rank: int, world_size: int, config: Config, dropout:
     model = LoggingRegression(dropout, seed=init_seed(rank), **config.optimizer_spec())
     pl.seed_everything(SEED, verbose=False)
     recorder = MetricsPerStep()
-    trainer = _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size, callbacks=[*_monitors(), recorder])
+    trainer = _trainer(
+        DecentralizedStrategy(**config.strategy_kwargs()), config, world_size, callbacks=[*_monitors(), recorder]
+    )
     trainer.fit(model, train_dataloaders=shared_loader(config, world_size))
     return {"metrics": recorder.metrics, "state": _state(model)}
 
@@ -182,8 +200,15 @@ RESUME = Config("resume", optimizer={"lr": 0.05, "momentum": 0.9}, steps=4)
 
 def _resume_trainer(strategy: Any, devices: int, epochs: int) -> pl.Trainer:
     return pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
 
 
@@ -193,7 +218,9 @@ def _resume_model(rank: int, dropout: float = 0.2) -> LoggingRegression:
     return model
 
 
-def resume_processes(rank: int, world_size: int, save: str = "", load: str = "", **strategy_kwargs: Any) -> torch.Tensor:
+def resume_processes(
+    rank: int, world_size: int, save: str = "", load: str = "", **strategy_kwargs: Any
+) -> torch.Tensor:
     """On processes: fit 1 epoch and save to ``save``, or resume from ``load`` to epoch 2, or (neither) fit 2
     epochs straight; this rank's final state."""
     model = _resume_model(rank)
@@ -210,7 +237,9 @@ def resume_simulated(
 ) -> list[torch.Tensor]:
     """The same in the simulation: every worker's final state."""
     model = _resume_model(0, dropout)
-    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **{**RESUME.strategy_kwargs(), **strategy_kwargs})
+    strategy = SimulatedDecentralizedStrategy(
+        workers=workers, vectorize=vectorize, **{**RESUME.strategy_kwargs(), **strategy_kwargs}
+    )
     trainer = _resume_trainer(strategy, 1, 1 if save else 2)
     trainer.fit(model, train_dataloaders=shared_loader(RESUME, workers), ckpt_path=load or None)
     if save:
@@ -267,7 +296,10 @@ def fit_simulated_into_nan(directory: str, workers: int, vectorize: bool) -> Non
     strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize)
     checkpoints = ModelCheckpoint(dirpath=directory, every_n_train_steps=2, save_top_k=0, save_last=True)
     trainer = _trainer(strategy, config, 1, callbacks=[PoisonWorker(2, 6), checkpoints], enable_checkpointing=True)
-    trainer.fit(LoggingRegression(seed=init_seed(0), **config.optimizer_spec()), train_dataloaders=shared_loader(config, workers))
+    trainer.fit(
+        LoggingRegression(seed=init_seed(0), **config.optimizer_spec()),
+        train_dataloaders=shared_loader(config, workers),
+    )
 
 
 class WithTemperature(LoggingRegression):
@@ -336,7 +368,9 @@ class BiasFreeBatchNorm(LoggingRegression):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         torch.manual_seed(kwargs["seed"])
-        self.net = nn.Sequential(nn.Linear(IN, HIDDEN, bias=False), nn.BatchNorm1d(HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+        self.net = nn.Sequential(
+            nn.Linear(IN, HIDDEN, bias=False), nn.BatchNorm1d(HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x).float()
@@ -371,7 +405,9 @@ def fit_processes_with_hooks(rank: int, world_size: int, config: Config) -> torc
     """``config`` on gloo processes with `FreezesBatchNorm`: this rank's final state."""
     model = FreezesBatchNorm(seed=init_seed(rank), batch_norm=True, **config.optimizer_spec())
     pl.seed_everything(SEED, verbose=False)
-    _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size).fit(model, shared_loader(config, world_size))
+    _trainer(DecentralizedStrategy(**config.strategy_kwargs()), config, world_size).fit(
+        model, shared_loader(config, world_size)
+    )
     return _state(model)
 
 

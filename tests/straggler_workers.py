@@ -7,7 +7,7 @@ import signal
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -58,7 +58,7 @@ def fit_newest(rank: int, world_size: int, configs: list[Config]) -> dict[str, A
         trainer = trainer_for(world_size, strategy, max_steps=config.steps, callbacks=[mixed])
         trainer.fit(model, train_dataloaders=loader(rank, config.samples, config.batch_size))
         buffers = [b.reshape(-1) for b in model.buffers() if b.is_floating_point()]
-        out[config.name] = {"state": torch.cat([flat(model)] + buffers), "mixed": mixed.steps}
+        out[config.name] = {"state": torch.cat([flat(model), *buffers]), "mixed": mixed.steps}
     return out
 
 
@@ -90,8 +90,13 @@ def checkpoint_and_resume(rank: int, world_size: int, config: Config, root: str)
     recorder = Recorder(epoch)
     saves = ModelCheckpoint(dirpath=root, every_n_train_steps=epoch, save_top_k=-1, filename="{step}")
     trainer = trainer_for(
-        world_size, DecentralizedStrategy(**config.strategy_kwargs()), max_steps=2 * epoch, log_every_n_steps=epoch,
-        callbacks=[ConsensusDistance(every_n_steps=epoch), recorder, saves], enable_checkpointing=True, limit_val_batches=1,
+        world_size,
+        DecentralizedStrategy(**config.strategy_kwargs()),
+        max_steps=2 * epoch,
+        log_every_n_steps=epoch,
+        callbacks=[ConsensusDistance(every_n_steps=epoch), recorder, saves],
+        enable_checkpointing=True,
+        limit_val_batches=1,
     )
     trainer.fit(model, train_dataloaders=data, val_dataloaders=validation)
     resumed = Straggler(seed=init_seed(rank), **config.optimizer_spec())
@@ -119,7 +124,7 @@ def peer_fails(rank: int, world_size: int, how: int, stamp: str, timeout: float,
     model = DiesOrHangs(1, 3, signal.Signals(how), stamp, seed=init_seed(rank), lr=0.05)
     strategy = DecentralizedStrategy(staleness=staleness, timeout=timedelta(seconds=timeout))
     trainer = trainer_for(world_size, strategy, max_steps=40)
-    error: Optional[BaseException] = None
+    error: BaseException | None = None
     try:
         trainer.fit(model, loader(rank, 40 * 8, 8))
     except RuntimeError as exc:
@@ -150,7 +155,9 @@ def sigterm(rank: int, world_size: int, signalled_rank: int, root: str, stalenes
 
     model = SignalledOnRank(signalled_rank, 5, pause=0.02, every=2, seed=init_seed(rank), lr=0.05)
     strategy = DecentralizedStrategy(staleness=staleness, timeout=timedelta(seconds=10))
-    trainer = trainer_for(world_size, strategy, max_steps=60, callbacks=[OnExceptionCheckpoint(root)], enable_checkpointing=True)
+    trainer = trainer_for(
+        world_size, strategy, max_steps=60, callbacks=[OnExceptionCheckpoint(root)], enable_checkpointing=True
+    )
     try:
         trainer.fit(model, loader(rank, 60 * 8, 8))
         stopped = "no error"

@@ -12,9 +12,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: `tests` is importable
 
-import torch  # noqa: E402
+import torch
 
-from tests import survival_workers as workers  # noqa: E402
+from tests import survival_workers as workers
 
 
 def main() -> None:
@@ -30,7 +30,9 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
     extra = {"rejoin": True, "hold_at": args.hold_at} if args.rejoin else {}
-    result = workers.survive(rank, world_size, args.out, deaths=deaths, steps=args.steps, min_workers=args.min_workers, **extra)
+    result = workers.survive(
+        rank, world_size, args.out, deaths=deaths, steps=args.steps, min_workers=args.min_workers, **extra
+    )
     torch.save(result, f"{args.out}/rank-{rank}.pt")
 
 

@@ -11,8 +11,7 @@ import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
-
+from typing import Any
 from unittest import mock
 
 import torch
@@ -51,8 +50,15 @@ class Mortal(Regression):
     `record` starts, and when each step ends the time (`finished[step]`)."""
 
     def __init__(
-        self, deaths: dict[int, int], stamps: str, record: tuple[int, ...] = (), stops: Optional[dict[int, int]] = None,
-        hold_at: int = -1, hold_after: int = -1, dies_in: str = "batch", **kwargs: Any
+        self,
+        deaths: dict[int, int],
+        stamps: str,
+        record: tuple[int, ...] = (),
+        stops: dict[int, int] | None = None,
+        hold_at: int = -1,
+        hold_after: int = -1,
+        dies_in: str = "batch",
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.deaths, self.stamps, self.record, self.stops, self.hold_at = deaths, stamps, record, stops or {}, hold_at
@@ -118,7 +124,7 @@ class MortalCheckpoint(ModelCheckpoint):
             _die(self.stamps, rank)
 
 
-def _mortal_shard_writes(rank: int, step: Optional[int], stamps: str) -> Any:
+def _mortal_shard_writes(rank: int, step: int | None, stamps: str) -> Any:
     """A patch of `write_shard` in which this rank dies when it writes its shard of a save at `step`."""
     original = shards.write_shard
 
@@ -140,7 +146,7 @@ def survive(
     record: tuple[int, ...] = (),
     topology: Any = "ring",
     timeout: float = 30.0,
-    stops: Optional[dict[int, int]] = None,
+    stops: dict[int, int] | None = None,
     validate: bool = False,
     hold_at: int = -1,
     top_k: int = -1,
@@ -158,8 +164,12 @@ def survive(
     model = Mortal(deaths, root, record, stops, hold_at, hold_after, dies_in, seed=init_seed(rank), **MOMENTUM_SGD)
     checkpoints = MortalCheckpoint(deaths, root, dies_in, dirpath=root, every_n_train_steps=save_at, save_top_k=top_k)
     callbacks = [checkpoints] if save_at else []
-    strategy_ = DecentralizedStrategy(topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy)
-    trainer = trainer_for(world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at))
+    strategy_ = DecentralizedStrategy(
+        topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy
+    )
+    trainer = trainer_for(
+        world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at)
+    )
     dying = _mortal_shard_writes(rank, deaths.get(rank), root) if dies_in == "shard write" else contextlib.nullcontext()
     with dying, _LoggedLines() as logged, warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
@@ -191,7 +201,7 @@ class _LoggedLines(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
 
-    def __enter__(self) -> "_LoggedLines":
+    def __enter__(self) -> _LoggedLines:
         logging.getLogger("lightning_decentral").addHandler(self)
         return self
 
@@ -216,7 +226,9 @@ def survive_or_traceback(rank: int, world_size: int, **kwargs: Any) -> Any:
         return "".join(traceback.format_exception(error))
 
 
-def resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], steps: int, topology: Any = "ring") -> torch.Tensor:
+def resume(
+    rank: int, world_size: int, checkpoint: str, data_of: list[int], steps: int, topology: Any = "ring"
+) -> torch.Tensor:
     """Resume `checkpoint` on `world_size` plain processes, rank `i` on the data of rank `data_of[i]` of the run that
     saved it; train to `steps`; this rank's replica."""
     model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
@@ -225,7 +237,9 @@ def resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], step
     return flat(model)
 
 
-def fabric_survive(rank: int, world_size: int, root: str, deaths: dict[int, int], steps: int, save_at: int) -> dict[str, Any]:
+def fabric_survive(
+    rank: int, world_size: int, root: str, deaths: dict[int, int], steps: int, save_at: int
+) -> dict[str, Any]:
     """A Fabric loop of `steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` die at their step; every
     survivor saves at `save_at` (`fabric.save`). Each survivor's final replica and the decisions."""
     from lightning.fabric import Fabric
@@ -249,10 +263,16 @@ def fabric_survive(rank: int, world_size: int, root: str, deaths: dict[int, int]
         optimizer.step()
         optimizer.zero_grad()
     strategy.teardown()
-    return {"replica": flat(model), "decisions": [d.__dict__ for d in strategy.failures_survived], "rank": fabric.global_rank}
+    return {
+        "replica": flat(model),
+        "decisions": [d.__dict__ for d in strategy.failures_survived],
+        "rank": fabric.global_rank,
+    }
 
 
-def fabric_resume(rank: int, world_size: int, checkpoint: str, data_of: list[int], start: int, steps: int) -> torch.Tensor:
+def fabric_resume(
+    rank: int, world_size: int, checkpoint: str, data_of: list[int], start: int, steps: int
+) -> torch.Tensor:
     """`fabric.load` of `checkpoint` on `world_size` plain processes (rank `i` on the data of `data_of[i]`), then the
     same loop from step `start` to `steps`; this rank's replica."""
     from lightning.fabric import Fabric
@@ -296,10 +316,19 @@ def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any, **
         failures.setdefault(step, []).append(rank)
     simulated = SimulatedDecentralizedStrategy(workers=workers, topology=topology, failures=failures, **strategy)
     trainer = Trainer(
-        strategy=simulated, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        strategy=simulated,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
-    trainer.fit(Regression(seed=init_seed(0), **MOMENTUM_SGD), DataLoader(TensorDataset(*interleaved), batch_size=BATCH))
+    trainer.fit(
+        Regression(seed=init_seed(0), **MOMENTUM_SGD), DataLoader(TensorDataset(*interleaved), batch_size=BATCH)
+    )
     return [flat(module) for module in simulated.worker_modules()]
 
 
@@ -336,4 +365,8 @@ def stop_after_failure(
         stopped = "no error"
     except BaseException as error:  # SIGTERMException is a SystemExit
         stopped = f"{type(error).__name__}: {error}"
-    return {"stopped": stopped, "global_step": trainer.global_step, "decisions": [d.__dict__ for d in strategy.failures_survived]}
+    return {
+        "stopped": stopped,
+        "global_step": trainer.global_step,
+        "decisions": [d.__dict__ for d in strategy.failures_survived],
+    }

@@ -26,14 +26,19 @@ def _in_a_tmpfs(scenario: str, directory: Path, size: str, timeout: float = 240)
         pytest.skip("needs unshare(1) to mount a small filesystem")
     probe = subprocess.run(
         ["unshare", "--mount", "--map-root-user", "mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs in a private namespace here: {probe.stderr.strip()}")
     command = f'mount -t tmpfs -o size={size} tmpfs "$1" && exec "$2" -m tests.filesystems "$3" "$1"'
     run = subprocess.run(
         ["unshare", "--mount", "--map-root-user", "sh", "-c", command, "sh", str(directory), sys.executable, scenario],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -27,9 +27,14 @@ def test_gpu_smoke(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     _run_smoke("gpu.py", "--out", str(out))
     result = json.loads(out.read_text())
-    assert [(r["momentum"], r["ok"], r["ended_at"]) for r in result["paths"]] == [("local", True, 5), ("decentlam", True, 5)]
+    assert [(r["momentum"], r["ok"], r["ended_at"]) for r in result["paths"]] == [
+        ("local", True, 5),
+        ("decentlam", True, 5),
+    ]
     runs = [("lightning", 1), ("apart", 4), ("stacked", 4)]
-    assert [(r["model"], r["kind"], r["n"]) for r in result["simulation"]] == [(m, *run) for m in ("mlp", "resnet20") for run in runs]
+    assert [(r["model"], r["kind"], r["n"]) for r in result["simulation"]] == [
+        (m, *run) for m in ("mlp", "resnet20") for run in runs
+    ]
     assert all(r["step_s"] > 0 and "error" not in r for r in result["simulation"])
 
 
@@ -38,11 +43,17 @@ def test_simulate_smoke(tmp_path: Path) -> None:
     _run_smoke("simulate.py", "--out", str(out))
     result = json.loads(out.read_text())
     assert [(row["name"], row["n"]) for row in result["rows"]] == [
-        ("sim", 4), ("vectorized", 4), ("bare", 4), ("processes", 4), ("lightning", 1)
+        ("sim", 4),
+        ("vectorized", 4),
+        ("bare", 4),
+        ("processes", 4),
+        ("lightning", 1),
     ]
     assert all(row["median_s"] > 0 and row["first_step_s"] > 0 and row["maxrss_mb"] > 0 for row in result["rows"])
     differences = result["meta"]["bare_vs_sim_max_abs_diff"]
-    assert differences["sim 4"] < 1e-4 and differences["vectorized 4"] < 1e-4  # the bare loop makes both simulations' update
+    assert (
+        differences["sim 4"] < 1e-4 and differences["vectorized 4"] < 1e-4
+    )  # the bare loop makes both simulations' update
 
 
 def test_stragglers_smoke(tmp_path: Path) -> None:
@@ -97,7 +108,10 @@ def test_compression_smoke(tmp_path: Path) -> None:
     out = tmp_path / "sweep.json"
     _run_smoke("compression.py", "sweep", "--compressions", "int8", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["topology"], row["compression"]) for row in rows] == [("ring", "int8"), ("one_peer_exponential", "int8")]
+    assert [(row["topology"], row["compression"]) for row in rows] == [
+        ("ring", "int8"),
+        ("one_peer_exponential", "int8"),
+    ]
     assert all(0 < ratio < 1 for row in rows for ratio in row["ratio"].values())
 
 
@@ -129,7 +143,10 @@ def test_outer_overlap_smoke(tmp_path: Path) -> None:
 def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return done
@@ -158,7 +175,9 @@ def test_netns_smoke(tmp_path: Path) -> None:
 
 def test_netns_powersgd_smoke(tmp_path: Path) -> None:
     """DDP with PowerSGD's comm hook beside DDP on the emulated network, and what each host's eth0 sent."""
-    profile = _emulated_profile(tmp_path, "netns.py", "--methods", "ddp,ddp_powersgd", "--jobs", "steps", "--warmup", "2")
+    profile = _emulated_profile(
+        tmp_path, "netns.py", "--methods", "ddp,ddp_powersgd", "--jobs", "steps", "--warmup", "2"
+    )
     assert [row["name"] for row in profile["rows"]] == ["ddp", "ddp_powersgd"]
     assert all(row["sent_per_step"] > 0 and row["step_median_s"] > 0 for row in profile["rows"])
 
@@ -169,8 +188,17 @@ def test_outer_network_smoke(tmp_path: Path) -> None:
     less, and each host's eth0 sent at least what the strategy counted."""
     profile = _emulated_profile(tmp_path, "outer_network.py")
     rows = {row["method"]: row for row in profile["rows"]}
-    every = {"ddp", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_sign", "diloco_sign", "dpsgd_ring", "outer_ring",
-             "outer_ring_sign"}
+    every = {
+        "ddp",
+        "dpsgd_one_peer",
+        "diloco",
+        "outer_one_peer",
+        "outer_one_peer_sign",
+        "diloco_sign",
+        "dpsgd_ring",
+        "outer_ring",
+        "outer_ring_sign",
+    }
     assert set(rows) | set(profile["skipped"]) == every
     assert every <= set(rows)  # compression composes with the outer optimizer: nothing refused
     assert rows["outer_one_peer_sign"]["bytes_vs_every_step"] < rows["outer_one_peer"]["bytes_vs_every_step"]
@@ -188,7 +216,15 @@ def test_timeline_smoke(tmp_path: Path) -> None:
     out, png = tmp_path / "timeline.json", tmp_path / "timeline.png"
     _run_smoke("timeline.py", "--network", "loopback", "--png", str(png), "--out", str(out))
     result = json.loads(out.read_text())
-    assert set(result["medians_s"]) == {"compute_awc", "awc", "compute_decentlam", "decentlam", "atc", "comm_awc", "comm_decentlam"}
+    assert set(result["medians_s"]) == {
+        "compute_awc",
+        "awc",
+        "compute_decentlam",
+        "decentlam",
+        "atc",
+        "comm_awc",
+        "comm_decentlam",
+    }
     events = result["records"][0]["awc"][0]["events"]
     assert {what for what, *_ in events} == {"post", "wait"}  # the exchange was seen posted and waited for
     assert png.stat().st_size > 0
@@ -221,8 +257,16 @@ def test_outer_smoke(tmp_path: Path) -> None:
     out = tmp_path / "outer.json"
     _run_smoke("outer.py", "--out", str(out))
     rows = {row["method"]: row for row in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["complete_every_step", "dpsgd_one_peer", "diloco", "outer_one_peer", "outer_one_peer_overlap",
-                          "averaging_one_peer", "diloco_sign", "outer_one_peer_sign"]
+    assert list(rows) == [
+        "complete_every_step",
+        "dpsgd_one_peer",
+        "diloco",
+        "outer_one_peer",
+        "outer_one_peer_overlap",
+        "averaging_one_peer",
+        "diloco_sign",
+        "outer_one_peer_sign",
+    ]
     assert all(row["val_loss"] > 0 for row in rows.values())
     sent = {name: row["bytes_per_step"] for name, row in rows.items()}
     assert sent["diloco"] == pytest.approx(sent["complete_every_step"] / 3)

@@ -8,8 +8,8 @@ import shlex
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -21,7 +21,9 @@ QUICKSTART = str(ROOT / "examples" / "configs" / "digits_dpsgd.yaml")
 
 
 @pytest.fixture
-def run_cli(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], tuple[int, str, str]]:
+def run_cli(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> Callable[[list[str]], tuple[int, str, str]]:
     """``lightning-decentral ARGS`` in this process, for what ends before training: (exit code, stdout, stderr)."""
     monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
 
@@ -56,8 +58,16 @@ def test_bad_configuration_exits_with_a_message_before_training(args: list[str],
 
 def test_topology_by_class_path_and_strategy_by_name(run_cli) -> None:
     code, out, _ = run_cli(
-        ["fit", "--config", QUICKSTART, "--trainer.strategy.init_args.topology", "lightning_decentral.Torus",
-         "--trainer.strategy.init_args.topology.rows", "2", "--print_config"]
+        [
+            "fit",
+            "--config",
+            QUICKSTART,
+            "--trainer.strategy.init_args.topology",
+            "lightning_decentral.Torus",
+            "--trainer.strategy.init_args.topology.rows",
+            "2",
+            "--print_config",
+        ]
     )
     assert code == 0
     assert "class_path: lightning_decentral.Torus" in out and "rows: 2" in out
@@ -65,7 +75,7 @@ def test_topology_by_class_path_and_strategy_by_name(run_cli) -> None:
     assert code == 0 and "strategy: decentlam" in out
 
 
-USER_MODULE = '''
+USER_MODULE = """
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch.utils.data import DataLoader, TensorDataset
@@ -101,7 +111,7 @@ class TinyData(LightningDataModule):
 
     def val_dataloader(self):
         return DataLoader(self.data, batch_size=8)
-'''
+"""
 
 
 @pytest.mark.timeout(600)
@@ -110,7 +120,8 @@ def test_user_module_on_pythonpath_trains(tmp_path: Path) -> None:
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / "my_project.py").write_text(textwrap.dedent(USER_MODULE))
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "tiny.yaml").write_text(textwrap.dedent("""
+    (tmp_path / "run" / "tiny.yaml").write_text(
+        textwrap.dedent("""
         trainer:
           accelerator: cpu
           devices: 1
@@ -123,26 +134,43 @@ def test_user_module_on_pythonpath_trains(tmp_path: Path) -> None:
           class_path: my_project.TinyRegression
           init_args: {lr: 0.05}
         data: my_project.TinyData
-    """))
+    """)
+    )
     command = Path(sys.executable).with_name("lightning-decentral")
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "user")}
     done = subprocess.run(
         [str(command), "fit", "--config", "tiny.yaml"],
-        cwd=tmp_path / "run", env=env, capture_output=True, text=True, timeout=580,
+        cwd=tmp_path / "run",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=580,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Finished fit after 3 steps on 1 workers (dpsgd awc, Ring(world_size=1))." in done.stdout
     assert "Validation of the averaged model x̄: val_mse = " in done.stdout
 
 
-@pytest.mark.parametrize("strategy", ["lightning_decentral.DecentralizedStrategy", "lightning_decentral.SimulatedDecentralizedStrategy"])
-@pytest.mark.parametrize("name, printed", [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"),
-                                           ("torch.bfloat16", "torch.bfloat16")])
+@pytest.mark.parametrize(
+    "strategy", ["lightning_decentral.DecentralizedStrategy", "lightning_decentral.SimulatedDecentralizedStrategy"]
+)
+@pytest.mark.parametrize(
+    "name, printed",
+    [("bfloat16", "bfloat16"), ("float16", "float16"), ("float32", "float32"), ("torch.bfloat16", "torch.bfloat16")],
+)
 def test_gossip_dtype_by_name(strategy: str, name: str, printed: str, run_cli) -> None:
     """YAML and the command line name the message precision as the Python API does: `bfloat16`, `torch.bfloat16`."""
     code, out, err = run_cli(
-        ["fit", "--config", QUICKSTART, "--trainer.strategy", strategy,
-         "--trainer.strategy.init_args.gossip_dtype", name, "--print_config"]
+        [
+            "fit",
+            "--config",
+            QUICKSTART,
+            "--trainer.strategy",
+            strategy,
+            "--trainer.strategy.init_args.gossip_dtype",
+            name,
+            "--print_config",
+        ]
     )
     assert code == 0, err
     assert f"gossip_dtype: {printed}" in out
@@ -163,7 +191,14 @@ def test_gossip_dtype_by_name_reaches_the_strategy(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
     cli = DecentralizedCLI(
-        args=["--config", QUICKSTART, "--trainer.strategy.init_args.gossip_dtype", "bfloat16", "--trainer.logger", "false"],
+        args=[
+            "--config",
+            QUICKSTART,
+            "--trainer.strategy.init_args.gossip_dtype",
+            "bfloat16",
+            "--trainer.logger",
+            "false",
+        ],
         run=False,
     )
     assert cli.trainer.strategy.gossip_dtype is torch.bfloat16
@@ -202,9 +237,18 @@ SIMULATED = str(ROOT / "examples" / "configs" / "digits_simulated.yaml")
 @pytest.mark.parametrize(
     "args, first",
     [
-        (["--trainer.strategy.init_args.topology", "rnig"], "trainer.strategy.init_args.topology: Unknown topology 'rnig'. Choose one of ["),
-        (["--trainer.strategy.init_args.workers", "0"], "trainer.strategy.init_args.workers: `workers` must be a positive integer"),
-        (["--trainer.strategy.init_args.gossip_steps", "-1"], "trainer.strategy.init_args.gossip_steps: `gossip_steps` must be a positive integer"),
+        (
+            ["--trainer.strategy.init_args.topology", "rnig"],
+            "trainer.strategy.init_args.topology: Unknown topology 'rnig'. Choose one of [",
+        ),
+        (
+            ["--trainer.strategy.init_args.workers", "0"],
+            "trainer.strategy.init_args.workers: `workers` must be a positive integer",
+        ),
+        (
+            ["--trainer.strategy.init_args.gossip_steps", "-1"],
+            "trainer.strategy.init_args.gossip_steps: `gossip_steps` must be a positive integer",
+        ),
     ],
     ids=["topology", "workers", "gossip_steps"],
 )
@@ -217,7 +261,9 @@ def test_a_bad_strategy_option_shows_the_librarys_message_first(args: list[str],
     assert err.splitlines()[0].endswith(".") and "usage:" not in err
 
 
-@pytest.mark.parametrize("strategy", ["lightning_decentral.DecentralizedStrategy", "lightning_decentral.SimulatedDecentralizedStrategy"])
+@pytest.mark.parametrize(
+    "strategy", ["lightning_decentral.DecentralizedStrategy", "lightning_decentral.SimulatedDecentralizedStrategy"]
+)
 def test_strategy_help_describes_every_option_and_lists_the_topologys_real_choices(strategy: str, run_cli) -> None:
     """Before: some 30 "known subclasses" of numpy and torch for `topology`; no description of `gossip_every`, ... ."""
     import inspect
@@ -248,7 +294,9 @@ def _doc_examples() -> list[tuple[str, list[str]]]:
 def _prints(expected: list[str], actual: str) -> bool:
     """Whether `actual` is the `expected` lines from its first line on, a `...` line standing for any lines (runs of
     whitespace compare as one space)."""
-    pattern = "".join("(?:.*\n)*?" if line.strip() == "..." else re.escape(" ".join(line.split())) + "\n" for line in expected)
+    pattern = "".join(
+        "(?:.*\n)*?" if line.strip() == "..." else re.escape(" ".join(line.split())) + "\n" for line in expected
+    )
     return re.fullmatch(pattern, "".join(" ".join(line.split()) + "\n" for line in actual.splitlines())) is not None
 
 
@@ -256,7 +304,9 @@ def test_the_quickstart_shows_errors_to_compare() -> None:
     assert len(_doc_examples()) >= 4
 
 
-@pytest.mark.parametrize("command, expected", _doc_examples(), ids=lambda value: value if isinstance(value, str) else "")
+@pytest.mark.parametrize(
+    "command, expected", _doc_examples(), ids=lambda value: value if isinstance(value, str) else ""
+)
 def test_the_quickstarts_error_examples_are_what_the_command_prints(
     command: str, expected: list[str], run_cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -272,21 +322,36 @@ def test_a_typo_in_a_config_files_key_names_the_close_match(tmp_path: Path, run_
     (tmp_path / "typo.yaml").write_text("trainer:\n  max_epohcs: 3\n")
     code, _, err = run_cli(["fit", "--config", QUICKSTART, "--config", str(tmp_path / "typo.yaml")])
     assert code == 2
-    assert err.startswith("error: Subcommand 'fit' does not accept option 'trainer.max_epohcs'. Did you mean trainer.max_epochs?\n")
+    assert err.startswith(
+        "error: Subcommand 'fit' does not accept option 'trainer.max_epohcs'. Did you mean trainer.max_epochs?\n"
+    )
 
 
 @pytest.mark.parametrize(
     "args, first",
     [
-        (["--trainer.strategy", "dpsdg"], "trainer.strategy: 'dpsdg' is not a registered strategy name. Did you mean 'dpsgd'?"),
-        (["--model.lrr", "0.1"], "model.init_args.lrr: examples.digits.DigitsCNN has no option 'lrr'. Did you mean 'lr'?"),
-        (["--trainer.strategy.init_args.on_peer_failure", "contnue"],
-         "trainer.strategy.init_args.on_peer_failure: 'contnue' is not one of 'stop', 'continue'. Did you mean 'continue'?"),
-        (["--trainer.strategy.init_args.gossip_every", "two"], "trainer.strategy.init_args.gossip_every: Expected a <class 'int'>. Got value: two"),
+        (
+            ["--trainer.strategy", "dpsdg"],
+            "trainer.strategy: 'dpsdg' is not a registered strategy name. Did you mean 'dpsgd'?",
+        ),
+        (
+            ["--model.lrr", "0.1"],
+            "model.init_args.lrr: examples.digits.DigitsCNN has no option 'lrr'. Did you mean 'lr'?",
+        ),
+        (
+            ["--trainer.strategy.init_args.on_peer_failure", "contnue"],
+            "trainer.strategy.init_args.on_peer_failure: 'contnue' is not one of 'stop', 'continue'. Did you mean 'continue'?",
+        ),
+        (
+            ["--trainer.strategy.init_args.gossip_every", "two"],
+            "trainer.strategy.init_args.gossip_every: Expected a <class 'int'>. Got value: two",
+        ),
     ],
     ids=["strategy-name", "model-option", "literal", "type"],
 )
-def test_a_typo_gives_the_line_that_matters_first(args: list[str], first: str, run_cli, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_typo_gives_the_line_that_matters_first(
+    args: list[str], first: str, run_cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(ROOT)  # examples.digits imports from the repository root
     code, _, err = run_cli(["fit", "--config", QUICKSTART, *args])
     assert code == 2
@@ -308,7 +373,9 @@ trainer:
 """
 
 
-def test_an_outer_optimizer_in_yaml_reaches_the_strategy_and_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_outer_optimizer_in_yaml_reaches_the_strategy_and_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """DiLoCo from a config file: `outer_optimizer` by `class_path` and `init_args`, as Lightning's optimizers."""
     import torch
 
@@ -317,10 +384,26 @@ def test_an_outer_optimizer_in_yaml_reaches_the_strategy_and_trains(tmp_path: Pa
     monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
     (tmp_path / "outer.yaml").write_text(OUTER_YAML)
     cli = DecentralizedCLI(
-        args=["--config", QUICKSTART, "--config", str(tmp_path / "outer.yaml"), "--trainer.devices", "1",
-              "--trainer.max_steps", "4", "--trainer.logger", "false", "--trainer.callbacks", "[]",
-              "--trainer.enable_checkpointing", "false", "--trainer.enable_progress_bar", "false",
-              "--trainer.default_root_dir", str(tmp_path)],
+        args=[
+            "--config",
+            QUICKSTART,
+            "--config",
+            str(tmp_path / "outer.yaml"),
+            "--trainer.devices",
+            "1",
+            "--trainer.max_steps",
+            "4",
+            "--trainer.logger",
+            "false",
+            "--trainer.callbacks",
+            "[]",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ],
         run=False,
     )
     strategy = cli.trainer.strategy
@@ -336,8 +419,16 @@ def test_an_outer_optimizer_in_yaml_reaches_the_strategy_and_trains(tmp_path: Pa
 
 def test_an_outer_optimizer_on_the_command_line_prints_as_yaml(run_cli) -> None:
     code, out, err = run_cli(
-        ["fit", "--config", QUICKSTART, "--trainer.strategy.init_args.outer_optimizer", "torch.optim.SGD",
-         "--trainer.strategy.init_args.outer_optimizer.lr", "0.7", "--print_config"]
+        [
+            "fit",
+            "--config",
+            QUICKSTART,
+            "--trainer.strategy.init_args.outer_optimizer",
+            "torch.optim.SGD",
+            "--trainer.strategy.init_args.outer_optimizer.lr",
+            "0.7",
+            "--print_config",
+        ]
     )
     assert code == 0, err
     assert "outer_optimizer:\n        class_path: torch.optim.SGD\n        init_args:\n          lr: 0.7" in out

@@ -12,7 +12,7 @@ import textwrap
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -53,9 +53,12 @@ def _stored_on_self(cls: type) -> set[str]:
     except (OSError, TypeError):  # a class without Python source
         return set()
     return {
-        node.attr for node in ast.walk(tree)
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-        and isinstance(node.value, ast.Name) and node.value.id == "self"
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.ctx, ast.Store)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
     }
 
 
@@ -69,12 +72,20 @@ def _names_of(owner: Any) -> frozenset[str]:
 
 def _foreign_privates(cls: type) -> set[str]:
     """The private names the torch, Lightning and torchmetrics classes among `cls`'s bases define."""
-    return {n for base in cls.__mro__ if base.__module__.split(".")[0] in FOREIGN for n in _names_of(base) if _private(n)}
+    return {
+        n for base in cls.__mro__ if base.__module__.split(".")[0] in FOREIGN for n in _names_of(base) if _private(n)
+    }
 
 
 def _own_privates(cls: type) -> set[str]:
     """The private names the package's classes among `cls`'s bases (itself included) define."""
-    return {n for base in cls.__mro__ if base.__module__.startswith("lightning_decentral.") for n in _names_of(base) if _private(n)}
+    return {
+        n
+        for base in cls.__mro__
+        if base.__module__.startswith("lightning_decentral.")
+        for n in _names_of(base)
+        if _private(n)
+    }
 
 
 @pytest.mark.parametrize(("owner", "name", "why"), ROWS, ids=[f"{owner}.{name}" for owner, name, _ in ROWS])
@@ -108,15 +119,15 @@ def _attribute_named(node: ast.AST) -> str:
     return ""
 
 
-def _private_references(tree: ast.Module) -> list[tuple[int, str, str, str, Optional[str], bool]]:
+def _private_references(tree: ast.Module) -> list[tuple[int, str, str, str, str | None, bool]]:
     """`(line, name, kind, text, class, on_itself)` for every private name `tree` reaches, of `kind` `"import"` (of a
     torch, Lightning or torchmetrics module), `"attribute"` (`x._name`, `getattr(x, "_name")`), `"def"` (a method of a
     class: it may override a base's) or `"string"` (a string that is a private name). `class` is the dotted name of the
     class it is written in (`None` outside one, `"<local>"` in one made by a function); `on_itself` whether it is
     reached on `self`, `cls` or `super()`."""
-    found: list[tuple[int, str, str, str, Optional[str], bool]] = []
+    found: list[tuple[int, str, str, str, str | None, bool]] = []
 
-    def visit(node: ast.AST, where: Optional[str], in_function: bool) -> None:
+    def visit(node: ast.AST, where: str | None, in_function: bool) -> None:
         if isinstance(node, ast.ClassDef):
             where = "<local>" if in_function else node.name if where is None else f"{where}.{node.name}"
             in_function = False
@@ -133,7 +144,9 @@ def _private_references(tree: ast.Module) -> list[tuple[int, str, str, str, Opti
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] in FOREIGN:
-                    found.extend((node.lineno, p, "import", f"import {alias.name}", where, False) for p in parts if _private(p))
+                    found.extend(
+                        (node.lineno, p, "import", f"import {alias.name}", where, False) for p in parts if _private(p)
+                    )
         elif isinstance(node, ast.Attribute) and _private(node.attr):
             text = f"{ast.unparse(node.value)}.{node.attr}"
             found.append((node.lineno, node.attr, "attribute", text, where, _is_self(node.value)))
@@ -177,7 +190,7 @@ def _modules() -> dict[Path, ModuleType]:
     return found
 
 
-def _class(module: ModuleType, dotted: Optional[str]) -> Optional[type]:
+def _class(module: ModuleType, dotted: str | None) -> type | None:
     """The class `dotted` (`Outer.Inner`) of `module`; `None` for one made inside a function."""
     if dotted is None or "<local>" in dotted:
         return None
@@ -194,7 +207,9 @@ def test_no_module_reaches_a_private_name_of_torch_or_lightning_outside_compat()
     trees = {path: ast.parse(path.read_text()) for path in modules}
     own = set().union(*(_defined(tree) for path, tree in trees.items() if path not in COMPAT))
     declared = {name for _, name, _ in ROWS}
-    classes = [c for m in modules.values() for c in vars(m).values() if inspect.isclass(c) and c.__module__ == m.__name__]
+    classes = [
+        c for m in modules.values() for c in vars(m).values() if inspect.isclass(c) and c.__module__ == m.__name__
+    ]
     inherited = set().union(*(_foreign_privates(c) for c in classes))  # by some class of the package
     problems = []
     for path, tree in trees.items():

@@ -19,14 +19,35 @@ F64 = torch.float64
 MOMENTUM = {"lr": 0.05, "momentum": 0.9}
 CONFIGS = [
     Config("awc-ring-sign", optimizer=MOMENTUM, compression="sign", dtype=F64),
-    Config("atc-ring-int4-batchnorm", combine="atc", optimizer=MOMENTUM, compression="int4", batch_norm=True, dtype=F64),
-    Config("awc-one_peer-sign-batchnorm", topology="one_peer_exponential", compression=Sign(block=16), batch_norm=True,
-           dtype=F64),
-    Config("atc-one_peer-top_k-gamma", topology="one_peer_exponential", combine="atc", compression="top_k:0.2",
-           consensus_step=0.5, dtype=F64),
-    Config("awc-exponential-random_k-rounds2", topology="exponential", optimizer=MOMENTUM, compression="random_k:0.3",
-           gossip_steps=2, dtype=F64),
-    Config("atc-ring-int8-every2-rounds2", combine="atc", compression="int8", gossip_every=2, gossip_steps=2, dtype=F64),
+    Config(
+        "atc-ring-int4-batchnorm", combine="atc", optimizer=MOMENTUM, compression="int4", batch_norm=True, dtype=F64
+    ),
+    Config(
+        "awc-one_peer-sign-batchnorm",
+        topology="one_peer_exponential",
+        compression=Sign(block=16),
+        batch_norm=True,
+        dtype=F64,
+    ),
+    Config(
+        "atc-one_peer-top_k-gamma",
+        topology="one_peer_exponential",
+        combine="atc",
+        compression="top_k:0.2",
+        consensus_step=0.5,
+        dtype=F64,
+    ),
+    Config(
+        "awc-exponential-random_k-rounds2",
+        topology="exponential",
+        optimizer=MOMENTUM,
+        compression="random_k:0.3",
+        gossip_steps=2,
+        dtype=F64,
+    ),
+    Config(
+        "atc-ring-int8-every2-rounds2", combine="atc", compression="int8", gossip_every=2, gossip_steps=2, dtype=F64
+    ),
     Config("awc-complete-int2", topology="complete", compression="int2", dtype=F64),
 ]
 
@@ -73,7 +94,9 @@ def test_consensus_at_the_default_step_and_not_without_error_feedback(compressio
     w, gamma = reference.mixing("ring", n, 0).float(), compressor.consensus_step
     naive = start.clone()
     for step in range(steps):
-        compressed = torch.stack([compressor.decompress(compressor.compress(row, step), d, row.dtype, step) for row in naive])
+        compressed = torch.stack(
+            [compressor.decompress(compressor.compress(row, step), d, row.dtype, step) for row in naive]
+        )
         naive += gamma * (w @ compressed - compressed)
     assert (consensus(naive, mean) > 0.01 * consensus(start, mean)) == stalls
     assert consensus(naive, mean) > 100 * consensus(x, mean)

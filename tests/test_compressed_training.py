@@ -27,10 +27,24 @@ SGD = {"lr": 0.05, "momentum": 0.9}
 F64 = torch.float64  # float64: the float32 round-off of a forward can flip a sign the compressor sends
 CONFIGS = [
     Config("awc_ring_sign", optimizer=SGD, compression="sign", dtype=F64),
-    Config("atc_one_peer_top_k_batch_norm", topology="one_peer_exponential", combine="atc", optimizer=SGD,
-           compression="top_k:0.2", batch_norm=True, dtype=F64),
-    Config("awc_exponential_random_k_rounds2", topology="exponential", optimizer=SGD, compression="random_k:0.3",
-           gossip_steps=2, consensus_step=0.3, dtype=F64),
+    Config(
+        "atc_one_peer_top_k_batch_norm",
+        topology="one_peer_exponential",
+        combine="atc",
+        optimizer=SGD,
+        compression="top_k:0.2",
+        batch_norm=True,
+        dtype=F64,
+    ),
+    Config(
+        "awc_exponential_random_k_rounds2",
+        topology="exponential",
+        optimizer=SGD,
+        compression="random_k:0.3",
+        gossip_steps=2,
+        consensus_step=0.3,
+        dtype=F64,
+    ),
 ]
 
 
@@ -66,7 +80,10 @@ def test_the_simulation_equals_the_processes_and_counts_the_same_bytes(
     assert (ranks[0] - ranks[1]).abs().max() > 1e-4
     torch.testing.assert_close(torch.stack(simulated["states"]), ranks, atol=1e-9, rtol=0)
     net = make_net(config.batch_norm)
-    parameters, buffers = sum(p.numel() for p in net.parameters()), sum(b.numel() for b in net.buffers() if b.is_floating_point())
+    parameters, buffers = (
+        sum(p.numel() for p in net.parameters()),
+        sum(b.numel() for b in net.buffers() if b.is_floating_point()),
+    )
     per_worker = expected_bytes(config, parameters, buffers)
     assert [r[config.name]["bytes_sent"] for r in on_processes] == [per_worker] * WORLD
     assert simulated["bytes_sent"] == WORLD * per_worker
@@ -131,8 +148,13 @@ def test_a_shard_holds_the_workers_public_copies(resumed: dict[str, Any]) -> Non
     gossip = resumed["shard"]["gossip"]
     copies = gossip["copies"][0]  # the flat parameters
     assert gossip["wire_bytes"] > 0
-    assert set(copies["received"]) == {2, 3} and set(copies["slot_of"]) == {0, 3}  # one-peer on 4: in from 2, 3; out to 0, 3
-    assert all(c.dtype == torch.float32 and c.abs().sum() > 0 for c in copies["sent"] + list(copies["received"].values()))
+    assert set(copies["received"]) == {2, 3} and set(copies["slot_of"]) == {
+        0,
+        3,
+    }  # one-peer on 4: in from 2, 3; out to 0, 3
+    assert all(
+        c.dtype == torch.float32 and c.abs().sum() > 0 for c in copies["sent"] + list(copies["received"].values())
+    )
 
 
 @pytest.mark.parametrize(
@@ -145,11 +167,20 @@ def test_a_shard_holds_the_workers_public_copies(resumed: dict[str, Any]) -> Non
         ({"consensus_step": 0.5}, "pass compression= too"),
         ({"compression": "sign", "consensus_step": 1.5}, r"must be in \(0, 1\]"),
         ({"compression": "top-k"}, "'top_k:<fraction>'"),
-        ({"compression": "sign", "outer_optimizer": functools.partial(torch.optim.SGD, lr=0.7), "gossip_every": 4,
-          "on_peer_failure": "continue"}, "use on_peer_failure='stop'"),  # an outer step with compression composes
+        (
+            {
+                "compression": "sign",
+                "outer_optimizer": functools.partial(torch.optim.SGD, lr=0.7),
+                "gossip_every": 4,
+                "on_peer_failure": "continue",
+            },
+            "use on_peer_failure='stop'",
+        ),  # an outer step with compression composes
         ({"compression": "sign", "topology": "hierarchical"}, "a Hierarchical topology.*use a flat topology"),
-        ({"compression": "int8", "topology": Hierarchical("complete", "ring", ranks_per_node=2)},
-         "a Hierarchical topology.*use a flat topology such as topology='ring'"),
+        (
+            {"compression": "int8", "topology": Hierarchical("complete", "ring", ranks_per_node=2)},
+            "a Hierarchical topology.*use a flat topology such as topology='ring'",
+        ),
     ],
 )
 def test_what_cannot_run_is_refused_naming_the_fix(kwargs: dict, match: str) -> None:

@@ -20,8 +20,19 @@ from lightning_decentral.compression import (
     unpack_bits,
 )
 
-COMPRESSORS = [Sign(), Sign(block=None), Sign(block=100), Quantize(8), Quantize(4), Quantize(3), Quantize(2, block=None),
-               TopK(0.01), TopK(0.1), RandomK(0.01), RandomK(0.3, seed=5)]
+COMPRESSORS = [
+    Sign(),
+    Sign(block=None),
+    Sign(block=100),
+    Quantize(8),
+    Quantize(4),
+    Quantize(3),
+    Quantize(2, block=None),
+    TopK(0.01),
+    TopK(0.1),
+    RandomK(0.01),
+    RandomK(0.3, seed=5),
+]
 SIZES = [1, 7, 1000, 4099]
 
 
@@ -36,7 +47,9 @@ def test_bits_round_trip_and_pack_tightly(bits: int) -> None:
 @pytest.mark.parametrize("compressor", COMPRESSORS, ids=repr)
 @pytest.mark.parametrize("numel", SIZES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_payload_has_the_announced_size_and_decompresses_to_a_contraction(compressor: Compressor, numel: int, dtype: torch.dtype) -> None:
+def test_payload_has_the_announced_size_and_decompresses_to_a_contraction(
+    compressor: Compressor, numel: int, dtype: torch.dtype
+) -> None:
     v = (torch.randn(numel, generator=torch.Generator().manual_seed(numel)) * torch.linspace(0.1, 3, numel)).to(dtype)
     payload = compressor.compress(v, seed=11)
     assert payload.dtype == torch.uint8 and payload.dim() == 1
@@ -55,7 +68,9 @@ def test_byte_counts_are_what_the_formats_say() -> None:
     assert Quantize(4, block=None).payload_bytes(n, torch.float32) == n // 2 + 4  # half a byte per element
     assert Quantize(8, block=None).payload_bytes(n, torch.float32) == n + 4
     k, index_bits = 100, 14  # 2^13 < 10 000 <= 2^14
-    assert TopK(0.01).payload_bytes(n, torch.float32) == k * 4 + math.ceil(k * index_bits / 8)  # values + packed indices
+    assert TopK(0.01).payload_bytes(n, torch.float32) == k * 4 + math.ceil(
+        k * index_bits / 8
+    )  # values + packed indices
     assert TopK(0.01).payload_bytes(n, torch.bfloat16) == k * 2 + math.ceil(k * index_bits / 8)
     assert RandomK(0.01).payload_bytes(n, torch.float32) == k * 4  # values only
     # the goals against float32 messages (32 bits per element)
@@ -83,7 +98,9 @@ def test_random_k_draws_the_same_coordinates_from_the_seed_on_both_ends() -> Non
     assert torch.equal(q[kept_at], v[kept_at])
     assert torch.equal(kept_at, rand.indices(1000, 3, torch.device("cpu")).sort().values)  # distinct, one per stratum
     assert not torch.equal(rand.indices(1000, 4, torch.device("cpu")), rand.indices(1000, 3, torch.device("cpu")))
-    assert not torch.equal(RandomK(0.1, seed=1).indices(1000, 3, torch.device("cpu")), rand.indices(1000, 3, torch.device("cpu")))
+    assert not torch.equal(
+        RandomK(0.1, seed=1).indices(1000, 3, torch.device("cpu")), rand.indices(1000, 3, torch.device("cpu"))
+    )
 
 
 def test_names_resolve_and_bad_ones_name_the_choices() -> None:
@@ -94,7 +111,9 @@ def test_names_resolve_and_bad_ones_name_the_choices() -> None:
     custom = TopK(0.2, consensus_step=0.1)
     assert resolve_compression(custom) is custom
     for bad in ("top-k", "int1", "int16", "random_k:x", 3):
-        with pytest.raises(ValueError, match=r"'sign', 'int8', 'int4', 'top_k:<fraction>', 'random_k:<fraction>'.*Sign\(\)"):
+        with pytest.raises(
+            ValueError, match=r"'sign', 'int8', 'int4', 'top_k:<fraction>', 'random_k:<fraction>'.*Sign\(\)"
+        ):
             resolve_compression(bad)
     for bad in ("top_k:0", "top_k:2", "random_k:-0.1"):
         with pytest.raises(ValueError, match=r"fraction of the coordinates in \(0, 1\]"):

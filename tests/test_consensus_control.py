@@ -28,8 +28,14 @@ def _fit(control: ConsensusControl, epochs: int) -> tuple[list[dict[str, float]]
     pl.seed_everything(SEED, verbose=False)
     recorder = MetricsPerStep()
     trainer = pl.Trainer(
-        strategy=SimulatedDecentralizedStrategy(workers=WORKERS), accelerator="cpu", devices=1, max_epochs=epochs,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=SimulatedDecentralizedStrategy(workers=WORKERS),
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[control, ConsensusDistance(every_n_steps=1), recorder],
     )
     with warnings.catch_warnings(record=True) as caught:
@@ -98,7 +104,10 @@ def test_the_hand_over_relaxes_the_rounds_over_its_epochs(handovers: dict, hando
     assert max(distance[:start]) <= target * (1 + 1e-6) < max(distance[end:])
     extra = [r - 1 for r in rounds]
     mean = sum(extra[STEPS_PER_EPOCH:start]) / STEPS_PER_EPOCH  # E: epoch 1, the last under full control
-    caps = [control.handover_cap(k // STEPS_PER_EPOCH, (k % STEPS_PER_EPOCH + 1) / STEPS_PER_EPOCH) for k in range(start, end)]
+    caps = [
+        control.handover_cap(k // STEPS_PER_EPOCH, (k % STEPS_PER_EPOCH + 1) / STEPS_PER_EPOCH)
+        for k in range(start, end)
+    ]
     assert all(e <= c for e, c in zip(extra[start:end], caps)) and extra[end:] == [0.0] * (len(extra) - end)
     if handover_epochs:
         assert caps[0] == math.ceil(11 / 12 * mean) > caps[-1] == 0 and extra[start] > 0  # ⌈(1 − 1/12)·E⌉ down to 0

@@ -30,8 +30,10 @@ def test_shards_are_disjoint_and_cover_the_dataset(alpha, workers: int) -> None:
 
 
 def test_small_alpha_skews_each_worker_to_few_classes_and_large_alpha_is_near_uniform() -> None:
-    fractions = {alpha: np.mean([_max_class_fraction(dirichlet_shards(LABELS, 8, alpha, seed)) for seed in range(5)])
-                 for alpha in (0.05, 1.0, 1000.0, None)}
+    fractions = {
+        alpha: np.mean([_max_class_fraction(dirichlet_shards(LABELS, 8, alpha, seed)) for seed in range(5)])
+        for alpha in (0.05, 1.0, 1000.0, None)
+    }
     assert fractions[0.05] > 0.6  # most of a worker's data is one class (uniform: 0.1)
     assert fractions[0.05] > fractions[1.0] > fractions[1000.0]
     assert fractions[1000.0] < 0.2 and fractions[None] < 0.2  # uniform is 0.1, plus sampling noise

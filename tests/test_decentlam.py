@@ -17,8 +17,11 @@ def decentlam(name: str, **kwargs) -> Config:
 
 
 CONFIGS = [
-    decentlam(f"{topology}-beta{beta}-{'nesterov' if nesterov else 'heavy-ball'}-wd",
-              topology=topology, optimizer={"lr": 0.05, "momentum": beta, "nesterov": nesterov, "weight_decay": 0.01})
+    decentlam(
+        f"{topology}-beta{beta}-{'nesterov' if nesterov else 'heavy-ball'}-wd",
+        topology=topology,
+        optimizer={"lr": 0.05, "momentum": beta, "nesterov": nesterov, "weight_decay": 0.01},
+    )
     for topology in ("ring", "one_peer_exponential")
     for beta, nesterov in ((0.0, False), (0.9, False), (0.9, True))
 ] + [
@@ -36,7 +39,7 @@ COMPLETE = decentlam("complete-momentum", topology="complete", optimizer={"lr": 
 
 @pytest.fixture(scope="module")
 def trained() -> list[dict[str, torch.Tensor]]:
-    return run_distributed(workers.fit_configs, WORLD, configs=CONFIGS + [BETA0, ATC_SGD])
+    return run_distributed(workers.fit_configs, WORLD, configs=[*CONFIGS, BETA0, ATC_SGD])
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)

@@ -30,7 +30,10 @@ def fit(tmp_path: Path, config: str, *overrides: str) -> str:
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     done = subprocess.run(
         [COMMAND, "fit", "--config", f"examples/configs/{config}", *overrides],
-        cwd=tmp_path, capture_output=True, text=True, timeout=580,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=580,
     )
     assert done.returncode == 0, first_and_last_errors(done.stderr)
     return done.stdout
@@ -84,10 +87,21 @@ def test_simulated_config_trains_in_this_process(
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
-    main([
-        "fit", "--config", "examples/configs/digits_simulated.yaml", "--trainer.max_steps", "3",
-        "--trainer.logger", "false", "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", str(tmp_path),
-    ])
+    main(
+        [
+            "fit",
+            "--config",
+            "examples/configs/digits_simulated.yaml",
+            "--trainer.max_steps",
+            "3",
+            "--trainer.logger",
+            "false",
+            "--trainer.limit_val_batches",
+            "1",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
+    )
     out = capsys.readouterr().out
     assert "Finished fit after 3 steps on 16 workers (dpsgd awc, Ring(world_size=16), simulated in one process)" in out
     assert "Validation of the averaged model x̄" in out
@@ -109,9 +123,23 @@ def test_digits_datamodule_gives_each_worker_a_dirichlet_shard(
     assert labels == sampler.labels[sampler.shard].tolist()  # the labels of the training split, in its order
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
-    main([
-        "fit", "--config", "examples/configs/digits_simulated.yaml", "--data.init_args.dirichlet_alpha", "0.1",
-        "--trainer.max_steps", "2", "--trainer.logger", "false", "--trainer.limit_val_batches", "1",
-        "--trainer.callbacks", "[]", "--trainer.default_root_dir", str(tmp_path),
-    ])
+    main(
+        [
+            "fit",
+            "--config",
+            "examples/configs/digits_simulated.yaml",
+            "--data.init_args.dirichlet_alpha",
+            "0.1",
+            "--trainer.max_steps",
+            "2",
+            "--trainer.logger",
+            "false",
+            "--trainer.limit_val_batches",
+            "1",
+            "--trainer.callbacks",
+            "[]",
+            "--trainer.default_root_dir",
+            str(tmp_path),
+        ]
+    )
     assert "Finished fit after 2 steps on 16 workers" in capsys.readouterr().out

@@ -39,11 +39,27 @@ CONFIGS = [
     Config("one_peer-atc-sgd", topology="one_peer_exponential", combine="atc", optimizer=SGD),
     Config("exponential-awc-every2-rounds2", topology="exponential", gossip_every=2, gossip_steps=2),
     Config("ring-awc-accumulate-clip", optimizer=MOMENTUM, accumulate=2, clip=0.05),
-    Config("one_peer-atc-batchnorm-scheduler", topology="one_peer_exponential", combine="atc", batch_norm=True, scheduler="step"),
+    Config(
+        "one_peer-atc-batchnorm-scheduler",
+        topology="one_peer_exponential",
+        combine="atc",
+        batch_norm=True,
+        scheduler="step",
+    ),
     Config("ring-awc-adam-float64", optimizer={"name": "adam", "lr": 0.01}, dtype=torch.float64),
-    Config("exponential-atc-every2-rounds-by-epoch", topology="exponential", combine="atc", optimizer=MOMENTUM,
-           gossip_every=2, gossip_steps={"epoch": {0: 1, 1: 3}}, steps_per_epoch=2, steps=8),
-    decentlam("ring-decentlam-nesterov-wd", optimizer={"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    Config(
+        "exponential-atc-every2-rounds-by-epoch",
+        topology="exponential",
+        combine="atc",
+        optimizer=MOMENTUM,
+        gossip_every=2,
+        gossip_steps={"epoch": {0: 1, 1: 3}},
+        steps_per_epoch=2,
+        steps=8,
+    ),
+    decentlam(
+        "ring-decentlam-nesterov-wd", optimizer={"lr": 0.05, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}
+    ),
     decentlam("ring-decentlam-small-buckets-batchnorm", optimizer=MOMENTUM, bucket_cap_mb=1e-4, batch_norm=True),
     decentlam("ring-decentlam-clip-accumulate", optimizer=MOMENTUM, clip=0.05, accumulate=2),
     Config("ring-awc-stale2-random-delays", optimizer=MOMENTUM, staleness=2, delays=RandomDelays(seed=5), steps=8),
@@ -120,7 +136,9 @@ def test_saved_file_holds_the_average_and_loads_into_a_plain_module(resumed: dic
 def test_other_world_size_resumes_from_the_average_with_one_warning(resumed: dict) -> None:
     results, root = resumed["awc"]
     mean = torch.stack([r["half"] for r in results]).mean(0)
-    loaded = run_distributed(fabric_workers.resume_from_average, 2, config=RESUME["awc"], checkpoint=str(root / "half.ckpt"))
+    loaded = run_distributed(
+        fabric_workers.resume_from_average, 2, config=RESUME["awc"], checkpoint=str(root / "half.ckpt")
+    )
     for rank, result in enumerate(loaded):
         torch.testing.assert_close(result["start"], mean, atol=1e-6, rtol=0)
         assert result["step"] == RESUME["awc"].steps // 2
@@ -159,7 +177,9 @@ def test_averaged_model_swaps_in_the_average_and_restores_every_replica(monitore
         assert torch.equal(result["after_average"], result["replica"])
         plain = initial_net(0)
         torch.nn.utils.vector_to_parameters(replicas.mean(0), plain.parameters())
-        torch.testing.assert_close(result["averaged_output"], plain(result["averaged_input"]).detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            result["averaged_output"], plain(result["averaged_input"]).detach(), atol=1e-5, rtol=0
+        )
 
 
 def test_consensus_distance_is_that_of_the_replicas(monitored: list[dict[str, Any]]) -> None:
@@ -168,7 +188,9 @@ def test_consensus_distance_is_that_of_the_replicas(monitored: list[dict[str, An
     for result in monitored:
         consensus = result["consensus"]
         torch.testing.assert_close(consensus["consensus/distance"].double(), distance, atol=1e-6, rtol=1e-4)
-        torch.testing.assert_close(consensus["consensus/relative"].double(), distance / replicas.mean(0).norm(), atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(
+            consensus["consensus/relative"].double(), distance / replicas.mean(0).norm(), atol=1e-6, rtol=1e-4
+        )
         assert float(consensus["consensus/residual"]) > 0
 
 
@@ -179,7 +201,7 @@ def test_effective_learning_rate_is_the_callbacks_formula(monitored: list[dict[s
     for result in monitored:
         net = initial_net(0)
         torch.nn.utils.vector_to_parameters(mean, net.parameters())
-        (x, y), = result["batch"]
+        ((x, y),) = result["batch"]
         torch.nn.functional.mse_loss(net(x), y).backward()
         at_mean.append(torch.cat([p.grad.reshape(-1) for p in net.parameters()]))
         assert torch.equal(result["after_measure"], result["before_step"])  # the replica is untouched
@@ -228,8 +250,24 @@ def test_a_killed_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> No
 def test_the_gpt_example_trains_evaluates_on_the_average_saves_and_resumes(tmp_path: Path) -> None:
     from examples.fabric_gpt import GPT
 
-    tiny = ["--sentences", "200", "--block_size", "16", "--batch_size", "4", "--n_layer", "1", "--n_embd", "16",
-            "--n_head", "2", "--eval_every", "2", "--out_dir", str(tmp_path)]
+    tiny = [
+        "--sentences",
+        "200",
+        "--block_size",
+        "16",
+        "--batch_size",
+        "4",
+        "--n_layer",
+        "1",
+        "--n_embd",
+        "16",
+        "--n_head",
+        "2",
+        "--eval_every",
+        "2",
+        "--out_dir",
+        str(tmp_path),
+    ]
     first = run_distributed(fabric_workers.example_gpt, WORLD, argv=["--steps", "3", *tiny])
     assert [r["step"] for r in first] == [3] * WORLD and first[0]["val_loss"] == first[1]["val_loss"]
     checkpoint = torch.load(tmp_path / "last.ckpt", weights_only=True)
@@ -287,7 +325,9 @@ def test_effective_learning_rate_replays_the_dropout_masks_of_the_training_forwa
         assert "micro-batches, in order" in result["too_few"]
 
 
-def test_a_fabric_checkpoint_converted_by_to_trainer_checkpoint_resumes_every_replica_under_the_trainer(tmp_path: Path) -> None:
+def test_a_fabric_checkpoint_converted_by_to_trainer_checkpoint_resumes_every_replica_under_the_trainer(
+    tmp_path: Path,
+) -> None:
     """Fabric trains K steps and saves on 2 ranks; `to_trainer_checkpoint` converts it (shards too); the Trainer's
     `fit(ckpt_path=...)` starts every rank from its own Fabric replica and momentum bit for bit, at global_step K,
     with no fallback warning, and trains on from there."""
@@ -329,7 +369,9 @@ def test_a_nan_on_one_rank_stops_before_it_reaches_a_neighbour() -> None:
     stops with the gossip error instead of mixing the NaN in."""
     start = time.monotonic()
     messages = run_distributed(fabric_workers.nan_on_one_rank, 2, timeout=120)
-    assert messages[1].startswith("FloatingPointError") and "Rank 1" in messages[1] and "step 3" in messages[1], messages[1]
+    assert messages[1].startswith("FloatingPointError") and "Rank 1" in messages[1] and "step 3" in messages[1], (
+        messages[1]
+    )
     assert "fabric.clip_gradients(model, optimizer, max_norm=...)" in messages[1] and "Trainer(" not in messages[1]
     assert messages[0] != "no error"
     # two ranks: the exchange is an all-reduce (W = 11ᵀ/2); before, the error named "a neighbour (every rank)"
@@ -344,7 +386,9 @@ def test_a_misspelled_argument_is_a_type_error() -> None:
 
 def test_resuming_under_another_update_rule_warns_once(resumed: dict) -> None:
     _, root = resumed["awc"]
-    loaded = run_distributed(fabric_workers.load_under, WORLD, config=RESUME["awc"], checkpoint=str(root / "half.ckpt"), combine="atc")
+    loaded = run_distributed(
+        fabric_workers.load_under, WORLD, config=RESUME["awc"], checkpoint=str(root / "half.ckpt"), combine="atc"
+    )
     assert [len(result["warnings"]) for result in loaded] == [1] + [0] * (WORLD - 1)
     assert "another update rule" in loaded[0]["warnings"][0] and "'awc' -> 'atc'" in loaded[0]["warnings"][0]
     assert not any(result["error"] for result in loaded)
@@ -371,7 +415,9 @@ def test_save_average_and_load_between_forward_and_backward_raise_naming_where_t
     "modified by an inplace operation"."""
     for result in run_distributed(fabric_workers.save_between_forward_and_backward, 2, timeout=120, root=str(tmp_path)):
         for name, call in (("save", "fabric.save"), ("averaged_model", "averaged_model()"), ("load", "fabric.load")):
-            assert result[name].startswith(f"{call} ran at step 0 between the training forward and `fabric.backward`"), result
+            assert result[name].startswith(
+                f"{call} ran at step 0 between the training forward and `fabric.backward`"
+            ), result
             assert "after `fabric.backward` or `optimizer.step()`" in result[name]
         assert result["step"] == 1
     assert not (tmp_path / "mid.ckpt").exists() and (tmp_path / "after.ckpt").exists()
@@ -421,7 +467,9 @@ def test_to_trainer_checkpoint_with_a_shard_missing_falls_back_to_the_average_or
 def test_a_rank_that_skips_a_load_stops_every_rank_at_once_naming_what_each_does(tmp_path: Path) -> None:
     """Before, rank 0 waited in the load's all-gather and rank 1 in its exchange until the timeout (30 minutes)."""
     timeout = 60.0
-    loader, trainer = run_distributed(fabric_workers.load_on_rank_zero_only, 2, timeout=120, root=str(tmp_path), pg_timeout=timeout)
+    loader, trainer = run_distributed(
+        fabric_workers.load_on_rank_zero_only, 2, timeout=120, root=str(tmp_path), pg_timeout=timeout
+    )
     assert loader["error"].startswith(
         f"Disagreement: The ranks are not doing the same thing: rank 0 is in fabric.load('{tmp_path}/first.ckpt') "
         "while rank 1 is in optimizer step 0."

@@ -46,8 +46,20 @@ def test_a_rank_dies_where_the_plan_says_once_though_the_restart_begins_that_ste
     death would exceed the restarts); both end at step 8."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-               "--monitor-interval", "0.1", str(script), str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.1",
+        str(script),
+        str(tmp_path),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=BOUND, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -67,8 +79,16 @@ def test_a_plan_that_names_a_rank_the_run_has_not_is_refused_before_training() -
 
     from tests.models import Regression, loader
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, callbacks=[FaultPlan(kill={1: [0, 2]})], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[FaultPlan(kill={1: [0, 2]})],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     with pytest.raises(ValueError, match=r"names ranks \[0, 2\], but the run has 1 \(0 to 0\): name ranks of the run"):
         trainer.fit(Regression(), loader(0, 16, 8))
     assert trainer.global_step == 0

@@ -26,10 +26,19 @@ BF16 = torch.bfloat16
 CONFIGS = [
     Config("ring-awc-momentum-bf16", optimizer=MOMENTUM, gossip_dtype=BF16),
     Config("ring-awc-momentum-fp16", optimizer=MOMENTUM, gossip_dtype=torch.float16),
-    Config("one_peer-atc-bf16-rounds2", topology="one_peer_exponential", combine="atc", gossip_steps=2, gossip_dtype=BF16),
-    Config("exponential-awc-batchnorm-bf16", topology="exponential", optimizer=MOMENTUM, batch_norm=True, gossip_dtype=BF16),
-    Config("ring-decentlam-warmup-bf16", momentum="decentlam", optimizer={"lr": 0.1, "momentum": 0.9},
-           scheduler="warmup", gossip_dtype=BF16),
+    Config(
+        "one_peer-atc-bf16-rounds2", topology="one_peer_exponential", combine="atc", gossip_steps=2, gossip_dtype=BF16
+    ),
+    Config(
+        "exponential-awc-batchnorm-bf16", topology="exponential", optimizer=MOMENTUM, batch_norm=True, gossip_dtype=BF16
+    ),
+    Config(
+        "ring-decentlam-warmup-bf16",
+        momentum="decentlam",
+        optimizer={"lr": 0.1, "momentum": 0.9},
+        scheduler="warmup",
+        gossip_dtype=BF16,
+    ),
     Config("complete-awc-bf16", topology="complete", optimizer=MOMENTUM, gossip_dtype=BF16),
 ]
 # The reference and the strategy round the same float32 values to bf16; they differ by float32

@@ -25,15 +25,39 @@ MOMENTUM = {"lr": 0.05, "momentum": 0.9}
 LAZY = [[0.75, 0.25], [0.25, 0.75]]
 CONFIGS = [
     Config("nodes-awc", topology="hierarchical", hierarchy=("complete", LAZY, None), num_nodes=2, optimizer=MOMENTUM),
-    Config("explicit-atc-rounds2", topology="hierarchical", hierarchy=("complete", LAZY, 2), combine="atc", gossip_steps=2),
-    Config("nodes-decentlam", topology="hierarchical", hierarchy=("complete", LAZY, None), num_nodes=2,
-           momentum="decentlam", optimizer={"lr": 0.1, "momentum": 0.9}),
-    Config("nodes-awc-batchnorm-bf16", topology="hierarchical", hierarchy=("complete", LAZY, None), num_nodes=2,
-           optimizer=MOMENTUM, batch_norm=True, gossip_dtype=torch.bfloat16),
-    Config("one-per-node-one_peer-atc", topology="hierarchical", hierarchy=("complete", "one_peer_exponential", 1),
-           combine="atc"),
-    Config("default-nodes-is-the-average", topology="hierarchical", hierarchy=("complete", "one_peer_exponential", None),
-           num_nodes=2, combine="atc"),
+    Config(
+        "explicit-atc-rounds2", topology="hierarchical", hierarchy=("complete", LAZY, 2), combine="atc", gossip_steps=2
+    ),
+    Config(
+        "nodes-decentlam",
+        topology="hierarchical",
+        hierarchy=("complete", LAZY, None),
+        num_nodes=2,
+        momentum="decentlam",
+        optimizer={"lr": 0.1, "momentum": 0.9},
+    ),
+    Config(
+        "nodes-awc-batchnorm-bf16",
+        topology="hierarchical",
+        hierarchy=("complete", LAZY, None),
+        num_nodes=2,
+        optimizer=MOMENTUM,
+        batch_norm=True,
+        gossip_dtype=torch.bfloat16,
+    ),
+    Config(
+        "one-per-node-one_peer-atc",
+        topology="hierarchical",
+        hierarchy=("complete", "one_peer_exponential", 1),
+        combine="atc",
+    ),
+    Config(
+        "default-nodes-is-the-average",
+        topology="hierarchical",
+        hierarchy=("complete", "one_peer_exponential", None),
+        num_nodes=2,
+        combine="atc",
+    ),
 ]
 
 
@@ -57,7 +81,9 @@ def test_mixing_is_the_kronecker_product_of_the_levels() -> None:
     assert (topology.node_size, topology.num_nodes, topology.period) == (4, 8, 3)
     for step in range(7):
         w = topology.mixing(step)
-        np.testing.assert_array_equal(w, np.kron(OnePeerExponential(world_size=8).mixing(step), Ring(world_size=4).mixing()))
+        np.testing.assert_array_equal(
+            w, np.kron(OnePeerExponential(world_size=8).mixing(step), Ring(world_size=4).mixing())
+        )
         np.testing.assert_allclose(w.sum(0), 1.0, atol=1e-12)
         np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-12)
     # rank 5 = node 1, local rank 1: its node's ring neighbours, then the same local ranks on node 1 + 2^(k mod 3)
@@ -128,7 +154,9 @@ def test_a_lost_rank_leaves_its_node_and_its_group_across_nodes() -> None:
     np.testing.assert_allclose(w.sum(0), 1.0, atol=1e-12)
     np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-12)
     twice = once.for_members([r for r in range(11) if r != 5])  # old rank 6
-    assert twice.node_sizes == (3, 3, 4) and repr(twice).startswith("Hierarchical(inner='complete', outer='ring', node_sizes=(3, 3, 4)")
+    assert twice.node_sizes == (3, 3, 4) and repr(twice).startswith(
+        "Hierarchical(inner='complete', outer='ring', node_sizes=(3, 3, 4)"
+    )
     assert twice.levels()[1].groups == [[0, 3, 6], [4, 7], [1, 8], [2, 5, 9]]
     assert 0 < twice.spectral_gap() <= 1
 

@@ -30,7 +30,27 @@ LAYERS = [
     ["failures", "rendezvous"],
     ["_compat", "_compat.lightning"],  # the private names of torch, and of Lightning: every layer may use them
 ]
-WITHOUT_LIGHTNING = ["_compat", "failures", "rendezvous", "data", "measures", "driver", "options", "agreement", "rules", "outer", "overlap", "schedule", "replicas", "gossip", "mixing", "membership", "compression", "algorithms", "topology"]
+WITHOUT_LIGHTNING = [
+    "_compat",
+    "failures",
+    "rendezvous",
+    "data",
+    "measures",
+    "driver",
+    "options",
+    "agreement",
+    "rules",
+    "outer",
+    "overlap",
+    "schedule",
+    "replicas",
+    "gossip",
+    "mixing",
+    "membership",
+    "compression",
+    "algorithms",
+    "topology",
+]
 
 
 def _layer_of(module: str) -> int:
@@ -100,7 +120,7 @@ def _circle(graph: dict[str, set[str]]) -> list[str]:
 
     def visit(module: str) -> list[str]:
         if module in path:
-            return path[path.index(module) :] + [module]
+            return [*path[path.index(module) :], module]
         if module in done:
             return []
         path.append(module)
@@ -155,15 +175,19 @@ def test_the_executors_are_siblings() -> None:
     for executor in EXECUTORS:
         for path in _modules()[executor]:
             imported = {name.split(".")[1] for name in _imports(path) if name.startswith("lightning_decentral.")}
-            assert not imported & (EXECUTORS - {executor}), f"{path.relative_to(PACKAGE)} imports {sorted(imported & EXECUTORS)}"
+            assert not imported & (EXECUTORS - {executor}), (
+                f"{path.relative_to(PACKAGE)} imports {sorted(imported & EXECUTORS)}"
+            )
 
 
 def test_update_rules_and_below_import_nothing_from_lightning() -> None:
     for module in WITHOUT_LIGHTNING:
         for path in _modules()[module]:
             lightning = {
-                name for name in _imports(path)
-                if name.split(".")[0] in ("lightning", "pytorch_lightning") or name == "lightning_decentral._compat.lightning"
+                name
+                for name in _imports(path)
+                if name.split(".")[0] in ("lightning", "pytorch_lightning")
+                or name == "lightning_decentral._compat.lightning"
             }
             assert not lightning, f"{path.name} imports {sorted(lightning)}"
 
@@ -184,7 +208,9 @@ def test_every_executor_satisfies_the_monitoring_protocol() -> None:
     for strategy in (trainer.strategy, simulated.strategy, fabric_run.strategy):
         assert isinstance(strategy, Monitored), type(strategy).__name__
     assert (trainer.strategy.num_workers, simulated.strategy.num_workers, fabric_run.strategy.num_workers) == (2, 3, 2)
-    assert not isinstance(DDPStrategy(parallel_devices=[torch.device("cpu")]), Monitored)  # a device: root_device answers
+    assert not isinstance(
+        DDPStrategy(parallel_devices=[torch.device("cpu")]), Monitored
+    )  # a device: root_device answers
     assert not hasattr(DecentralizedStrategy(), "topology")  # not bound before a Trainer gives it a world
     for module in [*PACKAGE.joinpath("callbacks").glob("*.py"), PACKAGE / "cli.py"]:
         imported = {name.split(".")[1] for name in _imports(module) if name.startswith("lightning_decentral.")}

@@ -8,12 +8,14 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 
+from lightning_decentral.failures import LATE, wait_works
 from lightning_decentral.membership import (
     LAUNCHER_KEY,
     Decision,
@@ -24,9 +26,7 @@ from lightning_decentral.membership import (
     TooFewWorkers,
     store_host,
 )
-from lightning_decentral.failures import LATE, wait_works
 from tests.helpers import start_rank
-
 
 _MADE: list[Membership] = []
 
@@ -42,7 +42,9 @@ def connect() -> Callable[[], dist.TCPStore]:
     del server
 
 
-def _members(connect: Callable, n: int, silence: float = 5.0, min_workers: int = 1, start: bool = True) -> list[Membership]:
+def _members(
+    connect: Callable, n: int, silence: float = 5.0, min_workers: int = 1, start: bool = True
+) -> list[Membership]:
     members = []
     for rank in range(n):
         store = GuardedStore(connect, timeout=10.0, where="test")
@@ -60,7 +62,7 @@ def _in_threads(calls: dict[int, Callable[[], Any]]) -> dict[int, Any]:
     def run(rank: int, call: Callable[[], Any]) -> None:
         try:
             out[rank] = call()
-        except Exception as error:  # noqa: BLE001 - the test reads it
+        except Exception as error:
             out[rank] = error
 
     threads = [threading.Thread(target=run, args=item) for item in calls.items()]
@@ -82,15 +84,21 @@ def test_survivors_agree_on_the_members_and_the_largest_step(connect: Callable) 
     members = _members(connect, 4)
     members[2].close()  # dead: no heartbeat, never joins
     started = time.monotonic()
-    out = _in_threads({
-        1: lambda: members[1].agree(20, "Connection closed by peer", broken=[2]),
-        0: _late(0.1, lambda: members[0].agree(21, members[0].poll())),
-        3: _late(0.2, lambda: members[3].agree(20, "announced")),
-    })
+    out = _in_threads(
+        {
+            1: lambda: members[1].agree(20, "Connection closed by peer", broken=[2]),
+            0: _late(0.1, lambda: members[0].agree(21, members[0].poll())),
+            3: _late(0.2, lambda: members[3].agree(20, "announced")),
+        }
+    )
     expected = Decision(generation=1, members=(0, 1, 3), survivors=(0, 1, 3), lost=(2,), step=21)
     assert out == {0: expected, 1: expected, 3: expected}
     assert time.monotonic() - started < 3.0
-    assert [(m.rank, m.world_size, m.generation) for m in (members[0], members[1], members[3])] == [(0, 3, 1), (1, 3, 1), (2, 3, 1)]
+    assert [(m.rank, m.world_size, m.generation) for m in (members[0], members[1], members[3])] == [
+        (0, 3, 1),
+        (1, 3, 1),
+        (2, 3, 1),
+    ]
 
 
 def test_members_dying_together_are_all_found_gone_at_once(connect: Callable) -> None:
@@ -109,7 +117,9 @@ def test_members_dying_together_are_all_found_gone_at_once(connect: Callable) ->
 def _member_until_killed(rank: int, world_size: int, store_port: int) -> None:
     """A member in a process of its own: it starts (heartbeat, beacon), says so, and beats until it is killed."""
     connect = lambda: dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
-    member = Membership(GuardedStore(connect, timeout=10.0, where="test"), connect, "run", rank, world_size, silence=60.0, min_workers=1)
+    member = Membership(
+        GuardedStore(connect, timeout=10.0, where="test"), connect, "run", rank, world_size, silence=60.0, min_workers=1
+    )
     member.start()
     connect().set(f"started/{rank}", "1")
     time.sleep(120)
@@ -124,7 +134,10 @@ def test_a_member_whose_process_is_gone_is_polled_before_the_silence() -> None:
     port = server.port  # bound by the server itself: no other process can take it between a probe and the bind
     connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))  # noqa: E731
     process = start_rank(_member_until_killed, 1, 3, port, tempfile.gettempdir(), store_port=port)
-    members = [Membership(GuardedStore(connect, timeout=10.0, where="test"), connect, "run", r, 3, silence=60.0, min_workers=1) for r in (0, 2)]
+    members = [
+        Membership(GuardedStore(connect, timeout=10.0, where="test"), connect, "run", r, 3, silence=60.0, min_workers=1)
+        for r in (0, 2)
+    ]
     try:
         for member in members:
             member.start()
@@ -161,17 +174,21 @@ def test_a_slow_survivor_is_waited_for_and_a_second_failure_is_agreed_the_same_w
     """Rank 3 beats its heartbeat but joins 1.5 s late (3x the confirmation window): it stays. Then rank 0 dies too."""
     members = _members(connect, 4, silence=5.0)
     members[2].close()
-    out = _in_threads({
-        0: lambda: members[0].agree(7, "Connection closed by peer", broken=[2]),
-        1: lambda: members[1].agree(7, "Connection closed by peer", broken=[2]),
-        3: _late(1.5, lambda: members[3].agree(8, "announced")),
-    })
+    out = _in_threads(
+        {
+            0: lambda: members[0].agree(7, "Connection closed by peer", broken=[2]),
+            1: lambda: members[1].agree(7, "Connection closed by peer", broken=[2]),
+            3: _late(1.5, lambda: members[3].agree(8, "announced")),
+        }
+    )
     assert {d.members for d in out.values()} == {(0, 1, 3)} and {d.step for d in out.values()} == {8}
     members[0].close()
-    second = _in_threads({
-        1: lambda: members[1].agree(30, "Connection closed by peer", broken=[0]),
-        3: lambda: members[3].agree(30, "announced"),
-    })
+    second = _in_threads(
+        {
+            1: lambda: members[1].agree(30, "Connection closed by peer", broken=[0]),
+            3: lambda: members[3].agree(30, "announced"),
+        }
+    )
     expected = Decision(generation=2, members=(1, 3), survivors=(1, 2), lost=(0,), step=30)
     assert second == {1: expected, 3: expected}
     assert (members[3].rank, members[3].world_size) == (1, 2)
@@ -183,7 +200,9 @@ def test_a_silent_member_is_lost_and_stops_when_it_comes_back(connect: Callable)
     members = _members(connect, 3, silence=1.0, start=False)
     members[0].start()
     members[1].start()  # rank 2 never beats
-    out = _in_threads({0: lambda: members[0].agree(4, "rank 2 has been silent"), 1: lambda: members[1].agree(4, "announced")})
+    out = _in_threads(
+        {0: lambda: members[0].agree(4, "rank 2 has been silent"), 1: lambda: members[1].agree(4, "announced")}
+    )
     assert {d.members for d in out.values()} == {(0, 1)}
     with pytest.raises(Excluded, match="went on without rank 2 after step 4"):
         members[2].agree(4, "woke up")
@@ -196,7 +215,10 @@ def test_below_min_workers_every_survivor_stops_alike(connect: Callable) -> None
     out = _in_threads({r: lambda r=r: members[r].agree(9, "Connection closed by peer", broken=[2, 3]) for r in (0, 1)})
     for error in out.values():
         assert isinstance(error, TooFewWorkers)
-        assert "Only 2 workers are left after step 9 (ranks [0, 1] of the start; lost: [2, 3]), fewer than min_workers=3" in str(error)
+        assert (
+            "Only 2 workers are left after step 9 (ranks [0, 1] of the start; lost: [2, 3]), fewer than min_workers=3"
+            in str(error)
+        )
 
 
 class _Hung:
@@ -226,7 +248,10 @@ def test_where_the_store_lives_is_explained(connect: Callable, monkeypatch: pyte
     outlives, words = store_host(store)
     assert not outlives and "torchrun stops every worker of a node when one of them fails" in words
     store.set(LAUNCHER_KEY, "pid 42 on host-a")
-    assert store_host(store) == (True, "lightning-decentral-launch hosts the job's store (pid 42 on host-a), outside the workers")
+    assert store_host(store) == (
+        True,
+        "lightning-decentral-launch hosts the job's store (pid 42 on host-a), outside the workers",
+    )
 
 
 class _Late:

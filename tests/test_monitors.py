@@ -49,7 +49,10 @@ def _logged(runs: list[dict[str, Any]], scenario: str, name: str) -> list[float]
 
 def test_consensus_distance_and_residual_match_every_replica(runs: list[dict[str, Any]], logs: Path) -> None:
     distance, relative = _logged(runs, "ring", "consensus/distance"), _logged(runs, "ring", "consensus/relative")
-    encoder, decoder = _logged(runs, "ring", "consensus/distance/encoder"), _logged(runs, "ring", "consensus/distance/decoder")
+    encoder, decoder = (
+        _logged(runs, "ring", "consensus/distance/encoder"),
+        _logged(runs, "ring", "consensus/distance/decoder"),
+    )
     residual = _logged(runs, "ring", "consensus/residual")
     n_encoder = sum(p.numel() for p in make_net()[0].parameters())
     for k in range(monitor_workers.STEPS):
@@ -124,8 +127,13 @@ def test_consensus_control_on_the_proxy_with_a_relative_target_and_until_epoch(r
 
 def test_plain_ddp_logs_one_model(runs: list[dict[str, Any]]) -> None:
     for name, value in {
-        "consensus/distance": 0.0, "consensus/relative": 0.0, "consensus/residual": 0.0, "consensus/gossip_steps": 0.0,
-        "lr/effective_ratio": 1.0, "lr/effective": 0.1, "noise/decentralized": 0.0,
+        "consensus/distance": 0.0,
+        "consensus/relative": 0.0,
+        "consensus/residual": 0.0,
+        "consensus/gossip_steps": 0.0,
+        "lr/effective_ratio": 1.0,
+        "lr/effective": 0.1,
+        "noise/decentralized": 0.0,
     }.items():
         assert _logged(runs, "ddp", name) == [pytest.approx(value)] * 2, name
     assert runs[0]["ddp_warnings"] and "nothing to control" in runs[0]["ddp_warnings"][0]
@@ -164,9 +172,15 @@ def test_warns_when_measurements_would_never_be_written(tmp_path: Path) -> None:
     from tests.models import loader
 
     trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=1, log_every_n_steps=5, logger=CSVLogger(tmp_path),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        log_every_n_steps=5,
+        logger=CSVLogger(tmp_path),
         callbacks=[ConsensusDistance(every_n_steps=7), EffectiveLearningRate(every_n_steps=10)],
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
     )
     with pytest.warns(UserWarning, match=r"ConsensusDistance\(every_n_steps=7\).*multiple of") as caught:
         trainer.fit(monitor_workers.TwoPart(), train_dataloaders=loader(0, 8, 8))
@@ -176,13 +190,23 @@ def test_warns_when_measurements_would_never_be_written(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "strategy, expected, unexpected",
     [
-        ("dpsgd", ["nothing to control", "DecentralizedStrategy runs one worker", "devices > 1",
-                   "SimulatedDecentralizedStrategy(workers=n)"], "strategy='dpsgd'"),
+        (
+            "dpsgd",
+            [
+                "nothing to control",
+                "DecentralizedStrategy runs one worker",
+                "devices > 1",
+                "SimulatedDecentralizedStrategy(workers=n)",
+            ],
+            "strategy='dpsgd'",
+        ),
         ("auto", ["nothing to control", "1 rank(s)", "Use strategy='dpsgd'"], "SimulatedDecentralizedStrategy"),
     ],
     ids=["one-worker-dpsgd", "other-strategy"],
 )
-def test_consensus_control_with_one_worker_says_what_to_change(strategy: str, expected: list[str], unexpected: str) -> None:
+def test_consensus_control_with_one_worker_says_what_to_change(
+    strategy: str, expected: list[str], unexpected: str
+) -> None:
     """On a decentralized strategy with one worker the advice is more workers, not the strategy it already uses."""
     (messages,) = run_distributed(monitor_workers.one_worker_control_warnings, 1, strategy=strategy)
     assert len(messages) == 1, messages

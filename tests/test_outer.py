@@ -23,8 +23,15 @@ SGD = {"lr": 0.05, "momentum": 0.9}
 NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 CONFIGS = [
     Config("diloco", topology="complete", optimizer=SGD, outer=NESTEROV, gossip_every=3, steps=9),
-    Config("outer_one_peer_batch_norm", topology="one_peer_exponential", optimizer=SGD, outer=NESTEROV, gossip_every=3,
-           steps=9, batch_norm=True),
+    Config(
+        "outer_one_peer_batch_norm",
+        topology="one_peer_exponential",
+        optimizer=SGD,
+        outer=NESTEROV,
+        gossip_every=3,
+        steps=9,
+        batch_norm=True,
+    ),
     Config("outer_ring_overlap", optimizer=SGD, outer=NESTEROV, outer_overlap=True, gossip_every=2, steps=9),
 ]
 
@@ -36,7 +43,9 @@ def on_processes() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_simulated_workers_equal_the_ranks(config: Config, vectorize: bool, on_processes: list[dict[str, Any]], monkeypatch) -> None:
+def test_simulated_workers_equal_the_ranks(
+    config: Config, vectorize: bool, on_processes: list[dict[str, Any]], monkeypatch
+) -> None:
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     simulated = sim.fit_simulated(config, WORLD, vectorize=vectorize)
     ranks = torch.stack([r[config.name]["state"] for r in on_processes]).double()
@@ -101,7 +110,9 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "resumed": sim.resume_simulated(WORLD, load=path, **OUTER, **kwargs),
         }
     vectorized = str(root / "vectorized.ckpt")
-    out["per_worker_from_vectorized"] = sim.resume_simulated(WORLD, load=vectorized, dropout=0.0, topology="ring", **OUTER)
+    out["per_worker_from_vectorized"] = sim.resume_simulated(
+        WORLD, load=vectorized, dropout=0.0, topology="ring", **OUTER
+    )
     processes, path = 2, str(root / "processes.ckpt")
     run_distributed(sim.resume_processes, processes, save=path, **OUTER, topology="complete")
     out["processes"] = {
@@ -123,13 +134,18 @@ def test_the_shards_hold_the_anchor_and_the_outer_momentum(resumed: dict[str, An
     for worker in range(WORLD):
         shard = read_shard(shard_path(path, worker, WORLD, meta["save_id"]))
         state = shard["rule_state"]
-        replica = torch.cat([v.reshape(-1) for k, v in shard["state_dict"].items() if "running" not in k and "num_batches" not in k])
+        replica = torch.cat(
+            [v.reshape(-1) for k, v in shard["state_dict"].items() if "running" not in k and "num_batches" not in k]
+        )
         assert [a.numel() for a in state["anchor"]] == [40, 8, 24, 3]  # one per parameter, whatever the packing
         assert (torch.cat(state["anchor"]) - replica).abs().max() > 1e-4
         momentum = state["outer_optimizer"]["state"]
         assert [set(momentum[k]) for k in range(4)] == [{"momentum_buffer"}] * 4
     torch.testing.assert_close(
-        torch.stack(resumed["per_worker_from_vectorized"]), torch.stack(resumed["vectorized"]["straight"]), atol=1e-5, rtol=0
+        torch.stack(resumed["per_worker_from_vectorized"]),
+        torch.stack(resumed["vectorized"]["straight"]),
+        atol=1e-5,
+        rtol=0,
     )
 
 
@@ -142,8 +158,14 @@ def test_the_shards_hold_the_anchor_and_the_outer_momentum(resumed: dict[str, An
         ({"momentum": "decentlam"}, "momentum='decentlam' .* use momentum='local'"),
         ({"staleness": 1, "gossip_every": 1}, "staleness=1 .* use staleness=0"),
         ({"outer_overlap": True, "on_peer_failure": "continue"}, "use outer_overlap=False"),
-        ({"outer_optimizer": torch.optim.SGD(torch.nn.Linear(1, 1).parameters())}, "must be a factory, parameters -> optimizer"),
-        ({"outer_optimizer": functools.partial(torch.optim.SGD, lr=-0.7)}, "building it failed: .*Invalid learning rate"),
+        (
+            {"outer_optimizer": torch.optim.SGD(torch.nn.Linear(1, 1).parameters())},
+            "must be a factory, parameters -> optimizer",
+        ),
+        (
+            {"outer_optimizer": functools.partial(torch.optim.SGD, lr=-0.7)},
+            "building it failed: .*Invalid learning rate",
+        ),
     ],
     ids=["decentlam", "staleness", "overlap-continue", "an-optimizer", "bad-lr"],
 )
@@ -176,7 +198,14 @@ def test_a_non_elementwise_outer_optimizer_keeps_the_simulated_workers_apart() -
 def test_the_rule_is_recorded_and_a_resume_under_another_warns(tmp_path: Path) -> None:
     checkpoint = str(tmp_path / "outer.ckpt")
     sim.resume_simulated(WORLD, save=checkpoint, dropout=0.0, **OUTER)
-    assert read_shard(shard_path(checkpoint, 0, WORLD, torch.load(checkpoint, weights_only=True)["decentralized_shards"]["save_id"]))["strategy"]["rule"] == "outer"
+    assert (
+        read_shard(
+            shard_path(
+                checkpoint, 0, WORLD, torch.load(checkpoint, weights_only=True)["decentralized_shards"]["save_id"]
+            )
+        )["strategy"]["rule"]
+        == "outer"
+    )
     with pytest.warns(UserWarning, match="'outer' -> 'awc'"):
         sim.resume_simulated(WORLD, load=checkpoint, dropout=0.0)
 
@@ -188,10 +217,17 @@ def test_every_rank_must_run_the_same_outer_optimizer() -> None:
     from tests.models import make_net
 
     def configuration(**options: Any) -> dict[str, Any]:
-        return run_configuration(SimulatedDecentralizedStrategy(workers=4, gossip_every=4, **options), make_net(), "32-true")
+        return run_configuration(
+            SimulatedDecentralizedStrategy(workers=4, gossip_every=4, **options), make_net(), "32-true"
+        )
 
     seven = configuration(outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
     assert seven["outer_optimizer"].startswith("SGD(lr=0.7, momentum=0.9, dampening=0,") and seven["outer_overlap"] == 0
-    assert seven == configuration(outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True))
-    assert seven["outer_optimizer"] != configuration(outer_optimizer=functools.partial(torch.optim.SGD, lr=0.5))["outer_optimizer"]
+    assert seven == configuration(
+        outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+    )
+    assert (
+        seven["outer_optimizer"]
+        != configuration(outer_optimizer=functools.partial(torch.optim.SGD, lr=0.5))["outer_optimizer"]
+    )
     assert configuration()["outer_optimizer"] == ""

@@ -32,8 +32,15 @@ NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 OUTER = {"optimizer": SGD, "outer": NESTEROV, "dtype": F64}
 CONFIGS = [
     Config("outer_ring_sign", compression="sign", gossip_every=3, steps=9, **OUTER),
-    Config("outer_one_peer_top_k_batch_norm", topology="one_peer_exponential", compression="top_k:0.2", gossip_every=3,
-           steps=9, batch_norm=True, **OUTER),
+    Config(
+        "outer_one_peer_top_k_batch_norm",
+        topology="one_peer_exponential",
+        compression="top_k:0.2",
+        gossip_every=3,
+        steps=9,
+        batch_norm=True,
+        **OUTER,
+    ),
     Config("diloco_sign", topology="complete", compression="sign", gossip_every=3, steps=9, **OUTER),
     Config("outer_ring_int4_overlap", compression="int4", outer_overlap=True, gossip_every=2, steps=9, **OUTER),
 ]
@@ -68,7 +75,11 @@ def test_the_simulation_equals_the_processes(config: Config, on_processes: list[
 
 # -- checkpoints in the middle of a round ---------------------------------------------------------------------
 
-RESUME = {"outer_optimizer": functools.partial(torch.optim.SGD, **NESTEROV), "gossip_every": 3, "compression": Sign(block=8)}
+RESUME = {
+    "outer_optimizer": functools.partial(torch.optim.SGD, **NESTEROV),
+    "gossip_every": 3,
+    "compression": Sign(block=8),
+}
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +120,9 @@ def test_the_shards_hold_the_rule_and_the_compressor_state(resumed: dict[str, An
         copies = gossip["copies"][0]  # the flat parameters' public copies, one round old (step 2's)
         assert gossip["wire_bytes"] > 0 and set(copies["received"]) == {(worker - 1) % WORLD, (worker + 1) % WORLD}
         assert all(c.abs().sum() > 0 for c in copies["sent"] + list(copies["received"].values()))
-        assert torch.equal(gossip["origins"][0], read_shard(shard_path(path, 0, WORLD, meta["save_id"]))["gossip"]["origins"][0])
+        assert torch.equal(
+            gossip["origins"][0], read_shard(shard_path(path, 0, WORLD, meta["save_id"]))["gossip"]["origins"][0]
+        )
 
 
 # -- bytes --------------------------------------------------------------------------------------------------------
@@ -142,12 +155,24 @@ class _Bytes(ExchangeObserver):
 def _bytes_per_step(steps: int, **options: Any) -> float:
     """Bytes one worker sends per optimizer step in a simulated run of `steps` steps on 4 workers: what compressed
     gossip put on the wire (`bytes_sent`), else what the exchanges announced (an `ExchangeObserver`)."""
-    strategy, count = SimulatedDecentralizedStrategy(workers=WORLD, topology="one_peer_exponential", **options), _Bytes()
-    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    strategy, count = (
+        SimulatedDecentralizedStrategy(workers=WORLD, topology="one_peer_exponential", **options),
+        _Bytes(),
+    )
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     strategy.observe(count)
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(WORLD * steps * 4, 16, generator=generator), torch.randn(WORLD * steps * 4, 1, generator=generator))
+    data = TensorDataset(
+        torch.randn(WORLD * steps * 4, 16, generator=generator), torch.randn(WORLD * steps * 4, 1, generator=generator)
+    )
     trainer.fit(_Wide(), train_dataloaders=DataLoader(data, batch_size=4))
     sent = strategy.bytes_sent if options.get("compression") else count.sent
     return sent / WORLD / steps
@@ -156,8 +181,9 @@ def _bytes_per_step(steps: int, **options: Any) -> float:
 def test_sign_sends_under_1_over_25h_of_dpsgd_per_optimizer_step() -> None:
     every, steps = 5, 10
     dpsgd = _bytes_per_step(steps)
-    outer = _bytes_per_step(steps, outer_optimizer=functools.partial(torch.optim.SGD, **NESTEROV), gossip_every=every,
-                            compression="sign")
+    outer = _bytes_per_step(
+        steps, outer_optimizer=functools.partial(torch.optim.SGD, **NESTEROV), gossip_every=every, compression="sign"
+    )
     assert dpsgd == 1153 * 4  # one float32 model to one peer at every step
     assert outer == (1153 // 8 + 1 + 2 * 4) / every  # one sign message per round: bits and 2 scales, every H steps
     assert outer <= dpsgd / (25 * every)

@@ -22,8 +22,9 @@ def test_the_survivors_of_a_killed_rank_finish_with_the_outer_optimizer() -> Non
     steps 2, 5, 8, 11; rank 2 is killed when step 5 starts. Ranks 0, 1, 3 all meet the loss in exchange 5, agree on
     step 5, end that round alone and go on as DiLoCo of 3 from anchors that now differ."""
     with tempfile.TemporaryDirectory() as root:
-        results, codes = _every_rank_exits(workers.survive, 4, root=root, deaths={2: 5}, steps=12, topology="complete", timeout=5.0,
-                                           **OUTER)
+        results, codes = _every_rank_exits(
+            workers.survive, 4, root=root, deaths={2: 5}, steps=12, topology="complete", timeout=5.0, **OUTER
+        )
     assert codes == [0, 0, -9, 0] and results[2] is None
     survivors = [results[r] for r in (0, 1, 3)]
     for new_rank, r in enumerate(survivors):

@@ -23,8 +23,13 @@ def logged(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four steps on one process, logged by both loggers (one model: Ξ = 0, ratio 1)."""
     root = tmp_path_factory.mktemp("plot_logs")
     trainer = Trainer(
-        accelerator="cpu", devices=1, max_steps=4, log_every_n_steps=1, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
         logger=[CSVLogger(root / "csv", name="run", version=0), TensorBoardLogger(root / "tb", name="run", version=0)],
         callbacks=[ConsensusDistance(every_n_steps=1), EffectiveLearningRate(every_n_steps=1)],
     )
@@ -52,7 +57,11 @@ def test_command_line(logged: Path, tmp_path: Path) -> None:
     command = [sys.executable, "-m", "lightning_decentral.plot", str(logged / "tb"), "--out", str(tmp_path / "out")]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert [Path(line).name for line in done.stdout.split()] == ["loss.png", "consensus_distance.png", "effective_lr_ratio.png"]
+    assert [Path(line).name for line in done.stdout.split()] == [
+        "loss.png",
+        "consensus_distance.png",
+        "effective_lr_ratio.png",
+    ]
     assert (tmp_path / "out" / "loss.png").stat().st_size > 1000
 
 

@@ -34,7 +34,7 @@ def test_every_step_is_a_matching_drawn_from_the_shared_seed(n: int) -> None:
         assert len(alone) == n % 2  # odd n: one rank sits the step out
         for i in range(n):
             if i not in alone:
-                (peer, weight), = graph.in_neighbors(i, step)
+                ((peer, weight),) = graph.in_neighbors(i, step)
                 assert weight == 0.5 and graph.in_neighbors(peer, step) == [(i, 0.5)]
                 pairs.add((min(i, peer), max(i, peer)))
     assert len(pairs) == n * (n - 1) // 2  # in 64 steps every rank has met every other
@@ -50,14 +50,19 @@ def test_survivors_draw_among_themselves_with_the_same_seed() -> None:
 
 
 PLAIN = Config("awc_random_matching", topology="random_matching", optimizer=SGD, steps=6)
-OUTER = Config("outer_random_matching", topology="random_matching", optimizer=SGD, outer=NESTEROV, gossip_every=2, steps=8)
+OUTER = Config(
+    "outer_random_matching", topology="random_matching", optimizer=SGD, outer=NESTEROV, gossip_every=2, steps=8
+)
 
 
 @pytest.mark.parametrize("n", [4, 5])
 def test_the_simulation_is_the_reference(n: int) -> None:
-    torch.testing.assert_close(sim.fit_simulated_on_rank_data(PLAIN, n).double(), run(PLAIN, n).double(), atol=1e-5, rtol=0)
-    torch.testing.assert_close(sim.fit_simulated_on_rank_data(OUTER, n).double(), outer_reference.decentralized(OUTER, n),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        sim.fit_simulated_on_rank_data(PLAIN, n).double(), run(PLAIN, n).double(), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        sim.fit_simulated_on_rank_data(OUTER, n).double(), outer_reference.decentralized(OUTER, n), atol=1e-5, rtol=0
+    )
 
 
 def test_lost_workers_go_on_with_a_matching_of_the_survivors() -> None:

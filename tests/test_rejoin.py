@@ -80,10 +80,33 @@ def test_the_launcher_starts_a_killed_worker_again_and_it_rejoins(tmp_path: Path
     once it asks to rejoin (the others wait at step 10 until then), it rejoins, and all three end at step 30 as 3
     ranks; the launcher exits 0."""
     script, port = Path(__file__).with_name("survival_script.py"), free_port()
-    command = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", "3", "--max-restarts", "1",
-               "--master-port", str(port)]
-    arguments = ["--out", str(tmp_path), "--deaths", "1:5", "--steps", "30", "--min-workers", "1", "--rejoin", "--hold-at", "10"]
-    launcher = subprocess.Popen([*command, str(script), *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_decentral.membership.launch",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "1",
+        "--master-port",
+        str(port),
+    ]
+    arguments = [
+        "--out",
+        str(tmp_path),
+        "--deaths",
+        "1:5",
+        "--steps",
+        "30",
+        "--min-workers",
+        "1",
+        "--rejoin",
+        "--hold-at",
+        "10",
+    ]
+    launcher = subprocess.Popen(
+        [*command, str(script), *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + BOUND
         _wait_for(lambda: (tmp_path / "decided").exists() or launcher.poll() is not None, deadline)
@@ -107,8 +130,17 @@ def _launch_toy(tmp_path: Path, script: str, workers: int, restarts: int) -> sub
     """`lightning-decentral-launch --max-restarts restarts` of `workers` toy workers running `script` (written to
     `tmp_path/worker.py`, given `tmp_path` as its argument), bounded."""
     (tmp_path / "worker.py").write_text(script)
-    command = [sys.executable, "-m", "lightning_decentral.membership.launch", "--nproc-per-node", str(workers),
-               "--max-restarts", str(restarts), str(tmp_path / "worker.py"), str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_decentral.membership.launch",
+        "--nproc-per-node",
+        str(workers),
+        "--max-restarts",
+        str(restarts),
+        str(tmp_path / "worker.py"),
+        str(tmp_path),
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=BOUND)
 
 
@@ -133,7 +165,9 @@ def test_the_launcher_starts_nobody_again_once_the_run_is_over(tmp_path: Path) -
 
     (tmp_path / "start-0").unlink()
     (tmp_path / "start-1").unlink()
-    done = _launch_toy(tmp_path, script.replace("if rank == '0':\n    sys.exit(0)", "if rank == '0':\n    sys.exit(2)"), 2, 2)
+    done = _launch_toy(
+        tmp_path, script.replace("if rank == '0':\n    sys.exit(0)", "if rank == '0':\n    sys.exit(2)"), 2, 2
+    )
     assert done.returncode == 2, done.stdout + done.stderr
     assert "worker 1 started again" in done.stdout and (tmp_path / "start-1").read_text() == "xxx"  # 2 restarts
 
@@ -200,8 +234,12 @@ def test_a_rank_that_cannot_rejoin_stops_at_once_with_a_clear_error(tmp_path: Pa
                     p.kill()
         lost, new = (pickle.loads((Path(again) / f"{rank}.pkl").read_bytes())[1] for rank in (2, 3))
         survivors = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
-    assert lost.startswith("CannotRejoin: Rank 2 cannot rejoin the run in progress: it does not take rejoins. Pass rejoin=True"), lost
-    assert new.startswith("CannotRejoin: Rank 3 of 4 found a run of 3 ranks in progress on this store: a new rank cannot join"), new
+    assert lost.startswith(
+        "CannotRejoin: Rank 2 cannot rejoin the run in progress: it does not take rejoins. Pass rejoin=True"
+    ), lost
+    assert new.startswith(
+        "CannotRejoin: Rank 3 of 4 found a run of 3 ranks in progress on this store: a new rank cannot join"
+    ), new
     for r in survivors:
         assert (r["world_size"], r["global_step"]) == (2, 10)
 
@@ -213,8 +251,11 @@ def test_a_rank_started_again_after_its_run_is_over_stops_at_once(tmp_path: Path
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     run = dict(root=str(tmp_path), steps=10, rejoin=True)
-    with mock.patch.dict("os.environ", TORCHELASTIC_USE_AGENT_STORE="True"), tempfile.TemporaryDirectory() as out, \
-            tempfile.TemporaryDirectory() as again:
+    with (
+        mock.patch.dict("os.environ", TORCHELASTIC_USE_AGENT_STORE="True"),
+        tempfile.TemporaryDirectory() as out,
+        tempfile.TemporaryDirectory() as again,
+    ):
         procs = start_processes(workers.survive_or_error, 3, out, port=port, deaths={2: 3}, **run)
         restarted = None
         try:
@@ -233,16 +274,23 @@ def test_a_rank_started_again_after_its_run_is_over_stops_at_once(tmp_path: Path
     del store
     for r in survivors:
         assert (r["world_size"], r["global_step"]) == (2, 10), r
-    assert lost.startswith("CannotRejoin: Rank 2 cannot rejoin: the run it was lost by is over (its members [0, 1]"), lost
+    assert lost.startswith("CannotRejoin: Rank 2 cannot rejoin: the run it was lost by is over (its members [0, 1]"), (
+        lost
+    )
 
 
 def test_rejoin_is_checked_when_the_strategy_is_built() -> None:
     from lightning_decentral import DecentralizedStrategy
     from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
 
-    with pytest.raises(ValueError, match="rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue'"):
+    with pytest.raises(
+        ValueError,
+        match="rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue'",
+    ):
         DecentralizedStrategy(rejoin=True)
     with pytest.raises(ValueError, match="rejoin=True is supported by the Trainer's DecentralizedStrategy only"):
         FabricStrategy(on_peer_failure="continue", rejoin=True)
-    with pytest.raises(ValueError, match=r"`rejoins` maps an optimizer step to workers lost by `failures` at an earlier step"):
+    with pytest.raises(
+        ValueError, match=r"`rejoins` maps an optimizer step to workers lost by `failures` at an earlier step"
+    ):
         SimulatedDecentralizedStrategy(workers=4, failures={3: [2]}, rejoins={3: [2]})

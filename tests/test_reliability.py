@@ -6,8 +6,9 @@ import pickle
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +52,11 @@ def _checkpoint_files(directory: Path, world_size: int = WORLD) -> dict[str, lis
 def test_shards_follow_top_k_and_last(resumed: tuple[list[dict], Path]) -> None:
     _, root = resumed
     files = _checkpoint_files(root / "top_k")
-    assert sorted(files) == [f"epoch=1-step={2 * workers.K - 1}.ckpt", f"epoch=1-step={2 * workers.K}.ckpt", "last.ckpt"]
+    assert sorted(files) == [
+        f"epoch=1-step={2 * workers.K - 1}.ckpt",
+        f"epoch=1-step={2 * workers.K}.ckpt",
+        "last.ckpt",
+    ]
     for shards in files.values():  # one shard per rank, of this save only
         assert [re.sub(r"\.\d+\.pt$", "", s) for s in shards] == [f"rank-{r:05d}-of-{WORLD:05d}" for r in range(WORLD)]
     leftovers = {p.name for p in (root / "top_k").iterdir()} - set(files) - {f"{f}.shards" for f in files}
@@ -106,7 +111,10 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(two_ranks: tuple) ->
     results, _, root = two_ranks
     healthy, failed = results
     assert failed["interrupted"] == "OSError: No space left on device (simulated)"
-    assert healthy["interrupted"] == "RuntimeError: Rank(s) [1] could not write its shard (their logs say why); no checkpoint was written."
+    assert (
+        healthy["interrupted"]
+        == "RuntimeError: Rank(s) [1] could not write its shard (their logs say why); no checkpoint was written."
+    )
     for r in results:  # the new shard of rank 0 was discarded; the first save's shards are still there
         assert r["shards_after"] == r["shards_before"] and len(r["shards_before"]) == 1
     assert list(_checkpoint_files(root, world_size=2)) == ["overwritten.ckpt"]  # its shards match its save_id
@@ -275,14 +283,14 @@ def test_a_rank_that_saves_alone_stops_every_rank_within_the_timeout_naming_what
     to its next batch. Before, nothing named it. Rank 0 names rank 1's activity: at once if rank 1 began its next batch,
     else (rank 1 held in a collective before it publishes) after the timeout."""
     timeout = 10.0
-    saver, other = run_distributed(workers.save_on_rank_zero_only, 2, timeout=120, root=str(tmp_path), pg_timeout=timeout)
+    saver, other = run_distributed(
+        workers.save_on_rank_zero_only, 2, timeout=120, root=str(tmp_path), pg_timeout=timeout
+    )
     at_once = (
         "Disagreement: The ranks are not doing the same thing: rank 0 is in a checkpoint save (trainer.save_checkpoint "
         "or a checkpoint callback) while rank 1 is in training batch 2 (optimizer step 2)."
     )
-    after_the_timeout = (
-        "PeerFailure: a checkpoint save (trainer.save_checkpoint or a checkpoint callback) waited 10."
-    )
+    after_the_timeout = "PeerFailure: a checkpoint save (trainer.save_checkpoint or a checkpoint callback) waited 10."
     assert saver["error"].startswith((at_once, after_the_timeout)), saver["error"]
     assert "rank 1" in saver["error"] and "training batch" in saver["error"]  # what rank 1 does, named
     assert other["error"].startswith("PeerFailure: The gossip exchange of step 2 failed"), other["error"]
@@ -328,8 +336,7 @@ def test_ranks_that_agree_pass_and_a_rank_that_never_begins_is_named_after_the_t
 
     import torch.distributed as dist
 
-    from lightning_decentral.failures import Activities
-    from lightning_decentral.failures import PeerFailure
+    from lightning_decentral.failures import Activities, PeerFailure
 
     store, warned = dist.HashStore(), []
     ranks = [Activities(store, rank, 3, timeout=0.5, warn_after=0.2, warn=warned.append) for rank in range(3)]
@@ -345,8 +352,13 @@ def test_ranks_that_agree_pass_and_a_rank_that_never_begins_is_named_after_the_t
     ranks[2].start("fabric.load('b.ckpt')")  # as its agree() publishes it; rank 1 never begins the load
     with pytest.raises(PeerFailure) as raised:
         ranks[0].agree("fabric.load('b.ckpt')")
-    assert re.search(r"fabric.load\('b.ckpt'\) waited 0\.\d s \(the timeout\) on rank 0 for rank 1 \(optimizer step 0\) to begin", str(raised.value))
-    assert len(warned) == 1 and re.search(r"Rank 0 has waited 0\.\d s in fabric.load\('b.ckpt'\) for rank 1 \(optimizer step 0\)", warned[0])
+    assert re.search(
+        r"fabric.load\('b.ckpt'\) waited 0\.\d s \(the timeout\) on rank 0 for rank 1 \(optimizer step 0\) to begin",
+        str(raised.value),
+    )
+    assert len(warned) == 1 and re.search(
+        r"Rank 0 has waited 0\.\d s in fabric.load\('b.ckpt'\) for rank 1 \(optimizer step 0\)", warned[0]
+    )
 
 
 @pytest.mark.parametrize("executor", ["trainer", "fabric"])
@@ -359,11 +371,17 @@ def test_a_timeout_that_is_not_a_positive_timedelta_is_refused_when_the_strategy
     from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
 
     strategy = {"trainer": DecentralizedStrategy, "fabric": FabricStrategy}[executor]
-    with pytest.raises(TypeError, match=r"timeout=30 is a number: pass a datetime.timedelta, e.g. timeout=timedelta\(seconds=30\)"):
+    with pytest.raises(
+        TypeError, match=r"timeout=30 is a number: pass a datetime.timedelta, e.g. timeout=timedelta\(seconds=30\)"
+    ):
         strategy(timeout=30)
-    with pytest.raises(TypeError, match=r"timeout must be a datetime.timedelta, e.g. timedelta\(minutes=5\), got str '30s'"):
+    with pytest.raises(
+        TypeError, match=r"timeout must be a datetime.timedelta, e.g. timedelta\(minutes=5\), got str '30s'"
+    ):
         strategy(timeout="30s")
     for bad, shown in ((timedelta(0), "timedelta(0)"), (timedelta(seconds=-5), "timedelta(seconds=-5)")):
-        with pytest.raises(ValueError, match=rf"timeout={re.escape(shown)} is not positive: .* pass a positive datetime.timedelta"):
+        with pytest.raises(
+            ValueError, match=rf"timeout={re.escape(shown)} is not positive: .* pass a positive datetime.timedelta"
+        ):
             strategy(timeout=bad)
     strategy(timeout=None)  # torch's default

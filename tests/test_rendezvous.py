@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -71,7 +72,9 @@ def test_a_new_generation_on_the_same_store_sees_none_of_the_earlier_ones_keys()
 
     def rank_of_a_generation(rank: int) -> dist.Store:
         client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
-        return dist.PrefixStore(f"{rendezvous.NAMESPACE}/{rendezvous.agree_generation(client, rank, 2, TIMEOUT)}", client)
+        return dist.PrefixStore(
+            f"{rendezvous.NAMESPACE}/{rendezvous.agree_generation(client, rank, 2, TIMEOUT)}", client
+        )
 
     first = _on_threads(2, rank_of_a_generation)
     first[1].set("default_pg/0//cpu//0/1", "a dead worker's address")
@@ -96,7 +99,9 @@ def test_a_rank_that_a_run_in_progress_went_on_without_stops_at_once_and_an_old_
     rendezvous.keep_out(store, [0, 2])
     beating.start()
     try:
-        errors = _on_threads(3, lambda rank: rendezvous.agree_generation(store, rank, 3, TIMEOUT) if rank != 1 else None)
+        errors = _on_threads(
+            3, lambda rank: rendezvous.agree_generation(store, rank, 3, TIMEOUT) if rank != 1 else None
+        )
     finally:
         survivors_train.set()
         beating.join()
@@ -126,4 +131,3 @@ def test_job_store_is_the_store_connect_made() -> None:
     assert rendezvous.job_store() is store
     store.set("key", "value")
     assert rendezvous.job_store().get("key") == b"value"
-

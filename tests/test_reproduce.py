@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_smoke_run_prints_and_writes_its_tables(script: str, tables: list[str], tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "reproduce" / f"{script}.py"), "--smoke", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=280, check=False,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     progress = [line for line in done.stdout.splitlines() if line.startswith("[") and " s] " in line]
@@ -34,7 +37,9 @@ def test_smoke_run_prints_and_writes_its_tables(script: str, tables: list[str], 
         assert len(lines) >= 3 and lines[1].startswith("|---") and len({line.count("|") for line in lines}) == 1, text
         assert "nan" not in text and text.strip() in done.stdout
     if script == "decentlam":  # the bias check: DecentLaM's fixed point is closer to the optimum than DmSGD's
-        rows = dict(line.strip("| ").split(" | ") for line in (tmp_path / "decentlam_bias.md").read_text().splitlines()[2:])
+        rows = dict(
+            line.strip("| ").split(" | ") for line in (tmp_path / "decentlam_bias.md").read_text().splitlines()[2:]
+        )
         assert float(rows["decentlam"]) < float(rows["atc"])
 
 

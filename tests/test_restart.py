@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -30,7 +31,10 @@ def _saves(directory: Path, world_size: int = WORLD) -> dict[str, tuple[dict, li
     for path in sorted(directory.glob("*.ckpt")):
         checkpoint = torch.load(path, weights_only=True)
         save_id = checkpoint[META_KEY]["save_id"]
-        saves[path.name] = checkpoint, [read_shard(shard_path(str(path), r, world_size, save_id)) for r in range(world_size)]
+        saves[path.name] = (
+            checkpoint,
+            [read_shard(shard_path(str(path), r, world_size, save_id)) for r in range(world_size)],
+        )
     return saves
 
 
@@ -54,7 +58,11 @@ def background(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Pa
 def test_saves_in_the_background_write_what_synchronous_saves_write(background: tuple[list[dict], Path]) -> None:
     results, root = background
     sync, in_background = _saves(root / "sync"), _saves(root / "background")
-    assert sorted(sync) == sorted(in_background) == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    assert (
+        sorted(sync)
+        == sorted(in_background)
+        == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+    )
     for name, (file, shards) in sync.items():
         other_file, other_shards = in_background[name]
         assert other_file["global_step"] == file["global_step"]
@@ -68,7 +76,9 @@ def test_saves_in_the_background_write_what_synchronous_saves_write(background: 
         assert torch.equal(r["background"]["end"], r["sync"]["end"])
 
 
-def test_a_resume_from_a_background_save_continues_every_replica_bit_for_bit(background: tuple[list[dict], Path]) -> None:
+def test_a_resume_from_a_background_save_continues_every_replica_bit_for_bit(
+    background: tuple[list[dict], Path],
+) -> None:
     results, _ = background
     assert not torch.equal(results[0]["resumed"]["start"], results[1]["resumed"]["start"])  # from each own shard
     for r in results:
@@ -76,7 +86,9 @@ def test_a_resume_from_a_background_save_continues_every_replica_bit_for_bit(bac
         assert not r["resumed"]["warnings"]
 
 
-def test_a_resume_through_a_linked_last_checkpoint_continues_every_replica_bit_for_bit(background: tuple[list[dict], Path]) -> None:
+def test_a_resume_through_a_linked_last_checkpoint_continues_every_replica_bit_for_bit(
+    background: tuple[list[dict], Path],
+) -> None:
     """`ModelCheckpoint(save_last="link")`: `last.ckpt` is a link to the step's checkpoint, whose shards it finds."""
     results, root = background
     last = root / "linked" / "last.ckpt"  # after the resumed run: a link to its own last save
@@ -100,7 +112,10 @@ def test_a_failed_background_save_stops_every_rank_and_removes_nothing(tmp_path:
     """The second save fails on rank 1: the removal of the first, queued behind it, must not run."""
     results = run_distributed(workers.failed_background_save, 2, timeout=240, root=str(tmp_path))
     assert results[1] == "OSError: No space left on device (simulated)"
-    assert results[0] == "RuntimeError: Rank(s) [1] could not write its shard (their logs say why); no checkpoint was written."
+    assert (
+        results[0]
+        == "RuntimeError: Rank(s) [1] could not write its shard (their logs say why); no checkpoint was written."
+    )
     saves = _saves(tmp_path, world_size=2)
     assert sorted(saves) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     assert all(file["global_step"] == workers.EVERY for file, _ in saves.values())
@@ -115,7 +130,9 @@ def test_the_saves_of_one_step_average_once_and_see_a_replica_changed_between_th
         assert rank_counts == {"sync": 4, "background": 4}, rank_counts
     for mode in ("sync", "background"):
         directory = tmp_path / f"{mode}-changed"
-        files = {name: torch.load(directory / name, weights_only=True) for name in ("before.ckpt", "after.ckpt", "last.ckpt")}
+        files = {
+            name: torch.load(directory / name, weights_only=True) for name in ("before.ckpt", "after.ckpt", "last.ckpt")
+        }
         before, after = files["before.ckpt"]["state_dict"], files["after.ckpt"]["state_dict"]
         for key, value in before.items():  # rank 0's replica + 1, over 2 ranks
             torch.testing.assert_close(after[key], value + 0.5, rtol=0, atol=1e-6)
@@ -128,7 +145,9 @@ def test_the_saves_of_one_step_average_once_and_see_a_replica_changed_between_th
         for rank in range(2):
             shard = {name: shard_path(str(directory / name), rank, 2, ids[name]) for name in ids}
             assert not os.path.samefile(shard["before.ckpt"], shard["after.ckpt"]), (mode, rank)
-            assert os.path.samefile(shard["after.ckpt"], shard[step]) and os.path.samefile(shard[step], shard["last.ckpt"])
+            assert os.path.samefile(shard["after.ckpt"], shard[step]) and os.path.samefile(
+                shard[step], shard["last.ckpt"]
+            )
 
 
 def test_last_checkpoint_links_the_shards_of_the_step_checkpoint_and_resumes_exactly_without_it(tmp_path: Path) -> None:
@@ -164,7 +183,9 @@ def test_resume_newest_complete_takes_the_newest_checkpoint_every_rank_has_whole
     }
     for case, (chosen, problem) in cases.items():
         (warning,) = results[0][case]["warnings"]  # once, on rank 0
-        assert warning.startswith(f"Resuming from {tmp_path / chosen} (step {chosen[-6]}) instead of {tmp_path / 'last.ckpt'}")
+        assert warning.startswith(
+            f"Resuming from {tmp_path / chosen} (step {chosen[-6]}) instead of {tmp_path / 'last.ckpt'}"
+        )
         assert problem in warning and "the newest complete checkpoint in its directory" in warning
         assert all(not r[case]["warnings"] for r in results[1:])
     for rank, r in enumerate(results):  # each replica resumed from its own shard of the checkpoint chosen
@@ -178,25 +199,33 @@ def damaged(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]
     return run_distributed(workers.damaged, WORLD, timeout=240, root=str(root)), root
 
 
-def test_resume_newest_complete_reads_each_shard_and_passes_over_a_truncated_one(damaged: tuple[list[dict], Path]) -> None:
+def test_resume_newest_complete_reads_each_shard_and_passes_over_a_truncated_one(
+    damaged: tuple[list[dict], Path],
+) -> None:
     """Rank 1's shard of last.ckpt cut in half: last.ckpt is incomplete (the shard was only looked for: every replica
     restarted from x̄), so each replica resumes from its own shard of step 8's checkpoint, saved at the same step."""
     results, root = damaged
     (warning,) = results[0]["truncated"]["warnings"]
-    assert warning.startswith(f"Resuming from {root / 'truncated' / 'epoch=1-step=8.ckpt'} (step 8) instead of {root / 'truncated' / 'last.ckpt'}")
+    assert warning.startswith(
+        f"Resuming from {root / 'truncated' / 'epoch=1-step=8.ckpt'} (step 8) instead of {root / 'truncated' / 'last.ckpt'}"
+    )
     assert "rank(s) [1] cannot read their shard of its save (truncated or damaged)" in warning
     assert all(not r["truncated"]["warnings"] for r in results[1:])
     for r in results:
         assert torch.equal(r["truncated"]["start"], r["trained"])
 
 
-def test_resume_newest_complete_falls_back_from_a_last_link_whose_file_is_gone(damaged: tuple[list[dict], Path]) -> None:
+def test_resume_newest_complete_falls_back_from_a_last_link_whose_file_is_gone(
+    damaged: tuple[list[dict], Path],
+) -> None:
     """`save_last="link"`, and the file last.ckpt links to (step 8's) deleted: Lightning resolves `ckpt_path="last"` to
     no checkpoint (a start from step 0); the strategy resumes from step 6's, naming both."""
     results, root = damaged
     directory = root / "dangling"
     (warning,) = results[0]["dangling"]["warnings"]
-    assert warning.startswith(f"Resuming from {directory / 'epoch=1-step=6.ckpt'} (step 6) instead of {directory / 'last.ckpt'}")
+    assert warning.startswith(
+        f"Resuming from {directory / 'epoch=1-step=6.ckpt'} (step 6) instead of {directory / 'last.ckpt'}"
+    )
     assert "it links to epoch=1-step=8.ckpt, which is gone" in warning
     for rank, r in enumerate(results):
         assert r["dangling"]["start step"] == 6
@@ -215,7 +244,12 @@ JOB = Path(workers.__file__)
 
 
 def _torchrun(
-    root: Path, processes: int, max_restarts: int, *args: str, bound: float, kill_when: Optional[Callable[[], bool]] = None,
+    root: Path,
+    processes: int,
+    max_restarts: int,
+    *args: str,
+    bound: float,
+    kill_when: Callable[[], bool] | None = None,
     tee: bool = False,
 ) -> tuple[int, str]:
     """Run the job of `tests/restart_workers.py` under torchrun (c10d rendezvous) with `processes` ranks, saving in
@@ -223,16 +257,29 @@ def _torchrun(
     With `kill_when`, SIGKILL the rank that paused once `kill_when()` holds. Every process it started is killed once
     `bound` seconds have passed."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", f"--max-restarts={max_restarts}",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "--monitor-interval=0.1",
-        *(["--tee=3"] if tee else []), str(JOB), "--root", str(root), "--background", *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={processes}",
+        f"--max-restarts={max_restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "--monitor-interval=0.1",
+        *(["--tee=3"] if tee else []),
+        str(JOB),
+        "--root",
+        str(root),
+        "--background",
+        *args,
     ]
     log, paused = root / "torchrun.log", root / "paused"
     with open(log, "w") as out:
         agent = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=root)
     deadline = time.monotonic() + bound
     try:
-        while kill_when and not (paused.exists() and kill_when()) and agent.poll() is None and time.monotonic() < deadline:
+        while (
+            kill_when and not (paused.exists() and kill_when()) and agent.poll() is None and time.monotonic() < deadline
+        ):
             time.sleep(0.1)
         if kill_when and paused.exists():
             os.kill(int(paused.read_text()), signal.SIGKILL)
@@ -262,17 +309,33 @@ def _records(root: Path, attempt: int, world_size: int) -> list[dict[str, Any]]:
 def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]:
     root = tmp_path_factory.mktemp("torchrun")
     last_saved = functools.partial(_saved, root / "checkpoints" / "last.ckpt", PAUSE - 1, 4)  # in the background
-    code, output = _torchrun(root, 4, 1, "--steps", str(STEPS), "--pause-rank", "2", "--pause-step", str(PAUSE), bound=300, kill_when=last_saved)
+    code, output = _torchrun(
+        root,
+        4,
+        1,
+        "--steps",
+        str(STEPS),
+        "--pause-rank",
+        "2",
+        "--pause-step",
+        str(PAUSE),
+        bound=300,
+        kill_when=last_saved,
+    )
     return root, code, output
 
 
-def test_a_job_that_loses_a_rank_restarts_by_itself_under_torchrun_and_resumes_exactly(restarted: tuple, tmp_path: Path) -> None:
+def test_a_job_that_loses_a_rank_restarts_by_itself_under_torchrun_and_resumes_exactly(
+    restarted: tuple, tmp_path: Path
+) -> None:
     root, code, output = restarted
     assert code == 0, output[-5000:]
     assert not list((root / "records").glob("0-*"))  # no rank of the first attempt reached the end
     records = _records(root, 1, 4)  # the second attempt ran to the end on every rank
     assert [r["start step"] for r in records] == [PAUSE - 1] * 4  # the newest complete checkpoint: step 8's
-    reference = run_distributed(workers.stopped_and_resumed, 4, timeout=240, root=str(tmp_path), stop=PAUSE - 1, steps=STEPS)
+    reference = run_distributed(
+        workers.stopped_and_resumed, 4, timeout=240, root=str(tmp_path), stop=PAUSE - 1, steps=STEPS
+    )
     for rank, (record, replica) in enumerate(zip(records, reference)):
         assert torch.equal(record["end"], replica), f"rank {rank}"
     assert not torch.equal(records[0]["end"], records[1]["end"])  # four models, not one
@@ -282,7 +345,9 @@ def _average_in(checkpoint: Path) -> torch.Tensor:
     return torch.cat([v.reshape(-1) for v in torch.load(checkpoint, weights_only=True)["state_dict"].values()])
 
 
-def test_a_job_restarted_on_fewer_then_more_ranks_restarts_every_replica_from_the_average(restarted: tuple, tmp_path: Path) -> None:
+def test_a_job_restarted_on_fewer_then_more_ranks_restarts_every_replica_from_the_average(
+    restarted: tuple, tmp_path: Path
+) -> None:
     """The same checkpoints, as a job resubmitted on other nodes finds them: 4 -> 3 under torchrun (the warning in
     its output, from rank 0), then 3 -> 4."""
     job, code, output = restarted
@@ -290,7 +355,9 @@ def test_a_job_restarted_on_fewer_then_more_ranks_restarts_every_replica_from_th
     checkpoints = job / "checkpoints"
     average = _average_in(checkpoints / "last.ckpt")  # step 12, 4 ranks
     (tmp_path / "three").mkdir()
-    code, output = _torchrun(tmp_path / "three", 3, 0, "--checkpoints", str(checkpoints), "--steps", str(STEPS + 2), bound=240, tee=True)
+    code, output = _torchrun(
+        tmp_path / "three", 3, 0, "--checkpoints", str(checkpoints), "--steps", str(STEPS + 2), bound=240, tee=True
+    )
     assert code == 0, output[-5000:]
     warnings = [line for line in output.splitlines() if "with every replica restarted from the averaged model" in line]
     assert len(warnings) == 1 and warnings[0].startswith("[default0]:"), warnings  # once, from rank 0

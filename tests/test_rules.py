@@ -51,31 +51,92 @@ def _cases() -> list[tuple[Config, int]]:
             (cfg("complete-adam", topology="complete", optimizer=ADAM), N),
             (cfg("ring-every2-rounds2", optimizer=MOMENTUM, gossip_every=2, gossip_steps=2), N),
             (cfg("exponential-every2-rounds2-sgd", topology="exponential", gossip_every=2, gossip_steps=2), N),
-            (cfg("one_peer_exponential-rounds2", topology="one_peer_exponential", optimizer=MOMENTUM, gossip_steps=2), N),
+            (
+                cfg(
+                    "one_peer_exponential-rounds2", topology="one_peer_exponential", optimizer=MOMENTUM, gossip_steps=2
+                ),
+                N,
+            ),
             (cfg("ring-accumulate-clip", optimizer=MOMENTUM, accumulate=2, clip=0.05), N),
-            (cfg("one_peer_exponential-accumulate", topology="one_peer_exponential", optimizer=MOMENTUM, accumulate=2), N),
+            (
+                cfg(
+                    "one_peer_exponential-accumulate", topology="one_peer_exponential", optimizer=MOMENTUM, accumulate=2
+                ),
+                N,
+            ),
             (cfg("ring-batchnorm", optimizer=MOMENTUM, batch_norm=True), N),
-            (cfg("one_peer_exponential-batchnorm-clip", topology="one_peer_exponential", optimizer=MOMENTUM,
-                 batch_norm=True, clip=0.05), N),
+            (
+                cfg(
+                    "one_peer_exponential-batchnorm-clip",
+                    topology="one_peer_exponential",
+                    optimizer=MOMENTUM,
+                    batch_norm=True,
+                    clip=0.05,
+                ),
+                N,
+            ),
             (cfg("ring-nesterov-wd-step-scheduler", optimizer=NESTEROV_WD, scheduler="step"), N),
             (cfg("ring-warmup-from-zero", optimizer=MOMENTUM, scheduler="warmup"), N),
             (cfg("ring-bf16", optimizer=MOMENTUM, gossip_dtype=BF16), N),
-            (cfg("one_peer_exponential-rounds2-bf16", topology="one_peer_exponential", optimizer=MOMENTUM,
-                 gossip_steps=2, gossip_dtype=BF16), N),
-            (cfg(f"{bf16_topology}-batchnorm-bf16", topology=bf16_topology, optimizer=MOMENTUM, batch_norm=True, gossip_dtype=BF16), N),
+            (
+                cfg(
+                    "one_peer_exponential-rounds2-bf16",
+                    topology="one_peer_exponential",
+                    optimizer=MOMENTUM,
+                    gossip_steps=2,
+                    gossip_dtype=BF16,
+                ),
+                N,
+            ),
+            (
+                cfg(
+                    f"{bf16_topology}-batchnorm-bf16",
+                    topology=bf16_topology,
+                    optimizer=MOMENTUM,
+                    batch_norm=True,
+                    gossip_dtype=BF16,
+                ),
+                N,
+            ),
             (cfg("complete-bf16", topology="complete", optimizer=MOMENTUM, gossip_dtype=BF16), N),
             (cfg("ring-warmup-from-zero-bf16", optimizer=MOMENTUM, scheduler="warmup", gossip_dtype=BF16), N),
             (cfg("ring-rounds-by-step", optimizer=MOMENTUM, gossip_steps={"step": {0: 3, 2: 1, 4: 2}}), N),
-            (cfg("exponential-every2-rounds-by-epoch", topology="exponential", optimizer=MOMENTUM,
-                 gossip_every=2, gossip_steps={"epoch": {0: 1, 1: 3}}, steps_per_epoch=2, steps=8), N),
+            (
+                cfg(
+                    "exponential-every2-rounds-by-epoch",
+                    topology="exponential",
+                    optimizer=MOMENTUM,
+                    gossip_every=2,
+                    gossip_steps={"epoch": {0: 1, 1: 3}},
+                    steps_per_epoch=2,
+                    steps=8,
+                ),
+                N,
+            ),
             (cfg("exponential-n8", topology="exponential", optimizer=MOMENTUM), 8),
-            (cfg("one_peer_exponential-n8-batchnorm", topology="one_peer_exponential", optimizer=MOMENTUM,
-                 batch_norm=True), 8),
+            (
+                cfg(
+                    "one_peer_exponential-n8-batchnorm",
+                    topology="one_peer_exponential",
+                    optimizer=MOMENTUM,
+                    batch_norm=True,
+                ),
+                8,
+            ),
         ]
     cases += [
         (Config("decentlam-ring-small-buckets", momentum="decentlam", optimizer=MOMENTUM, bucket_cap_mb=1e-4), N),
-        (Config("decentlam-ring-small-buckets-accumulate-clip", momentum="decentlam", optimizer=MOMENTUM,
-                bucket_cap_mb=1e-4, accumulate=2, clip=0.05), N),
+        (
+            Config(
+                "decentlam-ring-small-buckets-accumulate-clip",
+                momentum="decentlam",
+                optimizer=MOMENTUM,
+                bucket_cap_mb=1e-4,
+                accumulate=2,
+                clip=0.05,
+            ),
+            N,
+        ),
         (Config("awc-ring-float64", optimizer=MOMENTUM, dtype=torch.float64), N),
     ]
     return cases
@@ -113,10 +174,22 @@ def _dense_residuals(y: torch.Tensor, config: Config, n: int, step: int) -> torc
         Config("awc-ring-rounds2-batchnorm", optimizer=MOMENTUM, gossip_steps=2, batch_norm=True, steps=3),
         Config("awc-one_peer-every2", topology="one_peer_exponential", gossip_every=3, steps=4),
         Config("atc-exponential", topology="exponential", combine="atc", optimizer=MOMENTUM, steps=3),
-        Config("decentlam-ring-clip-small-buckets", momentum="decentlam", optimizer=MOMENTUM, clip=0.05,
-               bucket_cap_mb=1e-4, steps=3),
-        Config("decentlam-one_peer-batchnorm", topology="one_peer_exponential", momentum="decentlam",
-               optimizer=MOMENTUM, batch_norm=True, steps=3),
+        Config(
+            "decentlam-ring-clip-small-buckets",
+            momentum="decentlam",
+            optimizer=MOMENTUM,
+            clip=0.05,
+            bucket_cap_mb=1e-4,
+            steps=3,
+        ),
+        Config(
+            "decentlam-one_peer-batchnorm",
+            topology="one_peer_exponential",
+            momentum="decentlam",
+            optimizer=MOMENTUM,
+            batch_norm=True,
+            steps=3,
+        ),
     ],
     ids=lambda c: c.name,
 )
@@ -222,14 +295,33 @@ def _nbytes(tensors: list[torch.Tensor], dtype: torch.dtype | None = None) -> in
 @pytest.mark.parametrize(
     "config",
     [
-        Config("awc-ring-every2-rounds2-batchnorm", optimizer=MOMENTUM, gossip_every=2, gossip_steps=2,
-               batch_norm=True, steps=4),
+        Config(
+            "awc-ring-every2-rounds2-batchnorm",
+            optimizer=MOMENTUM,
+            gossip_every=2,
+            gossip_steps=2,
+            batch_norm=True,
+            steps=4,
+        ),
         Config("awc-complete-batchnorm", topology="complete", optimizer=MOMENTUM, batch_norm=True, steps=2),
         Config("atc-ring-bf16", combine="atc", gossip_dtype=BF16, steps=3),
-        Config("decentlam-ring-small-buckets-batchnorm", momentum="decentlam", optimizer=MOMENTUM,
-               bucket_cap_mb=1e-4, batch_norm=True, gossip_steps=2, steps=3),
-        Config("decentlam-exponential-clip", topology="exponential", momentum="decentlam", optimizer=MOMENTUM,
-               clip=0.05, steps=2),
+        Config(
+            "decentlam-ring-small-buckets-batchnorm",
+            momentum="decentlam",
+            optimizer=MOMENTUM,
+            bucket_cap_mb=1e-4,
+            batch_norm=True,
+            gossip_steps=2,
+            steps=3,
+        ),
+        Config(
+            "decentlam-exponential-clip",
+            topology="exponential",
+            momentum="decentlam",
+            optimizer=MOMENTUM,
+            clip=0.05,
+            steps=2,
+        ),
     ],
     ids=lambda c: c.name,
 )
@@ -321,20 +413,64 @@ def test_a_step_that_never_reached_the_optimizer_is_drained(rule: str) -> None:
 
 NESTEROV_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 OUTER_CASES = [
-    Config("outer-complete-nesterov", topology="complete", optimizer=MOMENTUM, outer=NESTEROV_OUTER, gossip_every=3, steps=9),
+    Config(
+        "outer-complete-nesterov",
+        topology="complete",
+        optimizer=MOMENTUM,
+        outer=NESTEROV_OUTER,
+        gossip_every=3,
+        steps=9,
+    ),
     Config("outer-complete-adam", topology="complete", optimizer=ADAM, outer=NESTEROV_OUTER, gossip_every=2),
-    Config("outer-complete-batchnorm", topology="complete", optimizer=MOMENTUM, outer=NESTEROV_OUTER, gossip_every=2,
-           batch_norm=True),
+    Config(
+        "outer-complete-batchnorm",
+        topology="complete",
+        optimizer=MOMENTUM,
+        outer=NESTEROV_OUTER,
+        gossip_every=2,
+        batch_norm=True,
+    ),
     Config("outer-ring-nesterov", optimizer=MOMENTUM, outer=NESTEROV_OUTER, gossip_every=2, steps=8),
-    Config("outer-one_peer-heavy-ball-batchnorm", topology="one_peer_exponential", optimizer=MOMENTUM,
-           outer={"lr": 0.5, "momentum": 0.8}, gossip_every=3, steps=9, batch_norm=True),
-    Config("outer-ring-overlap", optimizer=MOMENTUM, outer=NESTEROV_OUTER, outer_overlap=True, gossip_every=2, steps=9,
-           batch_norm=True),
-    Config("outer-complete-overlap", topology="complete", optimizer=MOMENTUM, outer=NESTEROV_OUTER, outer_overlap=True,
-           gossip_every=3, steps=10),
+    Config(
+        "outer-one_peer-heavy-ball-batchnorm",
+        topology="one_peer_exponential",
+        optimizer=MOMENTUM,
+        outer={"lr": 0.5, "momentum": 0.8},
+        gossip_every=3,
+        steps=9,
+        batch_norm=True,
+    ),
+    Config(
+        "outer-ring-overlap",
+        optimizer=MOMENTUM,
+        outer=NESTEROV_OUTER,
+        outer_overlap=True,
+        gossip_every=2,
+        steps=9,
+        batch_norm=True,
+    ),
+    Config(
+        "outer-complete-overlap",
+        topology="complete",
+        optimizer=MOMENTUM,
+        outer=NESTEROV_OUTER,
+        outer_overlap=True,
+        gossip_every=3,
+        steps=10,
+    ),
     Config("outer-ring-bf16", optimizer=MOMENTUM, outer=NESTEROV_OUTER, gossip_every=2, steps=8, gossip_dtype=BF16),
-    Config("outer-exponential-rounds2-overlap-bf16", topology="exponential", optimizer=MOMENTUM, outer=NESTEROV_OUTER,
-           outer_overlap=True, gossip_every=2, gossip_steps=2, steps=9, gossip_dtype=BF16, batch_norm=True),
+    Config(
+        "outer-exponential-rounds2-overlap-bf16",
+        topology="exponential",
+        optimizer=MOMENTUM,
+        outer=NESTEROV_OUTER,
+        outer_overlap=True,
+        gossip_every=2,
+        gossip_steps=2,
+        steps=9,
+        gossip_dtype=BF16,
+        batch_norm=True,
+    ),
 ]
 
 
@@ -354,15 +490,28 @@ def test_outer_steps_match_the_reference_written_from_the_papers(config: Config)
     else:
         assert (expected[0] - expected[1]).abs().max() > 1e-4
     # not periodic averaging: the outer optimizer moved the anchor elsewhere
-    averaging = reference.run(Config(config.name, topology=config.topology, combine="atc", optimizer=config.optimizer,
-                                     gossip_every=config.gossip_every, steps=config.steps, batch_norm=config.batch_norm), N)
+    averaging = reference.run(
+        Config(
+            config.name,
+            topology=config.topology,
+            combine="atc",
+            optimizer=config.optimizer,
+            gossip_every=config.gossip_every,
+            steps=config.steps,
+            batch_norm=config.batch_norm,
+        ),
+        N,
+    )
     assert (trained - averaging).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("topology", ["complete", "ring"])
 def test_an_outer_sgd_step_of_lr_1_is_periodic_averaging(topology: str) -> None:
     """`θ_i <- θ_i − 1 · (θ_i − Σ_j w_ij x_j)` is ATC's `x <- W x` every H steps (DiLoCo's outer lr 1, no momentum)."""
-    plain = Config("atc-every-3", topology=topology, combine="atc", optimizer=MOMENTUM, gossip_every=3, steps=9, batch_norm=True)
-    outer = Config("outer-lr-1", topology=topology, optimizer=MOMENTUM, gossip_every=3, steps=9, batch_norm=True,
-                   outer={"lr": 1.0})
+    plain = Config(
+        "atc-every-3", topology=topology, combine="atc", optimizer=MOMENTUM, gossip_every=3, steps=9, batch_norm=True
+    )
+    outer = Config(
+        "outer-lr-1", topology=topology, optimizer=MOMENTUM, gossip_every=3, steps=9, batch_norm=True, outer={"lr": 1.0}
+    )
     torch.testing.assert_close(DenseExecutor(outer, N).run(), DenseExecutor(plain, N).run(), atol=2e-7, rtol=0)

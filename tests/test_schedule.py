@@ -24,9 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _expected(first_step: int, last_step: int) -> dict[int, set[int]]:
     table = sw.BY_EPOCH["epoch"]
-    return {
-        k: {table[max(e for e in table if e <= k // sw.STEPS_PER_EPOCH)]} for k in range(first_step, last_step)
-    }
+    return {k: {table[max(e for e in table if e <= k // sw.STEPS_PER_EPOCH)]} for k in range(first_step, last_step)}
 
 
 @pytest.mark.parametrize(
@@ -102,5 +100,7 @@ def test_a_yaml_config_gives_the_schedule(tmp_path: Path, monkeypatch: pytest.Mo
     )
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "argv", ["lightning-decentral"])
-    cli = DecentralizedCLI(args=["--config", "examples/configs/digits_simulated.yaml", "--config", str(config)], run=False)
+    cli = DecentralizedCLI(
+        args=["--config", "examples/configs/digits_simulated.yaml", "--config", str(config)], run=False
+    )
     assert RoundsSchedule.of(cli.trainer.strategy.gossip_steps) == RoundsSchedule({0: 4, 5: 2, 10: 1}, unit="epoch")

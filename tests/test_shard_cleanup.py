@@ -78,7 +78,9 @@ def test_a_shard_removed_by_another_job_between_listing_and_delete_is_no_error(t
     remove_shards(str(path), 0)  # again, with the directory gone: still no error
 
 
-def test_the_shard_directory_removed_by_another_rank_while_this_one_lists_it_is_no_error(tmp_path: Path, monkeypatch) -> None:
+def test_the_shard_directory_removed_by_another_rank_while_this_one_lists_it_is_no_error(
+    tmp_path: Path, monkeypatch
+) -> None:
     """Each rank removes its own shards, and a rank that finds the directory empty removes it: another rank may do so
     while this one lists the directory, and fsspec's glob then raises `FileNotFoundError` (it ended a rank of the
     quickstart when `ModelCheckpoint` removed its previous checkpoint)."""
@@ -125,7 +127,10 @@ def test_a_save_leaves_only_its_shard_of_this_rank_and_what_no_other_process_may
     live_write = temporary_name(shard_path(str(path), 0, 2, 13), pid=os.getppid())  # another job writing now
     other_job = shard_path(str(path), 0, 2, 14)  # another process's shard: its file may be about to name it
     unknown = shard_path(str(path), 0, 4, 15) + ".tmp"  # an older version's temporary name: its writer is unknown
-    foreign = [shard_path(str(path), 1, 2, 12), temporary_name(shard_path(str(path), 1, 2, 11), pid=_ended())]  # rank 1's
+    foreign = [
+        shard_path(str(path), 1, 2, 12),
+        temporary_name(shard_path(str(path), 1, 2, 11), pid=_ended()),
+    ]  # rank 1's
     for leftover in (killed_write, live_write, other_job, unknown, *foreign):
         Path(leftover).write_bytes(b"partial")
 
@@ -168,7 +173,10 @@ def test_a_failed_save_keeps_the_previous_one_and_deletes_its_shard_only_before_
     write_file: Callable[[], None] = disk_full  # the shard is in place, the file fails
     if leftover == "temporary":  # the shard fails midway
         monkeypatch.setattr(checkpoint, "write_shard", write_shard_then_fail)
-        write_file = lambda: None
+
+        def write_file():
+            return None
+
     with pytest.raises(OSError, match="simulated"):
         save_with_shards(OneOfRanks(0, 2, 2), {}, str(path), _shard, write_file)
     kept = {previous} | ({shard_path(str(path), 0, 2, 2)} if leftover == "orphan" else set())
@@ -185,7 +193,9 @@ def test_a_non_finite_replica_or_optimizer_state_writes_and_removes_nothing(tmp_
     before = path.read_bytes()
     nan, inf = torch.tensor([float("nan")]), torch.tensor([float("inf")])
     for bad in ({"state_dict": {"w": nan}}, {"optimizer_states": [{"state": {0: {"momentum_buffer": inf}}}]}):
-        with pytest.raises(FloatingPointError, match=r"Rank\(s\) \[0, 1\] hold a NaN or an Inf .* at step 3: the checkpoint"):
+        with pytest.raises(
+            FloatingPointError, match=r"Rank\(s\) \[0, 1\] hold a NaN or an Inf .* at step 3: the checkpoint"
+        ):
             save_with_shards(OneOfRanks(0, 2, 2), {}, str(path), lambda i, bad=bad: {**_shard(i), **bad}, lambda: None)
     assert path.read_bytes() == before
     assert _names(shard_directory(path)) == {os.path.basename(previous)}
@@ -216,12 +226,16 @@ class Differs(OneOfRanks):
 def _save_of_step(ranks: OneOfRanks, path: Path, shard: dict[str, Any], earlier: StepShards) -> tuple[int, str]:
     """Save `shard` to `path` as rank 0, with `earlier`: the save id and this rank's shard."""
     state: dict[str, Any] = {}
-    save_with_shards(ranks, state, str(path), lambda i: {**shard, "save_id": i}, lambda: torch.save(state, path), earlier)
+    save_with_shards(
+        ranks, state, str(path), lambda i: {**shard, "save_id": i}, lambda: torch.save(state, path), earlier
+    )
     save_id = torch.load(path, weights_only=True)[META_KEY]["save_id"]
     return save_id, shard_path(str(path), 0, 2, save_id)
 
 
-def test_a_second_save_of_the_same_shard_links_it_where_every_rank_can_else_writes_it(tmp_path: Path, monkeypatch) -> None:
+def test_a_second_save_of_the_same_shard_links_it_where_every_rank_can_else_writes_it(
+    tmp_path: Path, monkeypatch
+) -> None:
     """The step's checkpoint, then last.ckpt and more saves of the same replica: last.ckpt takes the first save's id
     and links its shard, which outlives the first checkpoint's removal. Where the link fails (no hard links, another
     filesystem) the shard is written, with the same id; where another rank's shard changed, every rank writes its

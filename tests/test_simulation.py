@@ -21,17 +21,31 @@ CONFIGS = [
     Config("decentlam_ring", momentum="decentlam", optimizer=SGD),
     Config("awc_one_peer_adam", topology="one_peer_exponential", optimizer={"name": "adam", "lr": 0.01}),
     Config("atc_exponential_scheduler", topology="exponential", combine="atc", optimizer=SGD, scheduler="step"),
-    Config("decentlam_one_peer_clip_accumulate", topology="one_peer_exponential", momentum="decentlam", optimizer=SGD,
-           accumulate=2, clip=0.5),
+    Config(
+        "decentlam_one_peer_clip_accumulate",
+        topology="one_peer_exponential",
+        momentum="decentlam",
+        optimizer=SGD,
+        accumulate=2,
+        clip=0.5,
+    ),
     Config("awc_clip_accumulate_batch_norm", optimizer=SGD, accumulate=2, clip=0.5, batch_norm=True),
-    Config("decentlam_exponential_batch_norm", topology="exponential", momentum="decentlam", optimizer=SGD,
-           batch_norm=True),
+    Config(
+        "decentlam_exponential_batch_norm", topology="exponential", momentum="decentlam", optimizer=SGD, batch_norm=True
+    ),
     Config("awc_bf16_gossip", optimizer=SGD, gossip_dtype=torch.bfloat16),
     Config("atc_gossip_every_2_steps_2", combine="atc", optimizer=SGD, gossip_every=2, gossip_steps=2),
     # bounded staleness: the processes under the schedule the simulation computes
     Config("awc_stale_2_random_delays", optimizer=SGD, staleness=2, delays=RandomDelays(seed=5), steps=8),
-    Config("atc_stale_1_random_delays_batch_norm", combine="atc", optimizer=SGD, staleness=1, delays=RandomDelays(seed=6),
-           batch_norm=True, steps=8),
+    Config(
+        "atc_stale_1_random_delays_batch_norm",
+        combine="atc",
+        optimizer=SGD,
+        staleness=1,
+        delays=RandomDelays(seed=6),
+        batch_norm=True,
+        steps=8,
+    ),
 ]
 
 
@@ -42,7 +56,9 @@ def on_processes() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_simulated_workers_equal_the_ranks(config: Config, vectorize: bool, on_processes: list[dict[str, Any]], monkeypatch) -> None:
+def test_simulated_workers_equal_the_ranks(
+    config: Config, vectorize: bool, on_processes: list[dict[str, Any]], monkeypatch
+) -> None:
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     simulated = sim.fit_simulated(config, WORLD, vectorize=vectorize)
     ranks = torch.stack([r[config.name]["state"] for r in on_processes]).double()
@@ -75,9 +91,21 @@ def test_every_rule_matches_the_dense_reference(config: Config, vectorize: bool)
 
 FAILURE_CONFIGS = [
     Config("awc_ring_loses_2", optimizer=SGD, failures={3: [2]}),
-    Config("atc_one_peer_loses_0_then_5", topology="one_peer_exponential", combine="atc", optimizer=SGD, failures={2: [0], 4: [5]}),
-    Config("decentlam_exponential_loses_1_and_4", topology="exponential", momentum="decentlam", optimizer=SGD,
-           failures={2: [1, 4]}, batch_norm=True),
+    Config(
+        "atc_one_peer_loses_0_then_5",
+        topology="one_peer_exponential",
+        combine="atc",
+        optimizer=SGD,
+        failures={2: [0], 4: [5]},
+    ),
+    Config(
+        "decentlam_exponential_loses_1_and_4",
+        topology="exponential",
+        momentum="decentlam",
+        optimizer=SGD,
+        failures={2: [1, 4]},
+        batch_norm=True,
+    ),
 ]
 
 
@@ -98,7 +126,9 @@ def test_failures_that_cannot_run_are_refused() -> None:
     from lightning_decentral import SimulatedDecentralizedStrategy
 
     for failures, match in [
-        ({3: [4]}, r"ranks in \[0, 4\)"), ({3: [1], 5: [1]}, "each at most once"), ({-1: [1]}, "an integer >= 0"),
+        ({3: [4]}, r"ranks in \[0, 4\)"),
+        ({3: [1], 5: [1]}, "each at most once"),
+        ({-1: [1]}, "an integer >= 0"),
         ({1: [0, 1], 2: [2, 3]}, "loses all 4 workers"),
     ]:
         with pytest.raises(ValueError, match=match):
@@ -140,7 +170,9 @@ def test_more_than_one_device_or_node_is_refused(devices: int, num_nodes: int) -
     from lightning_decentral import SimulatedDecentralizedStrategy
 
     with pytest.raises(ValueError, match="devices=1|num_nodes=1"):
-        pl.Trainer(strategy=SimulatedDecentralizedStrategy(workers=4), accelerator="cpu", devices=devices, num_nodes=num_nodes)
+        pl.Trainer(
+            strategy=SimulatedDecentralizedStrategy(workers=4), accelerator="cpu", devices=devices, num_nodes=num_nodes
+        )
 
 
 def test_string_names_and_bad_arguments() -> None:
@@ -169,8 +201,11 @@ def test_evaluation_runs_on_the_average_or_on_worker_zero() -> None:
 
 @pytest.mark.parametrize(
     "config, dropout, vectorize",
-    [(Config("awc", optimizer=SGD), 0.2, False), (Config("decentlam", momentum="decentlam", optimizer=SGD), 0.2, False),
-     (Config("awc", optimizer=SGD), 0.0, True)],
+    [
+        (Config("awc", optimizer=SGD), 0.2, False),
+        (Config("decentlam", momentum="decentlam", optimizer=SGD), 0.2, False),
+        (Config("awc", optimizer=SGD), 0.0, True),
+    ],
     ids=["awc", "decentlam", "awc_vectorized"],
 )
 def test_monitors_log_what_they_log_on_processes(config: Config, dropout: float, vectorize: bool, monkeypatch) -> None:
@@ -181,13 +216,17 @@ def test_monitors_log_what_they_log_on_processes(config: Config, dropout: float,
     simulated = sim.fit_simulated_monitored(config, WORLD, dropout=dropout, vectorize=vectorize)
     expected = ranks[0]["metrics"]
     assert len(simulated["metrics"]) == len(expected) == config.steps
-    assert {"consensus/distance", "consensus/residual", "lr/effective_ratio", "consensus/gossip_steps"} <= set(expected[-1])
+    assert {"consensus/distance", "consensus/residual", "lr/effective_ratio", "consensus/gossip_steps"} <= set(
+        expected[-1]
+    )
     assert max(m["consensus/gossip_steps"] for m in expected) > 1 or config.momentum == "decentlam"  # control acted
     for step, (seen, want) in enumerate(zip(simulated["metrics"], expected)):
         assert seen.keys() == want.keys(), step
         for key in want:
             assert seen[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (step, key)
-    torch.testing.assert_close(torch.stack(simulated["states"]), torch.stack([r["state"] for r in ranks]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.stack(simulated["states"]), torch.stack([r["state"] for r in ranks]), atol=1e-5, rtol=0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -223,13 +262,19 @@ def test_the_vectorized_simulation_resumes_bit_for_bit_and_one_worker_at_a_time(
     assert (resumed["vec_first"][0] - resumed["vec_straight"][0]).abs().max() > 1e-3
     for worker, (a, b) in enumerate(zip(resumed["vec_from_vec"], resumed["vec_straight"])):
         assert torch.equal(a, b), f"worker {worker}"
-    torch.testing.assert_close(torch.stack(resumed["per_worker_from_vec"]), torch.stack(resumed["vec_straight"]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.stack(resumed["per_worker_from_vec"]), torch.stack(resumed["vec_straight"]), atol=1e-5, rtol=0
+    )
 
 
 def test_a_simulated_checkpoint_resumes_on_processes_and_back(resumed: dict[str, Any]) -> None:
     """Float tolerance, not bits: the dense mixer sums in another order than the ranks' gossip."""
-    torch.testing.assert_close(torch.stack(resumed["proc_from_sim"]), torch.stack(resumed["proc_straight"]), atol=1e-5, rtol=0)
-    torch.testing.assert_close(torch.stack(resumed["sim_from_proc"]), torch.stack(resumed["sim_straight"]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.stack(resumed["proc_from_sim"]), torch.stack(resumed["proc_straight"]), atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        torch.stack(resumed["sim_from_proc"]), torch.stack(resumed["sim_straight"]), atol=1e-5, rtol=0
+    )
 
 
 def test_the_simulated_checkpoint_holds_the_average_and_a_shard_per_worker(resumed: dict[str, Any]) -> None:
@@ -239,7 +284,9 @@ def test_the_simulated_checkpoint_holds_the_average_and_a_shard_per_worker(resum
     checkpoint = torch.load(resumed["sim_ckpt"], weights_only=True)
     meta = checkpoint[META_KEY]
     assert meta["world_size"] == WORLD
-    shard_states = [read_shard(shard_path(resumed["sim_ckpt"], i, WORLD, meta["save_id"]))["state_dict"] for i in range(WORLD)]
+    shard_states = [
+        read_shard(shard_path(resumed["sim_ckpt"], i, WORLD, meta["save_id"]))["state_dict"] for i in range(WORLD)
+    ]
     plain = torch.nn.Module()
     plain.net = Regression().net
     plain.load_state_dict({k: v for k, v in checkpoint["state_dict"].items() if k.startswith("net.")})
@@ -340,11 +387,16 @@ def test_a_nan_stops_the_simulation_naming_the_worker_without_speaking_of_ranks_
     mixer = DenseMixer(Ring(world_size=4))
     rows = torch.zeros(4, 3)
     rows[2, 1] = float("nan")
-    for start in (lambda: mixer.worker(2).start([rows[2]], step=5), lambda: StackedMixer(mixer).start([rows.view(-1)], step=5)):
+    for start in (
+        lambda: mixer.worker(2).start([rows[2]], step=5),
+        lambda: StackedMixer(mixer).start([rows.view(-1)], step=5),
+    ):
         with pytest.raises(FloatingPointError) as raised:
             start()
         message = str(raised.value)
-        assert message.startswith("Worker 2 holds a NaN or an Inf in what it was about to send to its neighbours at step 5")
+        assert message.startswith(
+            "Worker 2 holds a NaN or an Inf in what it was about to send to its neighbours at step 5"
+        )
         assert "the simulation stops with it" in message and "rank" not in message.lower() and "timeout" not in message
 
 
@@ -387,10 +439,14 @@ def test_vectorize_auto_keeps_the_workers_apart_naming_why(case: str, lightning_
         auto, apart = (sim.fit_with_optimizer(sim.SubclassedSGD, WORLD, vectorize=v, lr=0.1) for v in ("auto", False))
         reason = "SubclassedSGD is not one of the elementwise optimizers"
     else:  # found by trying the first batch under torch.vmap: the workers are taken apart again before it steps
-        auto, apart = (sim.fit_simulated(config, WORLD, vectorize=v, module=sim.ReadsItsLoss)["states"] for v in ("auto", False))
+        auto, apart = (
+            sim.fit_simulated(config, WORLD, vectorize=v, module=sim.ReadsItsLoss)["states"] for v in ("auto", False)
+        )
         reason = "training_step cannot run under torch.vmap (RuntimeError: vmap: It looks like you're calling .item()"
     (line,) = set(lightning_info())
-    assert line.startswith("SimulatedDecentralizedStrategy(vectorize='auto'): the per-worker path") and reason in line, line
+    assert (
+        line.startswith("SimulatedDecentralizedStrategy(vectorize='auto'): the per-worker path") and reason in line
+    ), line
     assert len(auto) == WORLD and all(torch.equal(a, b) for a, b in zip(auto, apart))
 
 
@@ -422,7 +478,9 @@ def test_the_default_path_equals_the_ranks_batch_norm_counts_included(
     assert auto["counts"] == apart["counts"] == [r[config.name]["counts"] for r in on_processes] == batches
 
 
-def test_the_trial_leaves_every_random_generator_and_attribute_as_the_per_worker_path_has_them(lightning_info, monkeypatch) -> None:
+def test_the_trial_leaves_every_random_generator_and_attribute_as_the_per_worker_path_has_them(
+    lightning_info, monkeypatch
+) -> None:
     """A module that draws from torch's generator when an epoch starts, from Python's and torch's in training_step (its
     noise stops the trial under torch.vmap) and counts its steps. Before, the trial drew from Python's generator and
     counted a step on the last worker, and the workers taken apart started from the random state of the first batch,
@@ -455,7 +513,9 @@ def test_samples_that_load_at_random_keep_the_workers_apart(lightning_info, monk
     assert stacking_problem(net, optimizer, 2, DataLoader(TensorDataset(*data), batch_size=2)) is None
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     config = Config("jittered", optimizer=SGD, steps=3)
-    auto, apart = (sim.fit_simulated(config, WORLD, vectorize=v, dataset_class=sim.Jittered)["states"] for v in ("auto", False))
+    auto, apart = (
+        sim.fit_simulated(config, WORLD, vectorize=v, dataset_class=sim.Jittered)["states"] for v in ("auto", False)
+    )
     (line,) = set(lightning_info())
     assert "the per-worker path" in line and "samples load at random" in line, line
     assert all(torch.equal(a, b) for a, b in zip(auto, apart))
@@ -467,13 +527,17 @@ def test_bf16_mixed_batch_norm_runs_stacked(lightning_info, monkeypatch) -> None
     BFloat16 but got Float`) at the first step, on vectorize=True and on the default path alike."""
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     config = Config("bf16_batch_norm", optimizer=SGD, batch_norm=True, steps=3)
-    runs = {v: sim.fit_simulated(config, WORLD, vectorize=v, module=sim.BiasFreeBatchNorm, precision="bf16-mixed")
-            for v in ("auto", True, False)}
+    runs = {
+        v: sim.fit_simulated(config, WORLD, vectorize=v, module=sim.BiasFreeBatchNorm, precision="bf16-mixed")
+        for v in ("auto", True, False)
+    }
     (line,) = set(lightning_info())
     assert "the stacked path" in line, line
     assert all(torch.equal(a, s) for a, s in zip(runs["auto"]["states"], runs[True]["states"]))
     # bf16 activations, summed in another order: 2e-4 apart here (bf16-mixed is 3e-4 from 32-true)
-    torch.testing.assert_close(torch.stack(runs["auto"]["states"]), torch.stack(runs[False]["states"]), atol=1e-3, rtol=0)
+    torch.testing.assert_close(
+        torch.stack(runs["auto"]["states"]), torch.stack(runs[False]["states"]), atol=1e-3, rtol=0
+    )
     assert runs["auto"]["counts"] == runs[False]["counts"] == [[3]] * WORLD
 
 
@@ -482,8 +546,10 @@ def test_the_trial_runs_in_the_runs_precision(lightning_info, monkeypatch) -> No
     and the first stacked step stopped with the vmap error; now the workers are taken apart, as vectorize=False."""
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     config = Config("autocast_item", optimizer=SGD, steps=2)
-    auto, apart = (sim.fit_simulated(config, WORLD, vectorize=v, module=sim.ChecksItsRangeUnderAutocast, precision="bf16-mixed")
-                   for v in ("auto", False))
+    auto, apart = (
+        sim.fit_simulated(config, WORLD, vectorize=v, module=sim.ChecksItsRangeUnderAutocast, precision="bf16-mixed")
+        for v in ("auto", False)
+    )
     (line,) = set(lightning_info())
     assert "the per-worker path" in line and ".item()" in line, line
     assert all(torch.equal(a, b) for a, b in zip(auto["states"], apart["states"]))

@@ -13,9 +13,28 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_soak_smoke(tmp_path: Path) -> None:
     out = tmp_path / "soak.json"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--processes", "2", "--steps", "8", "--window", "4",
-         "--checkpoint-every", "4", "--methods", "decentlam", "--check-elements", "1000", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "soak.py"),
+            "--processes",
+            "2",
+            "--steps",
+            "8",
+            "--window",
+            "4",
+            "--checkpoint-every",
+            "4",
+            "--methods",
+            "decentlam",
+            "--check-elements",
+            "1000",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     methods = json.loads(out.read_text())["methods"]

@@ -67,8 +67,14 @@ def test_a_topology_staleness_cannot_run_is_refused_when_the_trainer_is_built() 
 DENSE = [
     Config("awc-s2-random", staleness=2, delays=RandomDelays(1), optimizer=MOMENTUM, steps=8),
     Config("atc-s1-random-batchnorm", combine="atc", staleness=1, delays=RandomDelays(2), batch_norm=True, steps=8),
-    Config("awc-exponential-s1-one-behind-adam", topology="exponential", staleness=1, delays=one_behind,
-           optimizer={"name": "adam", "lr": 0.01}, steps=6),
+    Config(
+        "awc-exponential-s1-one-behind-adam",
+        topology="exponential",
+        staleness=1,
+        delays=one_behind,
+        optimizer={"name": "adam", "lr": 0.01},
+        steps=6,
+    ),
     Config("awc-s2-no-delays", staleness=2, optimizer=MOMENTUM, steps=6),
     Config("atc-complete-s2-random", topology="complete", combine="atc", staleness=2, delays=RandomDelays(3), steps=6),
 ]
@@ -131,10 +137,16 @@ def test_checkpoints_monitors_and_evaluation_while_ranks_are_at_different_steps_
     resume from it continues the reference, whose delay window restarts at the resumed step (no neighbour's earlier
     step exists in the new run)."""
     epoch = 4
-    config = Config("awc-s2-resume", staleness=2, delays=RandomDelays(4), optimizer=MOMENTUM, steps=3 * epoch, epoch_steps=epoch)
-    results = run_distributed(straggler_workers.checkpoint_and_resume, WORLD, timeout=240, config=config, root=str(tmp_path))
+    config = Config(
+        "awc-s2-resume", staleness=2, delays=RandomDelays(4), optimizer=MOMENTUM, steps=3 * epoch, epoch_steps=epoch
+    )
+    results = run_distributed(
+        straggler_workers.checkpoint_and_resume, WORLD, timeout=240, config=config, root=str(tmp_path)
+    )
     width = results[0]["params"].numel()
-    replicas = {k: reference.run(Config(**{**config.__dict__, "steps": k}), WORLD)[:, :width] for k in (epoch, 2 * epoch)}
+    replicas = {
+        k: reference.run(Config(**{**config.__dict__, "steps": k}), WORLD)[:, :width] for k in (epoch, 2 * epoch)
+    }
     means = {k: x.mean(0) for k, x in replicas.items()}
     distances = [(k, float((x - x.mean(0)).square().sum(1).mean().sqrt())) for k, x in replicas.items()]
     for result in results:
@@ -144,18 +156,24 @@ def test_checkpoints_monitors_and_evaluation_while_ranks_are_at_different_steps_
         for k, seen in result["validated"]:
             torch.testing.assert_close(seen.double(), means[k].double(), atol=1e-5, rtol=0)
     saved = torch.load(tmp_path / f"step={epoch}.ckpt", weights_only=True)["state_dict"]
-    torch.testing.assert_close(torch.cat([v.reshape(-1) for v in saved.values()]).double(), means[epoch].double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.cat([v.reshape(-1) for v in saved.values()]).double(), means[epoch].double(), atol=1e-5, rtol=0
+    )
     resumed = Config(**{**config.__dict__, "restarts": (epoch,)})
     reference.assert_every_rank_matches([{resumed.name: r["params"]} for r in results], resumed, WORLD)
     uninterrupted = reference.run(config, WORLD)
     assert (uninterrupted - reference.run(resumed, WORLD)).abs().max() > 1e-4  # the restart of the window is seen
 
 
-def _until_every_survivor_exits(how: signal.Signals, timeout: float, bound: float, tmp_path: Path) -> tuple[list, list, float]:
+def _until_every_survivor_exits(
+    how: signal.Signals, timeout: float, bound: float, tmp_path: Path
+) -> tuple[list, list, float]:
     """Run `peer_fails` on 4 ranks; return each survivor's result and exit code, and when rank 1 failed."""
     stamp = tmp_path / "failed_at"
     with tempfile.TemporaryDirectory() as out:
-        procs = start_processes(straggler_workers.peer_fails, WORLD, out, how=int(how), stamp=str(stamp), timeout=timeout, staleness=2)
+        procs = start_processes(
+            straggler_workers.peer_fails, WORLD, out, how=int(how), stamp=str(stamp), timeout=timeout, staleness=2
+        )
         try:
             deadline = time.monotonic() + bound
             for rank in (0, 2, 3):
@@ -189,7 +207,9 @@ def test_a_rank_more_than_s_steps_behind_past_the_timeout_is_a_peer_failure(tmp_
     results, codes, stopped_at = _until_every_survivor_exits(signal.SIGSTOP, timeout, bound=120, tmp_path=tmp_path)
     errors = {rank: result["error"] for rank, (_, result) in zip((0, 2, 3), results)}
     for rank in (0, 2):  # rank 1's neighbours
-        assert "rank 1 was more than staleness=2 steps behind for the process-group timeout (6 s" in errors[rank], errors
+        assert "rank 1 was more than staleness=2 steps behind for the process-group timeout (6 s" in errors[rank], (
+            errors
+        )
     assert errors[3].startswith("PeerFailure: The gossip exchange of step"), errors  # told by rank 0 or 2 closing
     for rank, (status, result) in zip((0, 2, 3), results):
         assert status == "ok", result

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_decentral.trainer.stop import StopAgreement, stop_margin
 from lightning_decentral.topology import Complete, Ring, resolve_topology
+from lightning_decentral.trainer.stop import StopAgreement, stop_margin
 from tests import straggler_workers
 from tests.helpers import run_distributed, start_processes
 
@@ -69,7 +69,9 @@ def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_the_checkp
     """Lightning's own handling broadcasts inside the signal handler of the signalled rank alone, which then stops
     alone and waits in the checkpoint's collectives while the others train (a hang, here ended by the timeout)."""
     with tempfile.TemporaryDirectory() as out:
-        procs = start_processes(straggler_workers.sigterm, WORLD, out, signalled_rank=signalled, root=str(tmp_path), staleness=staleness)
+        procs = start_processes(
+            straggler_workers.sigterm, WORLD, out, signalled_rank=signalled, root=str(tmp_path), staleness=staleness
+        )
         try:
             for p in procs:
                 p.join(90)
@@ -88,4 +90,6 @@ def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_the_checkp
     saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
     assert saved["global_step"] == step
     mean = torch.stack([r["params"] for _, r in results]).mean(0)
-    torch.testing.assert_close(torch.cat([v.reshape(-1) for v in saved["state_dict"].values()]), mean, atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        torch.cat([v.reshape(-1) for v in saved["state_dict"].values()]), mean, atol=1e-6, rtol=0
+    )

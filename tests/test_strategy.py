@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-
 from typing import Any
 
 import numpy as np
@@ -26,7 +25,11 @@ WORLD = 4
 @pytest.fixture(scope="module", params=["average", "local"])
 def evaluated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list, str]:
     path = str(tmp_path_factory.mktemp("ckpt") / "model.ckpt")
-    return request.param, run_distributed(workers.evaluate_and_checkpoint, WORLD, path=path, eval_on=request.param), path
+    return (
+        request.param,
+        run_distributed(workers.evaluate_and_checkpoint, WORLD, path=path, eval_on=request.param),
+        path,
+    )
 
 
 def test_evaluation_runs_on_the_average_and_restores_replicas(evaluated: tuple[str, list, str]) -> None:
@@ -47,7 +50,9 @@ def test_predictions_come_from_the_evaluated_model(evaluated: tuple[str, list, s
     replicas = torch.stack([r["replica"] for r in results])
     for rank, r in enumerate(results):
         module = Regression()
-        torch.nn.utils.vector_to_parameters(replicas.mean(0) if eval_on == "average" else replicas[rank], module.parameters())
+        torch.nn.utils.vector_to_parameters(
+            replicas.mean(0) if eval_on == "average" else replicas[rank], module.parameters()
+        )
         torch.testing.assert_close(r["predictions"], module(r["predict_inputs"]).detach(), atol=1e-6, rtol=0)
 
 
@@ -84,7 +89,9 @@ def test_resume_continues_every_replica_from_its_shard(evaluated: tuple[str, lis
         assert r["resume_global_step"] == 8
 
 
-@pytest.mark.parametrize("precision, momentum", [("bf16-mixed", "local"), ("64-true", "local"), ("bf16-mixed", "decentlam")])
+@pytest.mark.parametrize(
+    "precision, momentum", [("bf16-mixed", "local"), ("64-true", "local"), ("bf16-mixed", "decentlam")]
+)
 def test_trains_in_other_precisions(precision: str, momentum: str) -> None:
     results = run_distributed(workers.fit_precision, WORLD, precision=precision, momentum=momentum)
     replicas = torch.stack([r["replica"] for r in results])
@@ -104,8 +111,14 @@ def test_more_than_one_optimizer_is_refused_on_every_rank() -> None:
 def test_spawn_launcher_returns_the_average_to_the_main_process(tmp_path) -> None:
     model = RecordingRegression(str(tmp_path), momentum=0.9, lr=0.05)
     trainer = Trainer(
-        strategy="dpsgd_spawn", accelerator="cpu", devices=2, max_steps=3, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy="dpsgd_spawn",
+        accelerator="cpu",
+        devices=2,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     assert isinstance(trainer.strategy, DecentralizedStrategy)
     trainer.fit(model, train_dataloaders=loader(0, 48, 8))
@@ -196,7 +209,9 @@ def test_gossip_every_that_skips_phases_of_a_time_varying_topology_is_refused() 
     strategy = DecentralizedStrategy(topology="one_peer_exponential", gossip_every=2)  # 4 ranks: period 2
     with pytest.raises(ValueError, match=r"gossip_every=2.*shares no factor with 2"):
         Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
-    Trainer(strategy=DecentralizedStrategy(topology="one_peer_exponential", gossip_every=3), accelerator="cpu", devices=4)
+    Trainer(
+        strategy=DecentralizedStrategy(topology="one_peer_exponential", gossip_every=3), accelerator="cpu", devices=4
+    )
 
 
 def test_unfreezing_during_fit_stops_every_rank_with_the_fix() -> None:

@@ -28,12 +28,16 @@ def _survivors_finished(results: list, codes: list[int], dead: tuple[int, ...], 
         assert (r["rank"], r["world_size"], r["global_step"]) == (new_rank, len(survivors), steps)
         assert r["decisions"] == survivors[0]["decisions"]
         logged = [line for line in r["logged"] if line.startswith("Survived failure")]
-        assert [line.split(":")[0] for line in logged] == [f"Survived failure {d['generation']}" for d in r["decisions"]]
+        assert [line.split(":")[0] for line in logged] == [
+            f"Survived failure {d['generation']}" for d in r["decisions"]
+        ]
     return survivors
 
 
 @pytest.mark.parametrize("dies_in", ["shard write", "file_exists", "save agreement"])
-def test_a_rank_killed_in_a_save_is_survived_and_the_save_written_by_the_survivors(dies_in: str, tmp_path: Path) -> None:
+def test_a_rank_killed_in_a_save_is_survived_and_the_save_written_by_the_survivors(
+    dies_in: str, tmp_path: Path
+) -> None:
     """4 ranks, a checkpoint every 5 steps; rank 2 dies in the save of step 10: inside the write of its shard, in
     `ModelCheckpoint.file_exists` (the broadcast that starts the save), or right after it (the others wait for it to
     begin the save: `Activities.agree`, which took the timeout). Every survivor is in that save: they agree on step 10,
@@ -60,7 +64,14 @@ def test_a_rank_killed_during_validation_with_sync_dist_is_survived(tmp_path: Pa
     its first validation step at step 10. The others find out in Lightning's reduce: they agree on step 10 and go on;
     the validation of step 20 runs among the 3 survivors (one `val_loss`, reduced)."""
     results, codes = _every_rank_exits(
-        workers.survive, 4, root=str(tmp_path), deaths={2: 10}, steps=20, validate=True, timeout=10.0, dies_in="validation"
+        workers.survive,
+        4,
+        root=str(tmp_path),
+        deaths={2: 10},
+        steps=20,
+        validate=True,
+        timeout=10.0,
+        dies_in="validation",
     )
     survivors = _survivors_finished(results, codes, dead=(2,), steps=20)
     assert survivors[0]["decisions"] == [_decision((0, 1, 3), (2,), 10)]
@@ -73,7 +84,9 @@ def test_a_second_death_before_the_survivors_regroup_is_survived(tmp_path: Path)
     after the survivors agreed, before they made their process group. Ranks 0 and 3 find it gone while they wait for
     it there, agree again, and finish as 2 ranks (without it, every survivor failed after the timeout with
     `DistStoreError: wait timeout`)."""
-    results, codes = _every_rank_exits(workers.survive, 4, root=str(tmp_path), deaths={2: 10, 1: 11}, steps=20, timeout=10.0)
+    results, codes = _every_rank_exits(
+        workers.survive, 4, root=str(tmp_path), deaths={2: 10, 1: 11}, steps=20, timeout=10.0
+    )
     survivors = _survivors_finished(results, codes, dead=(1, 2), steps=20)
     first, second = survivors[0]["decisions"]
     assert first in (_decision((0, 1, 3), (2,), 10), _decision((0, 1, 3), (2,), 11))
@@ -94,7 +107,9 @@ def test_two_ranks_dying_together_cost_what_one_costs(tmp_path: Path) -> None:
     assert {**decision, "step": None} == _decision((0, 3, 4), (1, 2), None) and decision["step"] in (5, 6)
     killed = max(float((tmp_path / f"killed-{r}").read_text()) for r in (1, 2))
     mixed_again = max(r["finished"][decision["step"] + 1] for r in survivors)
-    assert mixed_again - killed < timeout / 2, f"the survivors mixed again {mixed_again - killed:.1f} s after the deaths"
+    assert mixed_again - killed < timeout / 2, (
+        f"the survivors mixed again {mixed_again - killed:.1f} s after the deaths"
+    )
 
 
 def test_a_sigterm_after_a_failure_stops_every_survivor_at_one_step(tmp_path: Path) -> None:

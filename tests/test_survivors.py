@@ -13,8 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import networkx as nx
 import pytest
@@ -85,7 +86,9 @@ def test_the_survivors_of_a_killed_rank_finish_and_their_checkpoint_resumes_exac
 def test_a_fabric_loop_survives_the_same_way(tmp_path: Path) -> None:
     """The same under Fabric: rank 2 killed at step 20 of 60, `fabric.save` at step 30 by the survivors, resumed
     exactly on 3 processes with `fabric.load`."""
-    results, codes = _every_rank_exits(workers.fabric_survive, 4, root=str(tmp_path), deaths={2: 20}, steps=60, save_at=30)
+    results, codes = _every_rank_exits(
+        workers.fabric_survive, 4, root=str(tmp_path), deaths={2: 20}, steps=60, save_at=30
+    )
     assert codes == [0, 0, -9, 0]
     survivors = [results[r] for r in (0, 1, 3)]
     assert [r["rank"] for r in survivors] == [0, 1, 2]
@@ -114,12 +117,16 @@ def _complete_checkpoints(directory: Path, lost: tuple[int, ...] = ()) -> dict[s
     return found
 
 
-def test_a_save_in_the_steps_the_survivors_take_alone_is_written_by_them_and_keeps_the_best_path_true(tmp_path: Path) -> None:
+def test_a_save_in_the_steps_the_survivors_take_alone_is_written_by_them_and_keeps_the_best_path_true(
+    tmp_path: Path,
+) -> None:
     """3 ranks, `ModelCheckpoint(every_n_train_steps=5, save_top_k=1)`; rank 2 is killed when step 9 starts. Ranks 0
     and 1 agree on step 9, so the save of step 10 falls before they mix again, while each runs alone: they make their
     process group for it (it was skipped, and ModelCheckpoint then removed the checkpoint of step 5, leaving none).
     The checkpoint of step 10 is theirs (two shards) and `best_model_path` names it on both."""
-    results, codes = _every_rank_exits(workers.survive, 3, root=str(tmp_path), deaths={2: 9}, steps=12, save_at=5, top_k=1)
+    results, codes = _every_rank_exits(
+        workers.survive, 3, root=str(tmp_path), deaths={2: 9}, steps=12, save_at=5, top_k=1
+    )
     assert codes == [0, 0, -9]
     for r in results[:2]:
         assert r["decisions"] == [_decision((0, 1), (2,), 9)] and r["global_step"] == 12
@@ -130,7 +137,9 @@ def test_a_save_in_the_steps_the_survivors_take_alone_is_written_by_them_and_kee
 def test_a_fabric_save_in_the_steps_the_survivors_take_alone_is_written_by_them(tmp_path: Path) -> None:
     """The same under Fabric: rank 2 killed at step 9 of 12, `fabric.save` at step 10 by the two survivors, who take
     it alone (it was skipped); resumed on 2 processes, each continues bit for bit."""
-    results, codes = _every_rank_exits(workers.fabric_survive, 3, root=str(tmp_path), deaths={2: 9}, steps=12, save_at=10)
+    results, codes = _every_rank_exits(
+        workers.fabric_survive, 3, root=str(tmp_path), deaths={2: 9}, steps=12, save_at=10
+    )
     assert codes == [0, 0, -9]
     assert [r["decisions"][0]["step"] for r in results[:2]] == [9, 9]
     assert _complete_checkpoints(tmp_path) == {"step=10.ckpt": 2}
@@ -159,10 +168,14 @@ def test_the_simulation_loses_a_worker_as_the_processes_lose_a_rank() -> None:
 def test_below_min_workers_every_survivor_stops_with_a_clear_error() -> None:
     """3 ranks, min_workers=3: rank 1 dies at step 5; ranks 0 and 2 agree, then stop alike, naming the fix."""
     with tempfile.TemporaryDirectory() as root:
-        results, codes = _every_rank_exits(workers.survive_or_error, 3, root=root, deaths={1: 5}, steps=10, min_workers=3)
+        results, codes = _every_rank_exits(
+            workers.survive_or_error, 3, root=root, deaths={1: 5}, steps=10, min_workers=3
+        )
     assert codes == [0, -9, 0]
     for r in (results[0], results[2]):
-        assert r.startswith("TooFewWorkers: Only 2 workers are left after step 5 (ranks [0, 2] of the start; lost: [1])")
+        assert r.startswith(
+            "TooFewWorkers: Only 2 workers are left after step 5 (ranks [0, 2] of the start; lost: [1])"
+        )
         assert "fewer than min_workers=3: the run stops on every survivor. Lower min_workers" in r
 
 
@@ -282,7 +295,9 @@ def test_on_peer_failure_and_min_workers_are_checked_before_anything_runs(on_pee
 
     with pytest.raises(ValueError, match=r"`on_peer_failure` must be one of \['stop', 'continue'\], got 'go on'"):
         DecentralizedStrategy(on_peer_failure="go on")
-    with pytest.raises(ValueError, match=r"`min_workers` must be a positive integer \(the fewest workers a run goes on with\)"):
+    with pytest.raises(
+        ValueError, match=r"`min_workers` must be a positive integer \(the fewest workers a run goes on with\)"
+    ):
         DecentralizedStrategy(on_peer_failure=on_peer_failure, min_workers=0)
     with pytest.raises(ValueError, match="min_workers=5 is more than the 4 workers of the run: pass at most 4"):
         trainer_for(4, DecentralizedStrategy(on_peer_failure=on_peer_failure, min_workers=5))
@@ -294,9 +309,13 @@ def test_continue_refuses_saves_in_the_background_when_the_trainer_is_built() ->
     from lightning_decentral import DecentralizedStrategy
     from tests.workers import trainer_for
 
-    with pytest.raises(ValueError, match=r"on_peer_failure='continue' does not save in the background .* Drop the AsyncCheckpointIO"):
+    with pytest.raises(
+        ValueError, match=r"on_peer_failure='continue' does not save in the background .* Drop the AsyncCheckpointIO"
+    ):
         trainer_for(2, DecentralizedStrategy(on_peer_failure="continue"), plugins=[AsyncCheckpointIO()])
-    trainer_for(2, DecentralizedStrategy(on_peer_failure="stop"), plugins=[AsyncCheckpointIO()])  # restarts resume instead
+    trainer_for(
+        2, DecentralizedStrategy(on_peer_failure="stop"), plugins=[AsyncCheckpointIO()]
+    )  # restarts resume instead
 
 
 def test_a_launch_by_lightning_is_told_apart_from_one_process_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -310,10 +329,20 @@ def test_a_launch_by_lightning_is_told_apart_from_one_process_per_worker(monkeyp
 
     # a Trainer built with RANK=1 makes this process Lightning's rank 1: restore rank 0 after, for the tests that follow
     monkeypatch.setattr(rank_zero_only, "rank", rank_zero_only.rank)
-    for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "SLURM_JOB_NAME"):
+    for name in (
+        "LOCAL_RANK",
+        "RANK",
+        "WORLD_SIZE",
+        "NODE_RANK",
+        "TORCHELASTIC_RUN_ID",
+        "SLURM_NTASKS",
+        "SLURM_JOB_NAME",
+    ):
         monkeypatch.delenv(name, raising=False)
     assert trainer_for(2, DecentralizedStrategy(on_peer_failure="continue")).strategy.launched_by_lightning
-    assert trainer_for(2, DecentralizedStrategy(on_peer_failure="continue", start_method="spawn")).strategy.launched_by_lightning
+    assert trainer_for(
+        2, DecentralizedStrategy(on_peer_failure="continue", start_method="spawn")
+    ).strategy.launched_by_lightning
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -325,8 +354,7 @@ def test_continue_on_nccl_is_refused_when_the_trainer_or_fabric_is_built() -> No
     default (NCCL), is checked when the Trainer or Fabric is built; gloo and `"stop"` on NCCL are accepted."""
     from lightning.fabric import Fabric
 
-    from lightning_decentral import DecentralizedStrategy
-    from lightning_decentral import fabric
+    from lightning_decentral import DecentralizedStrategy, fabric
     from lightning_decentral.options import GossipOptions
     from tests.workers import trainer_for
 
@@ -334,9 +362,15 @@ def test_continue_on_nccl_is_refused_when_the_trainer_or_fabric_is_built() -> No
     with pytest.raises(ValueError, match=refused):
         trainer_for(2, DecentralizedStrategy(on_peer_failure="continue", process_group_backend="nccl"))
     with pytest.raises(ValueError, match=refused):
-        Fabric(strategy=fabric.DecentralizedStrategy(on_peer_failure="continue", process_group_backend="nccl"), accelerator="cpu", devices=2)
+        Fabric(
+            strategy=fabric.DecentralizedStrategy(on_peer_failure="continue", process_group_backend="nccl"),
+            accelerator="cpu",
+            devices=2,
+        )
     with pytest.raises(ValueError, match=refused):  # what a GPU's device gets by default
-        GossipOptions(on_peer_failure="continue").check_backend(torch.distributed.Backend.default_device_backend_map["cuda"])
+        GossipOptions(on_peer_failure="continue").check_backend(
+            torch.distributed.Backend.default_device_backend_map["cuda"]
+        )
     trainer_for(2, DecentralizedStrategy(on_peer_failure="continue"))
     trainer_for(2, DecentralizedStrategy(on_peer_failure="stop", process_group_backend="nccl"))
 
@@ -346,13 +380,17 @@ def test_a_run_left_with_too_few_workers_ends_with_one_traceback_per_rank() -> N
     raised while handling that). 3 ranks, min_workers=3, rank 1 killed when step 3 starts: what Python prints for the
     error of ranks 0 and 2 is one traceback, ending with TooFewWorkers' message."""
     with tempfile.TemporaryDirectory() as root:
-        results, codes = _every_rank_exits(workers.survive_or_traceback, 3, root=root, deaths={1: 3}, steps=8, min_workers=3)
+        results, codes = _every_rank_exits(
+            workers.survive_or_traceback, 3, root=root, deaths={1: 3}, steps=8, min_workers=3
+        )
     assert codes == [0, -9, 0]
     for printed in (results[0], results[2]):
         assert printed.count("Traceback (most recent call last)") == 1, printed
         assert "The above exception was" not in printed and "During handling" not in printed
         last = printed.rstrip().splitlines()[-1]
-        assert last.startswith("lightning_decentral.membership.protocol.TooFewWorkers: Only 2 workers are left after step 3")
+        assert last.startswith(
+            "lightning_decentral.membership.protocol.TooFewWorkers: Only 2 workers are left after step 3"
+        )
 
 
 def test_a_peer_failure_prints_one_traceback_with_the_backends_error_in_one_line() -> None:
@@ -367,7 +405,9 @@ def test_a_peer_failure_prints_one_traceback_with_the_backends_error_in_one_line
             raise RuntimeError("Connection closed by peer [127.0.0.1]:3736")
     printed = "".join(traceback.format_exception(caught.value))
     assert printed.count("Traceback (most recent call last)") == 1
-    assert printed.startswith("RuntimeError: Connection closed by peer [127.0.0.1]:3736\n\nThe above exception was the direct cause")
+    assert printed.startswith(
+        "RuntimeError: Connection closed by peer [127.0.0.1]:3736\n\nThe above exception was the direct cause"
+    )
     assert isinstance(caught.value.__cause__, RuntimeError) and "(Connection closed by peer" in str(caught.value)
 
 
@@ -380,13 +420,17 @@ def test_every_survivor_logs_each_decision_and_the_run_says_at_the_end_what_it_l
     assert codes == [0, -9, 0]
     for first_rank, r in ((0, results[0]), (2, results[2])):
         (line,) = [line for line in r["logged"] if "Survived failure" in line]
-        assert line.startswith("Survived failure 1: lost rank 1 (ranks of the start). The 2 survivors [0, 2] agreed on step 5")
+        assert line.startswith(
+            "Survived failure 1: lost rank 1 (ranks of the start). The 2 survivors [0, 2] agreed on step 5"
+        )
         assert "mix again from step 6 on Ring(world_size=2)" in line
         assert line.endswith(f"rank {first_rank} of the start, rank {first_rank // 2} now.")
         assert r["metrics"] == {"survivors/workers": 2.0, "survivors/lost": 1.0}
     ended = [w for w in results[0]["warnings"] if w.startswith("This run lost")]
-    assert ended == ["This run lost 1 of its 3 workers: rank 1 (the survivors agreed on step 5). It went on with 2 "
-                     "(strategy.failures_survived lists the decisions)."]
+    assert ended == [
+        "This run lost 1 of its 3 workers: rank 1 (the survivors agreed on step 5). It went on with 2 "
+        "(strategy.failures_survived lists the decisions)."
+    ]
     assert not [w for w in results[2]["warnings"] if w.startswith("This run lost")]  # once: on the survivors' rank 0
 
 
@@ -397,16 +441,24 @@ def test_under_lightnings_own_launcher_continue_warns_and_a_killed_rank_stops_ev
     `"continue"` has no effect there, and a rank killed by its PID (a process Lightning started) stops every rank:
     the script exits non-zero, no rank finishes, no process is left."""
     script = Path(__file__).with_name("lightning_launcher_script.py")
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
     with open(tmp_path / "output.txt", "w+") as output:
-        main = subprocess.Popen([sys.executable, str(script), str(tmp_path)], env=env, stdout=output, stderr=subprocess.STDOUT)
+        main = subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path)], env=env, stdout=output, stderr=subprocess.STDOUT
+        )
         pids: list[int] = []
         try:
             deadline = time.monotonic() + BOUND
             while not (tmp_path / "pid-1").exists() and main.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            pids = [int((tmp_path / f"pid-{rank}").read_text()) for rank in range(3) if (tmp_path / f"pid-{rank}").exists()]
+            pids = [
+                int((tmp_path / f"pid-{rank}").read_text()) for rank in range(3) if (tmp_path / f"pid-{rank}").exists()
+            ]
             os.kill(int((tmp_path / "pid-1").read_text()), signal.SIGKILL)
             code = main.wait(max(1.0, deadline - time.monotonic()))
             while any(_running(pid) for pid in pids) and time.monotonic() < deadline:

@@ -212,7 +212,15 @@ def test_resolve_topology() -> None:
     assert bound is not unbound and bound.world_size == 6 and not unbound.is_bound
     assert bound.bind(6) is bound and resolve_topology(bound, 6) is bound
     assert repr(Ring(world_size=8)) == "Ring(world_size=8)"
-    assert set(TOPOLOGIES) == {"ring", "torus", "exponential", "one_peer_exponential", "complete", "random_matching", "hierarchical"}
+    assert set(TOPOLOGIES) == {
+        "ring",
+        "torus",
+        "exponential",
+        "one_peer_exponential",
+        "complete",
+        "random_matching",
+        "hierarchical",
+    }
     assert all(issubclass(cls, Topology) for cls in TOPOLOGIES.values())
 
 

@@ -12,7 +12,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_decentral import DecentralizedStrategy
 from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver
-from tests.models import BadLossOnRank, Regression, init_seed, flat, loader
+from tests.models import BadLossOnRank, Regression, flat, init_seed, loader
 from tests.reference import Config
 
 
@@ -51,7 +51,7 @@ def fit_config(rank: int, world_size: int, config: Config, strategy: Any = None)
     )
     trainer.fit(model, train_dataloaders=loader(rank, config.samples, config.batch_size, config.dtype))
     buffers = [b.reshape(-1) for b in model.buffers() if b.is_floating_point()]
-    return torch.cat([flat(model)] + buffers)
+    return torch.cat([flat(model), *buffers])
 
 
 def fit_configs(rank: int, world_size: int, configs: list[Config]) -> dict[str, torch.Tensor]:
@@ -141,7 +141,10 @@ def two_optimizers(rank: int, world_size: int) -> str:
             self.automatic_optimization = False
 
         def configure_optimizers(self) -> Any:
-            return [torch.optim.SGD(self.net[0].parameters(), lr=0.1), torch.optim.SGD(self.net[2].parameters(), lr=0.1)]
+            return [
+                torch.optim.SGD(self.net[0].parameters(), lr=0.1),
+                torch.optim.SGD(self.net[2].parameters(), lr=0.1),
+            ]
 
     trainer = trainer_for(world_size, DecentralizedStrategy(), max_steps=1)
     try:
@@ -186,10 +189,15 @@ def decentlam_steps(rank: int, world_size: int, config: Config, scaler: bool, ba
     """Train DecentLaM recording every step (optionally fp16 with a GradScaler and an inf on one rank)."""
     model = BadLossOnRank(bad_rank, 2, float("inf"), seed=init_seed(rank), **config.optimizer_spec())
     recorder = _StepRecorder()
-    plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))] if scaler else []
+    plugins = (
+        [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))] if scaler else []
+    )
     trainer = trainer_for(
-        world_size, DecentralizedStrategy(**config.strategy_kwargs()), max_steps=config.steps,
-        callbacks=[recorder], plugins=plugins,
+        world_size,
+        DecentralizedStrategy(**config.strategy_kwargs()),
+        max_steps=config.steps,
+        callbacks=[recorder],
+        plugins=plugins,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

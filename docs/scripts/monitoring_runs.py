@@ -67,7 +67,9 @@ def main() -> None:
         command = [sys.executable, __file__, "--fit", name, "--log-dir", args.log_dir]
         subprocess.run(command, cwd=ROOT, check=True)
     log_dirs = [str(Path(args.log_dir) / name) for name in RUNS if (Path(args.log_dir) / name).exists()]
-    subprocess.run([sys.executable, "-m", "lightning_decentral.plot", *log_dirs, "--out", args.out], cwd=ROOT, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "lightning_decentral.plot", *log_dirs, "--out", args.out], cwd=ROOT, check=True
+    )
 
 
 if __name__ == "__main__":

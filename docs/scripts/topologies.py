@@ -49,7 +49,11 @@ def messages_per_step(topology: Topology) -> str:
         return f"{messages_per_step(inner)} in the node + {messages_per_step(outer)} across"
     if all(topology.is_average(step) for step in range(topology.period)):
         return "1 all-reduce"
-    sent = [len(topology.out_neighbors(rank, step)) for step in range(topology.period) for rank in range(topology.world_size)]
+    sent = [
+        len(topology.out_neighbors(rank, step))
+        for step in range(topology.period)
+        for rank in range(topology.world_size)
+    ]
     return f"{np.mean(sent):g}"
 
 
@@ -74,7 +78,10 @@ def positions(name: str, topology: Topology) -> dict[int, tuple[float, float]]:
     angle = 2 * np.pi * np.arange(n // m) / (n // m)
     local = 2 * np.pi * np.arange(m) / m
     return {
-        a * m + l: (np.cos(angle[a]) + 0.35 * np.cos(local[l]) * (m > 1), np.sin(angle[a]) + 0.35 * np.sin(local[l]) * (m > 1))
+        a * m + l: (
+            np.cos(angle[a]) + 0.35 * np.cos(local[l]) * (m > 1),
+            np.sin(angle[a]) + 0.35 * np.sin(local[l]) * (m > 1),
+        )
         for a in range(n // m)
         for l in range(m)
     }

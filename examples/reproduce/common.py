@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -43,8 +43,8 @@ class Cell:
     momentum: float = 0.9
     epochs: int = 30
     milestones: tuple[int, ...] = ()  # step decay ×0.1 at these epochs
-    alpha: Optional[float] = None  # Dirichlet label skew; None: IID
-    control: Optional[dict[str, Any]] = None  # ConsensusControl arguments
+    alpha: float | None = None  # Dirichlet label skew; None: IID
+    control: dict[str, Any] | None = None  # ConsensusControl arguments
     monitor_every: int = 0  # log Ξ and α_e/γ every this many steps (0: not at all)
     shifted: bool = False  # train on the digits and their four one-pixel shifts (5 × 1,438 samples)
 
@@ -59,8 +59,16 @@ class Cell:
 class DigitsMLP(pl.LightningModule):
     """The research set-up: scikit-learn's digits, an MLP 64-128-128-10, momentum SGD, optional step decay."""
 
-    def __init__(self, lr: float, momentum: float, milestones: Sequence[int] = (), batch: int = 32,
-                 alpha: Optional[float] = None, seed: int = 0, shifted: bool = False) -> None:
+    def __init__(
+        self,
+        lr: float,
+        momentum: float,
+        milestones: Sequence[int] = (),
+        batch: int = 32,
+        alpha: float | None = None,
+        seed: int = 0,
+        shifted: bool = False,
+    ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
         self.lr, self.momentum, self.milestones = lr, momentum, list(milestones)
@@ -145,11 +153,22 @@ def fit(cell: Cell, seed: int, processes: bool = False) -> dict[str, Any]:
         strategy: Any = DecentralizedStrategy(**cell.strategy_kwargs(), start_method="spawn")
         devices = cell.workers
     else:
-        strategy, devices = SimulatedDecentralizedStrategy(workers=cell.workers, vectorize=True, **cell.strategy_kwargs()), 1
+        strategy, devices = (
+            SimulatedDecentralizedStrategy(workers=cell.workers, vectorize=True, **cell.strategy_kwargs()),
+            1,
+        )
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=devices, max_epochs=cell.epochs, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, check_val_every_n_epoch=cell.epochs, callbacks=callbacks,
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_epochs=cell.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=cell.epochs,
+        callbacks=callbacks,
     )
     trainer.fit(model)
     accuracy = float(trainer.callback_metrics.get("val_acc", float("nan")))
@@ -179,7 +198,9 @@ def parser(description: str, seeds: int, workers: int, epochs: int) -> argparse.
     p.add_argument("--seeds", type=int, default=seeds, help="seeds per cell (mean ± std over them)")
     p.add_argument("--workers", type=int, default=workers, help="workers n (a script that sweeps n caps it here)")
     p.add_argument("--epochs", type=int, default=epochs)
-    p.add_argument("--processes", action="store_true", help="the same cells on n gloo processes instead of the simulation")
+    p.add_argument(
+        "--processes", action="store_true", help="the same cells on n gloo processes instead of the simulation"
+    )
     p.add_argument("--smoke", action="store_true", help="a few seconds: 1 seed, 1 epoch, 4 workers, a reduced grid")
     p.add_argument("--out", type=Path, default=Path("reproduce_out"), help="where the table and the plots go")
     return p
@@ -200,7 +221,9 @@ def run_cells(cells: Sequence[Cell], args: argparse.Namespace) -> dict[str, list
     for cell in cells:
         results[cell.label] = [fit(cell, seed, args.processes) for seed in range(args.seeds)]
         accuracies = [r["accuracy"] for r in results[cell.label]]
-        print(f"[{time.perf_counter() - started:7.1f} s] {cell.label}: accuracy of x̄ {mean_std(accuracies)}", flush=True)
+        print(
+            f"[{time.perf_counter() - started:7.1f} s] {cell.label}: accuracy of x̄ {mean_std(accuracies)}", flush=True
+        )
     return results
 
 
@@ -216,7 +239,9 @@ def write(args: argparse.Namespace, name: str, text: str) -> None:
     (args.out / name).write_text(text + "\n")
 
 
-def plot(args: argparse.Namespace, name: str, curves: dict[str, list[tuple[int, float]]], ylabel: str, **options: Any) -> Optional[Path]:
+def plot(
+    args: argparse.Namespace, name: str, curves: dict[str, list[tuple[int, float]]], ylabel: str, **options: Any
+) -> Path | None:
     """`draw(curves, ylabel, **options)` into `args.out / name`; `None` (and a note) without matplotlib."""
     try:
         import matplotlib
@@ -233,8 +258,15 @@ def plot(args: argparse.Namespace, name: str, curves: dict[str, list[tuple[int, 
     return path
 
 
-def draw(curves: dict[str, list[tuple[int, float]]], ylabel: str, log: bool = False, xlabel: str = "optimizer step",
-         ylim: Optional[tuple[float, float]] = None, markers: bool = False, levels: Optional[dict[str, float]] = None) -> Any:
+def draw(
+    curves: dict[str, list[tuple[int, float]]],
+    ylabel: str,
+    log: bool = False,
+    xlabel: str = "optimizer step",
+    ylim: tuple[float, float] | None = None,
+    markers: bool = False,
+    levels: dict[str, float] | None = None,
+) -> Any:
     """A matplotlib figure with one line per curve (`markers`: a dot at each point, so that a curve of one point
     shows) and a dashed horizontal line per entry of `levels` (label: value)."""
     import matplotlib.pyplot as plt

@@ -51,19 +51,38 @@ def main(argv: list[str] | None = None) -> None:
     cells = []
     for batch in batches:
         for mode, lr in (("fixed", 0.1), ("scaled", 0.1 * batch / 256))[: 1 if batch == 256 else 2]:  # 256: the same γ
-            cells += [Cell(f"{m} B={batch} γ {mode}={lr:g}", method=m, global_batch=batch, lr=lr,
-                           workers=args.workers, epochs=args.epochs, shifted=True) for m in METHODS]
+            cells += [
+                Cell(
+                    f"{m} B={batch} γ {mode}={lr:g}",
+                    method=m,
+                    global_batch=batch,
+                    lr=lr,
+                    workers=args.workers,
+                    epochs=args.epochs,
+                    shifted=True,
+                )
+                for m in METHODS
+            ]
     results = run_cells(cells, args)
     rows = [accuracy_row(cell.label, results[cell.label]) for cell in cells]
     write(args, "decentlam_accuracy.md", table(["cell", "accuracy of x̄", "diverged"], rows))
     for mode in ("fixed", "scaled"):
         curves = {
-            m: [(c.global_batch, statistics.mean(r["accuracy"] for r in results[c.label]))
-                for c in cells if c.method == m and (mode in c.label or c.global_batch == 256)]
+            m: [
+                (c.global_batch, statistics.mean(r["accuracy"] for r in results[c.label]))
+                for c in cells
+                if c.method == m and (mode in c.label or c.global_batch == 256)
+            ]
             for m in METHODS
         }
-        plot(args, f"decentlam_accuracy_{mode}.png", curves, f"accuracy of x̄, γ {mode} (mean over seeds)", xlabel="global batch",
-             markers=True)
+        plot(
+            args,
+            f"decentlam_accuracy_{mode}.png",
+            curves,
+            f"accuracy of x̄, γ {mode} (mean over seeds)",
+            xlabel="global batch",
+            markers=True,
+        )
     bias = [[m, f"{fixed_point_error(m, steps=200 if args.smoke else 3000):.4f}"] for m in ("awc", "atc", "decentlam")]
     write(args, "decentlam_bias.md", table(["rule (β = 0.9, ring of 16)", "RMS distance to mean(b)"], bias))
 

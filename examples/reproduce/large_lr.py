@@ -26,16 +26,29 @@ def main(argv: list[str] | None = None) -> None:
     args = settings(parser(__doc__, seeds=10, workers=16, epochs=30).parse_args(argv))
     rates = (0.8,) if args.smoke else (0.1, 0.4, 0.8, 1.6)
     betas = (0.9,) if args.smoke else (0.9, 0.0)
-    cells = [Cell(f"{m} lr={lr} β={b}", method=m, lr=lr, momentum=b, workers=args.workers, epochs=args.epochs)
-             for b in betas for lr in rates for m in METHODS]
+    cells = [
+        Cell(f"{m} lr={lr} β={b}", method=m, lr=lr, momentum=b, workers=args.workers, epochs=args.epochs)
+        for b in betas
+        for lr in rates
+        for m in METHODS
+    ]
     results = run_cells(cells, args)
     rows = [accuracy_row(cell.label, results[cell.label]) for cell in cells]
     write(args, "large_lr_accuracy.md", table(["cell", "accuracy of x̄", "diverged"], rows))
 
     # α_e/γ where D-PSGD trains: adapt-then-combine, β = 0.9, at the smallest rate and at 0.8 (where synchronous SGD
     # breaks down and ATC does not; at 1.6 most runs diverge and their ratio says little)
-    ratio_cells = [Cell(f"atc lr={lr} β=0.9, monitored", method="atc", lr=lr, workers=args.workers, epochs=args.epochs,
-                        monitor_every=1) for lr in (rates[0] if not args.smoke else 0.1, 0.8)]
+    ratio_cells = [
+        Cell(
+            f"atc lr={lr} β=0.9, monitored",
+            method="atc",
+            lr=lr,
+            workers=args.workers,
+            epochs=args.epochs,
+            monitor_every=1,
+        )
+        for lr in (rates[0] if not args.smoke else 0.1, 0.8)
+    ]
     ratios = run_cells(ratio_cells, args)
     rows, curves = [], {}
     for cell in ratio_cells:

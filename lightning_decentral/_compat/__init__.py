@@ -21,23 +21,28 @@ from torch.optim import Optimizer
 
 PRIVATE_NAMES: list[tuple[str, str, str]] = [
     (
-        "torch.distributed.distributed_c10d", "_get_default_store",
+        "torch.distributed.distributed_c10d",
+        "_get_default_store",
         "the store the default process group was made with: torch has no public accessor",
     ),
     (
-        "torch.Tensor", "_use_count",
+        "torch.Tensor",
+        "_use_count",
         "how many owners hold a tensor (a gloo work among them): sys.getrefcount counts Python's references only",
     ),
     (
-        "torch.Tensor", "_version",
+        "torch.Tensor",
+        "_version",
         "how many times a tensor was written in place (autograd's version counter): torch has no public accessor",
     ),
     (
-        "torch.amp.GradScaler", "_scale",
+        "torch.amp.GradScaler",
+        "_scale",
         "the loss scale as a tensor on the device: get_scale() returns a float, a host sync at every step",
     ),
     (
-        "torch.optim.Adam", "_step_supports_amp_scaling",
+        "torch.optim.Adam",
+        "_step_supports_amp_scaling",
         "a fused optimizer's mark that its step() unscales the gradients itself (torch's GradScaler reads it): no public flag",
     ),
 ]
@@ -74,7 +79,7 @@ def version(tensor: Tensor) -> int:
     return tensor._version
 
 
-def grad_scale(scaler: Any) -> Optional[Tensor]:
+def grad_scale(scaler: Any) -> Tensor | None:
     """A `GradScaler`'s scale as a device tensor, read without a host sync (`None` before its first `scale`).
 
     Examples:

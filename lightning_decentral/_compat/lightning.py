@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, Optional
+from typing import Any
 
 import lightning.fabric.wrappers as fabric_wrappers
 from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl
@@ -47,15 +47,18 @@ _SETUP = "setup_distributed, rewritten to make the default group on the job's st
 
 PRIVATE_NAMES: list[tuple[str, str, str]] = [
     (
-        "lightning.fabric.strategies.strategy", "_BackwardSyncControl",
+        "lightning.fabric.strategies.strategy",
+        "_BackwardSyncControl",
         "the base of what fabric.no_backward_sync runs, which a Fabric strategy holds: no public base",
     ),
     (
-        "lightning.pytorch.strategies.launchers", "_MultiProcessingLauncher",
+        "lightning.pytorch.strategies.launchers",
+        "_MultiProcessingLauncher",
         "DDPStrategy's spawn/fork launcher, subclassed to hand back x̄: Lightning exports no public launcher",
     ),
     (
-        "lightning.pytorch.strategies.launchers", "_SubprocessScriptLauncher",
+        "lightning.pytorch.strategies.launchers",
+        "_SubprocessScriptLauncher",
         "DDPStrategy's popen launcher, subclassed to hand Lightning a dangling last.ckpt: no public launcher",
     ),
     ("lightning.pytorch.loops.progress", "_OptimizationProgress", _LOOP_STATE),
@@ -63,88 +66,117 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     ("lightning.pytorch.loops.progress", "_ReadyCompletedTracker", _LOOP_STATE),
     ("lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop", "_batches_that_stepped", _LOOP_STATE),
     (
-        "lightning.pytorch.trainer.connectors.data_connector", "_get_distributed_sampler",
+        "lightning.pytorch.trainer.connectors.data_connector",
+        "_get_distributed_sampler",
         "the sampler the Trainer gives rank i (its seed, a custom sampler wrapped): a simulated worker i gets the same",
     ),
     (
-        "lightning.pytorch.utilities.data", "_is_dataloader_shuffled",
+        "lightning.pytorch.utilities.data",
+        "_is_dataloader_shuffled",
         "whether the Trainer's sampler of a DataLoader shuffles: decided alike for the simulated workers",
     ),
     (
-        "lightning.pytorch.utilities.data", "_update_dataloader",
+        "lightning.pytorch.utilities.data",
+        "_update_dataloader",
         "a DataLoader made again with another sampler as the Trainer makes it (a subclass's arguments kept)",
     ),
     (
-        "lightning.pytorch.trainer.trainer.Trainer", "_signal_connector",
+        "lightning.pytorch.trainer.trainer.Trainer",
+        "_signal_connector",
         "the Trainer's signal handlers, whose SIGTERM an agreed stop replaces: no public hook",
     ),
     (
-        "lightning.pytorch.trainer.connectors.signal_connector._SignalConnector", "_sigterm_notifier_fn",
+        "lightning.pytorch.trainer.connectors.signal_connector._SignalConnector",
+        "_sigterm_notifier_fn",
         "what the SIGTERM handler the Trainer registers runs",
     ),
     (
-        "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop", "_broadcast_sigterm_tensor",
+        "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop",
+        "_broadcast_sigterm_tensor",
         "the broadcast from rank 0 at every training batch that spreads a SIGTERM; an agreement on the store replaces it",
     ),
     (
-        "lightning.fabric.wrappers", "_in_fabric_backward",
+        "lightning.fabric.wrappers",
+        "_in_fabric_backward",
         "Fabric's mark of a backward inside fabric.backward, without which its module wrapper refuses torch.autograd.grad",
     ),
     (
-        "lightning.fabric.wrappers._FabricDataLoader", "_num_iter_calls",
+        "lightning.fabric.wrappers._FabricDataLoader",
+        "_num_iter_calls",
         "the epochs a loader of fabric.setup_dataloaders has begun, its sampler's epoch at the next iter: restored with "
         "a checkpoint; no public reader or setter",
     ),
     (
-        "lightning.pytorch.trainer.trainer.Trainer", "_checkpoint_connector",
+        "lightning.pytorch.trainer.trainer.Trainer",
+        "_checkpoint_connector",
         "what the Trainer restores after the strategy's setup: a rank that rejoins resumes from a state received over "
         "the network, not from a file (fit's ckpt_path takes a path only)",
     ),
     (
-        "lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector", "_loaded_checkpoint",
+        "lightning.pytorch.trainer.connectors.checkpoint_connector._CheckpointConnector",
+        "_loaded_checkpoint",
         "the checkpoint restore_training_state restores from (loops, optimizers, schedulers, precision)",
     ),
     (
-        "torchmetrics.Metric", "_update_count",
+        "torchmetrics.Metric",
+        "_update_count",
         "restored with a metric's states after an evaluation that must leave no trace: update_count has no setter",
     ),
 ]
 
 INHERITED_NAMES: list[tuple[str, str, str]] = [
     (
-        "lightning.pytorch.strategies.DDPStrategy", "_configure_launcher",
+        "lightning.pytorch.strategies.DDPStrategy",
+        "_configure_launcher",
         "runs when the Trainer is built, before any process: the topology is bound there; no public hook that early",
     ),
-    ("lightning.pytorch.strategies.DDPStrategy", "_launcher", "the launcher _configure_launcher chose, replaced for spawn/fork"),
+    (
+        "lightning.pytorch.strategies.DDPStrategy",
+        "_launcher",
+        "the launcher _configure_launcher chose, replaced for spawn/fork",
+    ),
     ("lightning.pytorch.strategies.DDPStrategy", "_start_method", "the start method given: no public property"),
     ("lightning.pytorch.strategies.DDPStrategy", "_timeout", "the timeout given: no public property"),
     ("lightning.pytorch.strategies.DDPStrategy", "_get_process_group_backend", _SETUP),
     ("lightning.pytorch.strategies.DDPStrategy", "_process_group_backend", _SETUP),
     ("lightning.pytorch.strategies.SingleDeviceStrategy", "_root_device", "the device, chosen after the constructor"),
     (
-        "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher", "_collect_rank_zero_results",
+        "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher",
+        "_collect_rank_zero_results",
         "what a spawned rank 0 hands back to the main process: x̄ in place of its replica",
     ),
-    ("lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher", "_strategy", "the launcher's strategy"),
     (
-        "lightning.fabric.strategies.DDPStrategy", "_configure_launcher",
+        "lightning.pytorch.strategies.launchers.multiprocessing._MultiProcessingLauncher",
+        "_strategy",
+        "the launcher's strategy",
+    ),
+    (
+        "lightning.fabric.strategies.DDPStrategy",
+        "_configure_launcher",
         "runs when Fabric is built, before any process: the topology is bound there; no public hook that early",
     ),
-    ("lightning.fabric.strategies.DDPStrategy", "_setup_distributed", "where fabric.launch() makes the default process group"),
+    (
+        "lightning.fabric.strategies.DDPStrategy",
+        "_setup_distributed",
+        "where fabric.launch() makes the default process group",
+    ),
     ("lightning.fabric.strategies.DDPStrategy", "_set_world_ranks", _SETUP),
     ("lightning.fabric.strategies.DDPStrategy", "_get_process_group_backend", _SETUP),
     ("lightning.fabric.strategies.DDPStrategy", "_process_group_backend", _SETUP),
     ("lightning.fabric.strategies.DDPStrategy", "_timeout", "the timeout given: no public property"),
     (
-        "lightning.fabric.strategies.DDPStrategy", "_backward_sync_control",
+        "lightning.fabric.strategies.DDPStrategy",
+        "_backward_sync_control",
         "what fabric.no_backward_sync runs: the strategy's own, set in its constructor",
     ),
     (
-        "lightning.fabric.strategies.Strategy", "_convert_stateful_objects_in_state",
+        "lightning.fabric.strategies.Strategy",
+        "_convert_stateful_objects_in_state",
         "what fabric.save writes of a state (modules and optimizers as state dicts): no public converter",
     ),
     (
-        "lightning.pytorch.cli.LightningCLI", "_parser",
+        "lightning.pytorch.cli.LightningCLI",
+        "_parser",
         "the parser of the running subcommand, whose error() exits as a parse error: no public accessor",
     ),
 ]
@@ -154,7 +186,7 @@ BATCHES_THAT_STEPPED = "_batches_that_stepped"
 
 
 def replace_sigterm_handling(
-    trainer: Trainer, on_sigterm: Callable[[int, Optional[FrameType]], None], at_batch_start: Callable[[], None]
+    trainer: Trainer, on_sigterm: Callable[[int, FrameType | None], None], at_batch_start: Callable[[], None]
 ) -> None:
     """In `trainer`'s current fit: the SIGTERM handler the Trainer registers runs `on_sigterm`, and every training batch
     starts with `at_batch_start()` in place of Lightning's broadcast of a SIGTERM from rank 0. Call it before the
@@ -187,7 +219,7 @@ def as_fabric_backward() -> Iterator[None]:
         fabric_wrappers._in_fabric_backward = before
 
 
-def epochs_begun(loader: Any) -> Optional[int]:
+def epochs_begun(loader: Any) -> int | None:
     """The epochs a loader `fabric.setup_dataloaders` returned has begun (the epoch it sets on its sampler at the next
     `iter`); `None` for another object."""
     return getattr(loader, "_num_iter_calls", None)

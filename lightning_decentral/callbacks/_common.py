@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -30,7 +30,7 @@ def due(step: int, every_n_steps: int) -> bool:
     return (step + 1) % every_n_steps == 0
 
 
-def decentralized(trainer: Trainer) -> Optional[Monitored]:
+def decentralized(trainer: Trainer) -> Monitored | None:
     """The trainer's decentralized strategy (on processes or simulated) with more than one worker, else
     `None` (the replicas are one model). Its monitoring values are this process's sums over its workers:
     a sum over the ranks, divided by `num_workers`, gives the mean over every worker."""
@@ -65,7 +65,7 @@ class StepEnd(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._seen_step = trainer.global_step  # a resumed fit starts counting here
 
-    def _ended_step(self, trainer: Trainer) -> Optional[int]:
+    def _ended_step(self, trainer: Trainer) -> int | None:
         """The optimizer step `k` that ended since the last call, else `None` (accumulating)."""
         if trainer.global_step == self._seen_step:
             return None

@@ -17,7 +17,7 @@ the distance at the end of later steps.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 
@@ -61,7 +61,7 @@ class ConsensusDistance(StepEnd):
     def __init__(self, every_n_steps: int = 50, per_layer: bool = False) -> None:
         self.every_n_steps = check_every(every_n_steps)
         self.per_layer = per_layer
-        self._control: Optional[ConsensusControl] = None
+        self._control: ConsensusControl | None = None
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         super().on_fit_start(trainer, pl_module)

@@ -5,7 +5,7 @@ target, estimated from the gossip residual between exact measurements (the estim
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -83,8 +83,8 @@ class ConsensusControl(StepEnd):
         self,
         target: float,
         reference: Literal["absolute", "parameters"] = "absolute",
-        max_gossip_steps: Optional[int] = None,
-        until_epoch: Optional[int] = None,
+        max_gossip_steps: int | None = None,
+        until_epoch: int | None = None,
         every_n_steps: int = 1,
         handover_epochs: int = 2,
     ) -> None:
@@ -95,9 +95,13 @@ class ConsensusControl(StepEnd):
         if max_gossip_steps is not None and (
             isinstance(max_gossip_steps, bool) or not isinstance(max_gossip_steps, int) or max_gossip_steps < 1
         ):
-            raise ValueError(f"`max_gossip_steps` must be a positive integer (or None: from the topology), got {max_gossip_steps!r}.")
+            raise ValueError(
+                f"`max_gossip_steps` must be a positive integer (or None: from the topology), got {max_gossip_steps!r}."
+            )
         if isinstance(handover_epochs, bool) or not isinstance(handover_epochs, int) or handover_epochs < 0:
-            raise ValueError(f"`handover_epochs` must be an integer ≥ 0 (0: stop at until_epoch), got {handover_epochs!r}.")
+            raise ValueError(
+                f"`handover_epochs` must be an integer ≥ 0 (0: stop at until_epoch), got {handover_epochs!r}."
+            )
         if until_epoch is not None and (isinstance(until_epoch, bool) or not isinstance(until_epoch, int)):
             raise ValueError(f"`until_epoch` must be an integer epoch or None, got {until_epoch!r}.")
         self.target = float(target)
@@ -106,15 +110,17 @@ class ConsensusControl(StepEnd):
         self.until_epoch = until_epoch
         self.every_n_steps = check_every(every_n_steps)
         self.handover_epochs = handover_epochs
-        self.rounds_cap: Optional[int] = None  # the most rounds at one step: max_gossip_steps, or from the topology
-        self.calibration: Optional[float] = None  # c = Ξ / R on the same step's end
-        self.mean_norm: Optional[float] = None  # ‖x̄‖ at the latest exact measurement
+        self.rounds_cap: int | None = None  # the most rounds at one step: max_gossip_steps, or from the topology
+        self.calibration: float | None = None  # c = Ξ / R on the same step's end
+        self.mean_norm: float | None = None  # ‖x̄‖ at the latest exact measurement
         self._done_step = -1
         self._extra = 0  # the extra rounds of step _done_step
         self._mixed_step = -2  # the latest step that ran extra rounds
         self._rounds = 0  # all rounds of step _done_step
         self._bounds: dict[tuple[int, int], list[float]] = {}
-        self._extra_by_epoch: dict[int, tuple[int, int]] = {}  # epoch -> (extra rounds, gossip steps) under full control
+        self._extra_by_epoch: dict[
+            int, tuple[int, int]
+        ] = {}  # epoch -> (extra rounds, gossip steps) under full control
         self._capped = False  # the cap kept step _done_step's bound above the target
         self._warned_epoch = -1
 
@@ -146,7 +152,7 @@ class ConsensusControl(StepEnd):
         if self._rounds:
             pl_module.log("consensus/rounds_capped", float(self._capped), on_step=True, on_epoch=False)
 
-    def handover_cap(self, epoch: int, fraction: float) -> Optional[int]:
+    def handover_cap(self, epoch: int, fraction: float) -> int | None:
         """The most extra rounds at a step of epoch `epoch`, `fraction` of the way through it (`None`: no limit
         but the cap; 0: no control): full control before `until_epoch`, then `⌈(1 − p) · E⌉` during the hand-over.
 
@@ -170,7 +176,7 @@ class ConsensusControl(StepEnd):
         total, steps = self._extra_by_epoch.get(epoch, (0, 0))
         self._extra_by_epoch = {epoch: (total + extra, steps + gossip_steps)}  # only the latest epoch matters
 
-    def _extra_cap(self, trainer: Trainer) -> Optional[int]:
+    def _extra_cap(self, trainer: Trainer) -> int | None:
         """The hand-over's cap on the extra rounds of the current step; `None` while the control is full."""
         if self.until_epoch is None or trainer.current_epoch < self.until_epoch:
             return None
@@ -180,7 +186,11 @@ class ConsensusControl(StepEnd):
 
     def state_dict(self) -> dict[str, Any]:
         """Saved in checkpoints: the calibration and the extra rounds of the latest controlled epoch."""
-        return {"calibration": self.calibration, "mean_norm": self.mean_norm, "extra_by_epoch": dict(self._extra_by_epoch)}
+        return {
+            "calibration": self.calibration,
+            "mean_norm": self.mean_norm,
+            "extra_by_epoch": dict(self._extra_by_epoch),
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restored on resume, so that a hand-over continues from the same `E`."""
@@ -236,12 +246,15 @@ class ConsensusControl(StepEnd):
         strategy.extra_gossip(step, extra)
         self._extra, self._rounds = extra, own + extra
 
-    def _capped_message(self, step: int, epoch: int, own: int, bounds: list[float], estimate: float, target: float) -> str:
+    def _capped_message(
+        self, step: int, epoch: int, own: int, bounds: list[float], estimate: float, target: float
+    ) -> str:
         """The warning of a step whose cap kept the bound above the target: the rounds the target needed."""
         sigma = bounds[1] if len(bounds) > 1 else 1.0
         needed = (
             f"{own + math.ceil(math.log(target / estimate) / math.log(sigma))} gossip rounds"
-            if sigma < 1.0 else "more rounds than one W(k) can give (a round of it does not contract every rank)"
+            if sigma < 1.0
+            else "more rounds than one W(k) can give (a round of it does not contract every rank)"
         )
         return (
             f"ConsensusControl: at step {step} (epoch {epoch}) holding Ξ ≤ {target:.3g} from Ξ̂ = {estimate:.3g} needed "
@@ -249,7 +262,7 @@ class ConsensusControl(StepEnd):
             "`consensus/rounds_capped` logs every step). Raise max_gossip_steps, or the target."
         )
 
-    def calibrate(self, step: int, distance: Tensor, residual: Optional[Tensor], mean_norm: Tensor) -> None:
+    def calibrate(self, step: int, distance: Tensor, residual: Tensor | None, mean_norm: Tensor) -> None:
         """Take an exact `Ξ` (`distance`) and `‖x̄‖` (`mean_norm`) of the state at the end of `step`,
         measured after [`run_extra_rounds`][lightning_decentral.callbacks.ConsensusControl.run_extra_rounds]
         for that step and before any extra round.

@@ -53,7 +53,8 @@ class FaultPlan(Callback):
             return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
         if not isinstance(kill, Mapping) or not all(
-            natural(step) and isinstance(ranks, Sequence) and all(natural(r) for r in ranks) for step, ranks in kill.items()
+            natural(step) and isinstance(ranks, Sequence) and all(natural(r) for r in ranks)
+            for step, ranks in kill.items()
         ):
             raise ValueError(
                 f"FaultPlan(kill=...) maps optimizer steps (integers >= 0) to lists of ranks (integers >= 0), got {kill!r}."

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -54,12 +54,13 @@ def backward_may_overlap(module: LightningModule) -> bool:
     """Whether communication may start during backward: optimization is automatic, and no clipping (or module hook
     that may edit the gradients after backward) needs every gradient first."""
     edits_gradients = bool(module.trainer.gradient_clip_val) or any(
-        is_overridden(hook, module) for hook in ("configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step")
+        is_overridden(hook, module)
+        for hook in ("configure_gradient_clipping", "on_after_backward", "on_before_optimizer_step")
     )
     return module.automatic_optimization and not edits_gradients
 
 
-def enabled_grad_scaler(precision: Any) -> Optional[torch.amp.GradScaler]:
+def enabled_grad_scaler(precision: Any) -> torch.amp.GradScaler | None:
     """The enabled GradScaler of a precision plugin (fp16 mixed precision), else `None`: what the rules skip a step
     on when a rank's gradients overflowed."""
     scaler = getattr(precision, "scaler", None)

@@ -12,7 +12,7 @@ import os
 import secrets
 import signal
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,9 +24,9 @@ from torch.nn import Module
 from lightning_decentral.agreement import Ranks, parameter_deviations
 from lightning_decentral.driver import StepDriver
 from lightning_decentral.failures import Activities
-from lightning_decentral.membership.guard import Guard
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import Decision, Join, Membership, Survivors
+from lightning_decentral.membership.guard import Guard
 from lightning_decentral.membership.rejoin import refuse_after_the_run, refuse_new_rank, run_in_progress
 from lightning_decentral.membership.report import losses, survivor_metrics
 from lightning_decentral.membership.store import store_client
@@ -48,7 +48,9 @@ def init_default_group(
     store = connect(environment.main_address, environment.main_port, rank, world_size, timeout)
     log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     device_id = device if device.type != "cpu" else None
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, device_id=device_id
+    )
     if backend == "nccl":  # torch warns of an NCCL group left at exit
         atexit.register(_destroy_default_group)
     line = "-" * 100
@@ -83,11 +85,11 @@ class OnProcesses:
     driver: StepDriver
     options: GossipOptions
     root_device: torch.device
-    activities: Optional[Activities]  # what each rank does (None before set-up): the executor's
-    survivors: Optional[Survivors] = None  # on_peer_failure="continue", once the gossip started
+    activities: Activities | None  # what each rank does (None before set-up): the executor's
+    survivors: Survivors | None = None  # on_peer_failure="continue", once the gossip started
     owns_default_group = False  # this run made the default process group (with its timeout)
     rejoins = False  # rejoin=True: lost ranks started again rejoin the run in progress
-    joined: Optional[Join] = None  # this process is a lost rank that rejoined, with this decision
+    joined: Join | None = None  # this process is a lost rank that rejoined, with this decision
     joining = False  # a rank that rejoins, before its first training batch
     _timeout: timedelta  # Lightning's DDPStrategy keeps it
 
@@ -147,7 +149,7 @@ class OnProcesses:
         return regrouped.world_size if regrouped is not None else super().world_size  # type: ignore[misc]
 
     @property
-    def _regrouped(self) -> Optional[Membership]:
+    def _regrouped(self) -> Membership | None:
         """The survivors' membership once a failure has regrouped them (`None` before: Lightning's ranks hold)."""
         if self.survivors is not None and self.survivors.membership.generation:
             return self.survivors.membership
@@ -208,8 +210,15 @@ class OnProcesses:
         rejoin_store(client, info["token"])
         min_workers = self.options.min_workers_for(info["start_size"])
         self.survivors, self.joined = Survivors.rejoin(
-            self.driver, info, self.global_rank, min_workers, backend, self._timeout, self.on_survivors,
-            self.handover_state, self.join_margin,
+            self.driver,
+            info,
+            self.global_rank,
+            min_workers,
+            backend,
+            self._timeout,
+            self.on_survivors,
+            self.handover_state,
+            self.join_margin,
         )
         rank_zero_only.rank = self.global_rank
         self.joining = True  # until its first batch: Lightning's barrier and broadcast stay on this rank
@@ -231,11 +240,15 @@ class OnProcesses:
         backend = dist.get_backend()
         if self.options.on_peer_failure == "continue" and self.joined is None:
             self.survivors = self._start_surviving(backend)
-        return self.driver.process_mixer(self.root_device, backend, self._timeout, self.owns_default_group, self.survivors)
+        return self.driver.process_mixer(
+            self.root_device, backend, self._timeout, self.owns_default_group, self.survivors
+        )
 
-    def _start_surviving(self, backend: str) -> Optional[Survivors]:
+    def _start_surviving(self, backend: str) -> Survivors | None:
         self.options.check_backend(backend)  # the process group's, which a user may have made before the strategy
-        agreed = self._ranks.gather([secrets.randbits(62), int(self.launched_by_lightning)], "Starting the survivors' membership")
+        agreed = self._ranks.gather(
+            [secrets.randbits(62), int(self.launched_by_lightning)], "Starting the survivors' membership"
+        )
         if agreed[:, 1].any():  # every rank alike: rank 0 knows
             rank_zero_warn(LIGHTNING_LAUNCHER)
             return None
@@ -269,7 +282,7 @@ class OnProcesses:
             return {}
         return survivor_metrics(self.failures_survived, self.world_size)
 
-    def end_gossip(self, mixer: Optional[Any], step: int, failed: bool) -> None:
+    def end_gossip(self, mixer: Any | None, step: int, failed: bool) -> None:
         """The run is over: after a clean run every rank leaves the mixer's groups together (at `step`); after an
         error (the others may be gone) the mixer is aborted (a stale mixer's threads end, and its neighbours learn of
         the failure at once). The heartbeat stops, with one warning if the run lost workers; the ranks stay the

@@ -33,7 +33,16 @@ Examples:
 """
 
 from lightning_decentral.compression.bits import pack_bits, packed_bytes, unpack_bits
-from lightning_decentral.compression.choco import Choco, ChocoExchange, ChocoStates, Compressing, EdgeCopies, exchange_in_process, exchange_seed, state_dtype
+from lightning_decentral.compression.choco import (
+    Choco,
+    ChocoExchange,
+    ChocoStates,
+    Compressing,
+    EdgeCopies,
+    exchange_in_process,
+    exchange_seed,
+    state_dtype,
+)
 from lightning_decentral.compression.compressors import (
     NAMES,
     CompressionArgument,

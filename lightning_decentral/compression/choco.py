@@ -19,7 +19,7 @@ one process; the arithmetic is this module's in both.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -47,14 +47,14 @@ class EdgeCopies:
     """One worker's public copies of one flat buffer: `sent[s]`, shared by the out-neighbours `j` with
     `slot_of[j] == s` (`x̂_{i→j}`), and `received[j]` (`x̂_{j→i}`); a new copy starts at `origin` (zero without)."""
 
-    def __init__(self, like: Tensor, origin: Optional[Tensor] = None) -> None:
+    def __init__(self, like: Tensor, origin: Tensor | None = None) -> None:
         self.like = torch.empty(0, dtype=state_dtype(like.dtype), device=like.device)
         self.numel = like.numel()
         self.origin = None if origin is None else origin.to(self.like)
         self.sent: list[Tensor] = []
         self.slot_of: dict[int, int] = {}
         self.received: dict[int, Tensor] = {}
-        self._work: Optional[Tensor] = None
+        self._work: Tensor | None = None
 
     def fresh(self) -> Tensor:
         """A new edge's copy: `origin`, or zero."""
@@ -187,7 +187,7 @@ class ChocoExchange:
         step: int,
         rounds: int,
         tag: int = 0,
-        out: Optional[Sequence[Tensor]] = None,
+        out: Sequence[Tensor] | None = None,
         measure: bool = False,
     ) -> None:
         self.choco, self.topology, self.step, self.rounds, self.tag = choco, topology, step, rounds, tag
@@ -195,7 +195,7 @@ class ChocoExchange:
         self.copies = [choco.copies_of(tag + index, b) for index, b in enumerate(self.buffers)]
         sizes = [choco.compressor.payload_bytes(c.numel, c.like.dtype) for c in self.copies]
         self._parts = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # (offset, size) in a message
-        self.residuals: Optional[list[Tensor]] = None
+        self.residuals: list[Tensor] | None = None
         if self.out is not None and rounds > 1:  # later rounds compress x + the corrections so far
             for o, b in zip(self.out, self.buffers):
                 o.copy_(b)
@@ -253,7 +253,7 @@ class ChocoExchange:
             for o, b in zip(self.out, self.buffers):
                 o.sub_(b)
 
-    def _own(self, copies: EdgeCopies) -> Optional[Tensor]:
+    def _own(self, copies: EdgeCopies) -> Tensor | None:
         """The worker's own public copy at this round, `Σ_j w_ji x̂_{i→j} / Σ_j w_ji` over its out-edges of `W(step)`
         (`None` without any: its model is all it has)."""
         out_edges = self.topology.out_neighbors(self.choco.rank, self.step)
@@ -295,7 +295,7 @@ class ChocoStates:
     for its checkpoint shard, and a state loaded from a shard before the mixer exists."""
 
     def __init__(self) -> None:
-        self._mixer: Optional[Compressing] = None
+        self._mixer: Compressing | None = None
         self._loaded: dict[int, Mapping[str, Any]] = {}
 
     @property
@@ -324,12 +324,12 @@ class ChocoStates:
         chocos = self.chocos
         return {"gossip/bytes_sent": self.bytes_sent / len(chocos)} if chocos else {}
 
-    def state(self, worker: int = 0) -> Optional[dict[str, Any]]:
+    def state(self, worker: int = 0) -> dict[str, Any] | None:
         """Worker `worker`'s [`state_dict`][lightning_decentral.compression.Choco.state_dict]; `None` without a mixer."""
         chocos = self.chocos
         return chocos[worker].state_dict() if chocos else None
 
-    def load(self, state: Optional[Mapping[str, Any]], worker: int = 0) -> None:
+    def load(self, state: Mapping[str, Any] | None, worker: int = 0) -> None:
         """Continue worker `worker` from `state` (`None`: nothing to load), now or when a mixer is attached."""
         if state is not None:
             self._loaded[worker] = state
@@ -343,7 +343,9 @@ class ChocoStates:
             self._loaded = {}
 
 
-def exchange_in_process(exchanges: Sequence[ChocoExchange], first: Optional[Sequence[Mapping[int, Tensor]]] = None) -> None:
+def exchange_in_process(
+    exchanges: Sequence[ChocoExchange], first: Sequence[Mapping[int, Tensor]] | None = None
+) -> None:
     """Run the exchanges of every worker of one process (`exchanges[i]` is worker `i`'s, all of one step), round by
     round: every worker's messages (round one's may be given: `first[i]`, worker `i`'s `outgoing(0)`), then every
     worker's receipt of its in-neighbours' messages."""

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Union, runtime_checkable
+from typing import Protocol, Union, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -63,15 +64,15 @@ def as_dtype(payload: Tensor, dtype: torch.dtype) -> Tensor:
     return payload.view(dtype)
 
 
-def _blocks(numel: int, block: Optional[int]) -> int:
+def _blocks(numel: int, block: int | None) -> int:
     return 1 if block is None or numel <= block else math.ceil(numel / block)
 
 
-def _width(numel: int, block: Optional[int]) -> int:
+def _width(numel: int, block: int | None) -> int:
     return max(1, numel if block is None or numel <= block else block)
 
 
-def _per_block(v: Tensor, block: Optional[int], reduce: Callable[[Tensor], Tensor]) -> Tensor:
+def _per_block(v: Tensor, block: int | None, reduce: Callable[[Tensor], Tensor]) -> Tensor:
     """`reduce(rows)` over the blocks of `v` as rows of `block` elements (the last one may be shorter), one value per
     block; no copy of `v`."""
     width = _width(len(v), block)
@@ -82,7 +83,7 @@ def _per_block(v: Tensor, block: Optional[int], reduce: Callable[[Tensor], Tenso
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-def _scale_blocks_(x: Tensor, scales: Tensor, block: Optional[int]) -> Tensor:
+def _scale_blocks_(x: Tensor, scales: Tensor, block: int | None) -> Tensor:
     """`x *= scales[b]` on each block `b` of `x`, in place; returns `x`."""
     width = _width(len(x), block)
     full = len(x) // width * width
@@ -93,7 +94,7 @@ def _scale_blocks_(x: Tensor, scales: Tensor, block: Optional[int]) -> Tensor:
     return x
 
 
-def _check_block(block: Optional[int]) -> None:
+def _check_block(block: int | None) -> None:
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"`block` must be a positive integer (elements per scale) or None (one scale), got {block!r}.")
 
@@ -115,7 +116,7 @@ class Sign:
         [2.0, -2.0, 2.0, -2.0, 0.5, 0.5]
     """
 
-    block: Optional[int] = BLOCK
+    block: int | None = BLOCK
     consensus_step: float = 1.0  # measured: docs/benchmarks.md, "Compressed gossip"
 
     def __post_init__(self) -> None:
@@ -155,8 +156,8 @@ class Quantize:
     """
 
     bits: int = 8
-    block: Optional[int] = BLOCK
-    consensus_step: Optional[float] = None
+    block: int | None = BLOCK
+    consensus_step: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
@@ -177,7 +178,9 @@ class Quantize:
         scales = (_per_block(v, self.block, lambda rows: rows.abs().amax(1)) / self.levels).to(SCALE)
         inverse = scales.to(v.dtype)
         inverse = torch.where(inverse > 0, 1 / torch.where(inverse > 0, inverse, 1), 0)  # a zero block: codes 0
-        codes = _scale_blocks_(v.clone(), inverse, self.block).round_().clamp_(-self.levels, self.levels).add_(self.levels)
+        codes = (
+            _scale_blocks_(v.clone(), inverse, self.block).round_().clamp_(-self.levels, self.levels).add_(self.levels)
+        )
         return torch.cat([scales.view(torch.uint8), pack_bits(codes, self.bits)])
 
     def decompress(self, payload: Tensor, numel: int, dtype: torch.dtype, seed: int) -> Tensor:
@@ -228,7 +231,7 @@ class TopK:
     """
 
     fraction: float = 0.01
-    consensus_step: Optional[float] = None
+    consensus_step: float | None = None
 
     def __post_init__(self) -> None:
         _check_fraction("TopK", self.fraction)
@@ -270,7 +273,7 @@ class RandomK:
 
     fraction: float = 0.01
     seed: int = 0
-    consensus_step: Optional[float] = None
+    consensus_step: float | None = None
 
     def __post_init__(self) -> None:
         _check_fraction("RandomK", self.fraction)
@@ -302,7 +305,7 @@ CompressionArgument = Union[str, Compressor, None]
 """What `compression=` takes: a name of `NAMES` (also `"int2"` … `"int8"`), a `Compressor`, or `None`."""
 
 
-def resolve_compression(spec: CompressionArgument) -> Optional[Compressor]:
+def resolve_compression(spec: CompressionArgument) -> Compressor | None:
     """The compressor `spec` names: `None` (no compression), a name of `NAMES`, or a `Compressor` as it is.
 
     Examples:

@@ -14,10 +14,10 @@ cluster environments, samplers, `barrier`, `broadcast` and `all_reduce` are Fabr
 the module is never wrapped in `DistributedDataParallel`. See the [Fabric page](../fabric.md).
 """
 
+from lightning_decentral.fabric.checkpoints import STEP_KEY, PrefixedModule, under_prefix
 from lightning_decentral.fabric.convert import to_trainer_checkpoint
 from lightning_decentral.fabric.data import DataOrder
 from lightning_decentral.fabric.monitors import consensus_metrics, effective_lr_metrics, gossip_metrics
-from lightning_decentral.fabric.checkpoints import STEP_KEY, PrefixedModule, under_prefix
 from lightning_decentral.fabric.strategy import DecentralizedStrategy
 
 __all__ = [

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any, Optional, Union
+from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.wrappers import is_wrapped
@@ -18,9 +18,9 @@ from torch.optim import Optimizer
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.driver import StepDriver
-from lightning_decentral.membership.guard import Guard
 from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.membership import Survivors, form_for_save
+from lightning_decentral.membership.guard import Guard
 
 STEP_KEY = "decentralized_step"  # in a checkpoint file Fabric saved: the strategy's optimizer step k
 
@@ -63,7 +63,7 @@ def under_prefix(module: Module, prefix: str) -> PrefixedModule:
     return PrefixedModule(module.module if is_wrapped(module) else module, prefix)  # the module fabric.setup wrapped
 
 
-def load_every_weight(module: Module, state_dict: dict[str, Any], strict: bool, found: Optional[list[str]] = None) -> None:
+def load_every_weight(module: Module, state_dict: dict[str, Any], strict: bool, found: list[str] | None = None) -> None:
     """`module.load_state_dict(state_dict, strict)`, but an error naming the keys when not one of the module's
     names is in `state_dict` (nothing would load; `found`: the names the file holds, default `state_dict`'s), and a
     warning naming the weights a non-strict load leaves as they were."""
@@ -105,13 +105,13 @@ class ShardedCheckpoints:
     step: int  # and Fabric's DDPStrategy's: global_rank, world_size, precision, checkpoint_io, load/save_checkpoint
     driver: StepDriver
     guard: Guard
-    _module: Optional[Module]
-    _optimizer: Optional[Optimizer]
+    _module: Module | None
+    _optimizer: Optimizer | None
     _ranks: Ranks
     averaged_model: Callable[..., AbstractContextManager]
     check_outside_the_graph: Callable[[str], None]
     agree: Callable[[str], None]
-    survivors: Optional[Survivors]
+    survivors: Survivors | None
     rule_record: Callable[[], dict[str, str]]
     rule_state: Callable[[], dict[str, Any]]
     load_rule_state: Callable[[dict[str, Any]], None]
@@ -120,8 +120,8 @@ class ShardedCheckpoints:
         self,
         path: StrPath,
         state: dict[str, Any],
-        storage_options: Optional[Any] = None,
-        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None,
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """Runs in `fabric.save`, on every rank: the file holds `x̄` and the averaged optimizer state; each
         rank writes its shard beside it, then rank 0 the file
@@ -131,29 +131,47 @@ class ShardedCheckpoints:
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
         self.check_outside_the_graph("fabric.save")
-        self.guard.operation(lambda: self._save_sharded(path, state, storage_options, filter, module_key, optimizer_key))
+        self.guard.operation(
+            lambda: self._save_sharded(path, state, storage_options, filter, module_key, optimizer_key)
+        )
         return None
 
     def _save_sharded(
-        self, path: StrPath, state: dict[str, Any], storage_options: Any, filter: Any, module_key: str, optimizer_key: Optional[str]
+        self,
+        path: StrPath,
+        state: dict[str, Any],
+        storage_options: Any,
+        filter: Any,
+        module_key: str,
+        optimizer_key: str | None,
     ) -> None:
         """`save_checkpoint` with the module at `state[module_key]`: one operation of the guard (a failure survived
         during it starts it again: every survivor is in this save, and they make their group first)."""
         form_for_save(self.survivors)  # in the steps the survivors of a failure take alone: their group first
         self.agree(f"fabric.save({str(path)!r})")
-        with self.averaged_model(agree=False):  # agreed above: the averaging's all-reduce is the save's first collective
+        with self.averaged_model(
+            agree=False
+        ):  # agreed above: the averaging's all-reduce is the save's first collective
             converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
-            converted[module_key] = {k: v.clone() if isinstance(v, Tensor) else v for k, v in converted[module_key].items()}
+            converted[module_key] = {
+                k: v.clone() if isinstance(v, Tensor) else v for k, v in converted[module_key].items()
+            }
         if optimizer_key is not None:
             converted[optimizer_key] = mean_optimizer_state(self._ranks, converted[optimizer_key])
         converted[STEP_KEY] = self.step
 
         def make_shard(save_id: int) -> dict[str, Any]:
             return shards.make_shard(
-                save_id, self.global_rank, self.world_size, state_dict=state[module_key].state_dict(),
-                step=self.step, optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
-                precision=self.precision.state_dict(), rule=self.rule_record(),
-                rule_state=self.rule_state() if optimizer_key is not None else None, gossip=self.driver.copies.state(),
+                save_id,
+                self.global_rank,
+                self.world_size,
+                state_dict=state[module_key].state_dict(),
+                step=self.step,
+                optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
+                precision=self.precision.state_dict(),
+                rule=self.rule_record(),
+                rule_state=self.rule_state() if optimizer_key is not None else None,
+                gossip=self.driver.copies.state(),
             )
 
         def write_file() -> None:
@@ -166,9 +184,9 @@ class ShardedCheckpoints:
     def load_checkpoint(
         self,
         path: StrPath,
-        state: Optional[Union[Module, Optimizer, dict[str, Any]]] = None,
+        state: Module | Optimizer | dict[str, Any] | None = None,
         strict: bool = True,
-        weights_only: Optional[bool] = None,
+        weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Runs in `fabric.load`, on every rank: restore `x̄` and the averaged optimizer state; then, if every
         rank finds its shard of the same save at the same world size, its own replica, optimizer, precision
@@ -211,20 +229,24 @@ class ShardedCheckpoints:
         of its weights ([`load_every_weight`][lightning_decentral.fabric.checkpoints.load_every_weight])."""
         load_every_weight(module, state_dict, strict)
 
-    def _keys(self, state: dict[str, Any]) -> tuple[Optional[str], Optional[str]]:
+    def _keys(self, state: dict[str, Any]) -> tuple[str | None, str | None]:
         """The keys under which `state` holds this strategy's module (itself, or under a prefix) and optimizer."""
 
-        def found(target: Any) -> Optional[str]:
+        def found(target: Any) -> str | None:
             for key, value in state.items():
-                if target is not None and (value is target or isinstance(value, PrefixedModule) and value.module is target):
+                if target is not None and (
+                    value is target or (isinstance(value, PrefixedModule) and value.module is target)
+                ):
                     return key
             return None
 
         return found(self._module), found(self._optimizer)
 
 
-def set_up_first(value: Optional[Any]) -> Any:
+def set_up_first(value: Any | None) -> Any:
     """`value` (the model or optimizer the strategy set up), or an error saying to set them up first."""
     if value is None:
-        raise RuntimeError("Set up the model and its optimizer first: `model, optimizer = fabric.setup(model, optimizer)`.")
+        raise RuntimeError(
+            "Set up the model and its optimizer first: `model, optimizer = fabric.setup(model, optimizer)`."
+        )
     return value

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral._compat.lightning import BATCHES_THAT_STEPPED, OptimizationProgress, Progress, ReadyCompletedTracker
+from lightning_decentral._compat.lightning import (
+    BATCHES_THAT_STEPPED,
+    OptimizationProgress,
+    Progress,
+    ReadyCompletedTracker,
+)
 from lightning_decentral.fabric.checkpoints import STEP_KEY
 from lightning_decentral.files import StrPath, atomic_write
 
@@ -22,7 +27,7 @@ def to_trainer_checkpoint(
     model_key: str = "model",
     optimizer_key: str = "optimizer",
     prefix: str = "",
-    ranks: Optional[Iterable[int]] = None,
+    ranks: Iterable[int] | None = None,
 ) -> None:
     """Convert a checkpoint `fabric.save` wrote under this strategy into one `trainer.fit(model, ckpt_path=trainer_path)`
     resumes from, with the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy], shards
@@ -117,7 +122,7 @@ def to_trainer_checkpoint(
     )
 
 
-def _read_shards(fabric_path: StrPath, meta: dict[str, int], ranks: Optional[Iterable[int]]) -> dict[int, dict[str, Any]]:
+def _read_shards(fabric_path: StrPath, meta: dict[str, int], ranks: Iterable[int] | None) -> dict[int, dict[str, Any]]:
     """The shards of `ranks` (`None`: every rank) of the save `meta` names, by rank. Without `ranks`, a shard that
     cannot be read makes it `{}` with a warning (the Trainer then resumes every replica from `x̄`); with `ranks`, an
     error naming it."""

@@ -8,7 +8,7 @@ import functools
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,13 +28,12 @@ from lightning_decentral.common import OnProcesses, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver, StepRunner
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
 from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities, checked_timeout
-from lightning_decentral.membership.guard import from_its_value_now
 from lightning_decentral.measures import random_state
+from lightning_decentral.membership.guard import from_its_value_now
 from lightning_decentral.mixing import FABRIC, Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext, check_one_optimizer
-
 
 
 @takes_gossip_options
@@ -69,13 +68,13 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
     def __init__(
         self,
         *,
-        accelerator: Optional[Accelerator] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **options: Any,
     ) -> None:
@@ -97,13 +96,15 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
             start_method=start_method,
         )
         self._backward_sync_control = _RuleBackwardSync(self._begin_step)
-        self.driver = StepDriver(gossip, epoch=self._epoch, phrasing=FABRIC)  # bound to the world size with the launcher
+        self.driver = StepDriver(
+            gossip, epoch=self._epoch, phrasing=FABRIC
+        )  # bound to the world size with the launcher
         self.step = 0  # k: the optimizer steps taken (saved with every checkpoint)
-        self.epoch: Optional[int] = None  # the loop's epoch, for a gossip_steps schedule by epoch (set_epoch)
-        self._module: Optional[Module] = None
-        self._optimizer: Optional[Optimizer] = None
-        self._replica: Optional[Replica] = None
-        self._mixer: Optional[Mixer] = None
+        self.epoch: int | None = None  # the loop's epoch, for a gossip_steps schedule by epoch (set_epoch)
+        self._module: Module | None = None
+        self._optimizer: Optimizer | None = None
+        self._replica: Replica | None = None
+        self._mixer: Mixer | None = None
         self._context = RuleContext(overlap_backward=False)  # DecentLaM: learnt on the first step
         self._clipping = False  # fabric.clip_gradients ran
         self._averaged = AveragedModel()
@@ -111,7 +112,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         self._hooks: list[Any] = []
         self._forward_states: list[dict[str, Any]] = []  # the random state of each training forward of step k
         self._graph_pending = False  # a training forward ran and its backward has not: the parameters are in use
-        self.activities: Optional[Activities] = None  # what each rank does: ranks that disagree stop at once
+        self.activities: Activities | None = None  # what each rank does: ranks that disagree stop at once
 
     # -- the monitoring surface (Driven's, and these) ---------------------------------------------
 
@@ -131,7 +132,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         return self.module
 
     @property
-    def grad_scaler(self) -> Optional[torch.amp.GradScaler]:
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
         """The enabled GradScaler of fp16 mixed precision, once set up; else `None`."""
         return self._context.grad_scaler
 
@@ -191,8 +192,8 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
 
     @override
     def setup_module_and_optimizers(
-        self, module: Module, optimizers: list[Optimizer], scheduler: Optional[Any] = None
-    ) -> tuple[Module, list[Optimizer], Optional[Any]]:
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[Module, list[Optimizer], Any | None]:
         """Runs in `fabric.setup(model, optimizer)`: the replica, then the update rule."""
         check_one_optimizer(optimizers, "`fabric.setup` got")
         module = self.setup_module(module)
@@ -247,7 +248,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
             self._graph_pending = True
 
     @override
-    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+    def backward(self, tensor: Tensor, module: Module | None, *args: Any, **kwargs: Any) -> None:
         """Runs in `fabric.backward`: the rule prepares the backward (DecentLaM: flat gradients)."""
         if self.driver.runner is not None:
             self._begin_step().before_backward()
@@ -275,13 +276,20 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         return output
 
     @override
-    def clip_gradients_norm(self, module: Module, optimizer: Optimizer, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+    def clip_gradients_norm(
+        self,
+        module: Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
         """Runs in `fabric.clip_gradients(max_norm=...)`."""
         self._before_clipping()
         return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
 
     @override
-    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+    def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float | int) -> None:
         """Runs in `fabric.clip_gradients(clip_val=...)`."""
         self._before_clipping()
         return super().clip_gradients_value(module, optimizer, clip_val)
@@ -335,7 +343,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
     # -- Fabric's collectives go through the guard (with survivors of a failure, they complete among them) -------
 
     @override
-    def all_reduce(self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Tensor:
+    def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: Any | None = "mean") -> Tensor:
         """`fabric.all_reduce`, through the guard (each try from `tensor`'s value)."""
         reduce = from_its_value_now(tensor, functools.partial(super().all_reduce, tensor, group, reduce_op))
         return self.guard.run(f"Fabric's all_reduce at step {self.step}", reduce)
@@ -351,7 +359,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         return self.guard.run(f"Fabric's broadcast at step {self.step}", functools.partial(super().broadcast, obj, src))
 
     @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """`fabric.all_gather`, through the guard."""
         gather = functools.partial(super().all_gather, tensor, group, sync_grads)
         return self.guard.run(f"Fabric's all_gather at step {self.step}", gather)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ class CompressedGossip(Watched):
     """
 
     def __init__(
-        self, gossip: Gossip, compression: Compressor, consensus_step: Optional[float] = None, from_copy: bool = False
+        self, gossip: Gossip, compression: Compressor, consensus_step: float | None = None, from_copy: bool = False
     ) -> None:
         self.gossip = gossip
         step = compression.consensus_step if consensus_step is None else consensus_step
@@ -117,9 +117,9 @@ class CompressedGossip(Watched):
         step: int,
         rounds: int = 1,
         tag: int = 0,
-        out: Optional[Sequence[Tensor]] = None,
+        out: Sequence[Tensor] | None = None,
         check_finite: bool = True,
-    ) -> "PendingCompressed":
+    ) -> PendingCompressed:
         """Compress and post round one of `rounds` (the [`Mixer`][lightning_decentral.mixing.Mixer] contract: the
         buffers are read now and not written until `wait()`; with `out`, they are only read and `out` receives
         the correction)."""
@@ -154,15 +154,20 @@ class PendingCompressed:
     """A [`CompressedGossip`][lightning_decentral.gossip.CompressedGossip] exchange in flight: round one is posted;
     `wait()` finishes it, and runs the other rounds one after the other."""
 
-    def __init__(self, mixer: CompressedGossip, exchange: Optional[ChocoExchange], tag: int, event: Optional[ExchangeEvent]) -> None:
+    def __init__(
+        self, mixer: CompressedGossip, exchange: ChocoExchange | None, tag: int, event: ExchangeEvent | None
+    ) -> None:
         self._mixer, self._exchange, self._tag, self._event = mixer, exchange, tag, event
         self._observers = list(mixer.observers)
-        self.residuals: Optional[list[Tensor]] = None
+        self.residuals: list[Tensor] | None = None
         self._round, self._works, self._ranks = 0, None, []
         self._received: dict[int, Tensor] = {}
         if exchange is not None:
             names = mixer.gossip.neighbour_names(exchange.step)
-            self._what, self._peers = f"The compressed gossip exchange of step {exchange.step}", f"a neighbour ({', '.join(names) or 'none'})"
+            self._what, self._peers = (
+                f"The compressed gossip exchange of step {exchange.step}",
+                f"a neighbour ({', '.join(names) or 'none'})",
+            )
             self._post()
         notify_post(self._observers, event)
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -55,11 +54,11 @@ class Gossip(Watched):
     def __init__(
         self,
         topology: Topology,
-        group: Optional[dist.ProcessGroup] = None,
-        dtype: Optional[torch.dtype] = None,
-        transport: Optional[str] = None,
-        timeout: Optional[timedelta] = None,
-        watch: Optional[Watch] = None,
+        group: dist.ProcessGroup | None = None,
+        dtype: torch.dtype | None = None,
+        transport: str | None = None,
+        timeout: timedelta | None = None,
+        watch: Watch | None = None,
     ) -> None:
         if transport not in _TRANSPORTS:
             raise ValueError(f"transport must be one of {list(_TRANSPORTS)}, got {transport!r}.")
@@ -96,7 +95,9 @@ class Gossip(Watched):
         replaced it by theirs (every survivor calls it together). The subgroups of the old group are gone with it;
         exchanges of the old generation still in flight are discarded when waited for."""
         if dist.get_world_size() != topology.world_size:
-            raise ValueError(f"The survivors' topology has {topology.world_size} ranks, their process group {dist.get_world_size()}.")
+            raise ValueError(
+                f"The survivors' topology has {topology.world_size} ranks, their process group {dist.get_world_size()}."
+            )
         self.topology, self.group = topology, None
         self.rank = dist.get_rank()
         self._global = list(range(topology.world_size))
@@ -108,7 +109,7 @@ class Gossip(Watched):
         own = [self.group] if self.group is not None else []
         return own + [g for stage in self._stages for g in stage.groups()] + list(self._edge_groups.values())
 
-    def _hierarchical_stages(self, world: dist.ProcessGroup) -> list["Gossip"]:
+    def _hierarchical_stages(self, world: dist.ProcessGroup) -> list[Gossip]:
         """One engine per level the rank takes part in: on its node, then on its group across nodes
         ([`Hierarchical.levels`][lightning_decentral.topology.Hierarchical.levels]).
 
@@ -134,7 +135,7 @@ class Gossip(Watched):
         step: int,
         rounds: int = 1,
         tag: int = 0,
-        out: Optional[Sequence[Tensor]] = None,
+        out: Sequence[Tensor] | None = None,
         check_finite: bool = True,
     ) -> PendingGossip:
         """Post round one of `rounds` exchanges of `buffers` with `W(step)`.
@@ -167,11 +168,11 @@ class Gossip(Watched):
         cls,
         topology: Topology,
         device: torch.device,
-        backend: Optional[str] = None,
-        timeout: Optional[timedelta] = None,
-        dtype: Optional[torch.dtype] = None,
-        watch: Optional[Watch] = None,
-    ) -> "Gossip":
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+        dtype: torch.dtype | None = None,
+        watch: Watch | None = None,
+    ) -> Gossip:
         """An engine on a new process group of every rank, with `timeout` (else torch's 30 minutes): a
         dead peer ends every rank's exchange within it. Every rank calls it together."""
         group = dist.new_group(backend=backend, timeout=timeout)
@@ -238,7 +239,7 @@ class Gossip(Watched):
 
     # -- transport -----------------------------------------------------------------
 
-    def legs(self, step: int) -> list["Gossip"]:
+    def legs(self, step: int) -> list[Gossip]:
         """The engines one round runs in order: this one, or a hierarchical topology's levels."""
         if self.topology.is_identity(step):
             return []
@@ -256,7 +257,7 @@ class Gossip(Watched):
     def _wire_dtype(self, buffer: Tensor) -> torch.dtype:
         return buffer.dtype if self.dtype is None else self.dtype
 
-    def post(self, buffers: Sequence[Tensor], step: int, tag: int) -> tuple[list[dist.Work], list[Optional[int]]]:
+    def post(self, buffers: Sequence[Tensor], step: int, tag: int) -> tuple[list[dist.Work], list[int | None]]:
         """Post one exchange of this engine's own group (a leg of a round, for
         [`PendingGossip`][lightning_decentral.gossip.PendingGossip]): the works, and the peer (global rank) of each,
         `None` where a work has several."""
@@ -285,7 +286,7 @@ class Gossip(Watched):
 
     def post_messages(
         self, sends: Mapping[int, Tensor], receives: Mapping[int, Tensor], tag: int = 0
-    ) -> tuple[list[dist.Work], list[Optional[int]]]:
+    ) -> tuple[list[dist.Work], list[int | None]]:
         """Post one message to each peer of `sends` and one receive into each tensor of `receives` (peers are ranks of
         this engine's topology; any dtype, of sizes both ends agree on), point-to-point, receives first as in `post`:
         the works and the peer (global rank) of each, `[]` where the backend coalesces them (NCCL)."""
@@ -303,7 +304,10 @@ class Gossip(Watched):
             for source in sorted(r for r, sends in ((self.rank, peer in sends_to), (peer, peer in slots)) if sends):
                 tensor = sent if source == self.rank else self._receive_buffer(key, slots[peer], sent)
                 works.append(
-                    (dist.broadcast(tensor, src=self._global[source], group=self._edge_groups[peer], async_op=True), self._global[peer])
+                    (
+                        dist.broadcast(tensor, src=self._global[source], group=self._edge_groups[peer], async_op=True),
+                        self._global[peer],
+                    )
                 )
         return works
 
@@ -322,7 +326,7 @@ class Gossip(Watched):
         step: int,
         tag: int,
         measure: bool = False,
-        into: Optional[Sequence[Tensor]] = None,
+        into: Sequence[Tensor] | None = None,
     ) -> list[Tensor]:
         """Finish one exchange of this engine's group (after its works of `post`): `x <- x + delta`, `delta = Σ_j w_ij s_j − s_i` (`s` = what was
         sent: `x`, or `q` in low precision). With `into` the buffers stay as they are and
@@ -374,14 +378,23 @@ class Gossip(Watched):
 
 
 def _pair_groups(
-    topology: Topology, global_ranks: list[int], rank: int, group: Optional[dist.ProcessGroup], timeout: Optional[timedelta]
+    topology: Topology,
+    global_ranks: list[int],
+    rank: int,
+    group: dist.ProcessGroup | None,
+    timeout: timedelta | None,
 ) -> dict[int, dist.ProcessGroup]:
     """A 2-rank subgroup per pair of neighbours over one period, by this rank's neighbour (`transport="broadcast"`);
     every rank creates every one, in order."""
     n = topology.world_size
     pairs = sorted(
-        {(min(i, j), max(i, j)) for k in range(topology.period) if not topology.is_average(k)
-         for i in range(n) for j, _ in topology.in_neighbors(i, k)}
+        {
+            (min(i, j), max(i, j))
+            for k in range(topology.period)
+            if not topology.is_average(k)
+            for i in range(n)
+            for j, _ in topology.in_neighbors(i, k)
+        }
     )
     if len(pairs) > 4 * n or dist.get_backend(group or dist.group.WORLD) != "gloo":
         raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch.distributed as dist
 from torch import Tensor
@@ -29,16 +29,21 @@ class Leg(Protocol):
     def measure_residuals(self) -> bool: ...
 
     @property
-    def survival(self) -> Optional[Survival]: ...
+    def survival(self) -> Survival | None: ...
 
     def legs(self, step: int) -> list[Leg]: ...
 
     def neighbour_names(self, step: int) -> list[str]: ...
 
-    def post(self, buffers: Sequence[Tensor], step: int, tag: int) -> tuple[list[dist.Work], list[Optional[int]]]: ...
+    def post(self, buffers: Sequence[Tensor], step: int, tag: int) -> tuple[list[dist.Work], list[int | None]]: ...
 
     def combine(
-        self, buffers: Sequence[Tensor], step: int, tag: int, measure: bool = False, into: Optional[Sequence[Tensor]] = None
+        self,
+        buffers: Sequence[Tensor],
+        step: int,
+        tag: int,
+        measure: bool = False,
+        into: Sequence[Tensor] | None = None,
     ) -> list[Tensor]: ...
 
 
@@ -64,8 +69,8 @@ class PendingGossip:
         step: int,
         rounds: int,
         tag: int,
-        out: Optional[Sequence[Tensor]] = None,
-        event: Optional[ExchangeEvent] = None,
+        out: Sequence[Tensor] | None = None,
+        event: ExchangeEvent | None = None,
     ) -> None:
         self._gossip, self._generation = gossip, gossip.generation
         self._step, self._tag = step, tag
@@ -76,7 +81,7 @@ class PendingGossip:
         self._legs = per_round * rounds
         self._first_round = len(per_round)
         self._done = 0
-        self.residuals: Optional[list[Tensor]] = None
+        self.residuals: list[Tensor] | None = None
         self._measure = gossip.measure_residuals and bool(self._legs)
         # out=: a point-to-point first exchange reads the buffers directly; anything else runs on a copy in out
         self._direct = self._out is not None and bool(self._legs) and not self._legs[0].topology.is_average(step)
@@ -91,8 +96,10 @@ class PendingGossip:
         self._posted = [b.clone() for b in self._buffers] if gossip.survival is not None and writes_early else None
         self._what = f"The gossip exchange of step {step}"
         names = gossip.neighbour_names(step)
-        self._peers = "another rank (this exchange is an all-reduce of every rank)" if names == ["every rank"] else (
-            f"a neighbour ({', '.join(names) or 'none'})"
+        self._peers = (
+            "another rank (this exchange is an all-reduce of every rank)"
+            if names == ["every rank"]
+            else (f"a neighbour ({', '.join(names) or 'none'})")
         )
         self._works, self._ranks = None, []
         if self._legs:
@@ -148,7 +155,7 @@ class PendingGossip:
                 for o, b in zip(self._out, self._buffers):
                     o.sub_(b)
 
-    def _give_up(self, failure: Optional[PeerFailure]) -> None:
+    def _give_up(self, failure: PeerFailure | None) -> None:
         """Discard this exchange (`W = I`); the first failure of a generation first has the survivors agree and
         rebuild. Without a survival, the failure is the run's error."""
         survival = self._gossip.survival

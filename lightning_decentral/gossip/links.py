@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -83,7 +82,12 @@ class Links:
     """
 
     def __init__(
-        self, group: Optional[dist.ProcessGroup], sources: Sequence[int], destinations: Sequence[int], message_bytes: int, tag: int = 0
+        self,
+        group: dist.ProcessGroup | None,
+        sources: Sequence[int],
+        destinations: Sequence[int],
+        message_bytes: int,
+        tag: int = 0,
     ) -> None:
         self.group, self.tag, self.message_bytes = group, tag, message_bytes
         world = group if group is not None else dist.group.WORLD
@@ -98,8 +102,14 @@ class Links:
         self._senders_left: dict[int, int] = {}  # id(message) -> sends not yet done
         self._queues: dict[int, queue.SimpleQueue] = {j: queue.SimpleQueue() for j in self.destinations}
         self._closing = False
-        self._threads = [threading.Thread(target=self._receive, args=(j,), daemon=True, name=f"gossip-from-{j}") for j in self.sources]
-        self._threads += [threading.Thread(target=self._send, args=(j,), daemon=True, name=f"gossip-to-{j}") for j in self.destinations]
+        self._threads = [
+            threading.Thread(target=self._receive, args=(j,), daemon=True, name=f"gossip-from-{j}")
+            for j in self.sources
+        ]
+        self._threads += [
+            threading.Thread(target=self._send, args=(j,), daemon=True, name=f"gossip-to-{j}")
+            for j in self.destinations
+        ]
         for thread in self._threads:
             thread.start()
 

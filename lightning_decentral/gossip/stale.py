@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -38,7 +37,6 @@ from lightning_decentral.mixing import (
     raise_if_not_finite,
 )
 from lightning_decentral.topology import Topology
-
 
 
 class StaleGossip(Watched):
@@ -67,37 +65,39 @@ class StaleGossip(Watched):
         self,
         topology: Topology,
         staleness: int,
-        delays: Optional[DelaySchedule] = None,
-        group: Optional[dist.ProcessGroup] = None,
-        timeout: Optional[timedelta] = None,
-        watch: Optional[Watch] = None,
+        delays: DelaySchedule | None = None,
+        group: dist.ProcessGroup | None = None,
+        timeout: timedelta | None = None,
+        watch: Watch | None = None,
     ) -> None:
         world = group if group is not None else dist.group.WORLD
         self.topology, self.staleness, self.delays, self.group = topology, staleness, delays, group
         self.rank = dist.get_rank(world)
         if dist.get_world_size(world) != topology.world_size:
-            raise ValueError(f"The topology is bound to {topology.world_size} ranks but the group has {dist.get_world_size(world)}.")
+            raise ValueError(
+                f"The topology is bound to {topology.world_size} ranks but the group has {dist.get_world_size(world)}."
+            )
         self.sources = [(j, w) for j, w in topology.in_neighbors(self.rank, 0)]
         self.destinations = [j for j, _ in topology.out_neighbors(self.rank, 0)]
         self.self_weight = topology.self_weight(self.rank, 0)
         self.timeout = (timeout or DEFAULT_TIMEOUT).total_seconds()
         self.watch = watch if watch is not None else Watch()
         self.last_steps: dict[int, int] = {}
-        self.links: Optional[Links] = None  # made at the first exchange, when the buffers are known
+        self.links: Links | None = None  # made at the first exchange, when the buffers are known
         self.layout: list[tuple[int, int]] = []  # (offset, bytes) of each buffer in a message (links.payload_layout)
         peers = sorted({j for j, _ in self.sources} | set(self.destinations))
         self._names = [f"rank {dist.get_global_rank(world, j)}" for j in peers]
-        self._first: Optional[int] = None  # k₀
-        self._last: Optional[int] = None  # the last step exchanged
+        self._first: int | None = None  # k₀
+        self._last: int | None = None  # the last step exchanged
 
     @classmethod
     def on_new_group(
         cls,
         topology: Topology,
         staleness: int,
-        delays: Optional[DelaySchedule] = None,
-        timeout: Optional[timedelta] = None,
-        watch: Optional[Watch] = None,
+        delays: DelaySchedule | None = None,
+        timeout: timedelta | None = None,
+        watch: Watch | None = None,
     ) -> StaleGossip:
         """A mixer on a new gloo group of every rank (op timeout `IDLE`: its links may stay idle); every rank calls
         it together."""
@@ -109,7 +109,7 @@ class StaleGossip(Watched):
         step: int,
         rounds: int = 1,
         tag: int = 0,
-        out: Optional[Sequence[Tensor]] = None,
+        out: Sequence[Tensor] | None = None,
         check_finite: bool = True,
     ) -> PendingStale:
         """Send a copy of `buffers` as this rank's `y(step)`; the returned exchange's `wait()` mixes (into `buffers`,
@@ -117,7 +117,9 @@ class StaleGossip(Watched):
         if rounds != 1 or tag != 0:
             raise ValueError(f"StaleGossip runs one round of one exchange per step, got rounds={rounds}, tag={tag}.")
         if self._last is not None and step <= self._last:
-            raise ValueError(f"StaleGossip exchanges once per step and forward in steps: step {step} after step {self._last}.")
+            raise ValueError(
+                f"StaleGossip exchanges once per step and forward in steps: step {step} after step {self._last}."
+            )
         event = None
         if self.observers:
             event = ExchangeEvent(step, tag, 1, self.bytes_sent(buffers), time.perf_counter())
@@ -179,7 +181,7 @@ class StaleGossip(Watched):
             raise ValueError("StaleGossip sends the same buffers at every step; their sizes changed.")
         return self.links
 
-    def choose(self, source: int, step: int) -> Optional[int]:
+    def choose(self, source: int, step: int) -> int | None:
         """The step of `source` to mix at `step` among those held (the links locked), or `None`: wait."""
         assert self.links is not None and self._first is not None
         held = self.links.held(source)
@@ -194,12 +196,17 @@ class PendingStale:
     """A [`StaleGossip`][lightning_decentral.gossip.StaleGossip] exchange in flight; `wait()` mixes."""
 
     def __init__(
-        self, gossip: StaleGossip, buffers: list[Tensor], step: int, out: Optional[Sequence[Tensor]], event: Optional[ExchangeEvent]
+        self,
+        gossip: StaleGossip,
+        buffers: list[Tensor],
+        step: int,
+        out: Sequence[Tensor] | None,
+        event: ExchangeEvent | None,
     ) -> None:
         self._gossip, self._buffers, self._step, self._event = gossip, buffers, step, event
         self._out = None if out is None else list(out)
         self._observers = list(gossip.observers)
-        self.residuals: Optional[list[Tensor]] = None
+        self.residuals: list[Tensor] | None = None
         self._done = False
 
     def wait(self) -> None:
@@ -214,7 +221,9 @@ class PendingStale:
         residuals = []
         for index, buffer in enumerate(self._buffers):
             delta = self._out[index] if self._out is not None else torch.empty_like(buffer)
-            torch.mul(buffer, gossip.self_weight - 1, out=delta)  # w_ii y_i − y_i (the buffers are unchanged since start)
+            torch.mul(
+                buffer, gossip.self_weight - 1, out=delta
+            )  # w_ii y_i − y_i (the buffers are unchanged since start)
             for source, weight in gossip.sources:
                 offset, size = gossip.layout[index]
                 neighbour = links.held(source)[taus[source]][offset : offset + size].view(buffer.dtype)
@@ -238,7 +247,7 @@ class PendingStale:
         gossip, step = self._gossip, self._step
         links = gossip.links
         assert links is not None
-        chosen: list[Optional[int]] = [None]
+        chosen: list[int | None] = [None]
 
         def ready() -> bool:
             chosen[0] = gossip.choose(source, step)

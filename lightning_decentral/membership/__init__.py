@@ -37,18 +37,18 @@ from lightning_decentral.membership.store import LAUNCHER_KEY, GuardedStore, Sto
 from lightning_decentral.membership.survivors import Survivors, form_for_save
 
 __all__ = [
+    "LAUNCHER_KEY",
     "Decision",
     "Excluded",
     "GuardedStore",
     "Join",
-    "LAUNCHER_KEY",
     "Membership",
     "StoreLost",
     "Survivors",
     "TooFewWorkers",
-    "store_client",
     "form_for_save",
     "poison",
     "rebuild_world",
+    "store_client",
     "store_host",
 ]

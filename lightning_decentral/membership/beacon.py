@@ -15,7 +15,6 @@ import os
 import socket
 import threading
 import weakref
-from typing import Optional
 
 PROBE_TIMEOUT = 0.2  # seconds a probe waits for a connection to be accepted or refused
 
@@ -36,12 +35,14 @@ class Beacon:
         True
     """
 
-    def __init__(self, toward: Optional[str]) -> None:
+    def __init__(self, toward: str | None) -> None:
         host = _local_host(toward)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.create_server(("", 0), family=family, backlog=socket.SOMAXCONN)
-        self.address = f"[{host}]:{self._socket.getsockname()[1]}" if family == socket.AF_INET6 else (
-            f"{host}:{self._socket.getsockname()[1]}"
+        self.address = (
+            f"[{host}]:{self._socket.getsockname()[1]}"
+            if family == socket.AF_INET6
+            else (f"{host}:{self._socket.getsockname()[1]}")
         )
         threading.Thread(target=self._answer, daemon=True, name="lightning_decentral-beacon").start()
         os.register_at_fork(after_in_child=functools.partial(_forget, weakref.ref(self._socket)))
@@ -81,7 +82,7 @@ def gone(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
         return False
 
 
-def _local_host(toward: Optional[str]) -> str:
+def _local_host(toward: str | None) -> str:
     """This machine's address on the route to `toward` (the job's store), which the other members can reach."""
     if toward:
         try:

@@ -4,7 +4,7 @@ survivors agree and go on alone, making the survivors' one."""
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -12,7 +12,7 @@ import torch.distributed as dist
 _POISON_TAG = 2**30 - 7  # a tag no exchange uses
 
 
-def poison(group: Optional[dist.ProcessGroup] = None) -> bool:
+def poison(group: dist.ProcessGroup | None = None) -> bool:
     """Close every connection of `group` (default: the world) on this rank, so that nothing waits on it any more: the
     operations pending on it here fail at once, and so do the peers' operations with this rank.
 

@@ -7,7 +7,7 @@ it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from lightning_decentral.failures import PeerFailure, Survival, peers_answer
 
@@ -52,7 +52,7 @@ class Guard:
     """
 
     def __init__(self) -> None:
-        self.survival: Optional[Surviving] = None
+        self.survival: Surviving | None = None
         self.step = 0
         self._depth = 0  # operations running on this thread, one inside the other
 
@@ -84,7 +84,7 @@ class Guard:
                 self._depth -= 1
             survival.survive(self.step, failed)
 
-    def poll(self) -> Optional[str]:
+    def poll(self) -> str | None:
         """Why a wait for the other ranks should end now: a member failed (see `Survival.poll`); `None` without one."""
         return self.survival.poll() if self.survival is not None else None
 

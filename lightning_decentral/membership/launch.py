@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -51,7 +51,7 @@ NODE_SILENCE = 30.0  # seconds without a beat after which the first node stops w
 _DONE, _ALIVE = "lightning_decentral/launch/done", "lightning_decentral/launch/alive"
 
 
-def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="lightning-decentral-launch",
         description="Start the workers of one node; host the job's store outside them; let the survivors live.",
@@ -62,7 +62,9 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--master-addr", default="127.0.0.1", help="the first node's address")
     parser.add_argument("--master-port", type=int, default=0, help="the store's port (0: a free one; one node only)")
     parser.add_argument(
-        "--max-restarts", type=int, default=0,
+        "--max-restarts",
+        type=int,
+        default=0,
         help="start a worker that died or failed again, at most this many times per worker (0: never)",
     )
     parser.add_argument("script", help="the training script every worker runs")
@@ -94,7 +96,7 @@ def _describe(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Run the launcher; its exit code."""
     args = parse(argv)
     first = args.node_rank == 0
@@ -108,7 +110,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     stop = threading.Event()
     threading.Thread(target=_beat, args=(args, port, stop), daemon=True).start()
     command = [sys.executable, args.script, *args.args]
-    workers = [subprocess.Popen(command, env=_worker_env(args, local, port, run)) for local in range(args.nproc_per_node)]
+    workers = [
+        subprocess.Popen(command, env=_worker_env(args, local, port, run)) for local in range(args.nproc_per_node)
+    ]
     restarts = [0] * len(workers)
 
     stopping = threading.Event()  # a signal was forwarded: a worker it ends is not started again
@@ -126,14 +130,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         for local, worker in enumerate(workers):
             if local not in codes and worker.poll() is not None:
                 rank = args.node_rank * args.nproc_per_node + local
-                print(f"lightning-decentral-launch: worker {rank} (pid {worker.pid}) {_describe(worker.returncode)}", flush=True)
-                over = 0 in codes.values() or run_over(store)  # a worker finished, or every member left: nothing to rejoin
+                print(
+                    f"lightning-decentral-launch: worker {rank} (pid {worker.pid}) {_describe(worker.returncode)}",
+                    flush=True,
+                )
+                over = 0 in codes.values() or run_over(
+                    store
+                )  # a worker finished, or every member left: nothing to rejoin
                 if worker.returncode != 0 and restarts[local] < args.max_restarts and not (stopping.is_set() or over):
                     restarts[local] += 1
                     workers[local] = subprocess.Popen(command, env=_worker_env(args, local, port, run))
                     print(
                         f"lightning-decentral-launch: worker {rank} started again (pid {workers[local].pid}, restart "
-                        f"{restarts[local]} of {args.max_restarts})", flush=True,
+                        f"{restarts[local]} of {args.max_restarts})",
+                        flush=True,
                     )
                     continue
                 codes[local] = worker.returncode

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 from lightning_decentral.failures import Abandoned, GuardedStore, StoreLost, peers_answer
 from lightning_decentral.membership.beacon import Beacon, gone
@@ -97,7 +97,7 @@ class Membership:
         world_size: int,
         silence: float,
         min_workers: int,
-        toward: Optional[str] = None,
+        toward: str | None = None,
     ) -> None:
         self.store, self._connect = store, connect
         self.run, self.prefix = run, f"lightning_decentral/{run}"
@@ -111,7 +111,7 @@ class Membership:
         self._started = time.monotonic()
         self._stopped = threading.Event()
         self._toward = toward
-        self._beacon: Optional[Beacon] = None
+        self._beacon: Beacon | None = None
         self._addresses: dict[int, str] = {}  # member -> its beacon's address
         self._probed: dict[int, float] = {}  # member -> when this rank last probed it
         self._gone: set[int] = set()  # members whose process is gone
@@ -158,7 +158,7 @@ class Membership:
             while not self._stopped.wait(HEARTBEAT):
                 store.add(self.key("heartbeat", self.first_rank), 1)
                 keep_out(store, self.left_out)
-        except Exception:  # noqa: BLE001 - the store is gone: the next call of the guarded client says so
+        except Exception:
             return
 
     def _listen(self) -> None:
@@ -205,7 +205,7 @@ class Membership:
     def _silent_and_left(self, member: int) -> bool:
         return member != self.first_rank and self.silent_for(member) > CONFIRM and self.left(member)
 
-    def _address(self, member: int) -> Optional[str]:
+    def _address(self, member: int) -> str | None:
         """`member`'s beacon address (`None` before it published one)."""
         if member not in self._addresses:
             key = self.key("address", member)
@@ -228,7 +228,7 @@ class Membership:
 
     # -- failures -------------------------------------------------------------------------------------------------
 
-    def poll(self) -> Optional[str]:
+    def poll(self) -> str | None:
         """Why this rank should give up what it waits for, or `None`: a member announced a failure, a member's
         heartbeat has been silent for `silence` seconds, or for `CONFIRM` seconds and its process is gone, unless it
         said it leaves (a rank that stopped at the step every rank agreed on, say). One look at the store (and the
@@ -245,7 +245,9 @@ class Membership:
                 if silent > self.silence:
                     return f"rank {member} has been silent for {silent:.1f} s (no heartbeat)"
                 if silent > CONFIRM and self.gone(member):
-                    return f"rank {member}'s process is gone (silent for {silent:.1f} s, its address refuses connections)"
+                    return (
+                        f"rank {member}'s process is gone (silent for {silent:.1f} s, its address refuses connections)"
+                    )
         return None
 
     def agree(self, step: int, reason: str, broken: Sequence[int] = (), any_broken: bool = False) -> Decision:
@@ -303,7 +305,7 @@ class Membership:
         [`adopt`][lightning_decentral.membership.Membership.adopt] their decision."""
         self.members, self.generation = list(members), generation
 
-    def _proposal(self, g: int, since: float) -> Optional[dict[str, Any]]:
+    def _proposal(self, g: int, since: float) -> dict[str, Any] | None:
         """The decision to propose, once every member of generation `g` has joined or is lost; else `None`."""
         joins = {m: self.key("join", g, m) for m in self.members}
         joined = {m: json.loads(self.store.get(k))["step"] for m, k in joins.items() if self.store.check([k])}
@@ -381,11 +383,17 @@ class Membership:
         here = {m: self.key("here", g, m) for m in self.members}
         while not self.store.check(list(here.values())):
             reason = self.poll() or next(
-                (f"rank {m} left" for m, key in here.items() if self._silent_and_left(m) and not self.store.check([key])),
+                (
+                    f"rank {m} left"
+                    for m, key in here.items()
+                    if self._silent_and_left(m) and not self.store.check([key])
+                ),
                 None,
             )
             if reason is not None:
-                raise Abandoned(f"Making the survivors' process group (generation {g}) was given up on rank {self.first_rank}: {reason}.")
+                raise Abandoned(
+                    f"Making the survivors' process group (generation {g}) was given up on rank {self.first_rank}: {reason}."
+                )
             time.sleep(POLL)
         with peers_answer(f"Making the survivors' process group (generation {g})", "a survivor"):
             rebuild_world(self._connect(), self.key("world", g), self.rank, self.world_size, timeout, backend)

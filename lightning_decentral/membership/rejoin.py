@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -51,12 +51,17 @@ def publish(store: Any, membership: Membership, **extra: Any) -> None:
     """Say what a rank that rejoins needs: the run's prefix, generation, members and size at the start, and `extra`
     (the job's token, whether rejoins are taken, the margin). The lowest-ranked member writes it."""
     if membership.members[0] == membership.first_rank:
-        info = dict(run=membership.run, generation=membership.generation, members=membership.members,
-                    start_size=membership.start_size, **extra)
+        info = dict(
+            run=membership.run,
+            generation=membership.generation,
+            members=membership.members,
+            start_size=membership.start_size,
+            **extra,
+        )
         store.set(CURRENT, json.dumps(info))
 
 
-def current(store: Any) -> Optional[dict[str, Any]]:
+def current(store: Any) -> dict[str, Any] | None:
     """The run in progress as its members last published it (`run`, `generation`, `members` by their first ranks,
     `start_size`, `rejoin`, ...), or `None`: what a rank that rejoins reads first, and what a test or a soak can watch
     (`current(dist.TCPStore(host, port, is_master=False))["members"]`)."""
@@ -93,7 +98,8 @@ def source_for(joiner: int, members: Sequence[int], joined: Sequence[int], topol
     """
     me, joining = list(members).index(joiner), set(joined)
     touches = [
-        members[j] for j in range(len(members))
+        members[j]
+        for j in range(len(members))
         if members[j] not in joining
         and any(topology.mixing(k)[me, j] != 0 or topology.mixing(k)[j, me] != 0 for k in range(topology.period))
     ]
@@ -104,7 +110,11 @@ def refuse_new_rank(store: Any, rank: int, world_size: int) -> None:
     """Raise `CannotRejoin` if a run in progress on this store started with another number of ranks (a new rank,
     growing 4 -> 5): only a lost rank started again with its own `RANK` and `WORLD_SIZE` rejoins."""
     info = current(store)
-    if info is not None and info["start_size"] != world_size and _beating(store, _key(info, "heartbeat", info["members"][0])):
+    if (
+        info is not None
+        and info["start_size"] != world_size
+        and _beating(store, _key(info, "heartbeat", info["members"][0]))
+    ):
         raise CannotRejoin(
             f"Rank {rank} of {world_size} found a run of {info['start_size']} ranks in progress on this store: a new "
             "rank cannot join a running job (its data shard, its place in the graph and every rank's share of the data "
@@ -177,7 +187,7 @@ class Joins:
 
     def __init__(self, membership: Membership, margin: Callable[[], int]) -> None:
         self.membership, self.margin = membership, margin
-        self.step: Optional[int] = None  # the agreed join step of this generation
+        self.step: int | None = None  # the agreed join step of this generation
         self._generation = membership.generation
         self._looked = -1
 
@@ -242,7 +252,7 @@ def run_in_progress(store: Any, rank: int) -> dict[str, Any]:
     return info
 
 
-def _joinable(store: GuardedStore, rank: int, topology: Topology) -> Optional[dict[str, Any]]:
+def _joinable(store: GuardedStore, rank: int, topology: Topology) -> dict[str, Any] | None:
     info = run_in_progress(store, rank)
     if rank in info["members"]:
         return None
@@ -250,7 +260,9 @@ def _joinable(store: GuardedStore, rank: int, topology: Topology) -> Optional[di
     try:
         topology.for_members(grown)
     except ValueError as error:
-        raise CannotRejoin(f"Rank {rank} cannot rejoin: the graph of ranks {grown} would not be connected ({error}).") from None
+        raise CannotRejoin(
+            f"Rank {rank} cannot rejoin: the graph of ranks {grown} would not be connected ({error})."
+        ) from None
     return info
 
 

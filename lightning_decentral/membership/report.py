@@ -10,7 +10,7 @@ silences or redirects them."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 from lightning_decentral.membership.protocol import Decision, Join
 
@@ -51,7 +51,7 @@ def survivor_metrics(decisions: Sequence[Decision], world_size: int) -> dict[str
     return {"survivors/workers": float(world_size), "survivors/lost": float(sum(len(d.lost) for d in decisions))}
 
 
-def losses(decisions: Sequence[Decision]) -> Optional[str]:
+def losses(decisions: Sequence[Decision]) -> str | None:
     """The warning at the end of a run that lost workers (`None` if it lost none).
 
     Examples:
@@ -59,7 +59,9 @@ def losses(decisions: Sequence[Decision]) -> Optional[str]:
         'This run lost 2 of its 3 workers: rank 0 (the survivors agreed on step 10), rank 1 (step 20). It went on with 1 (strategy.failures_survived lists the decisions).'
     """
     first = decisions[0] if decisions else None
-    started = len(first.members) + len(first.lost) - (len(first.joined) if isinstance(first, Join) else 0) if first else 0
+    started = (
+        len(first.members) + len(first.lost) - (len(first.joined) if isinstance(first, Join) else 0) if first else 0
+    )
     decisions = [d for d in decisions if d.lost]  # a join loses nobody (unless a rank was lost meanwhile)
     if not decisions:
         return None

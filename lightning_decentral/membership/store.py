@@ -48,7 +48,10 @@ def store_host(store: Any) -> tuple[bool, str]:
         ```
     """
     if store.check([LAUNCHER_KEY]):
-        return True, f"lightning-decentral-launch hosts the job's store ({store.get(LAUNCHER_KEY).decode()}), outside the workers"
+        return (
+            True,
+            f"lightning-decentral-launch hosts the job's store ({store.get(LAUNCHER_KEY).decode()}), outside the workers",
+        )
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return False, (
             "torchrun's agent on the first node hosts the job's store, but torchrun stops every worker of a node when "

@@ -7,7 +7,7 @@ import logging
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
@@ -81,21 +81,30 @@ class Survivors:
         backend: str,
         timeout: timedelta,
         on_change: Callable[[Decision], None] = lambda decision: None,
-        joins: Optional[Joins] = None,
-        handover: Optional[Callable[[], Any]] = None,
+        joins: Joins | None = None,
+        handover: Callable[[], Any] | None = None,
     ) -> None:
         self.membership, self.driver, self.backend, self.timeout = membership, driver, backend, timeout
         self.on_change, self.joins, self.handover = on_change, joins, handover
         self.start_topology = driver.topology  # what the members of a join take their graph from
         self.published: dict[str, Any] = {"rejoin": False}  # what publish() says besides the membership
-        self.pending: Optional[Decision] = None  # agreed; the survivors' group is not made yet
-        self._server = default_store() if dist.is_initialized() else None  # rank 0's may host the job's store: it lives as long as this object, so it
+        self.pending: Decision | None = None  # agreed; the survivors' group is not made yet
+        self._server = (
+            default_store() if dist.is_initialized() else None
+        )  # rank 0's may host the job's store: it lives as long as this object, so it
         # must outlive the default group, which the survivors replace
 
     @classmethod
     def start(
-        cls, driver: Keeper, run: int, min_workers: int, backend: str, timeout: timedelta, on_change: Callable[[Decision], None],
-        rejoin: Optional[tuple[Callable[[], int], str]] = None, handover: Optional[Callable[[], Any]] = None,
+        cls,
+        driver: Keeper,
+        run: int,
+        min_workers: int,
+        backend: str,
+        timeout: timedelta,
+        on_change: Callable[[Decision], None],
+        rejoin: tuple[Callable[[], int], str] | None = None,
+        handover: Callable[[], Any] | None = None,
     ) -> tuple[Survivors, str]:
         """This rank's survivors of run `run` (a number the same on every rank and new to the store), its heartbeat
         beating; and, if the job's store cannot outlive a worker, why (a warning for the executor to give). With
@@ -109,13 +118,25 @@ class Survivors:
         survivors = cls(membership, driver, backend, timeout, on_change, joins, handover)
         survivors.published = {"rejoin": True, "token": rejoin[1]} if rejoin is not None else {"rejoin": False}
         publish(store, membership, **survivors.published)
-        warning = "" if outlives else f"on_peer_failure='continue': {words}. The store's host is the run's single point of failure."
+        warning = (
+            ""
+            if outlives
+            else f"on_peer_failure='continue': {words}. The store's host is the run's single point of failure."
+        )
         return survivors, warning
 
     @classmethod
     def rejoin(
-        cls, driver: Keeper, info: dict[str, Any], rank: int, min_workers: int, backend: str, timeout: timedelta,
-        on_change: Callable[[Decision], None], handover: Callable[[], Any], margin: Callable[[], int],
+        cls,
+        driver: Keeper,
+        info: dict[str, Any],
+        rank: int,
+        min_workers: int,
+        backend: str,
+        timeout: timedelta,
+        on_change: Callable[[Decision], None],
+        handover: Callable[[], Any],
+        margin: Callable[[], int],
     ) -> tuple[Survivors, Join]:
         """A lost rank started again (`rank`, of the run `info` describes, [`current`][lightning_decentral.membership.rejoin.current]):
         ask to rejoin, wait until the members admit it, make the grown group with them (the default process group,
@@ -139,10 +160,18 @@ class Survivors:
         return GuardedStore(lambda: store_client(timeout), timeout.total_seconds(), where)
 
     @staticmethod
-    def _membership(store: GuardedStore, run: str, rank: int, size: int, min_workers: int, timeout: timedelta) -> Membership:
+    def _membership(
+        store: GuardedStore, run: str, rank: int, size: int, min_workers: int, timeout: timedelta
+    ) -> Membership:
         return Membership(
-            store, lambda: store_client(timeout), run, rank, size,
-            silence=timeout.total_seconds(), min_workers=min_workers, toward=os.environ.get("MASTER_ADDR"),
+            store,
+            lambda: store_client(timeout),
+            run,
+            rank,
+            size,
+            silence=timeout.total_seconds(),
+            min_workers=min_workers,
+            toward=os.environ.get("MASTER_ADDR"),
         )
 
     @property
@@ -152,7 +181,7 @@ class Survivors:
 
     # -- the Survival protocol ----------------------------------------------------------------------------------
 
-    def poll(self) -> Optional[str]:
+    def poll(self) -> str | None:
         """A member failed elsewhere (announced, or silent): why; else `None`."""
         return self.membership.poll()
 
@@ -173,7 +202,9 @@ class Survivors:
         members = self.membership.members
         broken = [members[r] for r in failure.peers if r < len(members)]
         reason = f"{type(failure).__name__}: {str(failure).splitlines()[0][:300]}"
-        decision = self.membership.agree(step, reason, broken, any_broken=not broken and not isinstance(failure, Abandoned))
+        decision = self.membership.agree(
+            step, reason, broken, any_broken=not broken and not isinstance(failure, Abandoned)
+        )
         self.driver.keep(decision.survivors, decision.step + 1)
         log.warning(decision_line(decision, self.membership.first_rank, self.driver.topology))  # on every survivor
         alone(self.backend, self.timeout)
@@ -230,7 +261,7 @@ class Survivors:
         self.membership.close()
 
 
-def form_for_save(survivors: Optional[Survivors]) -> None:
+def form_for_save(survivors: Survivors | None) -> None:
     """Before a checkpoint save (every rank calls it first): if this rank is in the steps the survivors of a failure
     take alone, make their process group now, instead of at step `s + 1`, so that the save is theirs (`x̄` of the
     survivors, a shard each) rather than skipped.
@@ -243,4 +274,3 @@ def form_for_save(survivors: Optional[Survivors]) -> None:
     """
     if survivors is not None:
         survivors.form()
-

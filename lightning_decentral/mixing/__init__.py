@@ -25,13 +25,19 @@ staleness: which step of each neighbour a worker mixes with, `RandomDelays`, and
 `W` with delays).
 """
 
-from lightning_decentral.mixing.delays import DelayedMixing, DelaySchedule, RandomDelays, check_stale_topology, imposed_step
+from lightning_decentral.mixing.delays import (
+    DelayedMixing,
+    DelaySchedule,
+    RandomDelays,
+    check_stale_topology,
+    imposed_step,
+)
 from lightning_decentral.mixing.dense import DenseMixer, DenseView, stages
 from lightning_decentral.mixing.protocol import (
-    ExchangeEvent,
     FABRIC,
     SIMULATION,
     TRAINER,
+    ExchangeEvent,
     ExchangeObserver,
     Mixer,
     Pending,
@@ -46,23 +52,23 @@ from lightning_decentral.mixing.protocol import (
 from lightning_decentral.mixing.stacked import StackedMixer
 
 __all__ = [
-    "DelayedMixing",
+    "FABRIC",
+    "SIMULATION",
+    "TRAINER",
     "DelaySchedule",
+    "DelayedMixing",
     "DenseMixer",
     "DenseView",
     "ExchangeEvent",
     "ExchangeObserver",
-    "FABRIC",
     "Mixer",
     "Pending",
     "Phrasing",
     "RandomDelays",
-    "SIMULATION",
+    "StackedMixer",
     "StartsCopies",
-    "TRAINER",
     "Watch",
     "Watched",
-    "StackedMixer",
     "check_stale_topology",
     "imposed_step",
     "notify_post",

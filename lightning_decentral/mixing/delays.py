@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -115,10 +115,10 @@ class DelayedMixing:
         [4.0, 3.0, 4.0]
     """
 
-    def __init__(self, topology: Topology, staleness: int, delays: Optional[DelaySchedule] = None) -> None:
+    def __init__(self, topology: Topology, staleness: int, delays: DelaySchedule | None = None) -> None:
         self.topology, self.staleness, self.delays = topology, staleness, delays
         self._history: dict[object, dict[int, Tensor]] = {}
-        self._first: Optional[int] = None
+        self._first: int | None = None
 
     def taus(self, step: int) -> dict[tuple[int, int], int]:
         """`{(i, j): τ_ij(step)}` for every edge `j → i` of `W(step)` (`j ≠ i`)."""

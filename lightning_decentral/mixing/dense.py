@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -85,11 +84,11 @@ class DenseMixer(Watched):
     def __init__(
         self,
         topology: Topology,
-        dtype: Optional[torch.dtype] = None,
-        delayed: Optional[DelayedMixing] = None,
-        watch: Optional[Watch] = None,
-        compression: Optional[Compressor] = None,
-        consensus_step: Optional[float] = None,
+        dtype: torch.dtype | None = None,
+        delayed: DelayedMixing | None = None,
+        watch: Watch | None = None,
+        compression: Compressor | None = None,
+        consensus_step: float | None = None,
         from_copy: bool = False,
     ) -> None:
         self.topology = topology
@@ -111,10 +110,13 @@ class DenseMixer(Watched):
         self.topology = topology
         if self.chocos:
             first = self.chocos[0]
-            self.chocos[:] = [Choco(first.compressor, first.consensus_step, rank, first.from_copy) for rank in range(topology.world_size)]
+            self.chocos[:] = [
+                Choco(first.compressor, first.consensus_step, rank, first.from_copy)
+                for rank in range(topology.world_size)
+            ]
 
     def choco_exchange(
-        self, rank: int, buffers: Sequence[Tensor], step: int, rounds: int, tag: int, out: Optional[Sequence[Tensor]]
+        self, rank: int, buffers: Sequence[Tensor], step: int, rounds: int, tag: int, out: Sequence[Tensor] | None
     ) -> ChocoExchange:
         """Compressed gossip: worker `rank`'s exchange of `buffers` (with `out`: the correction there); the messages
         move between the workers in [`exchange_in_process`][lightning_decentral.compression.exchange_in_process]."""
@@ -151,7 +153,9 @@ class DenseMixer(Watched):
         """Record a worker's started exchange; it is mixed, with every worker's, by the first wait (`complete`)."""
         posted = self._posted.setdefault((pending.step, pending.tag), {})
         if pending.rank in posted:
-            raise RuntimeError(f"Worker {pending.rank} started exchange (step {pending.step}, tag {pending.tag}) twice.")
+            raise RuntimeError(
+                f"Worker {pending.rank} started exchange (step {pending.step}, tag {pending.tag}) twice."
+            )
         posted[pending.rank] = pending
 
     def complete(self, step: int, tag: int) -> None:
@@ -185,7 +189,7 @@ class DenseMixer(Watched):
 
     def mix(
         self, x: Tensor, step: int, rounds: int, dtype: torch.dtype, key: object = None
-    ) -> tuple[Tensor, Optional[Tensor]]:
+    ) -> tuple[Tensor, Tensor | None]:
         """`W(step)^rounds x` for the workers' buffers stacked as the rows of `x` (`[n, m]`, float64), in the
         arithmetic of every exchange of this mixer; and, if `measure_residuals`, the first round's change
         `Σ_j w_ij y_j − y_i` (whose squared row norms are the residuals; else `None`). `dtype` is the buffers'
@@ -244,7 +248,7 @@ class _WorkerMixer(DenseView):
         step: int,
         rounds: int = 1,
         tag: int = 0,
-        out: Optional[Sequence[Tensor]] = None,
+        out: Sequence[Tensor] | None = None,
         check_finite: bool = True,
     ) -> _DensePending:
         if rounds < 1:
@@ -252,7 +256,9 @@ class _WorkerMixer(DenseView):
         observers = self.observers + self.dense.observers
         event = None
         if observers:
-            event = ExchangeEvent(step, tag, rounds, rounds * self.dense.bytes_sent(buffers, self.rank, step), time.perf_counter())
+            event = ExchangeEvent(
+                step, tag, rounds, rounds * self.dense.bytes_sent(buffers, self.rank, step), time.perf_counter()
+            )
         if check_finite:
             raise_if_not_finite(buffers, self.rank, step, self.dense.phrasing)
         pending = _DensePending(self.dense, self.rank, list(buffers), step, rounds, tag, out, observers, event)
@@ -278,15 +284,15 @@ class _DensePending:
         step: int,
         rounds: int,
         tag: int,
-        out: Optional[Sequence[Tensor]],
+        out: Sequence[Tensor] | None,
         observers: list[ExchangeObserver],
-        event: Optional[ExchangeEvent],
+        event: ExchangeEvent | None,
     ) -> None:
         self.dense, self.rank, self.buffers, self.step, self.rounds, self.tag = dense, rank, buffers, step, rounds, tag
         self.out = None if out is None else list(out)
         self.observers, self.event = observers, event
-        self.residuals: Optional[list[Tensor]] = None
-        self.exchange: Optional[ChocoExchange] = None  # compressed gossip: this worker's, and its round-one messages
+        self.residuals: list[Tensor] | None = None
+        self.exchange: ChocoExchange | None = None  # compressed gossip: this worker's, and its round-one messages
         self.messages: dict[int, Tensor] = {}
         self.done = False
         self._reported = False

@@ -5,12 +5,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, runtime_checkable
-
-from lightning_decentral.failures import Survival
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+
+from lightning_decentral.failures import Survival
 
 
 @dataclass
@@ -36,9 +36,9 @@ class ExchangeEvent:
     bytes_sent: int
     post_started: float
     posted: float = 0.0
-    wait_started: Optional[float] = None
-    waited: Optional[float] = None
-    neighbour_steps: Optional[dict[int, int]] = None
+    wait_started: float | None = None
+    waited: float | None = None
+    neighbour_steps: dict[int, int] | None = None
 
 
 class ExchangeObserver:
@@ -85,7 +85,7 @@ class Pending(Protocol):
     (`measure_residuals`), else `None`.
     """
 
-    residuals: Optional[list[Tensor]]
+    residuals: list[Tensor] | None
 
     def wait(self) -> None:
         """Finish the exchange and combine."""
@@ -109,7 +109,7 @@ class Mixer(Protocol):
         step: int,
         rounds: int = 1,
         tag: int = 0,
-        out: Optional[Sequence[Tensor]] = None,
+        out: Sequence[Tensor] | None = None,
         check_finite: bool = True,
     ) -> Pending:
         """Post round one of `rounds`; the buffers must not be written until `wait()` returns.
@@ -139,7 +139,11 @@ class Phrasing:
 
 
 TRAINER = Phrasing("Rank", "the other ranks stop within the process-group timeout", "Trainer(gradient_clip_val=...)")
-FABRIC = Phrasing("Rank", "the other ranks stop within the process-group timeout", "fabric.clip_gradients(model, optimizer, max_norm=...)")
+FABRIC = Phrasing(
+    "Rank",
+    "the other ranks stop within the process-group timeout",
+    "fabric.clip_gradients(model, optimizer, max_norm=...)",
+)
 SIMULATION = Phrasing("Worker", "the simulation stops with it", "Trainer(gradient_clip_val=...)")
 
 
@@ -153,7 +157,7 @@ class Watch:
     observers: list[ExchangeObserver] = field(default_factory=list)
     measure_residuals: bool = False
     phrasing: Phrasing = TRAINER
-    survival: Optional[Survival] = None
+    survival: Survival | None = None
 
 
 class Watched:
@@ -182,7 +186,7 @@ class Watched:
         return self.watch.phrasing
 
     @property
-    def survival(self) -> Optional[Survival]:
+    def survival(self) -> Survival | None:
         """Whom to ask when a peer may have failed (`None`: a failure stops the run)."""
         return self.watch.survival
 
@@ -214,7 +218,7 @@ def raise_if_not_finite(buffers: Sequence[Tensor], rank: int, step: int, phrasin
         )
 
 
-def notify_post(observers: Sequence[ExchangeObserver], event: Optional[ExchangeEvent]) -> None:
+def notify_post(observers: Sequence[ExchangeObserver], event: ExchangeEvent | None) -> None:
     """Stamp `event.posted` and tell `observers` (nothing when there is no event)."""
     if event is not None:
         event.posted = time.perf_counter()
@@ -222,7 +226,7 @@ def notify_post(observers: Sequence[ExchangeObserver], event: Optional[ExchangeE
             observer.on_post(event)
 
 
-def notify_wait(observers: Sequence[ExchangeObserver], event: Optional[ExchangeEvent], started: float) -> None:
+def notify_wait(observers: Sequence[ExchangeObserver], event: ExchangeEvent | None, started: float) -> None:
     """Stamp `event.wait_started` and `event.waited` and tell `observers`."""
     if event is not None:
         event.wait_started, event.waited = started, time.perf_counter()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -57,7 +56,7 @@ class StackedMixer(DenseView):
         step: int,
         rounds: int = 1,
         tag: int = 0,
-        out: Optional[Sequence[Tensor]] = None,
+        out: Sequence[Tensor] | None = None,
         check_finite: bool = True,
     ) -> _Mixed:
         if rounds < 1:
@@ -71,7 +70,7 @@ class StackedMixer(DenseView):
             event = ExchangeEvent(step, tag, rounds, rounds * sent, time.perf_counter())
         if check_finite:
             _raise_if_a_row_not_finite(rows, step, self.dense.phrasing)
-        residuals: Optional[list[Tensor]] = None
+        residuals: list[Tensor] | None = None
         if not stages(self.dense.topology, step):  # W = I: nothing moves
             for o in out or []:
                 o.zero_()
@@ -95,7 +94,7 @@ class StackedMixer(DenseView):
 
     def _mix(
         self, x: Tensor, step: int, rounds: int, dtype: torch.dtype, correction: bool, key: object
-    ) -> tuple[Tensor, Optional[Tensor]]:
+    ) -> tuple[Tensor, Tensor | None]:
         """[`DenseMixer.mix`][lightning_decentral.mixing.DenseMixer.mix] of `x` (the exchange `key`), or `W x − x` if
         `correction`. One round of one full-precision `W` (the common case) is one product into work space,
         `(W − I) x` for the correction: no tens-of-MB temporaries per step."""
@@ -111,7 +110,9 @@ class StackedMixer(DenseView):
 class _Mixed:
     """A [`StackedMixer`][lightning_decentral.mixing.StackedMixer] exchange: done when posted."""
 
-    def __init__(self, residuals: Optional[list[Tensor]], observers: list[ExchangeObserver], event: Optional[ExchangeEvent]) -> None:
+    def __init__(
+        self, residuals: list[Tensor] | None, observers: list[ExchangeObserver], event: ExchangeEvent | None
+    ) -> None:
         self.residuals, self.observers, self.event = residuals, observers, event
         self._reported = False
 

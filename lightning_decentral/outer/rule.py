@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -85,7 +85,7 @@ class OuterStep(UpdateRule):
         replica: Replica,
         mixer: Mixer,
         optimizer: Optimizer,
-        context: Optional[RuleContext] = None,
+        context: RuleContext | None = None,
         *,
         outer_optimizer: OptimizerFactory,
         every: int,
@@ -100,7 +100,7 @@ class OuterStep(UpdateRule):
         self._anchored = False  # the anchor is taken from the replica when the first step begins
         self._sent: list[Tensor] = []  # overlap: the models y sent, and W y − y once the exchange is done
         self._change: list[Tensor] = []
-        self._late: Optional[Pending] = None  # overlap: the exchange of y, in flight
+        self._late: Pending | None = None  # overlap: the exchange of y, in flight
 
     def begin_step(self, plan: StepPlan) -> None:
         super().begin_step(plan)
@@ -143,7 +143,7 @@ class OuterStep(UpdateRule):
         super().drain()
         self._wait_late()  # its result is kept for the next round's end (or a save)
 
-    def _outer_step(self, mixed: Sequence[Tensor], change: Sequence[Optional[Tensor]] = ()) -> None:
+    def _outer_step(self, mixed: Sequence[Tensor], change: Sequence[Tensor | None] = ()) -> None:
         """`θ <- OuterOpt(θ, θ − x̃)`, `x̃ = mixed + change` (the models as mixed)."""
         with torch.no_grad():
             for i, (anchor, x) in enumerate(zip(self.anchor, mixed)):
@@ -245,7 +245,9 @@ class OuterStep(UpdateRule):
             for entry, value in zip(entries, joined):
                 entry[name] = value
         groups = [{**group, "params": list(range(len(self.anchor)))} for group in saved["param_groups"]]
-        self.outer_optimizer.load_state_dict({"state": dict(enumerate(entries)) if pieces else {}, "param_groups": groups})
+        self.outer_optimizer.load_state_dict(
+            {"state": dict(enumerate(entries)) if pieces else {}, "param_groups": groups}
+        )
 
 
 def _per_element(value: Any, anchor: Tensor) -> bool:

@@ -5,7 +5,7 @@ time ([`PerWorker`][lightning_decentral.simulation.data.PerWorker] batches) or a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.trainer.states import RunningStage
@@ -27,7 +27,7 @@ class PerWorker(tuple):
 
     origins: tuple[int, ...]
 
-    def __new__(cls, items: Any, origins: Optional[Sequence[int]] = None) -> PerWorker:
+    def __new__(cls, items: Any, origins: Sequence[int] | None = None) -> PerWorker:
         made = super().__new__(cls, items)
         made.origins = tuple(range(len(made))) if origins is None else tuple(origins)
         return made
@@ -81,13 +81,10 @@ class WorkerLoaders:
         workers: int,
         as_worker: Callable[[int], Any],
         together: bool = False,
-        origins: Optional[Callable[[], Sequence[int]]] = None,
+        origins: Callable[[], Sequence[int]] | None = None,
     ) -> None:
         shuffle = is_dataloader_shuffled(dataloader)
-        samplers = [
-            _rank_sampler(dataloader, shuffle, workers, rank)
-            for rank in range(workers)
-        ]
+        samplers = [_rank_sampler(dataloader, shuffle, workers, rank) for rank in range(workers)]
         self.sampler = _Samplers(samplers)
         self.workers, self.together = workers, together
         if together:

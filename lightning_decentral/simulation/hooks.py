@@ -52,7 +52,9 @@ class WorkerHooks:
         outputs: each worker's `training_step` output of the current batch.
     """
 
-    def __init__(self, workers: SimulatedWorkers, losses: Callable[[], list[Tensor]], outputs: Callable[[], list[Any]]) -> None:
+    def __init__(
+        self, workers: SimulatedWorkers, losses: Callable[[], list[Tensor]], outputs: Callable[[], list[Any]]
+    ) -> None:
         self.workers, self.losses, self.outputs = workers, losses, outputs
         self.installed: list[str] = []
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 from lightning_decentral.driver import StepDriver
 from lightning_decentral.membership.rejoin import source_for
@@ -25,7 +25,7 @@ from lightning_decentral.topology import Topology
 RuleMaker = Callable[[Any, Any, Any], Any]  # (replica, mixer, optimizer) -> a worker's rule
 
 
-def checked_rejoins(rejoins: Optional[dict[int, list[int]]], failures: dict[int, list[int]]) -> dict[int, list[int]]:
+def checked_rejoins(rejoins: dict[int, list[int]] | None, failures: dict[int, list[int]]) -> dict[int, list[int]]:
     """`rejoins` checked: each names, at a step, workers that `failures` lost at an earlier step, not worker 0 (the
     LightningModule, which stays worker 0 when others come back), nor worker 0 lost at all.
 
@@ -58,7 +58,9 @@ class Comings:
         make_rule: a returning worker's rule over its replica, mixer and optimizer.
     """
 
-    def __init__(self, failures: dict[int, list[int]], rejoins: dict[int, list[int]], start: Topology, make_rule: RuleMaker) -> None:
+    def __init__(
+        self, failures: dict[int, list[int]], rejoins: dict[int, list[int]], start: Topology, make_rule: RuleMaker
+    ) -> None:
         self.failures, self.rejoins, self.start, self.make_rule = failures, rejoins, start, make_rule
         self._away: list[SimulatedWorker] = []  # the workers lost: what a worker that comes back is made of
         self._step = -1  # the step begun last

@@ -14,14 +14,14 @@ import contextlib
 import os
 import secrets
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch import LightningModule
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -81,10 +81,13 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         """The torch random state each worker draws from now (worker 0's is the process's own), as
         [`random_state`][lightning_decentral.measures.random_state] gives it."""
         device = self.root_device
-        return [{"cpu": cpu, **({"cuda": (device, cuda)} if cuda is not None else {})} for cpu, cuda in self._group.random_states()]
+        return [
+            {"cpu": cpu, **({"cuda": (device, cuda)} if cuda is not None else {})}
+            for cpu, cuda in self._group.random_states()
+        ]
 
     @override
-    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         """Each worker's batch to the device, through the LightningModule's transfer hooks (a stacked batch at once)."""
         if isinstance(batch, PerWorker):
             moved = [super(SimulatedReplicaStrategy, self).batch_to_device(b, device, dataloader_idx) for b in batch]
@@ -101,7 +104,7 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         return self._devices
 
     @parallel_devices.setter
-    def parallel_devices(self, devices: Optional[list[torch.device]]) -> None:
+    def parallel_devices(self, devices: list[torch.device] | None) -> None:
         devices = list(devices or [])
         if len(devices) != 1:
             raise ValueError(
@@ -167,7 +170,7 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         return self._group.optimizer_state() if self._group.modules else super().optimizer_state(optimizer)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Every worker's shard as rank `i` of `n` writes it, then the checkpoint file (`x̄`), then the
         workers' shards of earlier saves to this path go: the layout `DecentralizedStrategy` reads. A worker
         holding a NaN or an Inf stops the save before anything is written or removed."""
@@ -182,7 +185,11 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
             step = self.lightning_module.trainer.global_step
             built = [
                 self._group.shard(
-                    rank, save_id, {k: v.detach() for k, v in self._averaged.own_state_dict(module).items()}, step, precision,
+                    rank,
+                    save_id,
+                    {k: v.detach() for k, v in self._averaged.own_state_dict(module).items()},
+                    step,
+                    precision,
                     self.rule_record(),
                 )
                 for rank, module in enumerate(self._group.modules)
@@ -191,13 +198,20 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
                 gossip = self.driver.copies.state(rank)
                 if gossip is not None:
                     shard["gossip"] = gossip
-            bad = [rank for rank, shard in enumerate(built) if not shards.holds_finite(
-                [shard["state_dict"], shard.get("optimizer_states"), shard.get("rule_state")])]
+            bad = [
+                rank
+                for rank, shard in enumerate(built)
+                if not shards.holds_finite(
+                    [shard["state_dict"], shard.get("optimizer_states"), shard.get("rule_state")]
+                )
+            ]
             if bad:  # before anything is written or removed
                 raise shards.not_finite_error(bad, step, filepath, who="Worker(s)")
             for shard, path in zip(built, paths):
                 shards.write_shard(shard, path)
-            with_atomic_writes(self.checkpoint_io).save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            with_atomic_writes(self.checkpoint_io).save_checkpoint(
+                checkpoint, filepath, storage_options=storage_options
+            )
         except BaseException:
             for path in paths:
                 shards.discard(path)
@@ -213,11 +227,13 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
             shards.remove_shards(filepath, i)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint file and, when fitting, every worker's shard: if all are there (a save of `workers`
         ranks, by either strategy), worker `i` continues exactly from shard `i`; else every worker starts from
         `x̄` and the averaged optimizer state, with one warning saying why."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
+        checkpoint = super().load_checkpoint(
+            checkpoint_path, weights_only=True if weights_only is None else weights_only
+        )
         self._resume_shards = []
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             return checkpoint
@@ -231,7 +247,9 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         changed = shards.rule_change_warning(checkpoint_path, self._resume_shards[0], self.rule_record())
         if changed is not None:
             rank_zero_warn(changed)
-        return shards.with_shard(checkpoint, self._resume_shards[0], precision_key=type(self.precision_plugin).__qualname__)
+        return shards.with_shard(
+            checkpoint, self._resume_shards[0], precision_key=type(self.precision_plugin).__qualname__
+        )
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -25,7 +25,7 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -44,11 +44,10 @@ from lightning_decentral.mixing import SIMULATION
 from lightning_decentral.options import gossip_options, probe_outer_optimizer, takes_gossip_options
 from lightning_decentral.rules import RuleContext, check_one_optimizer
 from lightning_decentral.simulation.data import WorkerLoaders, first_batch_together
-from lightning_decentral.simulation.isolation import random_states_kept
 from lightning_decentral.simulation.hooks import WorkerHooks
-from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy, log_over_workers
+from lightning_decentral.simulation.isolation import random_states_kept
 from lightning_decentral.simulation.rejoins import Comings, checked_rejoins
-from lightning_decentral.simulation.workers import SimulatedWorkers, checked_failures, copy_of, optimizer_like
+from lightning_decentral.simulation.replicas import SimulatedReplicaStrategy, log_over_workers
 from lightning_decentral.simulation.vectorized import (
     StackedWorkers,
     rows_clipped_apart,
@@ -56,6 +55,7 @@ from lightning_decentral.simulation.vectorized import (
     stacking_trial,
     vectorization_problem,
 )
+from lightning_decentral.simulation.workers import SimulatedWorkers, checked_failures, copy_of, optimizer_like
 
 STACKED_COMPRESSION = (
     "compression= compresses each worker's flat buffers (scales and indices over all its parameters), which the "
@@ -116,12 +116,12 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self,
         workers: int = 8,
         *,
-        vectorize: Union[bool, Literal["auto"]] = "auto",
-        failures: Optional[dict[int, list[int]]] = None,
-        rejoins: Optional[dict[int, list[int]]] = None,
-        accelerator: Optional[Any] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
+        vectorize: bool | Literal["auto"] = "auto",
+        failures: dict[int, list[int]] | None = None,
+        rejoins: dict[int, list[int]] | None = None,
+        accelerator: Any | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
         **options: Any,
     ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -137,7 +137,11 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self.driver = StepDriver(gossip, epoch=self._epoch, phrasing=SIMULATION)
         self.driver.bind(workers)
         super().__init__(
-            workers, self.driver.dense_mixer(), accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+            workers,
+            self.driver.dense_mixer(),
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
         )
         self.vectorize = vectorize
         self.failures = checked_failures(failures, workers, vectorize, gossip.staleness)
@@ -148,7 +152,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
                 "(an exchange in flight across steps) does not support: use outer_overlap=False with failures."
             )
         if vectorize is True and gossip.compression is not None:
-            raise ValueError(f"vectorize=True cannot run compression=: {STACKED_COMPRESSION}. Use vectorize=False or 'auto'.")
+            raise ValueError(
+                f"vectorize=True cannot run compression=: {STACKED_COMPRESSION}. Use vectorize=False or 'auto'."
+            )
         if self.failures and gossip.compression is not None:
             raise ValueError(
                 "failures= simulates on_peer_failure='continue', which compressed gossip does not support (the survivors' "
@@ -157,9 +163,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
         self._outputs: list[Any] = []  # each worker's training_step output of this batch
-        self._hooks: Optional[WorkerHooks] = None  # the module's hooks on every worker (per-worker path)
-        self._comings: Optional[Comings] = None  # failures= and rejoins= (per-worker path)
-        self._context: Optional[RuleContext] = None  # the rules' context, kept to stack the workers later
+        self._hooks: WorkerHooks | None = None  # the module's hooks on every worker (per-worker path)
+        self._comings: Comings | None = None  # failures= and rejoins= (per-worker path)
+        self._context: RuleContext | None = None  # the rules' context, kept to stack the workers later
         self._undecided = False  # vectorize="auto": the path is chosen at the first training DataLoader
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -179,7 +185,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         check_one_optimizer(self.optimizers, "`configure_optimizers` returned")
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
-            raise ValueError("The simulation does not run under a GradScaler (16-mixed): use precision='bf16-mixed' or '32-true'.")
+            raise ValueError(
+                "The simulation does not run under a GradScaler (16-mixed): use precision='bf16-mixed' or '32-true'."
+            )
         context = RuleContext(
             bucket_bytes=self.options.bucket_bytes,
             overlap_backward=backward_may_overlap(module),
@@ -193,16 +201,24 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         if self.vectorize is True:
             problem = vectorization_problem(module, self.optimizers[0], self._outer_probe())
             if problem:
-                raise ValueError(f"SimulatedDecentralizedStrategy(vectorize=True) cannot run this module: {problem}. Use vectorize=False.")
+                raise ValueError(
+                    f"SimulatedDecentralizedStrategy(vectorize=True) cannot run this module: {problem}. Use vectorize=False."
+                )
             self._group = StackedWorkers(
-                modules, self.optimizers[0], self.driver.make_rule, self.gossip_buffers, context, self._mixer, self.root_device
+                modules,
+                self.optimizers[0],
+                self.driver.make_rule,
+                self.gossip_buffers,
+                context,
+                self._mixer,
+                self.root_device,
             )
         else:  # "auto" stacks them, if it can, when it sees the training DataLoader
             self._group = self._workers_apart(modules, context)
             self._undecided = self.vectorize == "auto"
         self.driver.run(self._group)
 
-    def _outer_probe(self) -> Optional[Optimizer]:
+    def _outer_probe(self) -> Optimizer | None:
         """What `outer_optimizer` builds (whether it is elementwise decides if the workers can be stacked), or `None`."""
         factory = self.options.outer_optimizer
         return None if factory is None else probe_outer_optimizer(factory)
@@ -215,8 +231,14 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         make = self.driver.make_rule
         self._comings = Comings(self.failures, self.rejoins, self.driver.topology, lambda *made: make(*made, quiet))
         for rank, worker_module in enumerate(modules):
-            optimizer = self.optimizers[0] if rank == 0 else optimizer_like(self.optimizers[0], copy_of(modules[0], worker_module))
-            group.add(worker_module, optimizer, self.driver.make_rule, self.gossip_buffers, context if rank == 0 else quiet)
+            optimizer = (
+                self.optimizers[0]
+                if rank == 0
+                else optimizer_like(self.optimizers[0], copy_of(modules[0], worker_module))
+            )
+            group.add(
+                worker_module, optimizer, self.driver.make_rule, self.gossip_buffers, context if rank == 0 else quiet
+            )
         self._hooks = WorkerHooks(group, losses=lambda: self._losses, outputs=lambda: self._outputs)
         self._hooks.install()
         return group
@@ -232,7 +254,10 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             self._choose_path(dataloader)
         together = isinstance(self._group, StackedWorkers)
         return WorkerLoaders(
-            dataloader, self.workers, self._group.as_worker, together=together,
+            dataloader,
+            self.workers,
+            self._group.as_worker,
+            together=together,
             origins=lambda: self._comings.visited(self._group) if self._comings else self._group.origins,
         )
 
@@ -242,7 +267,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         on every worker's first batch, which changes nothing), and say which path runs and why (one info line)."""
         self._undecided = False
         optimizer = self.optimizers[0]
-        problem = stacking_problem(self.lightning_module, optimizer, dataloader.batch_size, dataloader, self._outer_probe())
+        problem = stacking_problem(
+            self.lightning_module, optimizer, dataloader.batch_size, dataloader, self._outer_probe()
+        )
         if self.workers == 1:
             problem = "there is one worker: nothing to stack"
         if self.failures:
@@ -290,7 +317,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         if trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0:
             self._group.zero_grad_others()  # Lightning zeroes worker 0's gradients, as on every rank
         with self.precision_plugin.train_step_context():
-            outputs, logged = self._group.training_steps(batch, lambda module, part: module.training_step(part, *args, **kwargs))
+            outputs, logged = self._group.training_steps(
+                batch, lambda module, part: module.training_step(part, *args, **kwargs)
+            )
         log_over_workers(self.lightning_module, logged, len(self._group.modules))
         self.lightning_module.log_dict(self.driver.copies.metrics(), on_step=True, on_epoch=False)
         self._outputs = outputs
@@ -302,7 +331,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         return {**first, "loss": mean_loss} if isinstance(first, dict) else mean_loss
 
     @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Each worker's backward of its own loss (scaled as Lightning scales the returned one)."""
         self.pre_backward(closure_loss)
         self._group.before_backward()
@@ -310,7 +339,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._losses = [loss / accumulate for loss in self._losses]
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)  # on_before_backward
 
-        def backward(loss: Tensor, module: Module, worker_optimizer: Optional[Optimizer]) -> None:
+        def backward(loss: Tensor, module: Module, worker_optimizer: Optimizer | None) -> None:
             self.precision_plugin.backward(loss, module, worker_optimizer, *args, **kwargs)
 
         self._group.backward(self._losses, backward)
@@ -331,7 +360,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self,
         optimizer: Optimizer,
         closure: Callable[[], Any],
-        model: Optional[Union[LightningModule, Module]] = None,
+        model: LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
         """One step of every worker, phase by phase (see the module docstring).
@@ -393,22 +422,22 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         """Register `"dpsgd_sim"` and `"decentlam_sim"` (8 workers)."""
         for name, momentum in (("dpsgd_sim", "local"), ("decentlam_sim", "decentlam")):
             strategy_registry.register(
-                name, cls, description=f"Decentralized training simulated in one process, momentum={momentum!r}",
-                override=True, momentum=momentum,
+                name,
+                cls,
+                description=f"Decentralized training simulated in one process, momentum={momentum!r}",
+                override=True,
+                momentum=momentum,
             )
-
-
 
 
 def _quiet(message: str) -> None:
     """Workers 1..n-1 warn nothing: worker 0 warns once for all."""
 
 
-def _loss_of(output: Any) -> Optional[Tensor]:
+def _loss_of(output: Any) -> Tensor | None:
     return output["loss"] if isinstance(output, dict) else output
 
 
 def _say_path(which: str) -> None:
     """The one info line of `vectorize="auto"`."""
     rank_zero_info(f"SimulatedDecentralizedStrategy(vectorize='auto'): {which}. vectorize=True or False chooses.")
-

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule
@@ -23,8 +23,8 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module, Parameter
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader
 from torch.overrides import TorchFunctionMode
+from torch.utils.data import DataLoader
 
 from lightning_decentral.mixing import DenseMixer, StackedMixer
 from lightning_decentral.replicas import Replica
@@ -35,14 +35,22 @@ from lightning_decentral.simulation.isolation import loads_at_random, random_sta
 from lightning_decentral.simulation.workers import Logged, WorkerGroup, collect_logs
 
 ELEMENTWISE_OPTIMIZERS = (
-    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
-    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.Rprop,
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Rprop,
 )
 """The optimizers whose update of an element reads only that element's gradient and state: stepping them
 over stacked parameters equals stepping one per worker."""
 
 
-def vectorization_problem(module: Module, optimizer: Optimizer, outer: Optional[Optimizer] = None) -> Optional[str]:
+def vectorization_problem(module: Module, optimizer: Optimizer, outer: Optimizer | None = None) -> str | None:
     """Why `module` and `optimizer` (and the `outer` optimizer of an outer step) cannot run vectorized, or `None`.
 
     Examples:
@@ -60,13 +68,25 @@ def vectorization_problem(module: Module, optimizer: Optimizer, outer: Optional[
     return None
 
 
-RANDOM_LAYERS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
-                 torch.nn.FeatureAlphaDropout)
+RANDOM_LAYERS = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
 """Layers that draw random numbers in training (with `p > 0`); so do layers with a float `dropout` attribute above 0
 (`nn.MultiheadAttention`)."""
 
-HOOKS_OF_ONE_WORKER = ("on_train_batch_start", "on_train_batch_end", "on_before_backward", "on_after_backward",
-                       "on_before_optimizer_step", "configure_gradient_clipping")
+HOOKS_OF_ONE_WORKER = (
+    "on_train_batch_start",
+    "on_train_batch_end",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+)
 """LightningModule hooks that see one worker's batch, loss or gradients on processes (and on the per-worker path),
 but every worker's at once when stacked."""
 
@@ -74,10 +94,10 @@ but every worker's at once when stacked."""
 def stacking_problem(
     module: Module,
     optimizer: Optimizer,
-    batch_size: Optional[int] = 1,
-    dataloader: Optional[DataLoader] = None,
-    outer: Optional[Optimizer] = None,
-) -> Optional[str]:
+    batch_size: int | None = 1,
+    dataloader: DataLoader | None = None,
+    outer: Optimizer | None = None,
+) -> str | None:
     """Why `vectorize="auto"` keeps the workers apart, or `None` when stacking them gives the per-worker result:
     [`vectorization_problem`][lightning_decentral.simulation.vectorized.vectorization_problem], a layer that draws
     random numbers, a hook of `HOOKS_OF_ONE_WORKER`, a training DataLoader without a `batch_size`, or one whose samples
@@ -130,14 +150,16 @@ def clip_rows_by_norm_(parameters: Sequence[Tensor], max_norm: float) -> None:
 
 
 @contextlib.contextmanager
-def rows_clipped_apart(precision: Any, stacked: Optional[StackedWorkers]) -> Iterator[None]:
+def rows_clipped_apart(precision: Any, stacked: StackedWorkers | None) -> Iterator[None]:
     """Inside, Lightning's clipping by norm (the precision plugin's `clip_grad_by_norm`) clips each worker's row of
     the stacked gradients by its own norm ([`clip_rows_by_norm_`][lightning_decentral.simulation.vectorized.clip_rows_by_norm_]);
     nothing changes when the workers are not `stacked`."""
     if stacked is None:
         yield
         return
-    precision.clip_grad_by_norm = lambda optimizer, clip_val: clip_rows_by_norm_(precision.main_params(optimizer), clip_val)
+    precision.clip_grad_by_norm = lambda optimizer, clip_val: clip_rows_by_norm_(
+        precision.main_params(optimizer), clip_val
+    )
     try:
         yield
     finally:
@@ -162,7 +184,9 @@ class NormsInStatisticsDtype(TorchFunctionMode):
 
     NORMS = (torch.nn.functional.batch_norm, torch.nn.functional.instance_norm)
 
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in self.NORMS:
             x, statistics = args[0], args[1] if len(args) > 1 else kwargs.get("running_mean")
@@ -211,7 +235,7 @@ def vmapped_steps(
     return rows, {name: [(v, options[name]) for v in value.unbind(0)] for name, value in values.items()}
 
 
-def stacking_trial(modules: Sequence[Module], batch: StackedBatch, step: Callable[[Module, Any], Any]) -> Optional[str]:
+def stacking_trial(modules: Sequence[Module], batch: StackedBatch, step: Callable[[Module, Any], Any]) -> str | None:
     """Why `step` cannot run stacked, or `None`: one [`vmapped_steps`][lightning_decentral.simulation.vectorized.vmapped_steps]
     of `batch` without gradients, over stacked copies of the workers' trainable parameters and buffers, on a scratch
     copy of worker 0's module, every random generator put back after it: the workers' parameters, buffers (BatchNorm's
@@ -225,7 +249,9 @@ def stacking_trial(modules: Sequence[Module], batch: StackedBatch, step: Callabl
         >>> print(stacking_trial(nets, batch, lambda net, x: net(x).sum().item()))
         training_step cannot run under torch.vmap (RuntimeError: vmap: It looks like you're calling .item() ...)
     """
-    names = [name for name, p in modules[0].named_parameters() if p.requires_grad] + [n for n, _ in modules[0].named_buffers()]
+    names = [name for name, p in modules[0].named_parameters() if p.requires_grad] + [
+        n for n, _ in modules[0].named_buffers()
+    ]
     tensors = [{**dict(m.named_parameters()), **dict(m.named_buffers())} for m in modules]
     try:
         with torch.no_grad(), random_states_kept():
@@ -267,19 +293,30 @@ class StackedWorkers(WorkerGroup):
         self.optimizer = optimizer
         self.names = [name for name, p in modules[0].named_parameters() if p.requires_grad]
         self.buffer_names = [name for name, _ in modules[0].named_buffers()]
-        self.parameters = [Parameter(self._stack([dict(m.named_parameters())[name] for m in modules])) for name in self.names]
+        self.parameters = [
+            Parameter(self._stack([dict(m.named_parameters())[name] for m in modules])) for name in self.names
+        ]
         self.buffers = [self._stack([dict(m.named_buffers())[name] for m in modules]) for name in self.buffer_names]
-        stacked_of = {id(p): s for p, s in zip((dict(modules[0].named_parameters())[n] for n in self.names), self.parameters)}
+        stacked_of = {
+            id(p): s for p, s in zip((dict(modules[0].named_parameters())[n] for n in self.names), self.parameters)
+        }
         for group in optimizer.param_groups:
             group["params"] = [stacked_of[id(p)] for p in group["params"]]
         optimizer.state.clear()
         buffers = [b for b in self.buffers if b.is_floating_point()] if mix_buffers else []
-        self.replica = Replica.of_buffers(self.parameters, [p.data.view(-1) for p in self.parameters], [b.view(-1) for b in buffers], buffers)
+        self.replica = Replica.of_buffers(
+            self.parameters, [p.data.view(-1) for p in self.parameters], [b.view(-1) for b in buffers], buffers
+        )
         self.rules = [make_rule(self.replica, StackedMixer(mixer), optimizer, context)]
 
     @classmethod
     def from_workers(
-        cls, workers: WorkerGroup, optimizer: Optimizer, make_rule: RuleFactory, mix_buffers: bool, context: RuleContext,
+        cls,
+        workers: WorkerGroup,
+        optimizer: Optimizer,
+        make_rule: RuleFactory,
+        mix_buffers: bool,
+        context: RuleContext,
         mixer: DenseMixer,
     ) -> StackedWorkers:
         """The workers of `workers` (kept apart, not stepped yet), stacked, with their optimizer and rule states (a
@@ -314,11 +351,11 @@ class StackedWorkers(WorkerGroup):
         names = self.names + self.buffer_names
         return vmapped_steps(self.modules[0], step, dict(zip(names, self.parameters + self.buffers)), batch)
 
-    def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
+    def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optimizer | None], Any]) -> None:
         """One backward of the workers' summed losses: row `i` of every gradient is worker `i`'s."""
         backward(torch.stack(losses).sum(), self.modules[0], self.optimizer)
 
-    def ready_others(self, clip_val: Optional[float], clip_algorithm: Optional[str]) -> None:
+    def ready_others(self, clip_val: float | None, clip_algorithm: str | None) -> None:
         """Every row was clipped with worker 0's (per row): the gradients are final."""
         self.rules[0].gradients_ready()
 
@@ -331,7 +368,13 @@ class StackedWorkers(WorkerGroup):
         return [p.grad.sum(0) if p.grad is not None else torch.zeros_like(p[0]) for p in self.parameters]
 
     def shard(
-        self, rank: int, save_id: int, state_dict: dict[str, Tensor], step: int, precision: Optional[dict], rule: dict[str, str]
+        self,
+        rank: int,
+        save_id: int,
+        state_dict: dict[str, Tensor],
+        step: int,
+        precision: dict | None,
+        rule: dict[str, str],
     ) -> dict[str, Any]:
         """Worker `rank`'s shard with copies of its rows: a row is a view of every worker's storage, which
         `torch.save` would write whole (a shard `n` times too large)."""
@@ -361,7 +404,9 @@ class StackedWorkers(WorkerGroup):
         shard (or the averaged optimizer state on every row)."""
         for module, shard in zip(self.modules[1:], resumed[1:]):
             module.load_state_dict(shard["state_dict"])
-        self.load_optimizer_states([shard["optimizer_states"][0] for shard in resumed] or [averaged_optimizer] * len(self.modules))
+        self.load_optimizer_states(
+            [shard["optimizer_states"][0] for shard in resumed] or [averaged_optimizer] * len(self.modules)
+        )
         if resumed:
             self.load_rule_states([shard.get("rule_state", {}) for shard in resumed])
 
@@ -379,7 +424,9 @@ class StackedWorkers(WorkerGroup):
         shapes = self._parameter_shapes()
         stacked = {
             key: {
-                name: torch.stack([s["state"][key][name] for s in states]) if _per_element(name, v, shapes[key][1:]) else v
+                name: torch.stack([s["state"][key][name] for s in states])
+                if _per_element(name, v, shapes[key][1:])
+                else v
                 for name, v in values.items()
             }
             for key, values in states[0]["state"].items()

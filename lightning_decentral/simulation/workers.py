@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,11 +21,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.simulation.data import PerWorker
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.replicas import Replica, averaged_optimizer_state, state_tensors
 from lightning_decentral.rules import RuleContext, RuleFactory, UpdateRule
 from lightning_decentral.schedule import StepPlan
+from lightning_decentral.simulation.data import PerWorker
 
 
 class WorkerGroup:
@@ -72,11 +72,11 @@ class WorkerGroup:
         for rule in self.rules:
             rule.before_backward()
 
-    def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
+    def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optimizer | None], Any]) -> None:
         """`backward(loss, module, optimizer)` of every worker's loss (already divided for accumulation)."""
         raise NotImplementedError
 
-    def ready_others(self, clip_val: Optional[float], clip_algorithm: Optional[str]) -> None:
+    def ready_others(self, clip_val: float | None, clip_algorithm: str | None) -> None:
         """After worker 0's clipping: clip workers `1..n-1` and tell the rules their gradients are final."""
         raise NotImplementedError
 
@@ -128,14 +128,14 @@ class WorkerGroup:
     def start_random_states(self) -> None:
         """Every worker continues from the process's random state now (as ranks seeded alike do)."""
 
-    def random_states(self) -> list[tuple[Tensor, Optional[Tensor]]]:
+    def random_states(self) -> list[tuple[Tensor, Tensor | None]]:
         """Each worker's torch random state `(cpu, cuda or None)` now (here: the process's, for every worker)."""
         own = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
         return [own] * len(self.modules)
 
     # -- what the monitors read ------------------------------------------------------------------
 
-    def residual(self, step: int) -> Optional[Tensor]:
+    def residual(self, step: int) -> Tensor | None:
         """`Σ_i ‖y_i − Σ_j w_ij(k) y_j‖²` of step `step`'s first round; `None` if a worker has none."""
         residuals = [rule.residual(step) for rule in self.rules]
         if not residuals or any(r is None for r in residuals):
@@ -190,7 +190,13 @@ class WorkerGroup:
         return averaged_optimizer_state(states, lambda tensors: _means_across(states, tensors))
 
     def shard(
-        self, rank: int, save_id: int, state_dict: dict[str, Tensor], step: int, precision: Optional[dict], rule: dict[str, str]
+        self,
+        rank: int,
+        save_id: int,
+        state_dict: dict[str, Tensor],
+        step: int,
+        precision: dict | None,
+        rule: dict[str, str],
     ) -> dict[str, Any]:
         """Worker `rank`'s shard, as rank `rank` of `n` writes it (`precision=None`: a weights-only save; `rule`: the
         update rule it records, see [`make_shard`][lightning_decentral.checkpoint.make_shard])."""
@@ -226,7 +232,7 @@ class SimulatedWorker:
         self.module, self.optimizer, self.replica, self.rule = module, optimizer, replica, rule
         self.origin = origin  # its rank in the first numbering
         self.rng = torch.get_rng_state()  # the generator states it continues from when it runs next
-        self.cuda_rng: Optional[Tensor] = None
+        self.cuda_rng: Tensor | None = None
 
 
 class SimulatedWorkers(WorkerGroup):
@@ -244,7 +250,9 @@ class SimulatedWorkers(WorkerGroup):
         self.mixer = mixer
         self.workers: list[SimulatedWorker] = []
 
-    def add(self, module: Module, optimizer: Optimizer, make_rule: RuleFactory, mix_buffers: bool, context: RuleContext) -> None:
+    def add(
+        self, module: Module, optimizer: Optimizer, make_rule: RuleFactory, mix_buffers: bool, context: RuleContext
+    ) -> None:
         """Worker `len(self.workers)`: `module` packed into a replica, and its update rule `make_rule(...)`."""
         replica = Replica(module, mix_buffers)
         rank = len(self.workers)
@@ -304,12 +312,12 @@ class SimulatedWorkers(WorkerGroup):
                 outputs.append(step(worker.module, part))
         return outputs, logged
 
-    def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optional[Optimizer]], Any]) -> None:
+    def backward(self, losses: list[Tensor], backward: Callable[[Tensor, Module, Optimizer | None], Any]) -> None:
         for i, (worker, loss) in enumerate(zip(self.workers, losses)):
             with self.as_worker(i):
                 backward(loss, worker.module, worker.optimizer)
 
-    def ready_others(self, clip_val: Optional[float], clip_algorithm: Optional[str]) -> None:
+    def ready_others(self, clip_val: float | None, clip_algorithm: str | None) -> None:
         for worker in self.workers[1:]:
             worker.module.configure_gradient_clipping(worker.optimizer, clip_val, clip_algorithm)
             worker.rule.gradients_ready()
@@ -346,7 +354,7 @@ class SimulatedWorkers(WorkerGroup):
             worker.rng = torch.get_rng_state()
             worker.cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
 
-    def random_states(self) -> list[tuple[Tensor, Optional[Tensor]]]:
+    def random_states(self) -> list[tuple[Tensor, Tensor | None]]:
         own = super().random_states()[0]
         return [own] + [(w.rng, w.cuda_rng) for w in self.workers[1:]]
 
@@ -423,7 +431,7 @@ def _floating_state(module: Module) -> list[Tensor]:
 
 
 def checked_failures(
-    failures: Optional[dict[int, list[int]]], workers: int, vectorize: Union[bool, str], staleness: int
+    failures: dict[int, list[int]] | None, workers: int, vectorize: bool | str, staleness: int
 ) -> dict[int, list[int]]:
     """`failures` checked: steps `>= 0`, each worker at most once and in `[0, workers)`, one worker left."""
     if not failures:

@@ -28,17 +28,17 @@ from lightning_decentral.topology.hierarchical import Hierarchical
 from lightning_decentral.topology.resolve import resolve_topology
 
 __all__ = [
-    "Topology",
-    "Ring",
-    "Torus",
-    "Exponential",
-    "OnePeerExponential",
+    "TOPOLOGIES",
     "Complete",
-    "RandomMatching",
-    "MatrixTopology",
+    "Exponential",
     "GraphTopology",
     "Hierarchical",
-    "TOPOLOGIES",
+    "MatrixTopology",
+    "OnePeerExponential",
+    "RandomMatching",
+    "Ring",
+    "Topology",
+    "Torus",
     "resolve_topology",
     "topology_class",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import difflib
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -121,7 +121,7 @@ class Topology:
         """This topology laid out on a job of `num_nodes` nodes (most topologies ignore the nodes: `self`)."""
         return self
 
-    def _resized(self, world_size: int) -> Optional[Topology]:
+    def _resized(self, world_size: int) -> Topology | None:
         """This topology's own kind on `world_size` ranks, or `None` if it has no other size (a given matrix) or
         does not fit that one (a torus of a prime number of ranks)."""
         resized = copy.copy(self)
@@ -210,7 +210,9 @@ class Topology:
         checked = [int(m) for m in members]
         n = self.world_size
         if not checked or checked != sorted(set(checked)) or not 0 <= checked[0] <= checked[-1] < n:
-            raise ValueError(f"members must be ranks in [0, {n}) in increasing order, at least one, got {list(members)}.")
+            raise ValueError(
+                f"members must be ranks in [0, {n}) in increasing order, at least one, got {list(members)}."
+            )
         return checked
 
     def _attach(self, world_size: int) -> None:

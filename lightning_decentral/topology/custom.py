@@ -41,8 +41,7 @@ class MatrixTopology(Topology):
                 raise ValueError(f"A mixing matrix must be an n x n array of numbers: {error}") from None
             if stacked.ndim not in (2, 3) or 0 in stacked.shape:
                 raise ValueError(
-                    "A mixing matrix must be 2-D (n x n), or a sequence of n x n matrices; got shape "
-                    f"{stacked.shape}."
+                    f"A mixing matrix must be 2-D (n x n), or a sequence of n x n matrices; got shape {stacked.shape}."
                 )
             schedule = [stacked] if stacked.ndim == 2 else list(stacked)
         self._matrices = schedule

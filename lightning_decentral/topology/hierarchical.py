@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,7 +27,7 @@ class Level(NamedTuple):
             w[np.ix_(group, group)] = part.mixing(step)
         return w
 
-    def part_of(self, rank: int) -> Optional[tuple[list[int], Topology]]:
+    def part_of(self, rank: int) -> tuple[list[int], Topology] | None:
         """The group holding `rank` and its topology, or `None` if `rank` mixes with no one at this level."""
         return next(((g, p) for g, p in zip(self.groups, self.parts) if rank in g), None)
 
@@ -89,7 +89,7 @@ class Hierarchical(Topology, name="hierarchical"):
             raise ValueError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}.")
         self.inner, self.outer, self.ranks_per_node = inner, outer, ranks_per_node
         self._num_nodes = 1  # the job's layout, used when ranks_per_node is None
-        self._left: Optional[tuple[list[list[int]], list[Level]]] = None  # nodes and levels once ranks have left
+        self._left: tuple[list[list[int]], list[Level]] | None = None  # nodes and levels once ranks have left
         self._nodes: list[list[int]] = []
         self._levels: list[Level] = []
         super().__init__(world_size)
@@ -179,7 +179,10 @@ class Hierarchical(Topology, name="hierarchical"):
             levels.append(Level(groups, parts))
         left = copy.copy(self)
         left._world_size = None
-        left._left = ([[new[r] for r in node if r in new] for node in self._nodes if any(r in new for r in node)], levels)
+        left._left = (
+            [[new[r] for r in node if r in new] for node in self._nodes if any(r in new for r in node)],
+            levels,
+        )
         return left.bind(len(members))
 
     def _mismatch_hint(self, world_size: int) -> str:

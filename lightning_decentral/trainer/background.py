@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
@@ -49,8 +49,8 @@ class BackgroundWriter:
     """
 
     def __init__(self) -> None:
-        self._jobs: queue.Queue[Optional[Callable[[], Any]]] = queue.Queue()
-        self._error: Optional[BaseException] = None
+        self._jobs: queue.Queue[Callable[[], Any] | None] = queue.Queue()
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="lightning_decentral checkpoints", daemon=True)
         self._thread.start()
 

@@ -11,7 +11,7 @@ own random state and its own data shard; the callbacks start afresh (a `ModelChe
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch import LightningModule
 
@@ -25,7 +25,7 @@ from lightning_decentral.membership.rejoin import source_for, take_over
 class Rejoining:
     """The Trainer's `DecentralizedStrategy`'s side of a rejoin (a mixin: listed before `OnProcesses`)."""
 
-    joined: Optional[Join]
+    joined: Join | None
     lightning_module: LightningModule
 
     def handover_state(self) -> dict[str, Any]:
@@ -44,7 +44,7 @@ class Rejoining:
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
         }
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """`fit(ckpt_path=...)` on a rank that rejoins (the same command as the members'): read the file alone, no
         agreement with the members (theirs is past); the state handed over replaces what it restores."""
         if self.joined is None:

@@ -14,19 +14,19 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any, Optional, Union
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
-import torch
-import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
@@ -34,8 +34,8 @@ from lightning_decentral._compat.lightning import MultiProcessingLauncher, Subpr
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.common import EvaluatesOnAverage
 from lightning_decentral.failures import Activities
-from lightning_decentral.membership.guard import Guard, from_its_value_now
 from lightning_decentral.files import StrPath, with_atomic_writes
+from lightning_decentral.membership.guard import Guard, from_its_value_now
 from lightning_decentral.replicas import AveragedModel, MeanFn, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, background_save
 from lightning_decentral.trainer.resume import RESUME, ResolvesLast, ScriptLauncher, choose_checkpoint
@@ -72,14 +72,14 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self.resume = resume
         self._averaged = AveragedModel()
         self._eval_context = contextlib.ExitStack()
-        self._resume_shard: Optional[dict[str, Any]] = None  # fit(ckpt_path=...): this rank's shard, until restored
+        self._resume_shard: dict[str, Any] | None = None  # fit(ckpt_path=...): this rank's shard, until restored
         self._failed = False  # an exception ended the run: no collective at teardown
         self._checkpoint_agreed = False  # this fit's ranks checked they resume from the same checkpoint
-        self.activities: Optional[Activities] = None  # what each rank does: ranks that disagree stop at once
-        self._writer: Optional[BackgroundWriter] = None  # saves in the background (AsyncCheckpointIO), during fit
-        self._writer_ranks: Optional[Ranks] = None  # the ranks on the writer's own gloo group
+        self.activities: Activities | None = None  # what each rank does: ranks that disagree stop at once
+        self._writer: BackgroundWriter | None = None  # saves in the background (AsyncCheckpointIO), during fit
+        self._writer_ranks: Ranks | None = None  # the ranks on the writer's own gloo group
         self._writer_step = -1  # the step of the last save given to the writer
-        self._step_saves: Optional[StepSaves] = None  # during fit: what the saves of one step share
+        self._step_saves: StepSaves | None = None  # during fit: what the saves of one step share
 
     @override
     def setup_environment(self) -> None:
@@ -87,7 +87,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         super().setup_environment()
         self._checkpoint_agreed = False
 
-    def _agree_on_checkpoint(self, ckpt_path: Optional[StrPath]) -> None:
+    def _agree_on_checkpoint(self, ckpt_path: StrPath | None) -> None:
         """Every rank's first collective of a fit: stop every rank, naming `ckpt_path`, unless all resume from
         the same checkpoint or none. Lightning calls `load_checkpoint` only on the ranks given a path, so a rank
         with a path runs this from there and a rank without from `configure_ddp`: the two gathers pair up."""
@@ -102,10 +102,12 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         Parameters and floating-point buffers are averaged with one all-reduce per
         (device, dtype); a nested use is free. Every rank must enter it together.
         """
-        with self._averaged.swapped_in(self.lightning_module, self._mean("Averaging the replicas into x̄ (to evaluate)")):
+        with self._averaged.swapped_in(
+            self.lightning_module, self._mean("Averaging the replicas into x̄ (to evaluate)")
+        ):
             yield
 
-    def _mean(self, what: str, label: Optional[str] = None) -> Optional[MeanFn]:
+    def _mean(self, what: str, label: str | None = None) -> MeanFn | None:
         """The mean over the ranks (`Ranks.mean`, naming `what` if a rank fails meanwhile); `None` on one rank. With
         a `label`, during fit, one that the saves of a step share ([`ReusedMeans`][lightning_decentral.trainer.reuse.ReusedMeans])."""
         if self.world_size == 1 or self.lightning_module is None:
@@ -224,15 +226,17 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         return self._lightning_collective("broadcast", functools.partial(super().broadcast, obj, src))
 
     @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """Lightning's reduce (`self.log(..., sync_dist=True)`), through the guard (each try from `tensor`'s value)."""
         reduce = from_its_value_now(tensor, functools.partial(super().reduce, tensor, group, reduce_op))
         return self._lightning_collective("reduce (a metric logged with sync_dist=True?)", reduce)
 
     @override
-    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Lightning's all-gather, through the guard."""
-        return self._lightning_collective("all_gather", functools.partial(super().all_gather, tensor, group, sync_grads))
+        return self._lightning_collective(
+            "all_gather", functools.partial(super().all_gather, tensor, group, sync_grads)
+        )
 
     def _lightning_collective(self, name: str, collective: Callable[[], Any]) -> Any:
         when = ""
@@ -267,10 +271,14 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self.activities.agree("a checkpoint save (trainer.save_checkpoint or a checkpoint callback)")
         if self._writer is not None:
             return self._averaged.own_state_dict(self.lightning_module)
-        return self._averaged.state_dict(self.lightning_module, self._mean("Averaging the replicas into x̄ (to save)", "x̄"))
+        return self._averaged.state_dict(
+            self.lightning_module, self._mean("Averaging the replicas into x̄ (to save)", "x̄")
+        )
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any | None = None
+    ) -> None:
         """Runs when a checkpoint is saved, on every rank: each writes its shard, then rank 0 the checkpoint
         file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]), atomically unless a
         `CheckpointIO` of your own writes it ([`with_atomic_writes`][lightning_decentral.files.with_atomic_writes]).
@@ -280,7 +288,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self._finish_earlier_saves()
             write_file = functools.partial(self._write_file, filepath=filepath, storage_options=storage_options)
             own = self._shard_parts(checkpoint)
-            self._writer.submit(background_save(checkpoint, filepath, own, self._writer_ranks, self._step_saves, write_file))
+            self._writer.submit(
+                background_save(checkpoint, filepath, own, self._writer_ranks, self._step_saves, write_file)
+            )
             return
         parts = self._shard_parts(checkpoint)
         shards.save_with_shards(
@@ -330,7 +340,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         shards.remove_shards(filepath, self.global_rank)
 
     @override
-    def load_checkpoint(self, checkpoint_path: StrPath, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: StrPath, weights_only: bool | None = None) -> dict[str, Any]:
         """Runs when a run starts from `ckpt_path`: read the checkpoint file (`weights_only=True` unless the
         caller asks otherwise); when fitting, also this rank's shard (with `resume="newest_complete"`, of the
         checkpoint [`choose_checkpoint`][lightning_decentral.trainer.resume.choose_checkpoint] picks).
@@ -345,7 +355,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self._agree_on_checkpoint(checkpoint_path)
             if self.resume == "newest_complete":
                 checkpoint_path = choose_checkpoint(self._ranks, checkpoint_path, rank_zero_warn)
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=True if weights_only is None else weights_only)
+        checkpoint = super().load_checkpoint(
+            checkpoint_path, weights_only=True if weights_only is None else weights_only
+        )
         if not fitting:
             return checkpoint
         shard = shards.load_own_shard(self._ranks, checkpoint_path, checkpoint.get(shards.META_KEY), rank_zero_warn)
@@ -376,9 +388,12 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         return dict(
             state_dict=self._averaged.own_state_dict(self.lightning_module),
             optimizer_states=None if weights_only else [o.state_dict() for o in self.optimizers],
-            step=self.lightning_module.trainer.global_step, rng=shards.rng_state(), rule=self.rule_record(),
+            step=self.lightning_module.trainer.global_step,
+            rng=shards.rng_state(),
+            rule=self.rule_record(),
             precision=None if weights_only else self.precision_plugin.state_dict(),
-            rule_state=None if weights_only else self.rule_state(), gossip=self.driver.copies.state(),
+            rule_state=None if weights_only else self.rule_state(),
+            gossip=self.driver.copies.state(),
         )
 
     # -- every rank runs the same configuration ----------------------------------------------
@@ -387,7 +402,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     def _ranks(self) -> Ranks:
         return Ranks.of_world(self.root_device, self.guard)
 
-    def _configuration(self) -> dict[str, Union[int, str]]:
+    def _configuration(self) -> dict[str, int | str]:
         """What every rank must agree on (`Ranks.check_same_configuration`)."""
         raise NotImplementedError
 

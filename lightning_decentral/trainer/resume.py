@@ -25,7 +25,8 @@ import inspect
 import os
 import re
 import zlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from fsspec.implementations.local import LocalFileSystem
@@ -81,13 +82,17 @@ def choose_checkpoint(ranks: shards.RankGroup, path: StrPath, warn: Callable[[st
         problems += f": it links to {os.readlink(path)}, which is gone"
     warn(
         f"Resuming from {choice} (step {step}) instead of {path}, which is incomplete ({problems}): it is the newest "
-        + ("complete checkpoint in its directory." if found == Found.COMPLETE else "checkpoint in its directory every "
-        "rank can read, but none is complete: every replica restarts from the averaged model.")
+        + (
+            "complete checkpoint in its directory."
+            if found == Found.COMPLETE
+            else "checkpoint in its directory every "
+            "rank can read, but none is complete: every replica restarts from the averaged model."
+        )
     )
     return choice
 
 
-def newest_complete(tables: list[list[list[int]]]) -> Optional[int]:
+def newest_complete(tables: list[list[list[int]]]) -> int | None:
     """The key of the best checkpoint every rank found: `tables[r]` holds rank `r`'s rows `[key, step, found]` (the
     key: `_key`, a save id mixed with the file name). A checkpoint counts as what its worst rank found; a complete one
     beats a readable one, then the higher step wins (then the higher key, so that every rank picks the same). `None`
@@ -107,7 +112,7 @@ def newest_complete(tables: list[list[list[int]]]) -> Optional[int]:
     return max(common, key=lambda save_id: (found[save_id] == Found.COMPLETE, steps[save_id], save_id), default=None)
 
 
-def examine(path: StrPath, rank: int, world_size: int) -> tuple[Found, Optional[dict[str, int]]]:
+def examine(path: StrPath, rank: int, world_size: int) -> tuple[Found, dict[str, int] | None]:
     """What this rank finds of the checkpoint at `path`, and the record of its save (`save_id`, `world_size`, and
     the file's `step`; `None` for a file without shards or that cannot be read)."""
     try:
@@ -171,7 +176,7 @@ def _gather_rows(ranks: shards.RankGroup, rows: list[list[int]], what: str) -> l
     return [[table[r, 3 * i : 3 * i + 3].tolist() for i in range(n)] for r, n in enumerate(counts)]
 
 
-def dangling_last(trainer: Trainer) -> Optional[str]:
+def dangling_last(trainer: Trainer) -> str | None:
     """The `last*.ckpt` link whose file is gone (the newest, if several) in a `ModelCheckpoint`'s `dirpath`, when that
     directory holds no `last*.ckpt` that exists: what `ckpt_path="last"` named before its file went. `None` otherwise,
     and for a callback whose `dirpath` is not set yet (Lightning resolves it when fit starts)."""
@@ -179,7 +184,9 @@ def dangling_last(trainer: Trainer) -> Optional[str]:
     for callback in trainer.checkpoint_callbacks:
         if not isinstance(callback, ModelCheckpoint) or callback.dirpath is None or not os.path.isdir(callback.dirpath):
             continue
-        pattern = re.compile(rf"^{re.escape(callback.CHECKPOINT_NAME_LAST)}(-\d+)?{re.escape(callback.FILE_EXTENSION)}$")
+        pattern = re.compile(
+            rf"^{re.escape(callback.CHECKPOINT_NAME_LAST)}(-\d+)?{re.escape(callback.FILE_EXTENSION)}$"
+        )
         for name in os.listdir(callback.dirpath):
             path = os.path.join(callback.dirpath, name)
             if pattern.match(name):
@@ -196,8 +203,12 @@ class ResolvesLast:
     of `"last"`, which Lightning would resolve to no checkpoint: the strategy then falls back from it to the newest
     complete checkpoint, with a warning naming both. List it before Lightning's launcher class."""
 
-    def launch(self, function: Callable, *args: Any, trainer: Optional[Trainer] = None, **kwargs: Any) -> Any:
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and getattr(trainer.strategy, "resume", None) == RESUME[1]:
+    def launch(self, function: Callable, *args: Any, trainer: Trainer | None = None, **kwargs: Any) -> Any:
+        if (
+            trainer is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and getattr(trainer.strategy, "resume", None) == RESUME[1]
+        ):
             call = inspect.signature(function).bind(*args, **kwargs)
             link = dangling_last(trainer) if call.arguments.get("ckpt_path") == "last" else None
             if link is not None:
@@ -210,4 +221,3 @@ class ScriptLauncher(ResolvesLast, SubprocessScriptLauncher):
     """Lightning's launcher of `start_method="popen"` (it starts the other ranks of `devices=n` from a script, or none
     when another launcher started them: torchrun, srun, lightning-decentral-launch), after
     [`ResolvesLast`][lightning_decentral.trainer.resume.ResolvesLast]."""
-

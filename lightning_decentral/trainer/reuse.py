@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Hashable
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ class MeanGroup(Protocol):
 
     rank: int
     world_size: int
-    group: Optional[dist.ProcessGroup]
+    group: dist.ProcessGroup | None
 
     def mean(self, tensors: list[Tensor], what: str = ...) -> list[Tensor]: ...
 
@@ -48,8 +48,12 @@ class _Record:
         """Whether `tensor` is the recorded data, not written in place since."""
         alias = self.alias
         return (
-            tensor.data_ptr() == alias.data_ptr() and tensor.shape == alias.shape and tensor.stride() == alias.stride()
-            and tensor.dtype == alias.dtype and tensor.device == alias.device and version(tensor) == self.version
+            tensor.data_ptr() == alias.data_ptr()
+            and tensor.shape == alias.shape
+            and tensor.stride() == alias.stride()
+            and tensor.dtype == alias.dtype
+            and tensor.device == alias.device
+            and version(tensor) == self.version
         )
 
 
@@ -85,10 +89,10 @@ class ReusedMeans:
 
     def __init__(self) -> None:
         self._kept: dict[Hashable, tuple[list[_Record], list[_Record]]] = {}  # label -> (inputs, results)
-        self._scope: Optional[tuple[Any, ...]] = None
+        self._scope: tuple[Any, ...] | None = None
 
     def mean(
-        self, ranks: MeanGroup, label: Hashable, tensors: list[Tensor], what: str, agreed: Optional[bool] = None
+        self, ranks: MeanGroup, label: Hashable, tensors: list[Tensor], what: str, agreed: bool | None = None
     ) -> list[Tensor]:
         """`ranks.mean(tensors, what)`, or the results remembered under `label` for these tensors, unchanged. With
         `agreed`, the ranks have agreed already, in a collective of their own, whether to reuse (every rank's inputs
@@ -102,7 +106,9 @@ class ReusedMeans:
             same = len(inputs) == len(tensors) and all(r.matches(t) for r, t in zip(inputs, tensors))
             same = same and all(r.matches(r.alias) for r in results)
             agreed = ranks.gather([same], f"{what}, agreeing whether an earlier save of this step did it,")[:, 0].all()
-            agreed = bool(agreed) and _scope(ranks) == scope  # the ranks that agreed are those that averaged (no failure)
+            agreed = (
+                bool(agreed) and _scope(ranks) == scope
+            )  # the ranks that agreed are those that averaged (no failure)
         if kept is not None and agreed:
             return [r.alias for r in kept[1]]
         means = ranks.mean(tensors, what)
@@ -111,9 +117,11 @@ class ReusedMeans:
 
     def unchanged(self, ranks: MeanGroup) -> bool:
         """Whether no mean remembered was written in place since, over the same ranks."""
-        return _scope(ranks) == self._scope and all(r.matches(r.alias) for _, results in self._kept.values() for r in results)
+        return _scope(ranks) == self._scope and all(
+            r.matches(r.alias) for _, results in self._kept.values() for r in results
+        )
 
-    def bound(self, ranks: MeanGroup, label: Hashable, what: str, agreed: Optional[bool] = None) -> MeanFn:
+    def bound(self, ranks: MeanGroup, label: Hashable, what: str, agreed: bool | None = None) -> MeanFn:
         """`mean` as a function of the tensors alone (`replicas.MeanFn`)."""
         return lambda tensors: self.mean(ranks, label, tensors, what, agreed)
 
@@ -217,9 +225,9 @@ class StepShards:
     """
 
     def __init__(self) -> None:
-        self._kept: Optional[tuple[int, str, list[_Record], Any, Any]] = None  # id, path, tensors, the rest, RNG
+        self._kept: tuple[int, str, list[_Record], Any, Any] | None = None  # id, path, tensors, the rest, RNG
 
-    def same_as(self, shard: dict[str, Any]) -> Optional[tuple[int, str]]:
+    def same_as(self, shard: dict[str, Any]) -> tuple[int, str] | None:
         """`(save_id, path)` of the shard kept, if `shard` holds the same but its save id; else `None`."""
         if self._kept is None:
             return None
@@ -243,7 +251,7 @@ class StepSaves:
     `submit` (a [`BackgroundWriter`][lightning_decentral.trainer.background.BackgroundWriter]'s), the means and the
     shards are the writer thread's: forgotten there, after the saves queued before."""
 
-    def __init__(self, submit: Optional[Callable[[Callable[[], None]], None]] = None) -> None:
+    def __init__(self, submit: Callable[[Callable[[], None]], None] | None = None) -> None:
         self.means, self.copies, self.shards = ReusedMeans(), HostCopies(), StepShards()
         self._submit = submit
         self._queued = False  # a save was given to the writer since the last `forget`

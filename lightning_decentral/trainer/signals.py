@@ -13,9 +13,8 @@ every rank. A signal during validation takes effect at the next training batch.
 from __future__ import annotations
 
 import logging
-from types import FrameType
 from collections.abc import Callable
-from typing import Optional
+from types import FrameType
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -35,7 +34,7 @@ def stop_together(trainer: Trainer, agreement: StopAgreement, first_check: Calla
     strategy's `setup`, which the Trainer runs before it registers its signal handlers and before the first batch."""
     loop = trainer.fit_loop.epoch_loop
 
-    def on_sigterm(signum: int, frame: Optional[FrameType]) -> None:
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
         log.info(rank_prefixed_message(f"Received SIGTERM: {signum}", trainer.local_rank))
         launcher = trainer.strategy.launcher
         if not agreement.requested and launcher is not None:

@@ -19,14 +19,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
@@ -44,12 +44,11 @@ from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
 from lightning_decentral.rendezvous import job_store
 from lightning_decentral.replicas import Replica
+from lightning_decentral.rules import RuleContext
 from lightning_decentral.trainer.rejoin import Rejoining
 from lightning_decentral.trainer.replicated import ReplicaStrategy
-from lightning_decentral.rules import RuleContext
-from lightning_decentral.trainer.stop import StopAgreement, next_key, stop_margin
 from lightning_decentral.trainer.signals import stop_together
-
+from lightning_decentral.trainer.stop import StopAgreement, next_key, stop_margin
 
 
 @takes_gossip_options
@@ -113,20 +112,22 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         self,
         *,
         resume: Literal["checkpoint", "newest_complete"] = "checkpoint",
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[list[torch.device]] = None,
-        cluster_environment: Optional[ClusterEnvironment] = None,
-        checkpoint_io: Optional[CheckpointIO] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = DEFAULT_TIMEOUT,
+        accelerator: Any | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         rejoin: bool = False,
         **options: Any,
     ) -> None:
         gossip = gossip_options(type(self).__name__, **options)
         if rejoin and gossip.on_peer_failure != "continue":
-            raise ValueError("rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue' with it.")
+            raise ValueError(
+                "rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue' with it."
+            )
         super().__init__(
             resume=resume,
             accelerator=accelerator,
@@ -140,9 +141,9 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         )
         self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
         self.rejoins = rejoin
-        self._replica: Optional[Replica] = None
-        self._mixer: Optional[Mixer] = None
-        self._stops: Optional[StopAgreement] = None  # this fit's agreement on a step to stop at after a SIGTERM
+        self._replica: Replica | None = None
+        self._mixer: Mixer | None = None
+        self._stops: StopAgreement | None = None  # this fit's agreement on a step to stop at after a SIGTERM
 
     # -- public surface: the monitors, tests and benchmarks read the strategy through these (and Driven's) ------
 
@@ -256,7 +257,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         self,
         optimizer: Optimizer,
         closure: Callable[[], Any],
-        model: Optional[Union[LightningModule, Module]] = None,
+        model: LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
         """Runs once per optimizer step, in place of `optimizer.step(closure)`: the closure and `U` with
@@ -264,7 +265,9 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         batch start began it: manual optimization may skip it)."""
         step = super().optimizer_step
         return self.driver.optimizer_step(
-            self.lightning_module.trainer.global_step, lambda wrapped: step(optimizer, wrapped, model, **kwargs), closure
+            self.lightning_module.trainer.global_step,
+            lambda wrapped: step(optimizer, wrapped, model, **kwargs),
+            closure,
         )
 
     @override
@@ -310,7 +313,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         return obj if self.joining else super().broadcast(obj, src)
 
     @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """Lightning's reduce; a rank that rejoins keeps its own value before its first batch (the length of its data
         Lightning checks)."""
         return tensor if self.joining else super().reduce(tensor, group, reduce_op)
@@ -336,7 +339,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         self._replica.check_trainable_unchanged(self.lightning_module)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         """Runs when a checkpoint is saved, on every rank (see `ReplicaStrategy.save_checkpoint`), as one operation of
         the guard. A failure survived during the save (here, or in the averages before it) leaves every survivor in
         it, alone: they make their group, average `x̄` and the optimizer state again among them, and save."""
@@ -352,7 +355,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
 
         self.guard.operation(among_the_survivors)
 
-    def _configuration(self) -> dict[str, Union[int, str]]:
+    def _configuration(self) -> dict[str, int | str]:
         precision = str(getattr(self.precision_plugin, "precision", type(self.precision_plugin).__name__))
         configuration = run_configuration(self, self.lightning_module, precision)
         trainer = self.lightning_module.trainer
