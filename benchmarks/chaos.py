@@ -24,10 +24,10 @@ worker the distinct steps it completed (a step done again after a rollback count
 not at all), summed over the workers, over the wall time. The report gives it per mode and its ratio to ``free``;
 whether every worker still running at the end ended at the last step; and the accuracy on the 359 held-out digits of
 ``x̄``, the mean of the replicas of the workers that ended the run (Lightning's own validation, also recorded as
-``val_acc``, sees only the ranks' shares of those digits). Every step sleeps ``--step-sleep`` seconds first (emulated compute: on 2 cores the
-MLP's own steps are shorter than a restart by far). ``free`` and ``rejoin`` save a checkpoint at the last step; a
-further launch on as many processes resumes it, and ``resumes_exactly`` says whether every rank's replica at the
-start of that fit equals the one it ended with, bit for bit.
+``val_acc``, sees only the ranks' shares of those digits). Every step sleeps ``--step-sleep`` seconds first (emulated
+compute: on 2 cores the MLP's own steps are shorter than a restart by far). ``free`` and ``rejoin`` save a checkpoint at
+the last step; a further launch on as many processes resumes it, and ``resumes_exactly`` says whether every rank's
+replica at the start of that fit equals the one it ended with, bit for bit.
 """
 
 from __future__ import annotations
@@ -325,8 +325,8 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace) -> str:
         kills = statistics.mean(len(r["kills"]) for r in mine)
         unplanned = sum(r["unplanned_starts"] for r in mine)
         rows.append(
-            f"| {mode} | {len(mine)} | {kills:.1f} | {unplanned} | {goodput:.1f} | {ratio} | {at_end:.1f} of {args.workers} "
-            f"| {'yes' if ended else 'no'} | {accuracy} |"
+            f"| {mode} | {len(mine)} | {kills:.1f} | {unplanned} | {goodput:.1f} | {ratio} | {at_end:.1f} of "
+            f"{args.workers} | {'yes' if ended else 'no'} | {accuracy} |"
         )
     return "\n".join(
         [
@@ -374,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{mode} seed {seed}: exit {result['exit']}, {result['wall_s']:.1f} s, goodput {result['goodput']:.1f} "
                 f"worker-steps/s, {len(result['kills'])} kills, {result['unplanned_starts']} starts not caused by a "
-                f"kill, ended at {result['ended_at']}, accuracy of x̄ {result['accuracy']}, resumes exactly {result['resumes_exactly']}"
+                f"kill, ended at {result['ended_at']}, accuracy of x̄ {result['accuracy']}, resumes exactly "
+                f"{result['resumes_exactly']}"
             )
             if result["exit"] or result["unplanned_starts"]:
                 print(result["log"])

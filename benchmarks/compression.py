@@ -127,14 +127,15 @@ def summarize_bytes(results: list[dict[str, Any]], n: int, steps: int) -> list[d
 
 def render_bytes(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| compression | counted per rank and step | measured on `lo` | overhead | fewer bytes than plain | exchange (ms) |",
+        "| compression | counted per rank and step | measured on `lo` | overhead | fewer bytes than plain | exchange "
+        "(ms) |",
         "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['compression'] if r['compression'] != 'None' else 'none (float32)'} | {r['counted_per_rank_step']:,.0f} B "
-            f"| {r['measured_per_rank_step']:,.0f} B | {100 * r['overhead']:+.2f} % | {r['fewer_than_plain']:.1f}× "
-            f"| {r['exchange_ms']:.0f} |"
+            f"| {r['compression'] if r['compression'] != 'None' else 'none (float32)'} | "
+            f"{r['counted_per_rank_step']:,.0f} B | {r['measured_per_rank_step']:,.0f} B | {100 * r['overhead']:+.2f} "
+            f"% | {r['fewer_than_plain']:.1f}× | {r['exchange_ms']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -308,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(
             f"{n} gloo processes on the loopback, {args.topology}, {config['numel']:,} float32 elements, "
-            f"{config['steps']} exchanges x {config['reps']} repetitions; {os.cpu_count()} CPU cores; torch {torch.__version__}"
+            f"{config['steps']} exchanges x {config['reps']} repetitions; {os.cpu_count()} CPU cores; torch "
+            f"{torch.__version__}"
         )
         results = harness.run_ranks(functools.partial(_bytes_worker, config), n, timeout=args.timeout)
         rows = summarize_bytes(results, n, config["steps"])
@@ -318,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         seeds, epochs = (1, 1) if args.smoke else (args.seeds, args.epochs)
         data = "IID" if args.alpha is None else f"label skew Dirichlet α = {args.alpha:g}"
         print(
-            f"digits ({data}), {n} simulated workers, ring, AWC, {epochs} epochs, {seeds} seeds; torch {torch.__version__}",
+            f"digits ({data}), {n} simulated workers, ring, AWC, {epochs} epochs, {seeds} seeds; torch "
+            f"{torch.__version__}",
             flush=True,
         )
         if args.what == "accuracy":

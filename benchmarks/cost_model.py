@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     body = {
         "command": command,
         "measured": measured,
-        "links": [asdict(l) for l in links],
+        "links": [asdict(link) for link in links],
         "nvlink": asdict(NVLINK),
         "n": N_RANGE,
         "extrapolated_s": extrapolated,

@@ -41,8 +41,8 @@ from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStr
 
 
 class ResNet20(pl.LightningModule):
-    """ResNet-20 for 32 x 32 images (He et al. 2016, section 4.2): a 3x3 convolution to ``width`` channels, three stages of
-    three basic blocks (``width``, ``2 width``, ``4 width`` channels; stride 2 into stages 2 and 3, with a 1x1
+    """ResNet-20 for 32 x 32 images (He et al. 2016, section 4.2): a 3x3 convolution to ``width`` channels, three stages
+    of three basic blocks (``width``, ``2 width``, ``4 width`` channels; stride 2 into stages 2 and 3, with a 1x1
     convolution shortcut there), global average pooling and a linear layer to 10 classes: 19 convolutions and a linear
     layer (and the two shortcuts), every convolution without bias and followed by BatchNorm; 0.27 M parameters at
     ``width=16``. Cross-entropy, SGD(lr=0.1, momentum=0.9)."""
@@ -89,7 +89,8 @@ def _conv_bn(inputs: int, outputs: int, kernel: int, stride: int) -> torch.nn.Se
 
 
 def _images(size: int, samples: int, batch: int) -> torch.utils.data.DataLoader:
-    """``samples`` synthetic images of ``3 x size x size`` (standard normal) with labels in ``0..9``, from a fixed seed."""
+    """``samples`` synthetic images of ``3 x size x size`` (standard normal) with labels in ``0..9``, from a fixed
+    seed."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(samples, 3, size, size, generator=generator)
     y = torch.randint(0, 10, (samples,), generator=generator)
@@ -229,7 +230,8 @@ def render(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| model | run | n | precision | device | median step (ms) | × plain Trainer | peak memory (MB) | MB per worker | error |",
+        "| model | run | n | precision | device | median step (ms) | × plain Trainer | peak memory (MB) | MB per "
+        "worker | error |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -238,9 +240,10 @@ def render(result: dict[str, Any]) -> str:
 
     for r in result["simulation"]:
         lines.append(
-            f"| {r['model']} | {r['kind']} | {r['n']} | {r['precision']} | {r.get('device', '')} | {number(r.get('step_s'), 1e3)} | "
-            f"{number(r.get('ratio_to_lightning'))} | {number(r.get('peak_mb'), digits=1)} | "
-            f"{number(r.get('mb_per_worker'), digits=2)} | {r.get('error', '')} |"
+            f"| {r['model']} | {r['kind']} | {r['n']} | {r['precision']} | {r.get('device', '')} | "
+            f"{number(r.get('step_s'), 1e3)} | {number(r.get('ratio_to_lightning'))} | "
+            f"{number(r.get('peak_mb'), digits=1)} | {number(r.get('mb_per_worker'), digits=2)} | {r.get('error', '')} "
+            "|"
         )
     return "\n".join(lines) + "\n"
 

@@ -380,7 +380,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"{', '.join(STEPS_ONLY)} run(s) the step-time job only: add --jobs steps")
     if "decent_dp" in args.methods and importlib.util.find_spec("decent_dp") is None:
         parser.error(
-            "decent_dp needs Decent-DP, not installed here: pip install decent-dp (with loguru), e.g. with --target DIR and PYTHONPATH=DIR"
+            "decent_dp needs Decent-DP, not installed here: pip install decent-dp (with loguru), e.g. with --target "
+            "DIR and PYTHONPATH=DIR"
         )
     if "ddp_powersgd" in args.methods and args.warmup < 2:
         parser.error("ddp_powersgd all-reduces its first two steps plainly: use --warmup >= 2")
@@ -415,10 +416,10 @@ def main(argv: list[str] | None = None) -> int:
     parameters = harness.count_parameters(args.widths)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
-        f"{args.workers} hosts; MLP {'-'.join(map(str, args.widths))} ({parameters:,} parameters, {parameters * 4 / 1e6:.1f} MB); "
-        f"{args.warmup}+{args.steps} steps, batch {args.batch_size}; digits: {args.digits_steps} steps, batch "
-        f"{args.digits_batch}, lr {args.digits_lr}, loss threshold {args.threshold} (mean of {args.smooth} steps); "
-        f"{args.repeats} repeat(s); {os.cpu_count()} CPU cores, load average {load:.1f}",
+        f"{args.workers} hosts; MLP {'-'.join(map(str, args.widths))} ({parameters:,} parameters, "
+        f"{parameters * 4 / 1e6:.1f} MB); {args.warmup}+{args.steps} steps, batch {args.batch_size}; digits: "
+        f"{args.digits_steps} steps, batch {args.digits_batch}, lr {args.digits_lr}, loss threshold {args.threshold} "
+        f"(mean of {args.smooth} steps); {args.repeats} repeat(s); {os.cpu_count()} CPU cores, load average {load:.1f}",
         flush=True,
     )
     harness.import_example("digits")  # imported once here, inherited by the forked workers

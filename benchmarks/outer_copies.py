@@ -43,7 +43,8 @@ def loss(state: torch.Tensor) -> float:
 
 def main() -> None:
     print(
-        "| topology | no compression | sign, copies from x(0) | sign, from 0 | top_k:0.2, from x(0) | top_k:0.2, from 0 |"
+        "| topology | no compression | sign, copies from x(0) | sign, from 0 | top_k:0.2, from x(0) | top_k:0.2, from "
+        "0 |"
     )
     print("|---|---|---|---|---|---|")
     for topology in ("complete", "one_peer_exponential"):

@@ -20,8 +20,8 @@ whose edges are the same at every round).
 others go on to ``--extend`` (2) times that, to see when they reach ddp's final loss.
 
 Measured per worker, every ``H`` steps (where every method's model is defined: right after an outer step), at
-step ``--steps`` and at the last: the validation loss of the worker's own model (mean cross-entropy, nats per byte, over the
-first ``--val-windows`` held-out windows), the training time since a common start (a barrier) with the
+step ``--steps`` and at the last: the validation loss of the worker's own model (mean cross-entropy, nats per byte, over
+the first ``--val-windows`` held-out windows), the training time since a common start (a barrier) with the
 evaluations' own time taken out, the bytes the strategy counts (``strategy.observe``; DDP, which counts nothing,
 gets the ring all-reduce's ``2 (n − 1)/n`` of its gradients per step), and the bytes its host's ``eth0`` sent and
 received (``/proc/net/dev``, headers and gloo's own traffic included). Nothing extra is communicated while timed.
@@ -102,7 +102,8 @@ def refusals(chosen: dict[str, dict[str, Any] | None]) -> dict[str, str]:
 
 
 class Curve(pl.Callback):
-    """Every ``every`` steps, at step ``also`` and at the last: the worker's validation loss, training time and bytes so far."""
+    """Every ``every`` steps, at step ``also`` and at the last: the worker's validation loss, training time and bytes so
+    far."""
 
     def __init__(self, val: Any, every: int, also: int, counted: Any, ddp_bytes_per_step: float | None) -> None:
         self.val, self.every, self.also, self.counted, self.ddp_bytes_per_step = (
@@ -249,12 +250,13 @@ def render(profile: dict[str, Any], every: int, command: str) -> str:
         return "n/a" if value is None else format(value, spec)
 
     lines = [
-        f"**{profile['link']['name']}**: {profile['shaping']}; TCP goodput host 0 → host 1: {profile['goodput_gbit']:.3f} "
-        f"Gbit/s; load average {profile['load'][0]:.1f} before, {profile['load'][1]:.1f} after. Command: `{command}`",
+        f"**{profile['link']['name']}**: {profile['shaping']}; TCP goodput host 0 → host 1: "
+        f"{profile['goodput_gbit']:.3f} Gbit/s; load average {profile['load'][0]:.1f} before, "
+        f"{profile['load'][1]:.1f} after. Command: `{command}`",
         "",
-        "| method | val loss at the same tokens | vs ddp | time (s) | / ddp | time to ddp's final loss (s, step) "
-        "| / ddp's time "
-        "| ddp's time to this loss (s) | counted B/step/worker | eth0 sent B/step/host | vs same topology every step (counted, eth0) |",
+        "| method | val loss at the same tokens | vs ddp | time (s) | / ddp | time to ddp's final loss (s, step) | / "
+        "ddp's time | ddp's time to this loss (s) | counted B/step/worker | eth0 sent B/step/host | vs same topology "
+        "every step (counted, eth0) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:

@@ -162,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     for mode in ("no_overlap", "overlap"):
         row = result[mode]
         print(
-            f"{mode:>10}: step {row['step_s']['median']:.4f} s, blocked {row['blocked_per_round_s']['median']:.3f} s per round"
+            f"{mode:>10}: step {row['step_s']['median']:.4f} s, blocked {row['blocked_per_round_s']['median']:.3f} s "
+            "per round"
         )
     print(f"     ratio: step {result['ratio']['step_s']:.3f}, blocked {result['ratio']['blocked_per_round_s']:.3f}")
     if args.out:

@@ -123,7 +123,8 @@ class ProfiledCheckpoint(ModelCheckpoint):
         for (path, _, function), (_, calls, _, cumulative, _) in pstats.Stats(self.profile).stats.items():
             collective = "distributed_c10d" in path and function in ("all_reduce", "all_gather", "barrier", "broadcast")
             if "lightning_decentral" in path or collective or ("torch/serialization" in path and function == "save"):
-                name = f"{path.rpartition('lightning_decentral/')[2] if 'lightning_decentral' in path else Path(path).name}:{function}"
+                where = path.rpartition("lightning_decentral/")[2] if "lightning_decentral" in path else Path(path).name
+                name = f"{where}:{function}"
                 rows.append((name, calls, cumulative / save_steps))
         return sorted(rows, key=lambda row: -row[2])[:count]
 
@@ -247,9 +248,9 @@ def render_cost(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         repeats = ", ".join(f"{t:.4f}" for t in r["repeats_s"])
         lines.append(
-            f"| {r['method']} | {r['mean_step_s']:.4f} | {repeats} | {shown(r['ratio_to_none'], 3)} | {shown(r['per_save_step_s'], 3)} "
-            f"| {r['cpu_per_step_s']:.4f} | {shown(r['cpu_ratio_to_none'], 3)} | {shown(r['cpu_per_save_step_s'], 3)} "
-            f"| {r['after_last_step_s']:.2f} |"
+            f"| {r['method']} | {r['mean_step_s']:.4f} | {repeats} | {shown(r['ratio_to_none'], 3)} | "
+            f"{shown(r['per_save_step_s'], 3)} | {r['cpu_per_step_s']:.4f} | {shown(r['cpu_ratio_to_none'], 3)} | "
+            f"{shown(r['cpu_per_save_step_s'], 3)} | {r['after_last_step_s']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -424,7 +425,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--methods",
         default=None,
-        help=f"comma-separated: none, every<N>, every<N>_background or every<N>_link, each with a prefix ddp_ for Lightning's DDP (default {DEFAULT_METHODS})",
+        help=(
+            "comma-separated: none, every<N>, every<N>_background or every<N>_link, each with a prefix ddp_ for "
+            f"Lightning's DDP (default {DEFAULT_METHODS})"
+        ),
     )
     parser.add_argument("--steps", type=int, default=None, help="measured steps per method (default 100; --smoke: 4)")
     parser.add_argument("--job-steps", type=int, default=300, help="the torchrun job's steps")
@@ -448,7 +452,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--profile",
         action="store_true",
-        help="profile the saves of the first repeat: CPU time per function, rank 0 and the last rank (the process's: in the background, the writer thread's counts for what the hook runs meanwhile)",
+        help=(
+            "profile the saves of the first repeat: CPU time per function, rank 0 and the last rank (the process's: in "
+            "the background, the writer thread's counts for what the hook runs meanwhile)"
+        ),
     )
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -481,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     harness.exit_on_sigterm()
     parameters = harness.count_parameters(args.widths)
     print(
-        f"MLP {'-'.join(map(str, args.widths))}: {parameters:,} parameters; {args.workers} processes on gloo, {os.cpu_count()} CPU cores",
+        f"MLP {'-'.join(map(str, args.widths))}: {parameters:,} parameters; {args.workers} processes on gloo, "
+        f"{os.cpu_count()} CPU cores",
         flush=True,
     )
     body: dict[str, Any] = {"command": harness.command_line(__file__, argv), "parameters": parameters}

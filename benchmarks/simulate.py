@@ -74,7 +74,8 @@ def _maxrss_mb() -> float:
 
 
 def _lightning(job: dict[str, Any], x: Any, y: Any) -> dict[str, Any]:
-    """``sim`` or ``vectorized`` (n workers), or ``lightning`` (no strategy, the whole batch): one process, ``devices=1``."""
+    """``sim`` or ``vectorized`` (n workers), or ``lightning`` (no strategy, the whole batch): one process,
+    ``devices=1``."""
     import torch
     from mlp import MLP, StepClock, digits_loader, quiet_trainer
 
@@ -291,8 +292,9 @@ def render_table(rows: list[dict[str, Any]], global_batch: int) -> str:
     sim = {r["n"]: r for r in rows if r["name"] == "sim"}
     base = next((r for r in rows if r["name"] == "lightning"), None)
     lines = [
-        "| run | n | batch per worker | median step (ms) | IQR (ms) | median of each repeat (ms) | mean step (ms) "
-        "| sim / bare (median) | sim / processes (median) | imports (s) | to first step (s) | peak RSS (MB) | MB per worker |",
+        "| run | n | batch per worker | median step (ms) | IQR (ms) | median of each repeat (ms) | mean step (ms) | "
+        "sim / bare (median) | sim / processes (median) | imports (s) | to first step (s) | peak RSS (MB) | MB per "
+        "worker |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -307,9 +309,10 @@ def render_table(rows: list[dict[str, Any]], global_batch: int) -> str:
             per_worker = f"{(r['maxrss_mb'] - base['maxrss_mb']) / n:.2f}"
         repeats = "–".join(f"{1e3 * t:.1f}" for t in (min(r["repeat_medians_s"]), max(r["repeat_medians_s"])))
         lines.append(
-            f"| {LABELS[r['name']]} | {n if r['name'] != 'lightning' else 1} | {global_batch // n} | {1e3 * r['median_s']:.1f} "
-            f"| {1e3 * r['q25_s']:.1f}–{1e3 * r['q75_s']:.1f} | {repeats} | {1e3 * r['mean_s']:.1f} | {vs_bare} | {vs_proc} "
-            f"| {r['imports_s']:.1f} | {r['first_step_s']:.2f} | {rss} | {per_worker} |"
+            f"| {LABELS[r['name']]} | {n if r['name'] != 'lightning' else 1} | {global_batch // n} | "
+            f"{1e3 * r['median_s']:.1f} | {1e3 * r['q25_s']:.1f}–{1e3 * r['q75_s']:.1f} | {repeats} | "
+            f"{1e3 * r['mean_s']:.1f} | {vs_bare} | {vs_proc} | {r['imports_s']:.1f} | {r['first_step_s']:.2f} | {rss} "
+            f"| {per_worker} |"
         )
     return "\n".join(lines)
 
@@ -391,10 +394,10 @@ def main(argv: list[str] | None = None) -> int:
     runs.append(("lightning", 1))
     load = os.getloadavg()[0]
     print(
-        f"digits (1797 x 64, standardized); MLP {'-'.join(map(str, widths))}: {harness.count_parameters(widths):,} parameters; "
-        f"SGD(lr={args.lr}, momentum={args.momentum}); global batch {args.global_batch}; ring, AWC; "
-        f"{args.warmup} warm-up + {args.steps} measured steps, {args.repeats} repeat(s); {args.threads} torch thread(s) per process; "
-        f"{os.cpu_count()} CPU cores, load average {load:.2f}",
+        f"digits (1797 x 64, standardized); MLP {'-'.join(map(str, widths))}: {harness.count_parameters(widths):,} "
+        f"parameters; SGD(lr={args.lr}, momentum={args.momentum}); global batch {args.global_batch}; ring, AWC; "
+        f"{args.warmup} warm-up + {args.steps} measured steps, {args.repeats} repeat(s); {args.threads} torch "
+        f"thread(s) per process; {os.cpu_count()} CPU cores, load average {load:.2f}",
         flush=True,
     )
     started = time.monotonic()
@@ -411,8 +414,10 @@ def main(argv: list[str] | None = None) -> int:
                 record = _launch(job, args.timeout)
                 records[(kind, n)].append(record)
                 print(
-                    f"  repeat {repeat + 1}/{args.repeats}  {kind:<10} n={n:<3} median {1e3 * statistics.median(_steps(record, args.warmup)):8.2f} ms/step"
-                    f"  first step {_first_step_s(record):.2f} s  peak RSS {record['maxrss_mb']:.0f} MB  ({time.monotonic() - t:.1f} s)",
+                    f"  repeat {repeat + 1}/{args.repeats}  {kind:<10} n={n:<3} median "
+                    f"{1e3 * statistics.median(_steps(record, args.warmup)):8.2f} ms/step  first step "
+                    f"{_first_step_s(record):.2f} s  peak RSS {record['maxrss_mb']:.0f} MB  "
+                    f"({time.monotonic() - t:.1f} s)",
                     flush=True,
                 )
         import torch
@@ -422,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
                 sim, bare = torch.load(Path(scratch) / f"{kind}{n}.pt"), torch.load(Path(scratch) / f"bare{n}.pt")
                 checks[f"{kind} {n}"] = max(float((sim[k] - bare[k]).abs().max()) for k in sim)
                 print(
-                    f"  n={n}: bare against {kind}, largest |difference| of the final parameters: {checks[f'{kind} {n}']:.2e}",
+                    f"  n={n}: bare against {kind}, largest |difference| of the final parameters: "
+                    f"{checks[f'{kind} {n}']:.2e}",
                     flush=True,
                 )
     rows = [_summarize(kind, n, records[(kind, n)], args.warmup) for kind, n in runs]

@@ -299,8 +299,9 @@ def _fmt_other(values: list[float | None]) -> str:
 def render_table(rows: list[dict[str, Any]]) -> str:
     ddp = next((r for r in rows if r["name"] == "ddp"), None)
     lines = [
-        "| method | topology | processes | median step (s) | IQR of steps (s) | median of each repeat (s) "
-        "| ratio to ddp | mean step (s) | ratio to ddp (mean) | sent per rank per step | how the bytes are counted | other CPU s, worst run |",
+        "| method | topology | processes | median step (s) | IQR of steps (s) | median of each repeat (s) | ratio to "
+        "ddp | mean step (s) | ratio to ddp (mean) | sent per rank per step | how the bytes are counted | other CPU "
+        "s, worst run |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -308,7 +309,9 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         mean_ratio = f"{r['mean_s'] / ddp['mean_s']:.2f}" if ddp else "n/a"
         lines.append(
             f"| {r['method']} | {r['topology']} | {r['ranks']} | {r['median_s']:.3f} | "
-            f"{r['q25_s']:.3f}–{r['q75_s']:.3f} | {min(r['repeat_medians_s']):.3f}–{max(r['repeat_medians_s']):.3f} | {ratio} | {r['mean_s']:.3f} | {mean_ratio} | {_fmt_bytes(r['bytes_sent_per_rank'])} | {r['bytes_how']} | {_fmt_other(r['other_cpu_s'])} |"
+            f"{r['q25_s']:.3f}–{r['q75_s']:.3f} | {min(r['repeat_medians_s']):.3f}–{max(r['repeat_medians_s']):.3f} | "
+            f"{ratio} | {r['mean_s']:.3f} | {mean_ratio} | {_fmt_bytes(r['bytes_sent_per_rank'])} | {r['bytes_how']} | "
+            f"{_fmt_other(r['other_cpu_s'])} |"
         )
     return "\n".join(lines)
 
@@ -405,10 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     parameters = harness.count_parameters(args.widths)
     print(
         f"MLP {'-'.join(map(str, args.widths))}: {parameters:,} parameters ({parameters * 4 / 1e6:.1f} MB float32); "
-        f"SGD(lr={args.lr}, momentum={args.momentum}); batch {args.batch_size} per process; "
-        f"{args.warmup} warm-up + {args.steps} measured steps, {args.repeats} repeat(s); {args.workers} processes on gloo; "
-        f"{args.threads} torch thread(s) per process; {os.cpu_count()} CPU cores; torch {torch.__version__}; "
-        f"lightning {pl.__version__}; code {_git_state()}",
+        f"SGD(lr={args.lr}, momentum={args.momentum}); batch {args.batch_size} per process; {args.warmup} warm-up + "
+        f"{args.steps} measured steps, {args.repeats} repeat(s); {args.workers} processes on gloo; {args.threads} "
+        f"torch thread(s) per process; {os.cpu_count()} CPU cores; torch {torch.__version__}; lightning "
+        f"{pl.__version__}; code {_git_state()}",
         flush=True,
     )
     torus_fits = any(args.workers % r == 0 for r in range(2, args.workers // 2 + 1))
@@ -446,8 +449,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[method.name].append(run)
             ranks[method.name] = len(records)
             print(
-                f"  repeat {repeat + 1}/{args.repeats}  {method.name:<22} median {statistics.median(run['slowest']):.4f} "
-                f"s/step  ({run['wall_s']:.1f} s"
+                f"  repeat {repeat + 1}/{args.repeats}  {method.name:<22} median "
+                f"{statistics.median(run['slowest']):.4f} s/step  ({run['wall_s']:.1f} s"
                 + ("" if other.seconds is None else f", other processes used {other.seconds:.1f} CPU s")
                 + ")",
                 flush=True,

@@ -38,6 +38,7 @@ to ``x̄(0)``, relative to the initial spread ``sqrt((1/n) Σ_i ‖x_i(0) − x�
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import statistics
 import time
@@ -135,22 +136,25 @@ def _launch(job: dict[str, Any], rank: int) -> dict[str, Any]:
     harness.quiet()
     harness.use_threads(1)
     train, validation = _digits(False), _digits(True)
+
+    class Clock(pl.Callback):
+        def __init__(self, ends: list[float]) -> None:
+            self.ends = ends
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.ends.append(time.monotonic())
+
     out: dict[str, Any] = {}
     for method in ["ddp", *job["methods"]]:
         strategy: Any = "ddp" if method == "ddp" else DecentralizedStrategy(**METHODS[method])
         ends: list[float] = []
-
-        class Clock(pl.Callback):
-            def on_train_batch_end(self, *args: Any) -> None:
-                ends.append(time.monotonic())
-
         model = _model(job["case"], job["seed"], job["compute_ms"], job["ranks"], job["lr"], job["steps"])
         trainer = pl.Trainer(
             accelerator="cpu",
             devices=job["ranks"],
             strategy=strategy,
             max_steps=job["steps"],
-            callbacks=[Clock()],
+            callbacks=[Clock(ends)],
             logger=False,
             enable_checkpointing=False,
             enable_progress_bar=False,
@@ -200,7 +204,7 @@ def throughput(args: argparse.Namespace) -> dict[str, Any]:
             }
             started = time.monotonic()
             results = harness.run_ranks(
-                lambda rank: _launch(job, rank), args.ranks, timeout=args.timeout, one_node=True
+                functools.partial(_launch, job), args.ranks, timeout=args.timeout, one_node=True
             )
             print(f"launch {launch} {case}: {time.monotonic() - started:.0f} s", flush=True)
             ddp = _summary([r["ddp"]["ends"] for r in results], args.warmup)
@@ -284,7 +288,8 @@ def accuracy(args: argparse.Namespace, rules: tuple[tuple[str, int], ...] = ACCU
         print(f"{combine} s={staleness}: {values}", flush=True)
     header = "| rule | staleness | x̄ accuracy, mean | std over seeds | min | max |\n|---|---|---|---|---|---|"
     lines = [
-        f"| {r['rule']} | {r['staleness']} | {r['mean']:.4f} | {r['std']:.4f} | {min(r['accuracies']):.4f} | {max(r['accuracies']):.4f} |"
+        f"| {r['rule']} | {r['staleness']} | {r['mean']:.4f} | {r['std']:.4f} | {min(r['accuracies']):.4f} | "
+        f"{max(r['accuracies']):.4f} |"
         for r in rows
     ]
     return {"rows": rows, "table": "\n".join([header, *lines])}

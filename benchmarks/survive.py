@@ -4,7 +4,7 @@ the option costs when nothing fails. One command per table of ``docs/reliability
 
     python benchmarks/survive.py recovery               # 4 ranks, ring, rank 2 killed at step 20 of 60; 5 runs
     python benchmarks/survive.py accuracy               # digits, 16 simulated workers, 0 / 1 / 4 / 8 lost; 5 seeds
-    python benchmarks/survive.py overhead               # failure-free step time, "continue" (and rejoin=True) against "stop"
+    python benchmarks/survive.py overhead               # failure-free step time: "continue" (and rejoin=True) vs "stop"
     python benchmarks/survive.py rejoin --steps 1500    # 4 ranks, rank 2 killed at step 20, started again, rejoins
     python benchmarks/survive.py recovery --repeats 1 --out table.md --out results.json
     python benchmarks/survive.py accuracy --smoke                 # a couple of steps (tests/test_benchmarks_smoke.py)
@@ -111,7 +111,8 @@ def recovery(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         mixing = max(e[step + 1] for e in ends) - killed
         runs.append({"unblocked_s": unblocked, "mixing_s": mixing, "agreed_step": step, "survivors": len(ranks)})
         print(
-            f"run {repeat}: every survivor unblocked {unblocked:.3f} s and mixing {mixing:.3f} s after the kill (step {step})"
+            f"run {repeat}: every survivor unblocked {unblocked:.3f} s and mixing {mixing:.3f} s after the kill (step "
+            f"{step})"
         )
     rows = [
         f"| {i} | {r['survivors']} | {r['agreed_step']} | {r['unblocked_s']:.2f} | {r['mixing_s']:.2f} |"
@@ -188,7 +189,8 @@ def rejoin(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in run.items())
         )
     rows = [
-        f"| {i} | {r['join_step']} | {r['imports_to_training_s']:.2f} | {r['kill_to_training_s']:.2f} | {r['members_pause_s']:.3f} |"
+        f"| {i} | {r['join_step']} | {r['imports_to_training_s']:.2f} | {r['kill_to_training_s']:.2f} | "
+        f"{r['members_pause_s']:.3f} |"
         for i, r in enumerate(runs)
     ]
     table = "\n".join(
@@ -246,7 +248,8 @@ def accuracy(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     ]
     table = "\n".join(
         [
-            f"| workers lost at step {at} of {epochs * steps_per_epoch} | survivors | accuracy of x̄ ({args.seeds} seeds) |",
+            f"| workers lost at step {at} of {epochs * steps_per_epoch} | survivors | accuracy of x̄ ({args.seeds} "
+            "seeds) |",
             "|---|---|---|",
             *rows,
         ]
@@ -286,7 +289,8 @@ def overhead(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     median = {mode: statistics.median(values) for mode, values in times.items()}
     ratio = median["continue"] / median["stop"]
     print(
-        f"median step: stop {1e3 * median['stop']:.2f} ms, continue {1e3 * median['continue']:.2f} ms, ratio {ratio:.3f}"
+        f"median step: stop {1e3 * median['stop']:.2f} ms, continue {1e3 * median['continue']:.2f} ms, ratio "
+        f"{ratio:.3f}"
     )
     table = "\n".join(
         [

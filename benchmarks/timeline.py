@@ -194,7 +194,8 @@ def render_table(medians: dict[str, float], command: str, setting: str) -> str:
     ):
         c, m, s = medians[compute], medians[comm], medians[run]
         lines.append(
-            f"| {label} | {c:.3f} | {m:.3f} | {c + m:.3f} | {max(c, m):.3f} | {s:.3f} | {s / max(c, m):.2f} | {s / (c + m):.2f} |"
+            f"| {label} | {c:.3f} | {m:.3f} | {c + m:.3f} | {max(c, m):.3f} | {s:.3f} | {s / max(c, m):.2f} | "
+            f"{s / (c + m):.2f} |"
         )
     return "\n".join(lines)
 
@@ -359,7 +360,10 @@ def main(argv: list[str] | None = None) -> int:
             functools.partial(_work, {"config": config}), args.workers, timeout=args.timeout, network=network
         )
     medians = summarize(records, args.warmup)
-    setting += f"; {args.workers} workers, topology {args.topology}, MLP {'-'.join(map(str, args.widths))}, batch {args.batch_size}"
+    setting += (
+        f"; {args.workers} workers, topology {args.topology}, MLP {'-'.join(map(str, args.widths))}, "
+        f"batch {args.batch_size}"
+    )
     table = render_table(medians, command, setting)
     print("\n" + table + f"\n\nwhole run: {time.monotonic() - started:.0f} s")
     if args.png:

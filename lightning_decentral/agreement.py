@@ -148,7 +148,9 @@ class Ranks:
             table = self.gather([error is not None], f"{during}, agreeing that every rank could {what},")
         except PeerFailure:
             if error is not None:
-                raise error  # this rank's own error comes first
+                # this rank's own error comes first; its `__cause__` stays its own (callers read it) and the peer
+                # failure stays its implicit context: `from` would make that the cause
+                raise error  # noqa: B904
             raise
         failed = table[:, 0].nonzero().flatten().tolist()
         if error is not None:

@@ -213,8 +213,9 @@ def make_shard(
     [`rng_state`][lightning_decentral.checkpoint.rng_state]), the state of its compressed gossip (`gossip`: the public
     copies, [`ChocoStates.state`][lightning_decentral.compression.ChocoStates.state]), and (unless the checkpoint is
     weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s, its precision plugin's state and what its
-    update rule carries across steps (`rule_state`, [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]:
-    an outer step's anchor and outer optimizer; kept when not empty)."""
+    update rule carries across steps (`rule_state`,
+    [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]: an outer step's anchor and outer
+    optimizer; kept when not empty)."""
     shard = {
         "save_id": save_id,
         "rank": rank,
@@ -409,9 +410,9 @@ def remove_shards(checkpoint_path: StrPath, rank: int, keep: str | None = None) 
 
     After a save, `keep` is its shard: the other shards this process wrote there belong to no checkpoint (an
     earlier save, a save whose checkpoint file was never written). A file of another process stays, unless it is a
-    temporary file whose writer is provably gone ([`removable_temporary`][lightning_decentral.files.removable_temporary]):
-    another job saving to the same path keeps its shards, also those it is writing. Safe to repeat or to race: a
-    file or directory already gone is no error.
+    temporary file whose writer is provably gone
+    ([`removable_temporary`][lightning_decentral.files.removable_temporary]): another job saving to the same path keeps
+    its shards, also those it is writing. Safe to repeat or to race: a file or directory already gone is no error.
     """
     fs = get_filesystem(checkpoint_path)
     kept = None if keep is None else os.path.basename(keep)

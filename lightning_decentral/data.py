@@ -81,9 +81,10 @@ class DirichletSampler(DistributedSampler):
     A subclass of `DistributedSampler`, so a Trainer with `use_distributed_sampler=True` keeps it;
     `set_epoch` reshuffles. `num_replicas` and `rank` default to `torch.distributed`'s world size and rank
     (1 and 0 without a process group: build it in `train_dataloader()`, which runs once the processes have
-    joined; iterating a sampler built before then raises an error naming this fix). In a [`SimulatedDecentralizedStrategy`][lightning_decentral.SimulatedDecentralizedStrategy],
-    simulated worker `i` of `n` iterates [`for_rank(i, n)`][lightning_decentral.data.DirichletSampler.for_rank],
-    the shard rank `i` of `n` processes gets.
+    joined; iterating a sampler built before then raises an error naming this fix). In a
+    [`SimulatedDecentralizedStrategy`][lightning_decentral.SimulatedDecentralizedStrategy], simulated worker `i` of `n`
+    iterates [`for_rank(i, n)`][lightning_decentral.data.DirichletSampler.for_rank], the shard rank `i` of `n` processes
+    gets.
 
     Args:
         dataset: the dataset to sample from.

@@ -10,8 +10,10 @@ and keeps the monitoring surface ([`Driven`][lightning_decentral.driver.Driven])
 
 ```text
 driver.bind(world_size, num_nodes)                  topology and schedule, checked
-driver.process_mixer(...), dense_mixer()          the exchange the options select (plain, stale, compressed), by constructor
-driver.build_rule(replica, mixer, optimizers, ...)  make_rule: RULES[options.rule](...) or OuterStep (or driver.run(workers))
+driver.process_mixer(...), dense_mixer()            the exchange the options select (plain, stale, compressed),
+                                                    by constructor
+driver.build_rule(replica, mixer, optimizers, ...)  make_rule: RULES[options.rule](...) or OuterStep
+                                                    (or driver.run(workers))
 driver.begin(k)                                     plan = schedule.plan(k, epoch); runner.begin_step(plan)
 driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
 driver.rule_state(), load_rule_state(state)         a save, a resume: what the rule carries across steps
@@ -206,8 +208,9 @@ class StepDriver:
         [`Gossip`][lightning_decentral.gossip.Gossip] on the default group when this run made it with `timeout`
         (`on_default_group`: after a collective of Lightning's times out, the exchange on the same group fails at
         once instead of waiting a second timeout), or on a new group of every rank with `timeout`; with
-        `compression`, CHOCO's over it ([`CompressedGossip`][lightning_decentral.gossip.CompressedGossip], `from_copy` with an outer step).
-        With `survival`, a failed exchange or collective (`guard`) asks it, and each step begins with it."""
+        `compression`, CHOCO's over it ([`CompressedGossip`][lightning_decentral.gossip.CompressedGossip],
+        `from_copy` with an outer step). With `survival`, a failed exchange or collective (`guard`) asks it, and each
+        step begins with it."""
         options, topology = self.options, self.topology
         self.survival = self.watch.survival = self.guard.survival = survival
         if options.staleness:

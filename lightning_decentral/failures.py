@@ -2,9 +2,10 @@
 backend's error as its cause. The collectives ([`agreement`][lightning_decentral.agreement]) and the gossip
 exchange ([`gossip`][lightning_decentral.gossip]) both raise it. With `on_peer_failure="continue"` an exchange is
 waited for with [`wait_works`][lightning_decentral.failures.wait_works], which a failure announced elsewhere ends
-([`Abandoned`][lightning_decentral.failures.Abandoned]), and handed to a [`Survival`][lightning_decentral.failures.Survival].
-Ranks about to run different collectives find out at once through [`Activities`][lightning_decentral.failures.Activities].
-Calls to the job's store that cannot hang: [`GuardedStore`][lightning_decentral.failures.GuardedStore]."""
+([`Abandoned`][lightning_decentral.failures.Abandoned]), and handed to a
+[`Survival`][lightning_decentral.failures.Survival]. Ranks about to run different collectives find out at once through
+[`Activities`][lightning_decentral.failures.Activities]. Calls to the job's store that cannot hang:
+[`GuardedStore`][lightning_decentral.failures.GuardedStore]."""
 
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ def checked_timeout(timeout: Any) -> timedelta:
         )
     if not isinstance(timeout, timedelta):
         raise TypeError(
-            f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=5), got {type(timeout).__name__} {timeout!r}."
+            f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=5), got {type(timeout).__name__} "
+            f"{timeout!r}."
         )
     if timeout <= timedelta(0):
         shown = "timedelta(0)" if not timeout else f"timedelta(seconds={timeout.total_seconds():g})"
@@ -265,16 +267,17 @@ def wait_works(
     peers: str = "a peer",
     ranks: Sequence[int | None] = (),
 ) -> None:
-    """Wait for every `torch.distributed` work of `works`; a failure raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]
-    (`what`, `peers` as for [`peers_answer`][lightning_decentral.failures.peers_answer]; `ranks[i]` is the peer of
-    `works[i]`, if known).
+    """Wait for every `torch.distributed` work of `works`; a failure raises
+    [`PeerFailure`][lightning_decentral.failures.PeerFailure] (`what`, `peers` as for
+    [`peers_answer`][lightning_decentral.failures.peers_answer]; `ranks[i]` is the peer of `works[i]`, if known).
 
     With `poll`, the works are waited for on a thread while this one asks `poll()` every `POLL` seconds (after the
-    first `POLL`: a quick exchange costs no look), and a reason it returns raises [`Abandoned`][lightning_decentral.failures.Abandoned].
-    The thread is needed on gloo: a receive from a dead peer never reports itself completed, and a wait with a
-    timeout closes every connection of the group when it expires; only a plain `wait()` raises the peer's error.
-    A look that raises (the store is gone) is raised only if the works are not complete `LATE` seconds later: the
-    process hosting the store may exit as soon as its own part of the last barrier is done, before this one's.
+    first `POLL`: a quick exchange costs no look), and a reason it returns raises
+    [`Abandoned`][lightning_decentral.failures.Abandoned]. The thread is needed on gloo: a receive from a dead peer
+    never reports itself completed, and a wait with a timeout closes every connection of the group when it expires; only
+    a plain `wait()` raises the peer's error. A look that raises (the store is gone) is raised only if the works are not
+    complete `LATE` seconds later: the process hosting the store may exit as soon as its own part of the last barrier is
+    done, before this one's.
     """
     if poll is None:
         with peers_answer(what, peers):
@@ -344,7 +347,8 @@ class Activities:
         >>> ranks[1].agree("fabric.load('last.ckpt')")
         Traceback (most recent call last):
         ...
-        lightning_decentral.failures.Disagreement: The ranks are not doing the same thing: rank 1 is in fabric.load('last.ckpt') while rank 0 is in optimizer step 0. ...
+        lightning_decentral.failures.Disagreement: The ranks are not doing the same thing: rank 1 is in
+        fabric.load('last.ckpt') while rank 0 is in optimizer step 0. ...
     """
 
     def __init__(
@@ -366,9 +370,9 @@ class Activities:
 
     @classmethod
     def of_group(cls, ranks: Any, timeout: timedelta | None) -> Activities:
-        """Activities of the ranks of the default process group (`ranks`, a [`Ranks`][lightning_decentral.agreement.Ranks],
-        whose guard they share), under keys of their own (one all-gather agrees on them) of the default group's store;
-        published nowhere without a process group, or with one rank."""
+        """Activities of the ranks of the default process group (`ranks`, a
+        [`Ranks`][lightning_decentral.agreement.Ranks], whose guard they share), under keys of their own (one all-gather
+        agrees on them) of the default group's store; published nowhere without a process group, or with one rank."""
         seconds = (timeout or timedelta(minutes=30)).total_seconds()
         if not dist.is_initialized() or ranks.world_size == 1:
             return cls(None, ranks.rank, ranks.world_size, seconds, guard=ranks.guard)
@@ -428,7 +432,8 @@ class Activities:
             if waited > self.warn_after and not warned:
                 warned = True
                 self.warn(
-                    f"Rank {self.rank} has waited {waited:.1f} s in {what} for {named}; it gives up after {self.timeout:.1f} s."
+                    f"Rank {self.rank} has waited {waited:.1f} s in {what} for {named}; it gives up after "
+                    f"{self.timeout:.1f} s."
                 )
             time.sleep(pause)
             pause = min(2 * pause, 0.2)

@@ -1,5 +1,6 @@
-"""Every file the package writes is written whole or not at all ([`atomic_write`][lightning_decentral.files.atomic_write]),
-and a cleanup deletes only what this process wrote or what a dead process left.
+"""Every file the package writes is written whole or not at all
+([`atomic_write`][lightning_decentral.files.atomic_write]), and a cleanup deletes only what this process wrote or what a
+dead process left.
 
 On a local filesystem (local disk, scratch, NFS) a file `<name>` is written to a temporary file beside it,
 `<name>.<machine>-<pid>.tmp`, flushed and synced to the disk, then renamed over `<name>` (atomic on POSIX), and the

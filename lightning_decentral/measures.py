@@ -56,7 +56,8 @@ class Monitored(Protocol):
         """From now on, measure each exchange's gossip residual."""
 
     def gossip_residual(self, step: int) -> Tensor | None:
-        """`Σ ‖y_i − Σ_j w_ij y_j‖²` over this process's workers, of step `step`'s first round (`None`: not measured)."""
+        """`Σ ‖y_i − Σ_j w_ij y_j‖²` over this process's workers, of step `step`'s first round (`None`: not
+        measured)."""
 
     def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
         """Per trainable parameter: its name, `Σ ‖p_i − p̄‖²` over this process's workers, `‖p̄‖²` (a collective)."""

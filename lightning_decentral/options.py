@@ -1,4 +1,5 @@
-"""The update-rule arguments every executor takes, checked once, before anything runs: [`GossipOptions`][lightning_decentral.options.GossipOptions]."""
+"""The update-rule arguments every executor takes, checked once, before anything runs:
+[`GossipOptions`][lightning_decentral.options.GossipOptions]."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import inspect
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import Any, Literal, TypeVar, Union, get_type_hints
+from typing import Any, Literal, TypeVar, get_type_hints
 
 import torch
 from torch.optim import Optimizer
@@ -20,7 +21,7 @@ from lightning_decentral.topology import TOPOLOGIES, Hierarchical, Topology, top
 TopologyName = Literal[tuple(TOPOLOGIES)]  # type: ignore[valid-type]
 """A built-in topology by name."""
 
-TopologyArgument = Union[TopologyName, Topology, list[list[float]], list[list[list[float]]], str]
+TopologyArgument = TopologyName | Topology | list[list[float]] | list[list[list[float]]] | str
 """What a strategy's `topology` takes in a config: a name, a `Topology` (by `class_path`), a mixing matrix, or a list of
 them for a time-varying topology (another string is checked when the strategy is built: an unknown name is refused
 naming the choices). Python code may also pass a numpy array, a tensor or a `networkx` graph."""
@@ -64,12 +65,13 @@ class GossipOptions:
 
     Args:
         topology: a name from `TOPOLOGIES` (`"ring"`, `"torus"`, `"exponential"`, `"one_peer_exponential"`,
-            `"complete"`, `"random_matching"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology] (in a config by
-            `class_path`, e.g. `lightning_decentral.Torus` with `init_args: {rows: 2}`) or a mixing matrix (a list of
-            them: one per step of a period); in Python also a numpy array, a tensor or a `networkx` graph.
+            `"complete"`, `"random_matching"`, `"hierarchical"`), a [`Topology`][lightning_decentral.topology.Topology]
+            (in a config by `class_path`, e.g. `lightning_decentral.Torus` with `init_args: {rows: 2}`) or a mixing
+            matrix (a list of them: one per step of a period); in Python also a numpy array, a tensor or a `networkx`
+            graph.
         combine: `"awc"` (adapt-with-combine: `x_i(k+1) = Σ_j w_ij x_j(k) + U(x_i(k), g_i) − x_i(k)`, the exchange
-            of `x(k)` overlaps forward and backward) or `"atc"` (adapt-then-combine: `x_i(k+1) = Σ_j w_ij U(x_j(k), g_j)`);
-            ignored by DecentLaM.
+            of `x(k)` overlaps forward and backward) or `"atc"` (adapt-then-combine:
+            `x_i(k+1) = Σ_j w_ij U(x_j(k), g_j)`); ignored by DecentLaM.
         momentum: `"local"` (the optimizer's own momentum, the first two rules) or `"decentlam"`
             (`z_j = x_j − γ g_j`, `g̃_i = (x_i − Σ_j w_ij z_j) / γ`, `x_i(k+1) = U(x_i(k), g̃_i)`; each bucket of `z` is
             exchanged as soon as its gradients exist).
@@ -106,8 +108,8 @@ class GossipOptions:
             true}`). Every `gossip_every = H` steps of the user's optimizer, worker `i` sends its model `x_i`, takes
             the pseudo-gradient `Δ̃_i = θ_i − Σ_j w_ij x_j` from its anchor `θ_i`, steps the anchor with this
             optimizer, `θ_i <- OuterOpt(θ_i, Δ̃_i)`, and starts the next round from it, `x_i <- θ_i`. With
-            `topology="complete"` it is DiLoCo. `combine` is ignored; `momentum="decentlam"` and `staleness` are refused.
-            `None`: `gossip_every` mixes the models, as ATC or AWC.
+            `topology="complete"` it is DiLoCo. `combine` is ignored; `momentum="decentlam"` and `staleness` are
+            refused. `None`: `gossip_every` mixes the models, as ATC or AWC.
         outer_overlap: with `outer_optimizer`, the round's exchange travels during the next round's inner steps and
             its outer step is applied one round late, the local progress made meanwhile kept on top of it
             (docs/algorithms.md, "Overlapping the exchange").
@@ -136,13 +138,15 @@ class GossipOptions:
         >>> GossipOptions(staleness=2, gossip_steps=2)
         Traceback (most recent call last):
         ...
-        ValueError: staleness=2 mixes one round of W per step with the neighbours' newest replicas, but gossip_steps=2 ...
+        ValueError: staleness=2 mixes one round of W per step with the neighbours' newest replicas,
+        but gossip_steps=2 ...
         >>> GossipOptions(compression="top_k:0.05").consensus_step
         0.15
         >>> GossipOptions(compression="sign", momentum="decentlam")
         Traceback (most recent call last):
         ...
-        ValueError: compression=Sign(block=1024, consensus_step=1.0) runs with combine='awc' or 'atc', ... momentum='local' ...
+        ValueError: compression=Sign(block=1024, consensus_step=1.0) runs with combine='awc' or 'atc', ...
+        momentum='local' ...
     """
 
     topology: TopologyArgument = "ring"
@@ -190,8 +194,8 @@ class GossipOptions:
             raise ValueError(f"`staleness` must be an integer ≥ 0 (0: wait for every neighbour's step k), got {s!r}.")
         if self.delays is not None and not callable(self.delays):
             raise ValueError(
-                f"`delays` must be a schedule, delays(worker, neighbour, step, staleness) -> d (e.g. RandomDelays(seed=0)), "
-                f"got {self.delays!r}."
+                "`delays` must be a schedule, delays(worker, neighbour, step, staleness) -> d (e.g. "
+                f"RandomDelays(seed=0)), got {self.delays!r}."
             )
         if s == 0:
             if self.delays is not None:
@@ -301,8 +305,8 @@ class GossipOptions:
         for bad, what, fix in unsupported:
             if bad:
                 raise ValueError(
-                    f"compression={compressor!r} runs with combine='awc' or 'atc', staleness=0, full-precision buffers and "
-                    f"on_peer_failure='stop'; {what} is not supported with it: {fix}, or compression=None."
+                    f"compression={compressor!r} runs with combine='awc' or 'atc', staleness=0, full-precision buffers "
+                    f"and on_peer_failure='stop'; {what} is not supported with it: {fix}, or compression=None."
                 )
 
     @property
@@ -317,14 +321,16 @@ class GossipOptions:
         rather than a degraded one). Raises `ValueError` if `min_workers` exceeds `world_size`.
 
         Examples:
-            >>> GossipOptions(on_peer_failure="continue").min_workers_for(5), GossipOptions(min_workers=2).min_workers_for(8)
+            >>> (GossipOptions(on_peer_failure="continue").min_workers_for(5),
+            ...  GossipOptions(min_workers=2).min_workers_for(8))
             (3, 2)
         """
         if self.min_workers is None:
             return (world_size + 1) // 2
         if self.min_workers > world_size:
             raise ValueError(
-                f"min_workers={self.min_workers} is more than the {world_size} workers of the run: pass at most {world_size}."
+                f"min_workers={self.min_workers} is more than the {world_size} workers of the run: pass at most "
+                f"{world_size}."
             )
         return self.min_workers
 
@@ -424,7 +430,8 @@ def outer_optimizer_name(factory: Any) -> str:
 
     Examples:
         >>> import functools
-        >>> outer_optimizer_name(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)).split(", weight")[0]
+        >>> nesterov = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+        >>> outer_optimizer_name(nesterov).split(", weight")[0]
         'SGD(lr=0.7, momentum=0.9, dampening=0'
     """
     built = probe_outer_optimizer(factory)
@@ -442,7 +449,8 @@ def probe_outer_optimizer(factory: Any) -> Optimizer:
         >>> probe_outer_optimizer(functools.partial(torch.optim.SGD, lr=-1.0))
         Traceback (most recent call last):
         ...
-        ValueError: `outer_optimizer` must be a factory, ...; building it failed: ValueError: Invalid learning rate: -1.0
+        ValueError: `outer_optimizer` must be a factory, ...; building it failed:
+        ValueError: Invalid learning rate: -1.0
     """
     fix = (
         "`outer_optimizer` must be a factory, parameters -> optimizer, such as functools.partial(torch.optim.SGD, "

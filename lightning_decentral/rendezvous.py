@@ -72,7 +72,8 @@ def connect(address: str, port: int, rank: int, world_size: int, timeout: timede
 
 def job_token() -> str | None:
     """The token of the generation [`connect`][lightning_decentral.rendezvous.connect] joined last in this process
-    (`None` before): what a lost rank started again needs to find the same [`job_store`][lightning_decentral.rendezvous.job_store]."""
+    (`None` before): what a lost rank started again needs to find the same
+    [`job_store`][lightning_decentral.rendezvous.job_store]."""
     return _token
 
 

@@ -140,7 +140,8 @@ class UpdateRule:
 
     def mix(self, step: int, rounds: int) -> None:
         """`x <- W(step)^rounds x` for the parameters and the mixed buffers, now, between two steps (no exchange
-        in flight): extra rounds on top of the step's own ([`ConsensusControl`][lightning_decentral.callbacks.ConsensusControl])."""
+        in flight): extra rounds on top of the step's own
+        ([`ConsensusControl`][lightning_decentral.callbacks.ConsensusControl])."""
         self.mixer.start(self.replica.mixed, step, rounds).wait()
 
     def residual(self, step: int) -> Tensor | None:
@@ -211,7 +212,8 @@ class AdaptWithCombine(UpdateRule):
         if not self._closure_ran:
             raise RuntimeError(
                 f"{type(self.optimizer).__name__}.step() did not call its closure, so the gossip of step "
-                f"{self.plan.step} could not be combined. DecentralizedStrategy needs an optimizer that calls the closure."
+                f"{self.plan.step} could not be combined. DecentralizedStrategy needs an optimizer that calls the "
+                "closure."
             )
         if self.plan.gossips:
             algorithms.add_(self.replica.mixed, self._correction)
@@ -255,7 +257,8 @@ class AdaptThenCombine(UpdateRule):
 
 
 class DecentLaM(UpdateRule):
-    """`z_j = x_j − γ g_j`, `g̃_i = (x_i − Σ_j w_ij z_j) / γ`, `x_i(k+1) = U(x_i(k), g̃_i)` (docs/algorithms.md, "DecentLaM").
+    """`z_j = x_j − γ g_j`, `g̃_i = (x_i − Σ_j w_ij z_j) / γ`, `x_i(k+1) = U(x_i(k), g̃_i)` (docs/algorithms.md,
+    "DecentLaM").
 
     `z` is exchanged bucket by bucket as backward produces the gradients
     ([`GradientBuckets`][lightning_decentral.overlap.GradientBuckets]); an optimizer pre-hook runs the

@@ -99,7 +99,8 @@ class RoundsSchedule:
                 return cls({_int_key(k): v for k, v in milestones.items()}, unit=unit)
         raise ValueError(
             "`gossip_steps` must be a positive integer (rounds on every gossip step), a RoundsSchedule, or a schedule "
-            f'{{"epoch": {{0: 4, 5: 2, 10: 1}}}} (or {{"step": {{...}}}}): rounds from each epoch (step) on; got {spec!r}.'
+            f'{{"epoch": {{0: 4, 5: 2, 10: 1}}}} (or {{"step": {{...}}}}): rounds from each epoch (step) on; got '
+            f"{spec!r}."
         )
 
     @property

@@ -26,7 +26,8 @@ def worker_buffers(rank: int) -> list[torch.Tensor]:
 
 def drive(mixers: Sequence[Mixer], buffers: Sequence[list[torch.Tensor]], steps: range, rounds: int) -> None:
     """Steps `steps` of gossip alone for the workers of `mixers` (all posted before any waits): even steps mix the
-    buffers in place (adapt-then-combine), odd steps ask for the correction with `out=` and add it (adapt-with-combine)."""
+    buffers in place (adapt-then-combine), odd steps ask for the correction with `out=` and add it
+    (adapt-with-combine)."""
     for step in steps:
         outs = [[torch.empty_like(t) for t in b] if step % 2 else None for b in buffers]
         pending = [m.start(b, step, rounds, out=o) for m, b, o in zip(mixers, buffers, outs)]

@@ -161,7 +161,8 @@ def _shuffled_epochs(world_size: int, epochs: range, load: str | None, save: str
 
 
 def resume_shuffled(rank: int, world_size: int, root: str) -> dict[str, torch.Tensor]:
-    """4 epochs straight, against 2 + save + load into new objects + 2: with the data order in the state, and without."""
+    """4 epochs straight, against 2 + save + load into new objects + 2: with the data order in the state, and
+    without."""
     out = {"full": _shuffled_epochs(world_size, range(4), None, None, order=False)}
     for order in (True, False):
         path = f"{root}/order-{order}.ckpt"

@@ -147,7 +147,7 @@ def decentralized(config: Config, n: int) -> torch.Tensor:
             continue
         x, b = workers.parameters(), workers.buffers()
         rounds = 0 if lost else scheduled_rounds(config, k)
-        mix = lambda y, key, step=k: mixed(y, config, step, rounds, choco, tag + key)  # noqa: E731
+        mix = lambda y, key, step=k, rounds=rounds: mixed(y, config, step, rounds, choco, tag + key)  # noqa: E731
         if not config.outer_overlap:
             anchors = outer.step(anchors, anchors - mix(x, 0))
             workers.assign(anchors, mix(b, 1))

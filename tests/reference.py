@@ -215,7 +215,7 @@ def run(config: Config, n: int) -> torch.Tensor:
         before = torch.stack([_flat(r) for r in replicas]).double()
         rounds = scheduled_rounds(config, k) if (k + 1) % config.gossip_every == 0 and not lost else 0
 
-        def mix(x: torch.Tensor, key: str = "x") -> torch.Tensor:
+        def mix(x: torch.Tensor, key: str = "x", *, k: int = k, rounds: int = rounds) -> torch.Tensor:
             if choco is not None:  # the flat parameters are buffer 0 of the exchange, the flat buffers buffer 1
                 return choco.mix(x, k, rounds, key=0 if key == "x" else 1) if rounds else x
             return history.mix(x, k, key) if config.staleness else gossip(x, config, k, rounds)

@@ -81,7 +81,8 @@ class Recorder(Callback):
 
 def checkpoint_and_resume(rank: int, world_size: int, config: Config, root: str) -> dict[str, Any]:
     """Stragglers: epochs of `config.epoch_steps` steps, each ending with the consensus distance, a validation on `x̄`
-    and a checkpoint (ranks reach them at different times); then a resume from the first checkpoint to `config.steps`."""
+    and a checkpoint (ranks reach them at different times); then a resume from the first checkpoint to
+    `config.steps`."""
     epoch = config.epoch_steps
     assert epoch is not None
     data = loader(rank, config.samples, config.batch_size)

@@ -1,7 +1,7 @@
 """A training script for tests/test_survivors.py to run under `lightning-decentral-launch`: `--steps` steps on a ring
 with `on_peer_failure="continue"` and `--min-workers`; `--deaths 0:10,1:20` kills rank 0 when step 10 starts, then
-rank 1 at step 20; `--rejoin`: a worker started again (`--max-restarts`) rejoins; `--hold-at`: every rank waits for `<out>/released` there.
-Each survivor writes its final replica and what it saw to `<out>/rank-<first rank>.pt`."""
+rank 1 at step 20; `--rejoin`: a worker started again (`--max-restarts`) rejoins; `--hold-at`: every rank waits for
+`<out>/released` there. Each survivor writes its final replica and what it saw to `<out>/rank-<first rank>.pt`."""
 
 from __future__ import annotations
 

@@ -334,7 +334,8 @@ def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any, **
 
 class Signalled(Mortal):
     """`Mortal`, and the rank `slow` (a first rank) sleeps `pause` seconds in each training step (its neighbours wait
-    for it: the farther a rank, the farther ahead it may run) and sends itself `SIGTERM` when step `signal_at` starts."""
+    for it: the farther a rank, the farther ahead it may run) and sends itself `SIGTERM` when step `signal_at`
+    starts."""
 
     def __init__(self, slow: int, pause: float, signal_at: int, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -340,7 +340,8 @@ def test_a_typo_in_a_config_files_key_names_the_close_match(tmp_path: Path, run_
         ),
         (
             ["--trainer.strategy.init_args.on_peer_failure", "contnue"],
-            "trainer.strategy.init_args.on_peer_failure: 'contnue' is not one of 'stop', 'continue'. Did you mean 'continue'?",
+            "trainer.strategy.init_args.on_peer_failure: 'contnue' is not one of 'stop', 'continue'. Did you mean "
+            "'continue'?",
         ),
         (
             ["--trainer.strategy.init_args.gossip_every", "two"],

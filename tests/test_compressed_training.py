@@ -191,7 +191,7 @@ def test_what_cannot_run_is_refused_naming_the_fix(kwargs: dict, match: str) -> 
             strategy(**kwargs)
     with pytest.raises(ValueError, match="drop failures= or compression="):
         SimulatedDecentralizedStrategy(workers=4, compression="sign", failures={2: [1]}, vectorize=False)
-    with pytest.raises(ValueError, match="vectorize=True cannot run compression=.*Use vectorize=False or 'auto'"):
+    with pytest.raises(ValueError, match=r"vectorize=True cannot run compression=.*Use vectorize=False or 'auto'"):
         SimulatedDecentralizedStrategy(workers=4, compression="sign", vectorize=True)
 
 

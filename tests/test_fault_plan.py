@@ -70,7 +70,7 @@ def test_a_rank_dies_where_the_plan_says_once_though_the_restart_begins_that_ste
 
 @pytest.mark.parametrize("kill", [{-1: [0]}, {3: 1}, {3: [True]}, [(3, [0])]])
 def test_a_plan_that_names_no_step_or_rank_is_refused(kill) -> None:
-    with pytest.raises(ValueError, match="FaultPlan\\(kill=...\\) maps optimizer steps"):
+    with pytest.raises(ValueError, match=r"FaultPlan\(kill=...\) maps optimizer steps"):
         FaultPlan(kill=kill)
 
 

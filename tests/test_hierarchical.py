@@ -87,14 +87,15 @@ def test_mixing_is_the_kronecker_product_of_the_levels() -> None:
         np.testing.assert_allclose(w.sum(0), 1.0, atol=1e-12)
         np.testing.assert_allclose(w.sum(1), 1.0, atol=1e-12)
     # rank 5 = node 1, local rank 1: its node's ring neighbours, then the same local ranks on node 1 + 2^(k mod 3)
-    assert [j for j, _ in topology.in_neighbors(5, 0)] == sorted({4 * a + l for a in (1, 2) for l in (0, 1, 2)} - {5})
+    assert [j for j, _ in topology.in_neighbors(5, 0)] == sorted({4 * a + i for a in (1, 2) for i in (0, 1, 2)} - {5})
     lazy = Hierarchical("complete", LAZY, ranks_per_node=2).bind(4)
     np.testing.assert_allclose(lazy.mixing(), np.kron(np.array(LAZY), np.full((2, 2), 0.5)))
     assert not lazy.is_average(0) and lazy.spectral_gap() == pytest.approx(0.5)
 
 
 def test_spectral_gap_closed_forms() -> None:
-    # complete inside: the eigenvalues are the outer ones (and zeros); ring across N nodes: rho = 1/3 + 2/3 cos(2 pi / N)
+    # complete inside: the eigenvalues are the outer ones (and zeros);
+    # ring across N nodes: rho = 1/3 + 2/3 cos(2 pi / N)
     for nodes in (3, 5, 8, 16):
         gap = Hierarchical("complete", "ring", ranks_per_node=4).bind(4 * nodes).spectral_gap()
         assert gap == pytest.approx(1 - (1 / 3 + 2 / 3 * math.cos(2 * math.pi / nodes)), abs=1e-10)

@@ -195,7 +195,7 @@ def test_sign_sends_under_1_over_25h_of_dpsgd_per_optimizer_step() -> None:
 def test_compression_with_an_outer_optimizer_is_refused_only_where_it_cannot_run() -> None:
     outer = {"outer_optimizer": functools.partial(torch.optim.SGD, lr=0.7), "gossip_every": 4, "compression": "sign"}
     assert DecentralizedStrategy(**outer).compression == Sign()
-    with pytest.raises(ValueError, match="on_peer_failure='continue'.*use on_peer_failure='stop'"):
+    with pytest.raises(ValueError, match=r"on_peer_failure='continue'.*use on_peer_failure='stop'"):
         DecentralizedStrategy(**outer, on_peer_failure="continue")
     with pytest.raises(ValueError, match="vectorize=True cannot run compression="):
         SimulatedDecentralizedStrategy(workers=4, vectorize=True, **outer)

@@ -259,8 +259,8 @@ def test_ranks_with_different_max_steps_stop_at_setup() -> None:
 
 
 def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None:
-    """Rank 1 of 2 stops (SIGSTOP) after step 2. Lightning's broadcast at the next batch times out first and swallows its
-    error; the exchange that follows must fail at once, not wait a second timeout."""
+    """Rank 1 of 2 stops (SIGSTOP) after step 2. Lightning's broadcast at the next batch times out first and swallows
+    its error; the exchange that follows must fail at once, not wait a second timeout."""
     timeout, stamp = 8.0, tmp_path / "stopped_at"
     with tempfile.TemporaryDirectory() as out:
         procs = start_processes(workers.hung_peer, 2, out, stamp=str(stamp), timeout=timeout)
@@ -279,9 +279,9 @@ def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None
 
 
 def test_a_rank_that_saves_alone_stops_every_rank_within_the_timeout_naming_what_each_does(tmp_path: Path) -> None:
-    """`if trainer.is_global_zero: trainer.save_checkpoint(...)`: rank 0 waits to average x̄ for the file, rank 1 goes on
-    to its next batch. Before, nothing named it. Rank 0 names rank 1's activity: at once if rank 1 began its next batch,
-    else (rank 1 held in a collective before it publishes) after the timeout."""
+    """`if trainer.is_global_zero: trainer.save_checkpoint(...)`: rank 0 waits to average x̄ for the file, rank 1 goes
+    on to its next batch. Before, nothing named it. Rank 0 names rank 1's activity: at once if rank 1 began its next
+    batch, else (rank 1 held in a collective before it publishes) after the timeout."""
     timeout = 10.0
     saver, other = run_distributed(
         workers.save_on_rank_zero_only, 2, timeout=120, root=str(tmp_path), pg_timeout=timeout

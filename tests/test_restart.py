@@ -207,7 +207,8 @@ def test_resume_newest_complete_reads_each_shard_and_passes_over_a_truncated_one
     results, root = damaged
     (warning,) = results[0]["truncated"]["warnings"]
     assert warning.startswith(
-        f"Resuming from {root / 'truncated' / 'epoch=1-step=8.ckpt'} (step 8) instead of {root / 'truncated' / 'last.ckpt'}"
+        f"Resuming from {root / 'truncated' / 'epoch=1-step=8.ckpt'} (step 8) instead of "
+        f"{root / 'truncated' / 'last.ckpt'}"
     )
     assert "rank(s) [1] cannot read their shard of its save (truncated or damaged)" in warning
     assert all(not r["truncated"]["warnings"] for r in results[1:])

@@ -169,7 +169,7 @@ def test_more_than_one_device_or_node_is_refused(devices: int, num_nodes: int) -
 
     from lightning_decentral import SimulatedDecentralizedStrategy
 
-    with pytest.raises(ValueError, match="devices=1|num_nodes=1"):
+    with pytest.raises(ValueError, match=r"devices=1|num_nodes=1"):
         pl.Trainer(
             strategy=SimulatedDecentralizedStrategy(workers=4), accelerator="cpu", devices=devices, num_nodes=num_nodes
         )
@@ -303,18 +303,18 @@ def test_adamw_is_built_per_worker_and_equals_the_stacked_workers() -> None:
 
 
 def test_an_optimizer_that_cannot_be_built_per_worker_is_refused() -> None:
-    with pytest.raises(ValueError, match="its own NeedsAName.*param_groups, \\*\\*defaults"):
+    with pytest.raises(ValueError, match=r"its own NeedsAName.*param_groups, \*\*defaults"):
         sim.fit_with_optimizer(sim.NeedsAName, WORLD, name="mine")
 
 
 def test_what_cannot_run_vectorized_is_refused_naming_the_fix() -> None:
     from lightning_decentral import SimulatedDecentralizedStrategy
 
-    with pytest.raises(ValueError, match="LBFGS is not one of the elementwise optimizers.*vectorize=False"):
+    with pytest.raises(ValueError, match=r"LBFGS is not one of the elementwise optimizers.*vectorize=False"):
         sim.fit_with_optimizer(torch.optim.LBFGS, WORLD, vectorize=True)
-    with pytest.raises(ValueError, match="draws random numbers.*vectorize=False"):
+    with pytest.raises(ValueError, match=r"draws random numbers.*vectorize=False"):
         sim.fit_with_optimizer(torch.optim.SGD, WORLD, vectorize=True, dropout=0.3, lr=0.1)
-    with pytest.raises(ValueError, match="True, False or .auto."):
+    with pytest.raises(ValueError, match=r"True, False or .auto."):
         SimulatedDecentralizedStrategy(workers=4, vectorize="yes")
 
 
@@ -343,7 +343,8 @@ def test_resuming_a_simulation_under_another_update_rule_warns_once(tmp_path) ->
 
 
 def test_the_vectorized_simulation_resumes_a_zero_dim_parameter_bit_for_bit(tmp_path) -> None:
-    """A learnable temperature under Adam: its moments and its step are all 0-dim, and only the moments are per worker."""
+    """A learnable temperature under Adam: its moments and its step are all 0-dim, and only the moments are per
+    worker."""
     checkpoint = str(tmp_path / "temperature.ckpt")
     first = sim.resume_with_temperature(WORLD, save=checkpoint)
     straight = sim.resume_with_temperature(WORLD)

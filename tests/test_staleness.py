@@ -54,9 +54,9 @@ def test_what_staleness_cannot_run_is_refused_naming_the_fix(kwargs: dict, messa
 
 
 def test_a_topology_staleness_cannot_run_is_refused_when_the_trainer_is_built() -> None:
-    with pytest.raises(ValueError, match="needs one static W .* OnePeerExponential"):
+    with pytest.raises(ValueError, match=r"needs one static W .* OnePeerExponential"):
         SimulatedDecentralizedStrategy(workers=4, topology="one_peer_exponential", staleness=1)
-    with pytest.raises(ValueError, match="needs one static W .* has two levels"):
+    with pytest.raises(ValueError, match=r"needs one static W .* has two levels"):
         check_stale_topology(Hierarchical("ring", "ring", 2).bind(4), staleness=1)
     with pytest.raises(ValueError, match="use staleness=0 with it"):
         SimulatedDecentralizedStrategy(workers=4, staleness=1).extra_gossip(0, 1)

@@ -1,5 +1,6 @@
 """No collective on the default group at every step: a SIGTERM stops every rank at one step agreed through the
-job's store ([`StopAgreement`][lightning_decentral.trainer.stop.StopAgreement]), in place of Lightning's per-batch broadcast."""
+job's store ([`StopAgreement`][lightning_decentral.trainer.stop.StopAgreement]), in place of Lightning's per-batch
+broadcast."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def test_a_stop_step_left_by_an_earlier_job_is_forgotten() -> None:
 
 
 def test_the_margin_covers_how_far_ranks_can_be_apart() -> None:
-    """A rank leads a neighbour by at most (s + 1) steps per exchange (times gossip_every); over a ring of 8, four hops."""
+    """A rank leads a neighbour by at most (s + 1) steps per exchange (times gossip_every); over a ring of 8, four
+    hops."""
     assert stop_margin(Ring(world_size=8)) == 4 + 2
     assert stop_margin(Ring(world_size=8), staleness=1, gossip_every=1) == 2 * 4 + 2
     assert stop_margin(Complete(world_size=8)) == 1 + 2

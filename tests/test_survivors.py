@@ -358,7 +358,10 @@ def test_continue_on_nccl_is_refused_when_the_trainer_or_fabric_is_built() -> No
     from lightning_decentral.options import GossipOptions
     from tests.workers import trainer_for
 
-    refused = r"on_peer_failure='continue' is supported on the gloo backend only \(CPU training\), not nccl: .* use on_peer_failure='stop'"
+    refused = (
+        r"on_peer_failure='continue' is supported on the gloo backend only \(CPU training\), not nccl: "
+        r".* use on_peer_failure='stop'"
+    )
     with pytest.raises(ValueError, match=refused):
         trainer_for(2, DecentralizedStrategy(on_peer_failure="continue", process_group_backend="nccl"))
     with pytest.raises(ValueError, match=refused):

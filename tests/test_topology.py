@@ -273,7 +273,7 @@ def test_unbound() -> None:
     ring = Ring()
     assert repr(ring) == "Ring(world_size=None)"
     with pytest.raises(ValueError, match=r"bind it with \.bind\(world_size\)"):
-        ring.world_size
+        _ = ring.world_size
     with pytest.raises(ValueError, match="bind"):
         ring.mixing()
 
@@ -292,7 +292,7 @@ def test_torus_errors() -> None:
 def test_other_errors() -> None:
     with pytest.raises(ValueError, match=r"Unknown topology 'rnig'.*'complete'.*'ring'"):
         resolve_topology("rnig", 4)
-    with pytest.raises(TypeError, match="networkx graph.*mixing matrix"):
+    with pytest.raises(TypeError, match=r"networkx graph.*mixing matrix"):
         resolve_topology(3.5, 4)
     with pytest.raises(ValueError, match="undirected"):
         GraphTopology(nx.DiGraph([(0, 1), (1, 0)]))
@@ -303,7 +303,8 @@ def test_other_errors() -> None:
 
 
 def test_graph_edge_weights_are_the_mixing_weights() -> None:
-    """An edge `weight` is `w_ij`; the self-weight makes each row sum to 1; unweighted graphs keep Metropolis-Hastings."""
+    """An edge `weight` is `w_ij`; the self-weight makes each row sum to 1; unweighted graphs keep
+    Metropolis-Hastings."""
     graph = nx.Graph()
     graph.add_weighted_edges_from([(0, 1, 0.5), (1, 2, 0.25), (2, 3, 0.5), (3, 0, 0.25)])
     w = GraphTopology(graph).mixing()

@@ -78,12 +78,12 @@ def positions(name: str, topology: Topology) -> dict[int, tuple[float, float]]:
     angle = 2 * np.pi * np.arange(n // m) / (n // m)
     local = 2 * np.pi * np.arange(m) / m
     return {
-        a * m + l: (
-            np.cos(angle[a]) + 0.35 * np.cos(local[l]) * (m > 1),
-            np.sin(angle[a]) + 0.35 * np.sin(local[l]) * (m > 1),
+        a * m + i: (
+            np.cos(angle[a]) + 0.35 * np.cos(local[i]) * (m > 1),
+            np.sin(angle[a]) + 0.35 * np.sin(local[i]) * (m > 1),
         )
         for a in range(n // m)
-        for l in range(m)
+        for i in range(m)
     }
 
 

@@ -5,8 +5,8 @@
 
 DecentLaM vs DmSGD (AWC and ATC forms) vs synchronous momentum SGD on a ring, global batch 256 to 2048, at a fixed
 learning rate and at one scaled with the batch (γ = 0.1 · B / 256), on the digits and their one-pixel shifts (7,190
-training samples: the 1,438 alone would be less than one batch of 2,048). The bias check: heterogeneous quadratics f_i(x) = ½(x − b_i)² on a
-ring of 16, full gradients, β = 0.9: the distance of the fixed point to the optimum mean(b).
+training samples: the 1,438 alone would be less than one batch of 2,048). The bias check: heterogeneous quadratics
+f_i(x) = ½(x − b_i)² on a ring of 16, full gradients, β = 0.9: the distance of the fixed point to the optimum mean(b).
 """
 
 from __future__ import annotations

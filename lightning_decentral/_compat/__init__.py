@@ -12,7 +12,7 @@ Each table row is `(owner, name, why)`: `owner` a module or a class, by its dott
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 from torch import Tensor
@@ -43,7 +43,8 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     (
         "torch.optim.Adam",
         "_step_supports_amp_scaling",
-        "a fused optimizer's mark that its step() unscales the gradients itself (torch's GradScaler reads it): no public flag",
+        "a fused optimizer's mark that its step() unscales the gradients itself (torch's GradScaler reads it): no "
+        "public flag",
     ),
 ]
 

@@ -93,18 +93,20 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
     (
         "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop",
         "_broadcast_sigterm_tensor",
-        "the broadcast from rank 0 at every training batch that spreads a SIGTERM; an agreement on the store replaces it",
+        "the broadcast from rank 0 at every training batch that spreads a SIGTERM; an agreement on the store "
+        "replaces it",
     ),
     (
         "lightning.fabric.wrappers",
         "_in_fabric_backward",
-        "Fabric's mark of a backward inside fabric.backward, without which its module wrapper refuses torch.autograd.grad",
+        "Fabric's mark of a backward inside fabric.backward, without which its module wrapper refuses "
+        "torch.autograd.grad",
     ),
     (
         "lightning.fabric.wrappers._FabricDataLoader",
         "_num_iter_calls",
-        "the epochs a loader of fabric.setup_dataloaders has begun, its sampler's epoch at the next iter: restored with "
-        "a checkpoint; no public reader or setter",
+        "the epochs a loader of fabric.setup_dataloaders has begun, its sampler's epoch at the next iter: restored "
+        "with a checkpoint; no public reader or setter",
     ),
     (
         "lightning.pytorch.trainer.trainer.Trainer",
@@ -182,7 +184,8 @@ INHERITED_NAMES: list[tuple[str, str, str]] = [
 ]
 
 BATCHES_THAT_STEPPED = "_batches_that_stepped"
-"""The key of a Trainer checkpoint's training epoch loop state that counts the batches that stepped (its logging step)."""
+"""The key of a Trainer checkpoint's training epoch loop state that counts the batches that stepped (its logging
+step)."""
 
 
 def replace_sigterm_handling(

@@ -30,18 +30,20 @@ class ConsensusControl(StepEnd):
     also whenever no calibration exists yet), else the calibrated proxy `c · R(k)` (a scalar all-reduce),
     `c` refreshed by every exact measurement of the step's state, this callback's or
     [`ConsensusDistance`][lightning_decentral.callbacks.ConsensusDistance]'s. `r` rounds shrink the
-    distance at least by `‖W(k)^r − 11ᵀ/n‖₂` ([`contraction_bounds`][lightning_decentral.callbacks.control.contraction_bounds]):
-    `Ξ̂_r = ‖W(k)^r − 11ᵀ/n‖₂ · Ξ̂` (a guaranteed bound, no measurement per round), and the control stops at
-    the first `r` with `Ξ̂_r ≤ target`, or when one more round cannot lower the bound (a `W(k)` that reaches
-    only some ranks, as in one-peer topologies): [`rounds_needed`][lightning_decentral.callbacks.control.rounds_needed].
+    distance at least by `‖W(k)^r − 11ᵀ/n‖₂`
+    ([`contraction_bounds`][lightning_decentral.callbacks.control.contraction_bounds]): `Ξ̂_r = ‖W(k)^r − 11ᵀ/n‖₂ · Ξ̂`
+    (a guaranteed bound, no measurement per round), and the control stops at the first `r` with `Ξ̂_r ≤ target`, or when
+    one more round cannot lower the bound (a `W(k)` that reaches only some ranks, as in one-peer topologies):
+    [`rounds_needed`][lightning_decentral.callbacks.control.rounds_needed].
 
     Every rank takes the same decision by construction: `Ξ̂` comes from all-reduced values and the rounds
     are then agreed with an all-reduce (max) before any round is sent.
 
     When the cap keeps the bound above the target, the step logs `consensus/rounds_capped = 1` and rank 0
     warns, once per epoch, naming the rounds the target needed: `own + ⌈ln(target / Ξ̂) / ln σ⌉`,
-    `σ = ‖W(k) − 11ᵀ/n‖₂`. The default cap is [`default_max_gossip_steps`][lightning_decentral.callbacks.control.default_max_gossip_steps]:
-    the rounds that shrink the disagreement 100-fold on the topology given, at most 32.
+    `σ = ‖W(k) − 11ᵀ/n‖₂`. The default cap is
+    [`default_max_gossip_steps`][lightning_decentral.callbacks.control.default_max_gossip_steps]: the rounds that shrink
+    the disagreement 100-fold on the topology given, at most 32.
 
     The hand-over. Switching the control off at once lets `Ξ` jump within a step from the target to its
     uncontrolled level (at a large learning rate, a ring of 16 went from `Ξ/‖x̄‖ = 0.08` to 1.0 and
@@ -159,7 +161,8 @@ class ConsensusControl(StepEnd):
         Examples:
             >>> control = ConsensusControl(target=1.0, until_epoch=2, handover_epochs=2)
             >>> control.record_extra_rounds(epoch=1, extra=12, gossip_steps=3)  # E = 4 extra rounds per step
-            >>> [control.handover_cap(epoch, fraction) for epoch, fraction in [(1, 1.0), (2, 0.5), (2, 1.0), (3, 0.5), (4, 0.5)]]
+            >>> points = [(1, 1.0), (2, 0.5), (2, 1.0), (3, 0.5), (4, 0.5)]  # (epoch, fraction of it)
+            >>> [control.handover_cap(epoch, fraction) for epoch, fraction in points]
             [None, 3, 2, 1, 0]
         """
         if self.until_epoch is None or epoch < self.until_epoch:
@@ -291,8 +294,8 @@ class ConsensusControl(StepEnd):
 
 def default_max_gossip_steps(topology: Topology, reduction: float = 100.0, most: int = 32) -> int:
     """The rounds that shrink the disagreement `x − x̄` by the factor `reduction` at the topology's per-step
-    contraction `ρ = 1 −` [`spectral_gap`][lightning_decentral.topology.Topology.spectral_gap]: `⌈ln(reduction) / −ln ρ⌉`,
-    within `[1, most]`. `ConsensusControl`'s cap when `max_gossip_steps=None`.
+    contraction `ρ = 1 −` [`spectral_gap`][lightning_decentral.topology.Topology.spectral_gap]:
+    `⌈ln(reduction) / −ln ρ⌉`, within `[1, most]`. `ConsensusControl`'s cap when `max_gossip_steps=None`.
 
     Examples:
         >>> from lightning_decentral.topology import Complete, Ring

@@ -40,7 +40,8 @@ class FaultPlan(Callback):
         >>> FaultPlan(kill={-1: [0]})
         Traceback (most recent call last):
         ...
-        ValueError: FaultPlan(kill=...) maps optimizer steps (integers >= 0) to lists of ranks (integers >= 0), got {-1: [0]}.
+        ValueError: FaultPlan(kill=...) maps optimizer steps (integers >= 0) to lists of ranks (integers >= 0),
+        got {-1: [0]}.
 
     Args:
         kill: `{step: [ranks]}`.
@@ -57,7 +58,8 @@ class FaultPlan(Callback):
             for step, ranks in kill.items()
         ):
             raise ValueError(
-                f"FaultPlan(kill=...) maps optimizer steps (integers >= 0) to lists of ranks (integers >= 0), got {kill!r}."
+                "FaultPlan(kill=...) maps optimizer steps (integers >= 0) to lists of ranks (integers >= 0), got "
+                f"{kill!r}."
             )
         self.kill = {step: tuple(ranks) for step, ranks in kill.items()}
         self.signal = signal

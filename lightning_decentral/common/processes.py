@@ -55,7 +55,8 @@ def init_default_group(
         atexit.register(_destroy_default_group)
     line = "-" * 100
     rank_zero_info(
-        f"{line}\ndistributed_backend={backend}\nAll distributed processes registered. Starting with {world_size} processes\n{line}\n"
+        f"{line}\ndistributed_backend={backend}\nAll distributed processes registered. Starting with {world_size} "
+        f"processes\n{line}\n"
     )
 
 
@@ -68,16 +69,17 @@ def _destroy_default_group() -> None:
 
 LIGHTNING_LAUNCHER = (
     "on_peer_failure='continue' has no effect under Lightning's own launcher (devices=n from a script, or a "
-    "'_spawn'/'_fork' strategy): it ends every process within seconds of one failing, so a failure stops every rank, as "
-    "with 'stop'. To survive failures, launch with lightning-decentral-launch (or one process per worker, e.g. srun "
-    "without --kill-on-bad-exit)."
+    "'_spawn'/'_fork' strategy): it ends every process within seconds of one failing, so a failure stops every rank, "
+    "as with 'stop'. To survive failures, launch with lightning-decentral-launch (or one process per worker, e.g. "
+    "srun without --kill-on-bad-exit)."
 )
 """The warning at start under Lightning's own launcher with `on_peer_failure="continue"`."""
 
 
 class OnProcesses:
     """What an executor on processes adds to Lightning's DDP strategy (list it before Lightning's strategy class):
-    this rank's mixer and, with `on_peer_failure="continue"`, its [`Survivors`][lightning_decentral.membership.Survivors]
+    this rank's mixer and, with `on_peer_failure="continue"`, its
+    [`Survivors`][lightning_decentral.membership.Survivors]
     ([`start_gossip`][lightning_decentral.common.processes.OnProcesses.start_gossip],
     [`end_gossip`][lightning_decentral.common.processes.OnProcesses.end_gossip]); its rank and world size follow the
     survivors of a failure; the monitors' collectives over the module it trains (`trained_module`)."""
@@ -130,8 +132,9 @@ class OnProcesses:
     @property
     def guard(self) -> Guard:
         """The path every collective of this rank goes through besides the exchange
-        ([`Guard`][lightning_decentral.membership.guard.Guard]): with `on_peer_failure="continue"`, a failure in any of them is
-        survived (a checkpoint save then starts again among the survivors: see the strategies' `save_checkpoint`)."""
+        ([`Guard`][lightning_decentral.membership.guard.Guard]): with `on_peer_failure="continue"`, a failure in any of
+        them is survived (a checkpoint save then starts again among the survivors: see the strategies'
+        `save_checkpoint`)."""
         return self.driver.guard
 
     # -- ranks, after a failure ---------------------------------------------------------------------------------

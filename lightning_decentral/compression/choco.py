@@ -1,4 +1,5 @@
-"""CHOCO gossip with a public copy per edge, one worker's side, apart from any transport: [`Choco`][lightning_decentral.compression.Choco].
+"""CHOCO gossip with a public copy per edge, one worker's side, apart from any transport:
+[`Choco`][lightning_decentral.compression.Choco].
 
 For each edge `j → i` of the graph both ends keep the same copy `x̂_{j→i}` of `x_j`. A round of `W(k)` on worker `i`:
 
@@ -11,9 +12,10 @@ x_i += γ (Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j})
 The update sums to zero over the workers for any `W(k)`, so `x̄` is kept; with exact copies it is `γ (W x − x)_i`
 when `W(k)` is doubly stochastic. Out-edges whose copies are equal (active at the same steps) share one copy and one
 compression: on a static graph a worker compresses once per round and keeps one copy for all its out-neighbours.
-A transport moves the messages (`ChocoExchange.outgoing` to `incoming`): [`CompressedGossip`][lightning_decentral.gossip.CompressedGossip]
-between processes, [`exchange_in_process`][lightning_decentral.compression.exchange_in_process] between workers of
-one process; the arithmetic is this module's in both.
+A transport moves the messages (`ChocoExchange.outgoing` to `incoming`):
+[`CompressedGossip`][lightning_decentral.gossip.CompressedGossip] between processes,
+[`exchange_in_process`][lightning_decentral.compression.exchange_in_process] between workers of one process; the
+arithmetic is this module's in both.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from lightning_decentral.topology import Topology
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the public copies of a buffer of `dtype`: at least float32 (a bf16 copy could not absorb small `q`)."""
+    """The dtype of the public copies of a buffer of `dtype`: at least float32 (a bf16 copy could not absorb small
+    `q`)."""
     return torch.promote_types(dtype, torch.float32)
 
 
@@ -172,8 +175,8 @@ class Choco:
 
 class ChocoExchange:
     """One worker's exchange of `buffers` at `step`, all `rounds` of it; a transport moves the messages of each
-    round from `outgoing(r)` (`{out-neighbour: uint8 message}`) to the receivers' `incoming(r, {in-neighbour: message})`,
-    and rounds run in order.
+    round from `outgoing(r)` (`{out-neighbour: uint8 message}`) to the receivers'
+    `incoming(r, {in-neighbour: message})`, and rounds run in order.
 
     Without `out` the buffers end as `x + Σ_r γ Δ_r`; with `out` they are only read and `out` ends as that minus `x`
     (adapt-with-combine's correction). `residuals` (with `measure`): `‖Δ_0‖²` per buffer, `Δ` the update before `γ`.
@@ -267,7 +270,8 @@ class ChocoExchange:
         return own
 
     def _change(self, copies: EdgeCopies) -> Tensor:
-        """`Δ = Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j}` over the edges of `W(step)` (the out-edges of one copy together)."""
+        """`Δ = Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j}` over the edges of `W(step)` (the out-edges of one copy
+        together)."""
         rank = self.choco.rank
         terms = [(copies.received[peer], weight) for peer, weight in self.topology.in_neighbors(rank, self.step)]
         by_slot: dict[int, float] = {}
@@ -304,8 +308,9 @@ class ChocoStates:
         return list(self._mixer.chocos) if self._mixer is not None else []
 
     def attach(self, mixer: Any) -> None:
-        """Serve `mixer`'s workers from now on, if it compresses (a [`Compressing`][lightning_decentral.compression.Compressing]
-        mixer with sides of the rule); they continue from the copies of the mixer attached before."""
+        """Serve `mixer`'s workers from now on, if it compresses (a
+        [`Compressing`][lightning_decentral.compression.Compressing] mixer with sides of the rule); they continue from
+        the copies of the mixer attached before."""
         if not isinstance(mixer, Compressing) or not mixer.chocos:
             return
         earlier, self._mixer = self.chocos, mixer
@@ -325,7 +330,8 @@ class ChocoStates:
         return {"gossip/bytes_sent": self.bytes_sent / len(chocos)} if chocos else {}
 
     def state(self, worker: int = 0) -> dict[str, Any] | None:
-        """Worker `worker`'s [`state_dict`][lightning_decentral.compression.Choco.state_dict]; `None` without a mixer."""
+        """Worker `worker`'s [`state_dict`][lightning_decentral.compression.Choco.state_dict]; `None` without a
+        mixer."""
         chocos = self.chocos
         return chocos[worker].state_dict() if chocos else None
 

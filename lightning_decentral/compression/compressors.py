@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, Union, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -301,7 +301,7 @@ class RandomK:
 NAMES = ("sign", "int8", "int4", "top_k:<fraction>", "random_k:<fraction>")
 """The compressors by name ([`resolve_compression`][lightning_decentral.compression.resolve_compression])."""
 
-CompressionArgument = Union[str, Compressor, None]
+CompressionArgument = str | Compressor | None
 """What `compression=` takes: a name of `NAMES` (also `"int2"` … `"int8"`), a `Compressor`, or `None`."""
 
 

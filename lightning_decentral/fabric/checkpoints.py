@@ -99,8 +99,9 @@ def _nothing_matches(expected: list[str], found: list[str]) -> str:
 
 
 class ShardedCheckpoints:
-    """`fabric.save` and `fabric.load` of Fabric's [`DecentralizedStrategy`][lightning_decentral.fabric.DecentralizedStrategy]
-    (the strategy's own checkpoint hooks, kept apart from its step)."""
+    """`fabric.save` and `fabric.load` of Fabric's
+    [`DecentralizedStrategy`][lightning_decentral.fabric.DecentralizedStrategy] (the strategy's own checkpoint hooks,
+    kept apart from its step)."""
 
     step: int  # and Fabric's DDPStrategy's: global_rank, world_size, precision, checkpoint_io, load/save_checkpoint
     driver: StepDriver
@@ -126,7 +127,8 @@ class ShardedCheckpoints:
         """Runs in `fabric.save`, on every rank: the file holds `x̄` and the averaged optimizer state; each
         rank writes its shard beside it, then rank 0 the file
         ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]). In the steps the survivors of a failure
-        take alone, they make their process group first ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
+        take alone, they make their process group first
+        ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
         module_key, optimizer_key = self._keys(state)
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
@@ -192,8 +194,9 @@ class ShardedCheckpoints:
         rank finds its shard of the same save at the same world size, its own replica, optimizer, precision
         and RNG state (exact resume); else rank 0 warns once, saying why. `k` is restored too.
 
-        The model is found in `state` by identity, or as [`under_prefix(model, ...)`][lightning_decentral.fabric.under_prefix];
-        a checkpoint that holds none of its weights is an error naming the keys, before anything is restored."""
+        The model is found in `state` by identity, or as
+        [`under_prefix(model, ...)`][lightning_decentral.fabric.under_prefix]; a checkpoint that holds none of its
+        weights is an error naming the keys, before anything is restored."""
         module_key, optimizer_key = self._keys(state) if isinstance(state, dict) else (None, None)
         if module_key is not None:
             self.check_outside_the_graph("fabric.load")

@@ -29,9 +29,10 @@ def to_trainer_checkpoint(
     prefix: str = "",
     ranks: Iterable[int] | None = None,
 ) -> None:
-    """Convert a checkpoint `fabric.save` wrote under this strategy into one `trainer.fit(model, ckpt_path=trainer_path)`
-    resumes from, with the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy], shards
-    included. Runs in one process (no process group), e.g. before launching the Trainer job.
+    """Convert a checkpoint `fabric.save` wrote under this strategy into one
+    `trainer.fit(model, ckpt_path=trainer_path)` resumes from, with the Trainer's
+    [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy], shards included. Runs in one process (no
+    process group), e.g. before launching the Trainer job.
 
     What is carried over: `x̄` (`state_dict`), the averaged optimizer state, the step counter `k` (the
     Trainer's `global_step`) and every rank's shard: its own replica, optimizer, precision and RNG state,

@@ -34,7 +34,8 @@ class DataOrder:
         >>> DataOrder(DataLoader(range(4)))
         Traceback (most recent call last):
             ...
-        TypeError: DataOrder takes the loader `fabric.setup_dataloaders(loader)` returned (it counts the epochs), not a DataLoader.
+        TypeError: DataOrder takes the loader `fabric.setup_dataloaders(loader)` returned (it counts the epochs),
+        not a DataLoader.
     """
 
     def __init__(self, loader: Any) -> None:

@@ -40,12 +40,13 @@ from lightning_decentral.rules import RuleContext, check_one_optimizer
 class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy):
     """Fabric's decentralized data-parallel strategy: each rank keeps its own replica and gossips it.
 
-    The update rules and their arguments are those of the Trainer's [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy]
-    (keyword only: the fields of [`GossipOptions`][lightning_decentral.options.GossipOptions]); the others
-    (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`, `precision`, `process_group_backend`,
-    `timeout`, `start_method`) are `lightning.fabric.strategies.DDPStrategy`'s (`timeout`, 5 minutes unless given,
-    bounds every exchange: a dead or silent rank ends the others within it, and ranks that call different collectives,
-    `fabric.load` on one and a step on another, stop at once); any other name is a `TypeError`. `eval_on` decides what
+    The update rules and their arguments are those of the Trainer's
+    [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] (keyword only: the fields of
+    [`GossipOptions`][lightning_decentral.options.GossipOptions]); the others (`accelerator`, `parallel_devices`,
+    `cluster_environment`, `checkpoint_io`, `precision`, `process_group_backend`, `timeout`, `start_method`) are
+    `lightning.fabric.strategies.DDPStrategy`'s (`timeout`, 5 minutes unless given, bounds every exchange: a dead or
+    silent rank ends the others within it, and ranks that call different collectives, `fabric.load` on one and a step on
+    another, stop at once); any other name is a `TypeError`. `eval_on` decides what
     [`evaluation`][lightning_decentral.fabric.DecentralizedStrategy.evaluation] swaps in.
 
     A `gossip_steps` schedule by epoch (`{"epoch": {...}}`) reads the epoch the loop gives
@@ -81,8 +82,8 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         if options.pop("rejoin", False):
             raise ValueError(
                 "rejoin=True is supported by the Trainer's DecentralizedStrategy only: a rank that rejoins resumes "
-                "Lightning's loops from a member's state, and a Fabric loop is yours. Under Fabric a lost rank stays out "
-                "(on_peer_failure='continue'); resume from a checkpoint to grow."
+                "Lightning's loops from a member's state, and a Fabric loop is yours. Under Fabric a lost rank stays "
+                "out (on_peer_failure='continue'); resume from a checkpoint to grow."
             )
         gossip = gossip_options(type(self).__name__, **options)
         super().__init__(
@@ -308,9 +309,9 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         has not: `what` would write into, or swap `x̄` into, the parameters the backward pass needs."""
         if self._graph_pending:
             raise RuntimeError(
-                f"{what} ran at step {self.step} between the training forward and `fabric.backward`: the backward needs "
-                "the parameters as the forward used them. Call fabric.save, fabric.load and averaged_model() after "
-                "`fabric.backward` or `optimizer.step()`, before the next training forward."
+                f"{what} ran at step {self.step} between the training forward and `fabric.backward`: the backward "
+                "needs the parameters as the forward used them. Call fabric.save, fabric.load and averaged_model() "
+                "after `fabric.backward` or `optimizer.step()`, before the next training forward."
             )
 
     def agree(self, what: str) -> None:

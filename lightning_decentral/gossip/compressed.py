@@ -82,11 +82,13 @@ class CompressedGossip(Watched):
         return self.choco.bytes_sent(buffers, self.topology, step)
 
     def start_copies_at(self, buffers: Sequence[Tensor], tag: int = 0) -> None:
-        """New public copies start at `buffers` ([`Choco.start_copies_at`][lightning_decentral.compression.Choco.start_copies_at])."""
+        """New public copies start at `buffers`
+        ([`Choco.start_copies_at`][lightning_decentral.compression.Choco.start_copies_at])."""
         self.choco.start_copies_at(buffers, tag)
 
     def state_dict(self) -> dict[str, Any]:
-        """The public copies and the byte count ([`Choco.state_dict`][lightning_decentral.compression.Choco.state_dict])."""
+        """The public copies and the byte count
+        ([`Choco.state_dict`][lightning_decentral.compression.Choco.state_dict])."""
         return self.choco.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

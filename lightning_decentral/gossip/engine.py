@@ -328,10 +328,10 @@ class Gossip(Watched):
         measure: bool = False,
         into: Sequence[Tensor] | None = None,
     ) -> list[Tensor]:
-        """Finish one exchange of this engine's group (after its works of `post`): `x <- x + delta`, `delta = Σ_j w_ij s_j − s_i` (`s` = what was
-        sent: `x`, or `q` in low precision). With `into` the buffers stay as they are and
-        `into` gets `delta`. `measure`: return `‖delta‖²` per buffer (the all-reduce path
-        leaves that to the caller)."""
+        """Finish one exchange of this engine's group (after its works of `post`): `x <- x + delta`,
+        `delta = Σ_j w_ij s_j − s_i` (`s` = what was sent: `x`, or `q` in low precision). With `into` the buffers stay
+        as they are and `into` gets `delta`. `measure`: return `‖delta‖²` per buffer (the all-reduce path leaves that
+        to the caller)."""
         if self.topology.is_average(step):
             for buffer in buffers:
                 buffer.div_(self.topology.world_size)

@@ -1,5 +1,6 @@
 """[`PendingGossip`][lightning_decentral.gossip.PendingGossip]: one exchange of a
-[`Gossip`][lightning_decentral.gossip.Gossip] in flight, its rounds and levels, and what becomes of it when a peer fails."""
+[`Gossip`][lightning_decentral.gossip.Gossip] in flight, its rounds and levels, and what becomes of it when a peer
+fails."""
 
 from __future__ import annotations
 

@@ -77,8 +77,9 @@ class Links:
 
     The training loop calls [`new_message`][lightning_decentral.gossip.links.Links.new_message], fills its payload,
     [`send`][lightning_decentral.gossip.links.Links.send]s it, and reads what arrived with
-    [`wait_until`][lightning_decentral.gossip.links.Links.wait_until], [`held`][lightning_decentral.gossip.links.Links.held]
-    and [`release`][lightning_decentral.gossip.links.Links.release].
+    [`wait_until`][lightning_decentral.gossip.links.Links.wait_until],
+    [`held`][lightning_decentral.gossip.links.Links.held] and
+    [`release`][lightning_decentral.gossip.links.Links.release].
     """
 
     def __init__(

@@ -47,7 +47,8 @@ class StaleGossip(Watched):
         topology: a static, point-to-point topology bound to the group's size.
         staleness: `s ≥ 1`.
         delays: impose `τ_ij(k) = max(k − d, k₀)`, `d = delays(i, j, k, s)`; `None`: the newest step received.
-        group: a gloo group of every rank for the messages alone (see [`on_new_group`][lightning_decentral.gossip.StaleGossip.on_new_group]).
+        group: a gloo group of every rank for the messages alone (see
+            [`on_new_group`][lightning_decentral.gossip.StaleGossip.on_new_group]).
         timeout: the longest a step waits for a neighbour before raising
             [`PeerFailure`][lightning_decentral.failures.PeerFailure] (the strategy's `timeout`).
         watch: the observers, residual measurement and error phrasing its owner shares with it
@@ -146,8 +147,9 @@ class StaleGossip(Watched):
     def leave(self, step: int = 0) -> None:
         """The run is over on this rank: send FINAL on every edge, wait (at most `timeout`) for the neighbours' FINAL,
         then for every rank (a barrier of the default group: the job's store, on rank 0, outlives every rank's use
-        of it), and destroy the links' group. After a clean run only. `step` is [`Gossip.leave`][lightning_decentral.gossip.Gossip.leave]'s,
-        for survivors of a failure, which a stale run does not have (`on_peer_failure="stop"`): unused."""
+        of it), and destroy the links' group. After a clean run only. `step` is
+        [`Gossip.leave`][lightning_decentral.gossip.Gossip.leave]'s, for survivors of a failure, which a stale run does
+        not have (`on_peer_failure="stop"`): unused."""
         if self.links is not None:
             try:
                 with peers_answer("Finishing training (the last messages of the stale gossip)", "a neighbour"):
@@ -254,9 +256,9 @@ class PendingStale:
             finished = links.final.get(source)
             if chosen[0] is None and finished is not None:
                 raise PeerFailure(
-                    f"The gossip exchange of step {step} failed on this rank: rank {links.global_rank(source)} finished "
-                    f"training after step {finished}, which is more than staleness={gossip.staleness} steps behind. Do "
-                    "all ranks run the same number of steps?"
+                    f"The gossip exchange of step {step} failed on this rank: rank {links.global_rank(source)} "
+                    f"finished training after step {finished}, which is more than staleness={gossip.staleness} steps "
+                    "behind. Do all ranks run the same number of steps?"
                 )
             return chosen[0] is not None
 
@@ -266,9 +268,9 @@ class PendingStale:
         if not arrived:
             newest = max(links.held(source), default=None)
             raise PeerFailure(
-                f"{what} failed on this rank: rank {links.global_rank(source)} was more than staleness="
-                f"{gossip.staleness} steps behind for the process-group timeout ({gossip.timeout:g} s; the newest of its "
-                f"steps here: {newest}). It hung, or died without closing its connections "
+                f"{what} failed on this rank: rank {links.global_rank(source)} was more than "
+                f"staleness={gossip.staleness} steps behind for the process-group timeout ({gossip.timeout:g} s; the "
+                f"newest of its steps here: {newest}). It hung, or died without closing its connections "
                 "(DecentralizedStrategy(timeout=...)); the first error in the other ranks' logs is the cause."
             )
         assert chosen[0] is not None

@@ -16,9 +16,9 @@ again, and a process group of their own. This package does that, Lightning-free,
 * [`poison`][lightning_decentral.membership.poison] closes a generation's process group for good (what makes every
   pending operation on it fail, here and at the peers), and `Membership.form_group` makes the survivors' default
   process group on a fresh prefix of the store;
-* [`store_client`][lightning_decentral.membership.store_client], [`GuardedStore`][lightning_decentral.failures.GuardedStore]
-  (store calls that cannot hang, from `failures`) and [`store_host`][lightning_decentral.membership.store_host] (whether the store
-  outlives the workers);
+* [`store_client`][lightning_decentral.membership.store_client],
+  [`GuardedStore`][lightning_decentral.failures.GuardedStore] (store calls that cannot hang, from `failures`) and
+  [`store_host`][lightning_decentral.membership.store_host] (whether the store outlives the workers);
 * `report.py`: what a run says about its failures (a line per decision on every survivor, the metrics, the warning
   at the end);
 * `launch.py`: `lightning-decentral-launch`, a launcher that hosts the store outside the workers and lets the

@@ -1,5 +1,6 @@
 """Whether a member's process is gone, asked directly instead of inferred from silence: a
-[`Beacon`][lightning_decentral.membership.beacon.Beacon] each rank keeps open, and [`gone`][lightning_decentral.membership.beacon.gone].
+[`Beacon`][lightning_decentral.membership.beacon.Beacon] each rank keeps open, and
+[`gone`][lightning_decentral.membership.beacon.gone].
 
 A heartbeat tells a slow member from a dead one only after a silence long enough not to mistake load for death. A
 listening socket tells it at once: while the process lives, the kernel accepts a connection to it (even while the
@@ -63,7 +64,8 @@ class Beacon:
 
 
 def _forget(listening: weakref.ref) -> None:
-    """In a forked child: close this process's copy of the listening socket (not shut it down: the parent's listens on)."""
+    """In a forked child: close this process's copy of the listening socket (not shut it down: the parent's listens
+    on)."""
     copy = listening()
     if copy is not None:
         copy.close()

@@ -285,8 +285,9 @@ class Membership:
     def admit(self, step: int, asking: Sequence[int]) -> Decision:
         """Agree with the other members to let the ranks `asking` rejoin after `step` (the last step of the members as
         they are: every member calls it when it is about to begin `step + 1`, the join step they agreed on); returns the
-        decision, adopted. A member lost meanwhile is left out of it as [`agree`][lightning_decentral.membership.Membership.agree]
-        leaves it; a failure agreed first (its decision is written first) is what every member adopts instead."""
+        decision, adopted. A member lost meanwhile is left out of it as
+        [`agree`][lightning_decentral.membership.Membership.agree] leaves it; a failure agreed first (its decision is
+        written first) is what every member adopts instead."""
         g = self.generation
         self.store.set(self.key("join", g, self.first_rank), json.dumps({"step": step}))
         since, decided = time.monotonic(), self.key("decide", g)
@@ -392,7 +393,8 @@ class Membership:
             )
             if reason is not None:
                 raise Abandoned(
-                    f"Making the survivors' process group (generation {g}) was given up on rank {self.first_rank}: {reason}."
+                    f"Making the survivors' process group (generation {g}) was given up on rank {self.first_rank}: "
+                    f"{reason}."
                 )
             time.sleep(POLL)
         with peers_answer(f"Making the survivors' process group (generation {g})", "a survivor"):

@@ -4,8 +4,8 @@
 joiner (the lost rank, same command)            members (each at the start of every step k)
 reads the run in progress (current)
 asks: ask/g/<rank>, asks/g += 1     ------>     one look at asks/g every LOOK_EVERY steps; the first to see it
-                                                proposes the join step J >= k + margin, a multiple of LOOK_EVERY (compare-and-
-                                                set: every member learns it)
+                                                proposes the join step J >= k + margin, a multiple of LOOK_EVERY
+                                                (compare-and-set: every member learns it)
                                                 ... the steps before J, as before ...
 waits for decide/g                  <------     at the start of J: admit (the agreement of a failure, the
                                                 members grown by the askers), a new generation
@@ -17,12 +17,13 @@ trains from step J                              train from step J
 
 `margin` is the stop margin ([`stop_margin`][lightning_decentral.trainer.stop.stop_margin]): more steps than two
 members can be apart, so that none has begun `J` when it is proposed. The members look every `LOOK_EVERY` steps
-only (a store round trip each), and `J` leaves room for that ([`Joins`][lightning_decentral.membership.rejoin.Joins]). The members pause for the agreement and
-one handover (the source alone sends). A rank that cannot rejoin (the run does not take rejoins, it is over, the
-grown graph is not connected, no decision admits it within the timeout) stops at once with
-[`CannotRejoin`][lightning_decentral.membership.rejoin.CannotRejoin]. A rank that is not one of the ranks the run
+only (a store round trip each), and `J` leaves room for that ([`Joins`][lightning_decentral.membership.rejoin.Joins]).
+The members pause for the agreement and one handover (the source alone sends). A rank that cannot rejoin (the run does
+not take rejoins, it is over, the grown graph is not connected, no decision admits it within the timeout) stops at once
+with [`CannotRejoin`][lightning_decentral.membership.rejoin.CannotRejoin]. A rank that is not one of the ranks the run
 started with is refused ([`refuse_new_rank`][lightning_decentral.membership.rejoin.refuse_new_rank]), and so is a
-rank started again after its run is over ([`refuse_after_the_run`][lightning_decentral.membership.rejoin.refuse_after_the_run]).
+rank started again after its run is over
+([`refuse_after_the_run`][lightning_decentral.membership.rejoin.refuse_after_the_run]).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def asking(store: Any) -> list[int]:
 
 
 def _key(info: dict[str, Any], *parts: Any) -> str:
-    """The key of `parts` under the run `info` describes (as [`Membership.key`][lightning_decentral.membership.Membership.key])."""
+    """The key of `parts` under the run `info` describes (as
+    [`Membership.key`][lightning_decentral.membership.Membership.key])."""
     return "/".join(["lightning_decentral", info["run"], *map(str, parts)])
 
 

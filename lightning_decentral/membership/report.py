@@ -22,21 +22,23 @@ def decision_line(decision: Decision, first_rank: int, topology: Any) -> str:
     Examples:
         >>> decision = Decision(generation=1, members=(0, 1, 3), survivors=(0, 1, 3), lost=(2,), step=20)
         >>> decision_line(decision, 3, "Ring(world_size=3)")
-        'Survived failure 1: lost rank 2 (ranks of the start). The 3 survivors [0, 1, 3] agreed on step 20: they take it alone and mix again from step 21 on Ring(world_size=3). This process: rank 3 of the start, rank 2 now.'
+        'Survived failure 1: lost rank 2 (ranks of the start). The 3 survivors [0, 1, 3] agreed on step 20: they take
+        it alone and mix again from step 21 on Ring(world_size=3). This process: rank 3 of the start, rank 2 now.'
     """
     if isinstance(decision, Join):
         return (
             f"Rejoined (generation {decision.generation}): rank{'s' if len(decision.joined) > 1 else ''} "
-            f"{', '.join(map(str, decision.joined))} of the start{f', lost {list(decision.lost)}' if decision.lost else ''}. "
-            f"The {len(decision.members)} members {list(decision.members)} mix from step {decision.step + 1} on {topology}. "
-            f"This process: rank {first_rank} of the start, rank {decision.members.index(first_rank)} now."
+            f"{', '.join(map(str, decision.joined))} of the "
+            f"start{f', lost {list(decision.lost)}' if decision.lost else ''}. The {len(decision.members)} members "
+            f"{list(decision.members)} mix from step {decision.step + 1} on {topology}. This process: rank "
+            f"{first_rank} of the start, rank {decision.members.index(first_rank)} now."
         )
     lost = ", ".join(map(str, decision.lost))
     return (
-        f"Survived failure {decision.generation}: lost rank{'s' if len(decision.lost) > 1 else ''} {lost} (ranks of the "
-        f"start). The {len(decision.members)} survivors {list(decision.members)} agreed on step {decision.step}: they take "
-        f"it alone and mix again from step {decision.step + 1} on {topology}. This process: rank {first_rank} of the "
-        f"start, rank {decision.members.index(first_rank)} now."
+        f"Survived failure {decision.generation}: lost rank{'s' if len(decision.lost) > 1 else ''} {lost} (ranks of "
+        f"the start). The {len(decision.members)} survivors {list(decision.members)} agreed on step {decision.step}: "
+        f"they take it alone and mix again from step {decision.step + 1} on {topology}. This process: rank "
+        f"{first_rank} of the start, rank {decision.members.index(first_rank)} now."
     )
 
 
@@ -56,7 +58,8 @@ def losses(decisions: Sequence[Decision]) -> str | None:
 
     Examples:
         >>> losses([Decision(1, (1, 2), (1, 2), (0,), 10), Decision(2, (2,), (1,), (1,), 20)])
-        'This run lost 2 of its 3 workers: rank 0 (the survivors agreed on step 10), rank 1 (step 20). It went on with 1 (strategy.failures_survived lists the decisions).'
+        'This run lost 2 of its 3 workers: rank 0 (the survivors agreed on step 10), rank 1 (step 20). It went on
+        with 1 (strategy.failures_survived lists the decisions).'
     """
     first = decisions[0] if decisions else None
     started = (
@@ -72,6 +75,6 @@ def losses(decisions: Sequence[Decision]) -> str | None:
     ]
     gone = sum(len(d.lost) for d in decisions)
     return (
-        f"This run lost {gone} of its {started} workers: {', '.join(lost)}. It went on with {len(decisions[-1].members)} "
-        "(strategy.failures_survived lists the decisions)."
+        f"This run lost {gone} of its {started} workers: {', '.join(lost)}. It went on with "
+        f"{len(decisions[-1].members)} (strategy.failures_survived lists the decisions)."
     )

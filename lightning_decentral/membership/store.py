@@ -32,8 +32,8 @@ def store_client(timeout: timedelta) -> dist.TCPStore:
     address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not address or not port:
         raise RuntimeError(
-            "on_peer_failure='continue' agrees through the job's store at MASTER_ADDR:MASTER_PORT, but they are not set: "
-            "start the run with a launcher (lightning-decentral-launch, torchrun, or Lightning's own)."
+            "on_peer_failure='continue' agrees through the job's store at MASTER_ADDR:MASTER_PORT, but they are not "
+            "set: start the run with a launcher (lightning-decentral-launch, torchrun, or Lightning's own)."
         )
     return dist.TCPStore(address, int(port), is_master=False, timeout=timeout)
 
@@ -50,7 +50,8 @@ def store_host(store: Any) -> tuple[bool, str]:
     if store.check([LAUNCHER_KEY]):
         return (
             True,
-            f"lightning-decentral-launch hosts the job's store ({store.get(LAUNCHER_KEY).decode()}), outside the workers",
+            f"lightning-decentral-launch hosts the job's store ({store.get(LAUNCHER_KEY).decode()}), outside the "
+            "workers",
         )
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return False, (

@@ -52,8 +52,9 @@ class Survivors:
     4. when step `s + 1` begins ([`begin`][lightning_decentral.membership.Survivors.begin], every survivor
        together), makes the survivors' default process group, rebinds the mixer to it and tells the executor
        (`on_change(decision)`). A survivor that dies before (after the agreement, in the steps taken alone, or while
-       the group is made) is found there ([`Membership.form_group`][lightning_decentral.membership.Membership.form_group]):
-       the others agree again, from step 2, and make the group of those left.
+       the group is made) is found there
+       ([`Membership.form_group`][lightning_decentral.membership.Membership.form_group]): the others agree again, from
+       step 2, and make the group of those left.
 
     A failure seen after the agreement by something of the generation given up (an exchange of it waited for late)
     is no new failure: `survive` ignores it.
@@ -138,10 +139,11 @@ class Survivors:
         handover: Callable[[], Any],
         margin: Callable[[], int],
     ) -> tuple[Survivors, Join]:
-        """A lost rank started again (`rank`, of the run `info` describes, [`current`][lightning_decentral.membership.rejoin.current]):
-        ask to rejoin, wait until the members admit it, make the grown group with them (the default process group,
-        this rank's place in it as the decision says) and keep `W` of the grown members from the join step. Returns
-        its survivors and the decision; the executor then takes its state from the decision's source."""
+        """A lost rank started again (`rank`, of the run `info` describes,
+        [`current`][lightning_decentral.membership.rejoin.current]): ask to rejoin, wait until the members admit it,
+        make the grown group with them (the default process group, this rank's place in it as the decision says) and
+        keep `W` of the grown members from the join step. Returns its survivors and the decision; the executor then
+        takes its state from the decision's source."""
         store = cls._store(timeout)
         membership = cls._membership(store, info["run"], rank, info["start_size"], min_workers, timeout)
         membership.start()

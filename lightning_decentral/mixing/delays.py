@@ -35,7 +35,8 @@ class DelaySchedule(Protocol):
 @dataclass(frozen=True)
 class RandomDelays:
     """Delays drawn uniformly from `{0, …, staleness}`, independently for every worker, neighbour and step, from
-    `seed`: the same on every process and in the simulation (a hash of the seed, the worker, the neighbour and the step; no generator state).
+    `seed`: the same on every process and in the simulation (a hash of the seed, the worker, the neighbour and the step;
+    no generator state).
 
     Args:
         seed: the schedule's seed.
@@ -65,7 +66,8 @@ def check_stale_topology(topology: Topology, staleness: int) -> None:
         >>> check_stale_topology(OnePeerExponential(world_size=4), staleness=2)
         Traceback (most recent call last):
         ...
-        ValueError: staleness=2 needs one static W (ring, torus, exponential, complete, a matrix or a graph); OnePeerExponential(world_size=4) ...
+        ValueError: staleness=2 needs one static W (ring, torus, exponential, complete, a matrix or a graph);
+        OnePeerExponential(world_size=4) ...
     """
     if staleness and (topology.period != 1 or isinstance(topology, Hierarchical)):
         raise ValueError(
@@ -79,7 +81,8 @@ def imposed_step(delays: DelaySchedule, worker: int, neighbour: int, step: int, 
     `[0, staleness]` raises `ValueError` naming the schedule's fix.
 
     Examples:
-        >>> imposed_step(lambda i, j, k, s: 2, 0, 1, step=5, staleness=2, first=0), imposed_step(RandomDelays(), 0, 1, 1, 2, first=1)
+        >>> (imposed_step(lambda i, j, k, s: 2, 0, 1, step=5, staleness=2, first=0),
+        ...  imposed_step(RandomDelays(), 0, 1, 1, 2, first=1))
         (3, 1)
     """
     d = delays(worker, neighbour, step, staleness)

@@ -231,14 +231,16 @@ class DenseView:
 
 
 class _WorkerMixer(DenseView):
-    """Worker `rank`'s [`Mixer`][lightning_decentral.mixing.Mixer] on a shared [`DenseMixer`][lightning_decentral.mixing.DenseMixer]."""
+    """Worker `rank`'s [`Mixer`][lightning_decentral.mixing.Mixer] on a shared
+    [`DenseMixer`][lightning_decentral.mixing.DenseMixer]."""
 
     def __init__(self, dense: DenseMixer, rank: int) -> None:
         super().__init__(dense)
         self.rank = rank
 
     def start_copies_at(self, buffers: Sequence[Tensor], tag: int = 0) -> None:
-        """Compressed gossip: this worker's new public copies start at `buffers` ([`StartsCopies`][lightning_decentral.mixing.StartsCopies])."""
+        """Compressed gossip: this worker's new public copies start at `buffers`
+        ([`StartsCopies`][lightning_decentral.mixing.StartsCopies])."""
         if self.dense.chocos:
             self.dense.chocos[self.rank].start_copies_at(buffers, tag)
 

@@ -1,4 +1,5 @@
-"""Every worker's exchange in one call, over rows of stacked tensors: [`StackedMixer`][lightning_decentral.mixing.StackedMixer]."""
+"""Every worker's exchange in one call, over rows of stacked tensors:
+[`StackedMixer`][lightning_decentral.mixing.StackedMixer]."""
 
 from __future__ import annotations
 

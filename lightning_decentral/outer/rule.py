@@ -72,7 +72,8 @@ class OuterStep(UpdateRule):
         >>> for rule in rules:
         ...     rule.begin_step(StepPlan(step=0, rounds=1))  # the anchor: θ = 2
         >>> for i, (rule, model) in enumerate(zip(rules, models)):
-        ...     _ = rule.optimizer.step(rule.wrap_closure(lambda m=model, i=i: m(torch.ones(1, 1) * (i + 1)).sum().backward()))
+        ...     loss = lambda m=model, i=i: m(torch.ones(1, 1) * (i + 1)).sum().backward()
+        ...     _ = rule.optimizer.step(rule.wrap_closure(loss))
         ...     rule.end_step()
         >>> for rule in rules:
         ...     rule.finish_step()
@@ -188,8 +189,8 @@ class OuterStep(UpdateRule):
     def state_dict(self) -> dict[str, Any]:
         """The anchor and the outer optimizer's state; with `overlap`, the models sent and their mixing (the
         exchange in flight is waited for first). One flat tensor per parameter (and mixed buffer), so that a
-        stacked simulation's state and a process's are alike ([`Replica.split`][lightning_decentral.replicas.Replica.split]).
-        `{}` before the first step."""
+        stacked simulation's state and a process's are alike
+        ([`Replica.split`][lightning_decentral.replicas.Replica.split]). `{}` before the first step."""
         if not self._anchored:
             return {}
         self._wait_late()

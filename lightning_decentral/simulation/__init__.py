@@ -1,4 +1,5 @@
-"""`n` decentralized workers in one process: [`SimulatedDecentralizedStrategy`][lightning_decentral.SimulatedDecentralizedStrategy].
+"""`n` decentralized workers in one process:
+[`SimulatedDecentralizedStrategy`][lightning_decentral.SimulatedDecentralizedStrategy].
 
 The package: `strategy.py` (the executor: Lightning's hooks, phase by phase over every worker), `replicas.py`
 (one device, `x̄`, one shard per worker), `workers.py` (the [`WorkerGroup`][lightning_decentral.simulation.WorkerGroup]

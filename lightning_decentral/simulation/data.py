@@ -130,7 +130,8 @@ def _together(dataloader: torch.utils.data.DataLoader, samplers: list[Any]) -> t
     if dataloader.batch_size is None:
         raise ValueError(
             "SimulatedDecentralizedStrategy(vectorize=True) fetches every worker's batch_size samples at once, but "
-            "the training DataLoader has no batch_size (a batch_sampler?). Give it a batch_size, or use vectorize=False."
+            "the training DataLoader has no batch_size (a batch_sampler?). Give it a batch_size, or use "
+            "vectorize=False."
         )
     return torch.utils.data.DataLoader(
         dataloader.dataset,

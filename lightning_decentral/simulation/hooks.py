@@ -1,4 +1,5 @@
-"""The LightningModule's training hooks on every simulated worker: [`WorkerHooks`][lightning_decentral.simulation.hooks.WorkerHooks].
+"""The LightningModule's training hooks on every simulated worker:
+[`WorkerHooks`][lightning_decentral.simulation.hooks.WorkerHooks].
 
 Lightning calls a module hook once, on the LightningModule: on worker 0. On `n` processes every rank calls it on
 its own replica, so a hook that changes the module (freezes BatchNorm in `on_train_batch_start`, keeps an average

@@ -63,7 +63,8 @@ def loads_at_random(dataloader: DataLoader) -> bool:
         ...     def __getitem__(self, i):
         ...         return self.tensors[0][i] + 0.1 * torch.randn(2)
         >>> x = torch.zeros(4, 2)
-        >>> loads_at_random(DataLoader(TensorDataset(x), batch_size=2)), loads_at_random(DataLoader(Jittered(x), batch_size=2))
+        >>> (loads_at_random(DataLoader(TensorDataset(x), batch_size=2)),
+        ...  loads_at_random(DataLoader(Jittered(x), batch_size=2)))
         (False, True)
     """
     dataset = dataloader.dataset

@@ -1,14 +1,15 @@
-"""The simulation's members across `failures=` and `rejoins=`: [`Comings`][lightning_decentral.simulation.rejoins.Comings].
+"""The simulation's members across `failures=` and `rejoins=`:
+[`Comings`][lightning_decentral.simulation.rejoins.Comings].
 
 A worker lost at a failure step comes back at a later step as a rank started again comes back on processes
-(`DecentralizedStrategy(on_peer_failure="continue", rejoin=True)`, [`membership.rejoin`][lightning_decentral.membership.rejoin]):
-at the start of its rejoin step `J` it takes the replica, optimizer state and rule state of the member
-[`source_for`][lightning_decentral.membership.rejoin.source_for] names (the processes' choice, written once), keeps its
-own random state, and every member mixes with `W` of the grown members (of the topology at the start) from step `J`.
-Its data: its own shard at the members' position: a worker away that comes back later is visited meanwhile
-([`visited`][lightning_decentral.simulation.rejoins.Comings.visited]), its batches unused. (A rank started again on
-processes with a plain DataLoader starts its epoch's iterator again, as Lightning resumes one: at an epoch boundary the
-two agree.)
+(`DecentralizedStrategy(on_peer_failure="continue", rejoin=True)`,
+[`membership.rejoin`][lightning_decentral.membership.rejoin]): at the start of its rejoin step `J` it takes the replica,
+optimizer state and rule state of the member [`source_for`][lightning_decentral.membership.rejoin.source_for] names (the
+processes' choice, written once), keeps its own random state, and every member mixes with `W` of the grown members (of
+the topology at the start) from step `J`. Its data: its own shard at the members' position: a worker away that comes
+back later is visited meanwhile ([`visited`][lightning_decentral.simulation.rejoins.Comings.visited]), its batches
+unused. (A rank started again on processes with a plain DataLoader starts its epoch's iterator again, as Lightning
+resumes one: at an epoch boundary the two agree.)
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ closure                every worker: training_step on its batch, backward   Dece
                        every worker: rule.end_step(); then rule.finish_step()
 ```
 
-When stacked (`vectorize=True`, or `"auto"` where stacking gives the same run) the workers are a [`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers]:
-each line above is one batched call for every worker (one `torch.vmap` of `training_step`, one backward, one
-optimizer step, one rule), with the same result.
+When stacked (`vectorize=True`, or `"auto"` where stacking gives the same run) the workers are a
+[`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers]: each line above is one batched call for
+every worker (one `torch.vmap` of `training_step`, one backward, one optimizer step, one rule), with the same result.
 """
 
 from __future__ import annotations
@@ -129,8 +129,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         gossip = gossip_options(type(self).__name__, **options)
         if gossip.on_peer_failure != "stop":
             raise ValueError(
-                f"on_peer_failure={gossip.on_peer_failure!r} is for processes; in the simulation, name the workers lost "
-                "at each step with failures={step: [workers]}."
+                f"on_peer_failure={gossip.on_peer_failure!r} is for processes; in the simulation, name the workers "
+                "lost at each step with failures={step: [workers]}."
             )
         if not isinstance(vectorize, bool) and vectorize != "auto":
             raise ValueError(f"`vectorize` must be True, False or 'auto', got {vectorize!r}.")
@@ -148,8 +148,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self.rejoins = checked_rejoins(rejoins, self.failures)
         if self.failures and gossip.outer_overlap:
             raise ValueError(
-                "SimulatedDecentralizedStrategy(failures=...) rebuilds the graph between two steps, which outer_overlap=True "
-                "(an exchange in flight across steps) does not support: use outer_overlap=False with failures."
+                "SimulatedDecentralizedStrategy(failures=...) rebuilds the graph between two steps, which "
+                "outer_overlap=True (an exchange in flight across steps) does not support: use outer_overlap=False "
+                "with failures."
             )
         if vectorize is True and gossip.compression is not None:
             raise ValueError(
@@ -157,8 +158,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             )
         if self.failures and gossip.compression is not None:
             raise ValueError(
-                "failures= simulates on_peer_failure='continue', which compressed gossip does not support (the survivors' "
-                "graph would need new public copies on both ends of every edge): drop failures= or compression=."
+                "failures= simulates on_peer_failure='continue', which compressed gossip does not support (the "
+                "survivors' graph would need new public copies on both ends of every edge): drop failures= or "
+                "compression=."
             )
         self._others_ready = False  # workers 1..n-1 clipped and ready at this step
         self._losses: list[Tensor] = []  # each worker's loss of this backward (divided for accumulation)
@@ -202,7 +204,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             problem = vectorization_problem(module, self.optimizers[0], self._outer_probe())
             if problem:
                 raise ValueError(
-                    f"SimulatedDecentralizedStrategy(vectorize=True) cannot run this module: {problem}. Use vectorize=False."
+                    f"SimulatedDecentralizedStrategy(vectorize=True) cannot run this module: {problem}. Use "
+                    "vectorize=False."
                 )
             self._group = StackedWorkers(
                 modules,
@@ -219,7 +222,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self.driver.run(self._group)
 
     def _outer_probe(self) -> Optimizer | None:
-        """What `outer_optimizer` builds (whether it is elementwise decides if the workers can be stacked), or `None`."""
+        """What `outer_optimizer` builds (whether it is elementwise decides if the workers can be stacked), or
+        `None`."""
         factory = self.options.outer_optimizer
         return None if factory is None else probe_outer_optimizer(factory)
 
@@ -291,8 +295,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self.driver.run(self._group)
         optimizer_name = type(optimizer).__name__
         _say_path(
-            f"the stacked path, every worker in one batched call ({optimizer_name} is elementwise, no layer draws random "
-            "numbers, no hook sees one worker's batch or gradients, training_step runs under torch.vmap)"
+            f"the stacked path, every worker in one batched call ({optimizer_name} is elementwise, no layer draws "
+            "random numbers, no hook sees one worker's batch or gradients, training_step runs under torch.vmap)"
         )
 
     # -- one optimizer step, every worker ---------------------------------------------------------

@@ -55,7 +55,8 @@ def vectorization_problem(module: Module, optimizer: Optimizer, outer: Optimizer
 
     Examples:
         >>> vectorization_problem(torch.nn.Linear(2, 1), torch.optim.LBFGS(torch.nn.Linear(2, 1).parameters()))
-        'LBFGS is not one of the elementwise optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop)'
+        'LBFGS is not one of the elementwise optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad,
+        Adadelta, Rprop)'
     """
     names = ", ".join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
@@ -152,8 +153,9 @@ def clip_rows_by_norm_(parameters: Sequence[Tensor], max_norm: float) -> None:
 @contextlib.contextmanager
 def rows_clipped_apart(precision: Any, stacked: StackedWorkers | None) -> Iterator[None]:
     """Inside, Lightning's clipping by norm (the precision plugin's `clip_grad_by_norm`) clips each worker's row of
-    the stacked gradients by its own norm ([`clip_rows_by_norm_`][lightning_decentral.simulation.vectorized.clip_rows_by_norm_]);
-    nothing changes when the workers are not `stacked`."""
+    the stacked gradients by its own norm
+    ([`clip_rows_by_norm_`][lightning_decentral.simulation.vectorized.clip_rows_by_norm_]); nothing changes when the
+    workers are not `stacked`."""
     if stacked is None:
         yield
         return
@@ -200,7 +202,8 @@ def vmapped_steps(
 ) -> tuple[list[Any], Logged]:
     """`step(module, part)` under one `torch.vmap` over the stacked `tensors` (`[n, ...]`, by their names in `module`,
     in place of its own) and the workers' parts of `batch`: each worker's output, and what each logged. A module with
-    running statistics normalizes under [`NormsInStatisticsDtype`][lightning_decentral.simulation.vectorized.NormsInStatisticsDtype]."""
+    running statistics normalizes under
+    [`NormsInStatisticsDtype`][lightning_decentral.simulation.vectorized.NormsInStatisticsDtype]."""
     call = _Call(module, step)
     options: dict[str, dict[str, Any]] = {}
     normalizes = any(name.endswith("running_mean") for name in tensors)  # BatchNorm, InstanceNorm
@@ -236,10 +239,11 @@ def vmapped_steps(
 
 
 def stacking_trial(modules: Sequence[Module], batch: StackedBatch, step: Callable[[Module, Any], Any]) -> str | None:
-    """Why `step` cannot run stacked, or `None`: one [`vmapped_steps`][lightning_decentral.simulation.vectorized.vmapped_steps]
-    of `batch` without gradients, over stacked copies of the workers' trainable parameters and buffers, on a scratch
-    copy of worker 0's module, every random generator put back after it: the workers' parameters, buffers (BatchNorm's
-    `num_batches_tracked` too), attributes, metric objects, optimizer and random states stay as they were.
+    """Why `step` cannot run stacked, or `None`: one
+    [`vmapped_steps`][lightning_decentral.simulation.vectorized.vmapped_steps] of `batch` without gradients, over
+    stacked copies of the workers' trainable parameters and buffers, on a scratch copy of worker 0's module, every
+    random generator put back after it: the workers' parameters, buffers (BatchNorm's `num_batches_tracked` too),
+    attributes, metric objects, optimizer and random states stay as they were.
 
     Examples:
         >>> nets = [torch.nn.BatchNorm1d(2) for _ in range(2)]
@@ -391,7 +395,8 @@ class StackedWorkers(WorkerGroup):
         return self._per_element_state(lambda rows: rows.mean(0))
 
     def _per_element_state(self, of_rows: Callable[[Tensor], Tensor]) -> dict[str, Any]:
-        """The optimizer `state_dict` with `of_rows(v)` in place of every per-element state tensor `v` (a row a worker)."""
+        """The optimizer `state_dict` with `of_rows(v)` in place of every per-element state tensor `v` (a row a
+        worker)."""
         state, shapes = self.optimizer.state_dict(), self._parameter_shapes()
         mapped = {
             key: {name: of_rows(v) if _per_element(name, v, shapes[key]) else v for name, v in values.items()}
@@ -420,7 +425,8 @@ class StackedWorkers(WorkerGroup):
         self.rules[0].load_state_dict(_stacked_rows(states) if all(states) else {})
 
     def load_optimizer_states(self, states: list[dict[str, Any]]) -> None:
-        """The stacked optimizer state from each worker's optimizer `state_dict` (per-element entries stacked as rows)."""
+        """The stacked optimizer state from each worker's optimizer `state_dict` (per-element entries stacked as
+        rows)."""
         shapes = self._parameter_shapes()
         stacked = {
             key: {
@@ -454,7 +460,8 @@ def _stacked_rows(states: list[Any]) -> Any:
     """The inverse of taking rows with `_rows`: every one-dimensional tensor is the workers' rows, concatenated.
 
     Examples:
-        >>> _stacked_rows([{"anchor": [torch.tensor([1.0, 2.0])], "step": 3}, {"anchor": [torch.tensor([3.0, 4.0])], "step": 3}])
+        >>> _stacked_rows([{"anchor": [torch.tensor([1.0, 2.0])], "step": 3},
+        ...                {"anchor": [torch.tensor([3.0, 4.0])], "step": 3}])
         {'anchor': [tensor([1., 2., 3., 4.])], 'step': 3}
     """
     first = states[0]

@@ -4,8 +4,8 @@ what the monitors and checkpoints need of them (their data: [`simulation.data`][
 [`SimulatedDecentralizedStrategy`][lightning_decentral.SimulatedDecentralizedStrategy] holds one
 [`WorkerGroup`][lightning_decentral.simulation.workers.WorkerGroup] (these
 [`SimulatedWorkers`][lightning_decentral.simulation.workers.SimulatedWorkers], or the vectorized
-[`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers]) and drives it from Lightning's hooks; worker
-0's module is the LightningModule itself.
+[`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers]) and drives it from Lightning's hooks;
+worker 0's module is the LightningModule itself.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ class WorkerGroup:
     (worker `i`'s module holds its replica) and optimizer states.
 
     [`SimulatedWorkers`][lightning_decentral.simulation.workers.SimulatedWorkers] keeps every worker apart;
-    [`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers] keeps worker `i`'s tensors as row `i` of
-    stacked ones and runs them together.
+    [`StackedWorkers`][lightning_decentral.simulation.vectorized.StackedWorkers] keeps worker `i`'s tensors as row `i`
+    of stacked ones and runs them together.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -154,7 +154,8 @@ class WorkerGroup:
         return out
 
     def mix(self, step: int, rounds: int) -> None:
-        """`x <- W(step)^rounds x` for every worker's parameters and mixed buffers, now (every worker posts, then waits)."""
+        """`x <- W(step)^rounds x` for every worker's parameters and mixed buffers, now (every worker posts, then
+        waits)."""
         pending = [rule.mixer.start(rule.replica.mixed, step, rounds) for rule in self.rules]
         for exchange in pending:
             exchange.wait()
@@ -450,8 +451,8 @@ def checked_failures(
     steps_ok = all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in failures)
     if not steps_ok or not all(isinstance(w, int) and 0 <= w < workers for w in lost) or len(set(lost)) != len(lost):
         raise ValueError(
-            f"`failures` maps an optimizer step (an integer >= 0) to the workers that die there (ranks in [0, {workers}), "
-            f"each at most once), e.g. {{20: [2]}}; got {failures!r}."
+            "`failures` maps an optimizer step (an integer >= 0) to the workers that die there (ranks in [0, "
+            f"{workers}), each at most once), e.g. {{20: [2]}}; got {failures!r}."
         )
     if len(lost) >= workers:
         raise ValueError(f"`failures` loses all {workers} workers; at least one must survive.")

@@ -195,7 +195,8 @@ class Topology:
             >>> from lightning_decentral.topology import MatrixTopology, Ring
             >>> Ring(world_size=5).for_members([0, 1, 3, 4])
             Ring(world_size=4)
-            >>> path = MatrixTopology([[0.5, 0.5, 0, 0], [0.5, 0.25, 0.25, 0], [0, 0.25, 0.5, 0.25], [0, 0, 0.25, 0.75]])
+            >>> path = MatrixTopology([[0.5, 0.5, 0, 0], [0.5, 0.25, 0.25, 0],
+            ...                        [0, 0.25, 0.5, 0.25], [0, 0, 0.25, 0.75]])
             >>> print(path.for_members([0, 1, 2]).mixing(0))  # the path 0-1-2: Metropolis-Hastings weights
             [[0.66666667 0.33333333 0.        ]
              [0.33333333 0.33333333 0.33333333]

@@ -21,7 +21,8 @@ class Level(NamedTuple):
     parts: list[Topology]
 
     def matrix(self, step: int, world_size: int) -> np.ndarray:
-        """The level's `n x n` mixing matrix at `step`: each group's `W(step)` on its ranks, 1 for a rank in no group."""
+        """The level's `n x n` mixing matrix at `step`: each group's `W(step)` on its ranks, 1 for a rank in no
+        group."""
         w = np.eye(world_size)
         for group, part in zip(self.groups, self.parts):
             w[np.ix_(group, group)] = part.mixing(step)
@@ -107,7 +108,7 @@ class Hierarchical(Topology, name="hierarchical"):
     @property
     def node_sizes(self) -> tuple[int, ...]:
         """The ranks of each node, nodes in rank order (`(m,) * N` until a rank leaves its node)."""
-        self.world_size  # raises if unbound
+        _ = self.world_size  # raises if unbound
         return tuple(len(node) for node in self._nodes)
 
     @property
@@ -126,7 +127,7 @@ class Hierarchical(Topology, name="hierarchical"):
     def levels(self) -> list[Level]:
         """The two exchanges of one round, in order: inside each node (`groups`: the nodes), then across nodes
         (`groups`: the ranks of local rank `l`, for each `l`). Groups of one rank are left out."""
-        self.world_size  # raises if unbound
+        _ = self.world_size  # raises if unbound
         return self._levels
 
     def _on_bind(self, world_size: int) -> None:
@@ -149,7 +150,7 @@ class Hierarchical(Topology, name="hierarchical"):
         inner = _part("inner", self.inner, m, "ranks per node")
         outer = _part("outer", self.outer, n // m, "nodes")
         self._nodes = [list(range(a * m, (a + 1) * m)) for a in range(n // m)]
-        across = [list(range(l, n, m)) for l in range(m)]
+        across = [list(range(local, n, m)) for local in range(m)]
         self._levels = [Level(self._nodes, [inner] * len(self._nodes)), Level(across, [outer] * m)]
         self._levels = [Level(*_without_singles(level)) for level in self._levels]
 

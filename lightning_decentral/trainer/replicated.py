@@ -109,7 +109,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     def _mean(self, what: str, label: str | None = None) -> MeanFn | None:
         """The mean over the ranks (`Ranks.mean`, naming `what` if a rank fails meanwhile); `None` on one rank. With
-        a `label`, during fit, one that the saves of a step share ([`ReusedMeans`][lightning_decentral.trainer.reuse.ReusedMeans])."""
+        a `label`, during fit, one that the saves of a step share
+        ([`ReusedMeans`][lightning_decentral.trainer.reuse.ReusedMeans])."""
         if self.world_size == 1 or self.lightning_module is None:
             return None
         if label is not None and self._step_saves is not None:
@@ -118,8 +119,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica; every launcher
-        gives Lightning a dangling `last.ckpt` link for `fit(ckpt_path="last")` ([`ResolvesLast`][lightning_decentral.trainer.resume.ResolvesLast])."""
+        """Runs when the Trainer is built: a spawn or fork launcher hands back `x̄`, not rank 0's replica; every
+        launcher gives Lightning a dangling `last.ckpt` link for `fit(ckpt_path="last")`
+        ([`ResolvesLast`][lightning_decentral.trainer.resume.ResolvesLast])."""
         super()._configure_launcher()
         if isinstance(self._launcher, MultiProcessingLauncher):
             self._launcher = _AveragingLauncher(self, start_method=self._start_method)
@@ -135,10 +137,10 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             ):
                 raise ValueError(
                     "ModelCheckpoint(save_last='link') does not go with saves in the background (AsyncCheckpointIO): "
-                    "Lightning links last.ckpt to a checkpoint still being written, so a failure meanwhile leaves a link "
-                    "to no file, which fit(ckpt_path='last') does not find (a restarted job would start from step 0). "
-                    "Use save_last=True with AsyncCheckpointIO, or save_last='link' with synchronous saves (drop the "
-                    "AsyncCheckpointIO plugin)."
+                    "Lightning links last.ckpt to a checkpoint still being written, so a failure meanwhile leaves a "
+                    "link to no file, which fit(ckpt_path='last') does not find (a restarted job would start from "
+                    "step 0). Use save_last=True with AsyncCheckpointIO, or save_last='link' with synchronous saves "
+                    "(drop the AsyncCheckpointIO plugin)."
                 )
             super().setup(trainer)  # calls configure_ddp, then builds the optimizers
             return
@@ -282,8 +284,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         """Runs when a checkpoint is saved, on every rank: each writes its shard, then rank 0 the checkpoint
         file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]), atomically unless a
         `CheckpointIO` of your own writes it ([`with_atomic_writes`][lightning_decentral.files.with_atomic_writes]).
-        Under `AsyncCheckpointIO`, in the background after a copy; the first save of a step waits for those of earlier steps (so at most one
-        step's saves are in flight, and a failed one raises at the same save on every rank)."""
+        Under `AsyncCheckpointIO`, in the background after a copy; the first save of a step waits for those of earlier
+        steps (so at most one step's saves are in flight, and a failed one raises at the same save on every rank)."""
         if self._writer is not None:
             self._finish_earlier_saves()
             write_file = functools.partial(self._write_file, filepath=filepath, storage_options=storage_options)
@@ -382,8 +384,9 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             self.driver.copies.load(shard.get("gossip"))
 
     def _shard_parts(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
-        """This rank's part of `checkpoint`, its shard but the save id ([`make_shard`][lightning_decentral.checkpoint.make_shard]):
-        its own replica, optimizer, precision-plugin, step, RNG, rule and gossip state (live: not copied)."""
+        """This rank's part of `checkpoint`, its shard but the save id
+        ([`make_shard`][lightning_decentral.checkpoint.make_shard]): its own replica, optimizer, precision-plugin, step,
+        RNG, rule and gossip state (live: not copied)."""
         weights_only = "optimizer_states" not in checkpoint
         return dict(
             state_dict=self._averaged.own_state_dict(self.lightning_module),

@@ -6,11 +6,12 @@ A checkpoint is *complete* when every rank can read its file and its own shard o
 replica resumes exactly. A rank reads its shard as the resume would, but maps the tensors from the file instead of
 reading them (`torch.load(mmap=True)`, local files): the archive's index at the end of the file (a truncated shard has
 none), the pickled structure, and the shard's save id and rank. That costs milliseconds however large the shard;
-what it does not see is a damaged byte inside a tensor's data, which no check short of reading every byte would. Each rank can only look for its own shard (the ranks of different nodes need not share a
-filesystem), so the ranks decide together, from all-gathers of integers: first about the checkpoint named; only if
-it is not complete, about every checkpoint in its directory, each known by the random `save_id` its file records.
-A checkpoint saved by another number of ranks is taken as it is (the job was resized on purpose: every replica
-restarts from `x̄`), as is one saved without shards.
+what it does not see is a damaged byte inside a tensor's data, which no check short of reading every byte would. Each
+rank can only look for its own shard (the ranks of different nodes need not share a filesystem), so the ranks decide
+together, from all-gathers of integers: first about the checkpoint named; only if it is not complete, about every
+checkpoint in its directory, each known by the random `save_id` its file records. A checkpoint saved by another number
+of ranks is taken as it is (the job was resized on purpose: every replica restarts from `x̄`), as is one saved without
+shards.
 
 `fit(ckpt_path="last")` is resolved by Lightning before the strategy sees it, to the newest `last*.ckpt` that exists,
 and to nothing (a start from step 0) when the only one is a link whose file is gone (`ModelCheckpoint(save_last=

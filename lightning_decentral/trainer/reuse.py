@@ -218,7 +218,8 @@ class StepShards:
         >>> shards.remember(shard, 7, "a.ckpt.shards/rank-00000-of-00001.7.pt")
         >>> shards.same_as({**shard, "save_id": 0, "rng": {"torch": torch.ones(2)}})
         (7, 'a.ckpt.shards/rank-00000-of-00001.7.pt')
-        >>> shards.same_as({**shard, "rng": {"torch": torch.zeros(2)}}), shards.same_as({**shard, "strategy": {"step": 4}})
+        >>> (shards.same_as({**shard, "rng": {"torch": torch.zeros(2)}}),
+        ...  shards.same_as({**shard, "strategy": {"step": 4}}))
         (None, None)
         >>> _ = w.add_(1); shards.same_as(shard) is None
         True

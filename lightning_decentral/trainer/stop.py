@@ -86,8 +86,8 @@ class StopAgreement:
             return False
         if step > self.stop_step:
             raise RuntimeError(
-                f"Step {step} is past the step {self.stop_step} every rank agreed to stop at after a SIGTERM: the ranks "
-                f"were more than {self.margin} steps apart. This is a bug of lightning_decentral's stop margin; "
+                f"Step {step} is past the step {self.stop_step} every rank agreed to stop at after a SIGTERM: the "
+                f"ranks were more than {self.margin} steps apart. This is a bug of lightning_decentral's stop margin; "
                 "please report it with the topology and staleness."
             )
         return step == self.stop_step

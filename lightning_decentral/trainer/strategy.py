@@ -62,8 +62,8 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     * `combine="atc"`: `x_i(k+1) = Σ_j w_ij(k) U(x_j(k), g_j)`.
     * `momentum="decentlam"`: `z_j = x_j − γ g_j`, `g̃_i = (x_i − Σ_j w_ij z_j) / γ`,
       `x_i(k+1) = U(x_i(k), g̃_i)`; each bucket of `z` is exchanged as soon as its gradients exist.
-    * `outer_optimizer=...` with `gossip_every=H`: `H` local steps of `U`, then `θ_i <- OuterOpt(θ_i, θ_i − Σ_j w_ij x_j)`
-      and `x_i <- θ_i`; DiLoCo on `topology="complete"`.
+    * `outer_optimizer=...` with `gossip_every=H`: `H` local steps of `U`, then
+      `θ_i <- OuterOpt(θ_i, θ_i − Σ_j w_ij x_j)` and `x_i <- θ_i`; DiLoCo on `topology="complete"`.
 
     Args:
         **options: the update-rule arguments, keyword only: `topology`, `combine`, `momentum`, `gossip_every`,
@@ -126,7 +126,8 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         gossip = gossip_options(type(self).__name__, **options)
         if rejoin and gossip.on_peer_failure != "continue":
             raise ValueError(
-                "rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue' with it."
+                "rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue' with "
+                "it."
             )
         super().__init__(
             resume=resume,
@@ -165,8 +166,8 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         plugins, then bind the topology (`OnProcesses`)."""
         if self.options.on_peer_failure == "continue" and isinstance(self.checkpoint_io, AsyncCheckpointIO):
             raise ValueError(
-                "on_peer_failure='continue' does not save in the background (AsyncCheckpointIO): its writer averages on a "
-                "process group of every rank, which a failure breaks. Drop the AsyncCheckpointIO plugin, or use "
+                "on_peer_failure='continue' does not save in the background (AsyncCheckpointIO): its writer averages "
+                "on a process group of every rank, which a failure breaks. Drop the AsyncCheckpointIO plugin, or use "
                 "on_peer_failure='stop' (a restart resumes from the newest complete checkpoint)."
             )
         super()._configure_launcher()
@@ -329,7 +330,8 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Runs when a checkpoint is saved, on every rank, first: `x̄`'s state dict (`ReplicaStrategy`'s); in the steps
-        the survivors of a failure take alone, once they made their process group ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
+        the survivors of a failure take alone, once they made their process group
+        ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
         form_for_save(self.survivors)
         return super().lightning_module_state_dict()
 
