@@ -41,8 +41,11 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
     """Fabric's decentralized data-parallel strategy: each rank keeps its own replica and gossips it.
 
     The update rules and their arguments are those of the Trainer's
-    [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] (keyword only: the fields of
-    [`GossipOptions`][lightning_decentral.options.GossipOptions]); the others (`accelerator`, `parallel_devices`,
+    [`DecentralizedStrategy`][lightning_decentral.DecentralizedStrategy] (keyword only, the fields of
+    [`GossipOptions`][lightning_decentral.options.GossipOptions], which describes each: `topology`, `combine`,
+    `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`, `gossip_dtype`,
+    `staleness`, `delays`, `on_peer_failure`, `min_workers`, `outer_optimizer`, `outer_overlap`, `compression`,
+    `consensus_step`; `rejoin=True` is the Trainer's only); the others (`accelerator`, `parallel_devices`,
     `cluster_environment`, `checkpoint_io`, `precision`, `process_group_backend`, `timeout`, `start_method`) are
     `lightning.fabric.strategies.DDPStrategy`'s (`timeout`, 5 minutes unless given, bounds every exchange: a dead or
     silent rank ends the others within it, and ranks that call different collectives, `fabric.load` on one and a step on

@@ -78,8 +78,10 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             `workers`), `combine`, `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`
             (`"local"`: worker 0's replica), `bucket_cap_mb` (it changes nothing here but the grouping), `gossip_dtype`
             (what the workers exchange is rounded as the processes would send it), `staleness` and `delays` (the
-            processes under the same `delays` give the same replicas; `None`: `τ = k`). A lost worker is
-            `failures=`, not `on_peer_failure`.
+            processes under the same `delays` give the same replicas; `None`: `τ = k`), `outer_optimizer` and
+            `outer_overlap` (not `outer_overlap` with `failures`), `compression` and `consensus_step` (the workers kept
+            apart, without `failures`). `on_peer_failure` must stay `"stop"` and `min_workers` is only checked
+            against `workers`: a lost worker is `failures=`.
         vectorize: `"auto"` (the default): stack the workers when stacking gives the per-worker result (an
             elementwise optimizer, no dropout layer, no hook that sees one worker's batch or gradients, a DataLoader
             with a `batch_size`; see [`stacking_problem`][lightning_decentral.simulation.vectorized.stacking_problem]),

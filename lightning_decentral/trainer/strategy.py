@@ -68,9 +68,9 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     Args:
         **options: the update-rule arguments, keyword only: `topology`, `combine`, `momentum`, `gossip_every`,
             `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`, `gossip_dtype`, `staleness`, `delays`,
-            `on_peer_failure`, `min_workers`, `outer_optimizer`, `outer_overlap`
-            ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes
-            each); a misspelled name is a `TypeError`.
+            `on_peer_failure`, `min_workers`, `outer_optimizer`, `outer_overlap`, `compression`, `consensus_step`
+            ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes each;
+            `tests/test_options_docs.py` checks this list against it); a misspelled name is a `TypeError`.
         resume: what `fit(ckpt_path=...)` resumes from: `"checkpoint"`, the checkpoint it names (`"last"` as Lightning
             resolves it); `"newest_complete"`, that one if every rank can read it and finds its shard, else the newest
             such checkpoint in its directory, with one warning naming both (for a job restarted after a failure:
