@@ -89,7 +89,7 @@ def test_decentlam(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_compression_sends_a_32nd_of_the_bytes(tmp_path: Path) -> None:
+def test_compression_cuts_the_bytes_25_fold(tmp_path: Path) -> None:
     from examples.digits import DigitsCNN
 
     out = fit(tmp_path, "digits_dpsgd.yaml", "--config", "examples/recipes/compression.yaml", *TWO_WORKERS_ONE_EPOCH)
