@@ -94,7 +94,8 @@ def main() -> None:
     survived = ", ".join(
         f"{type(d).__name__} at step {d.step} (members {list(d.members)})" for d in strategy.failures_survived
     )
-    print(f"worker {os.environ['RANK']}: ended at step {trainer.global_step} among {trainer.world_size}; {survived}")
+    ended = f"worker {os.environ['RANK']}: ended at step {trainer.global_step} among {trainer.world_size}; {survived}\n"
+    print(ended, end="", flush=True)  # one write with its newline: the workers share the terminal
 
 
 if __name__ == "__main__":
