@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

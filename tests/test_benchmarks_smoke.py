@@ -11,6 +11,8 @@ import pytest
 
 from tests.helpers import benchmarks_harness
 
+pytestmark = pytest.mark.slow  # every test here runs a benchmark script in processes of its own
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

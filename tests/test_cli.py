@@ -114,6 +114,7 @@ class TinyData(LightningDataModule):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_user_module_on_pythonpath_trains(tmp_path: Path) -> None:
     """The console command, a model and data from the user's own module on PYTHONPATH, run elsewhere."""
@@ -374,6 +375,7 @@ trainer:
 """
 
 
+@pytest.mark.slow
 def test_an_outer_optimizer_in_yaml_reaches_the_strategy_and_trains(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -200,6 +200,7 @@ def _class(module: ModuleType, dotted: str | None) -> type | None:
     return found if inspect.isclass(found) else None
 
 
+@pytest.mark.slow
 def test_no_module_reaches_a_private_name_of_torch_or_lightning_outside_compat() -> None:
     """Outside `_compat`, a private name is the package's own; or a member a class inherits from a torch, Lightning
     or torchmetrics base (one it overrides, or uses on itself), declared in `_compat.lightning.INHERITED_NAMES`."""

@@ -15,6 +15,8 @@ from tests import compression_workers
 from tests.compression_workers import Bytes, drive, worker_buffers
 from tests.helpers import benchmarks_harness, run_distributed
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 WORLD = 4
 CASES = [
     ("ring", "sign", 6, 1),

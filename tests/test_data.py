@@ -104,6 +104,7 @@ def test_alpha_of_any_real_kind_is_taken_and_labels_that_are_not_whole_are_refus
             dirichlet_shards(labels, 2, 1.0)
 
 
+@pytest.mark.slow
 def test_simulated_worker_i_and_rank_i_train_on_the_same_samples(monkeypatch) -> None:
     """4 gloo processes, each building its sampler in train_dataloader; 4 simulated workers; 2 epochs."""
     world = 4

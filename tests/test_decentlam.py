@@ -42,6 +42,7 @@ def trained() -> list[dict[str, torch.Tensor]]:
     return run_distributed(workers.fit_configs, WORLD, configs=[*CONFIGS, BETA0, ATC_SGD])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_every_rank_matches_the_dense_reference(trained, config: Config) -> None:
     expected = reference.run(config, WORLD)
@@ -52,12 +53,14 @@ def test_every_rank_matches_the_dense_reference(trained, config: Config) -> None
     assert (expected[0] - expected[1]).abs().max() > 1e-4
 
 
+@pytest.mark.slow
 def test_beta_zero_is_atc_dpsgd_with_plain_sgd(trained) -> None:
     for rank in range(WORLD):
         torch.testing.assert_close(trained[rank][BETA0.name], trained[rank][ATC_SGD.name], atol=1e-6, rtol=0)
     torch.testing.assert_close(reference.run(BETA0, WORLD), reference.run(ATC_SGD, WORLD), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_complete_topology_is_ddp_with_momentum_sgd() -> None:
     ddp = run_distributed(workers.fit_ddp, WORLD, config=COMPLETE)
     ours = run_distributed(workers.fit_configs, WORLD, configs=[COMPLETE])
@@ -90,6 +93,7 @@ def test_decentlam_removes_the_momentum_amplified_bias() -> None:
     assert dmsgd >= 3 * dsgd
 
 
+@pytest.mark.slow
 def test_gradients_are_sent_during_backward() -> None:
     config = decentlam("buckets", optimizer={"lr": 0.05, "momentum": 0.9}, bucket_cap_mb=1e-4, steps=3)
     results = run_distributed(workers.decentlam_steps, 2, config=config, scaler=False)
@@ -97,6 +101,7 @@ def test_gradients_are_sent_during_backward() -> None:
     assert all(min(r["posted_in_backward"]) >= 3 for r in results)
 
 
+@pytest.mark.slow
 def test_a_grad_scaler_skip_is_taken_by_every_rank_alike() -> None:
     config = decentlam("scaler", optimizer={"lr": 0.05, "momentum": 0.9}, steps=5)
     results = run_distributed(workers.decentlam_steps, WORLD, config=config, scaler=True, bad_rank=1)
@@ -108,6 +113,7 @@ def test_a_grad_scaler_skip_is_taken_by_every_rank_alike() -> None:
     assert results[0]["scales"][2] < results[0]["scales"][1]
 
 
+@pytest.mark.slow
 def test_other_optimizers_run_with_one_warning() -> None:
     config = decentlam("adam", optimizer={"name": "adam", "lr": 0.01}, steps=3)
     results = run_distributed(workers.decentlam_steps, 2, config=config, scaler=False)

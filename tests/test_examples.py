@@ -45,6 +45,7 @@ def first_and_last_errors(stderr: str) -> str:
     return (stderr[first : first + 4000] + "\n[...]\n" if first >= 0 else "") + stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)  # 4 processes; the suite may share the cores with other work
 def test_quickstart_reaches_90_percent_and_says_where_logs_and_plots_are(tmp_path: Path) -> None:
     out = fit(tmp_path, "digits_dpsgd.yaml")  # README command 1, verbatim
@@ -61,6 +62,7 @@ def test_quickstart_reaches_90_percent_and_says_where_logs_and_plots_are(tmp_pat
         assert (tmp_path / plots.group(1) / name).stat().st_size > 0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config", ["digits_decentlam.yaml", "digits_ddp.yaml"])
 def test_digits_config_trains_a_few_steps(tmp_path: Path, config: str) -> None:
@@ -79,6 +81,7 @@ def test_docs_topology_table_is_what_the_code_computes() -> None:
     )
 
 
+@pytest.mark.slow
 def test_simulated_config_trains_in_this_process(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -107,6 +110,7 @@ def test_simulated_config_trains_in_this_process(
     assert "Validation of the averaged model x̄" in out
 
 
+@pytest.mark.slow
 def test_digits_datamodule_gives_each_worker_a_dirichlet_shard(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

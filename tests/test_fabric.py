@@ -84,6 +84,7 @@ def trained() -> list[dict[str, torch.Tensor]]:
     return run_distributed(fabric_workers.fit_configs, WORLD, configs=CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_every_rank_matches_the_dense_reference(trained: list[dict[str, torch.Tensor]], config: Config) -> None:
     expected = reference.assert_every_rank_matches(trained, config, WORLD)
@@ -106,6 +107,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[di
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RESUME))
 def test_load_resumes_every_replica_bit_for_bit(resumed: dict, name: str) -> None:
     results, _ = resumed[name]
@@ -114,6 +116,7 @@ def test_load_resumes_every_replica_bit_for_bit(resumed: dict, name: str) -> Non
         assert torch.equal(result["resumed"], result["full"]), f"rank {rank}"
 
 
+@pytest.mark.slow
 def test_data_order_in_the_state_resumes_a_shuffled_loop_bit_for_bit(tmp_path: Path) -> None:
     results = run_distributed(fabric_workers.resume_shuffled, 2, root=str(tmp_path))
     for rank, result in enumerate(results):
@@ -121,6 +124,7 @@ def test_data_order_in_the_state_resumes_a_shuffled_loop_bit_for_bit(tmp_path: P
         assert (result["order=False"] - result["full"]).abs().max() > 1e-4  # without it: epoch 0's order again
 
 
+@pytest.mark.slow
 def test_saved_file_holds_the_average_and_loads_into_a_plain_module(resumed: dict) -> None:
     results, root = resumed["awc"]
     checkpoint = torch.load(root / "half.ckpt", weights_only=True)
@@ -133,6 +137,7 @@ def test_saved_file_holds_the_average_and_loads_into_a_plain_module(resumed: dic
     assert checkpoint[META_KEY]["world_size"] == WORLD
 
 
+@pytest.mark.slow
 def test_other_world_size_resumes_from_the_average_with_one_warning(resumed: dict) -> None:
     results, root = resumed["awc"]
     mean = torch.stack([r["half"] for r in results]).mean(0)
@@ -146,6 +151,7 @@ def test_other_world_size_resumes_from_the_average_with_one_warning(resumed: dic
     assert "saved by 4 ranks and this run has 2" in loaded[0]["warnings"][0]
 
 
+@pytest.mark.slow
 def test_a_trainer_checkpoint_loads_into_fabric_with_its_shards(tmp_path: Path) -> None:
     """The LightningModule itself, and the ``nn.Sequential`` it held as ``self.net``: as is, no key matches and the
     load fails naming them and the prefix, restoring nothing (before, it loaded nothing and set the step to 6);
@@ -170,6 +176,7 @@ def monitored() -> list[dict[str, Any]]:
     return run_distributed(fabric_workers.evaluate_and_monitor, WORLD, config=Config("monitor", optimizer=MOMENTUM))
 
 
+@pytest.mark.slow
 def test_averaged_model_swaps_in_the_average_and_restores_every_replica(monitored: list[dict[str, Any]]) -> None:
     replicas = torch.stack([r["replica"] for r in monitored])
     for result in monitored:
@@ -182,6 +189,7 @@ def test_averaged_model_swaps_in_the_average_and_restores_every_replica(monitore
         )
 
 
+@pytest.mark.slow
 def test_consensus_distance_is_that_of_the_replicas(monitored: list[dict[str, Any]]) -> None:
     replicas = torch.stack([r["replica"] for r in monitored]).double()
     distance = (replicas - replicas.mean(0)).square().sum(1).mean().sqrt()
@@ -194,6 +202,7 @@ def test_consensus_distance_is_that_of_the_replicas(monitored: list[dict[str, An
         assert float(consensus["consensus/residual"]) > 0
 
 
+@pytest.mark.slow
 def test_effective_learning_rate_is_the_callbacks_formula(monitored: list[dict[str, Any]]) -> None:
     """α_e / γ = ⟨ḡ_loc, g(x̄)⟩ / ‖g(x̄)‖², recomputed densely from every rank's replica and batch."""
     mean = torch.stack([r["before_step"] for r in monitored]).mean(0)
@@ -214,11 +223,13 @@ def test_effective_learning_rate_is_the_callbacks_formula(monitored: list[dict[s
         torch.testing.assert_close(result["lr"]["noise/decentralized"], (local - g).norm(), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_schedule_by_epoch_asks_the_loop_for_set_epoch() -> None:
     (error,) = run_distributed(fabric_workers.schedule_by_epoch_without_set_epoch, 1)
     assert "call `fabric.strategy.set_epoch(epoch)` at the start of every epoch" in error
 
 
+@pytest.mark.slow
 def test_bad_setups_name_the_fix() -> None:
     errors = run_distributed(fabric_workers.bad_setups, 2)[0]
     assert "exactly one optimizer" in errors["two_optimizers"]
@@ -226,11 +237,13 @@ def test_bad_setups_name_the_fix() -> None:
     assert "one module per Fabric" in errors["second_model"]
 
 
+@pytest.mark.slow
 def test_setup_dataloaders_shards_the_data_over_the_ranks() -> None:
     indices = run_distributed(fabric_workers.distributed_sampler, 2)
     assert sorted(indices[0] + indices[1]) == list(range(16)) and not set(indices[0]) & set(indices[1])
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None:
     stamp, timeout = tmp_path / "killed_at", 15.0
     with tempfile.TemporaryDirectory() as out:
@@ -247,6 +260,7 @@ def test_a_killed_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> No
     assert result["stopped_at"] - float(stamp.read_text()) < timeout + 10
 
 
+@pytest.mark.slow
 def test_the_gpt_example_trains_evaluates_on_the_average_saves_and_resumes(tmp_path: Path) -> None:
     from examples.fabric_gpt import GPT
 
@@ -278,6 +292,7 @@ def test_the_gpt_example_trains_evaluates_on_the_average_saves_and_resumes(tmp_p
     assert (tmp_path / "logs" / "version_0" / "metrics.csv").is_file()
 
 
+@pytest.mark.slow
 def test_the_loop_of_the_fabric_docs_runs_as_written(tmp_path: Path) -> None:
     """The first code block of docs/fabric.md is a complete program: it trains, evaluates x̄ and saves."""
     page = (Path(__file__).parents[1] / "docs" / "fabric.md").read_text()
@@ -289,6 +304,7 @@ def test_the_loop_of_the_fabric_docs_runs_as_written(tmp_path: Path) -> None:
     torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)).load_state_dict(saved)
 
 
+@pytest.mark.slow
 def test_effective_learning_rate_replays_the_dropout_masks_of_the_training_forwards() -> None:
     """With dropout and 2 micro-batches per step: `effective_lr_metrics` equals g(x̄) computed densely here with
     each micro-batch's forward run from the random state its training forward started from (the callback's
@@ -325,6 +341,7 @@ def test_effective_learning_rate_replays_the_dropout_masks_of_the_training_forwa
         assert "micro-batches, in order" in result["too_few"]
 
 
+@pytest.mark.slow
 def test_a_fabric_checkpoint_converted_by_to_trainer_checkpoint_resumes_every_replica_under_the_trainer(
     tmp_path: Path,
 ) -> None:
@@ -348,6 +365,7 @@ def test_a_fabric_checkpoint_converted_by_to_trainer_checkpoint_resumes_every_re
         assert not after["warnings"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("momentum", ["local", "decentlam"])
 def test_trains_under_bf16_mixed_precision(momentum: str) -> None:
     """Autocast forward, float32 replicas and optimizer state: the loop trains and the replicas differ."""
@@ -358,12 +376,14 @@ def test_trains_under_bf16_mixed_precision(momentum: str) -> None:
     assert all(r["step"] == 6 and r["dtype"] == "torch.float32" for r in results)
 
 
+@pytest.mark.slow
 def test_ranks_with_another_configuration_stop_at_setup() -> None:
     messages = run_distributed(fabric_workers.disagreeing_setup, 2)
     for message in messages:
         assert "do not run the same configuration" in message and "combine" in message, message
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_stops_before_it_reaches_a_neighbour() -> None:
     """The rank holding the NaN raises before sending (naming itself and the step); its neighbour then
     stops with the gossip error instead of mixing the NaN in."""
@@ -384,6 +404,7 @@ def test_a_misspelled_argument_is_a_type_error() -> None:
         fabric.DecentralizedStrategy(gossip_step=4)
 
 
+@pytest.mark.slow
 def test_resuming_under_another_update_rule_warns_once(resumed: dict) -> None:
     _, root = resumed["awc"]
     loaded = run_distributed(
@@ -394,6 +415,7 @@ def test_resuming_under_another_update_rule_warns_once(resumed: dict) -> None:
     assert not any(result["error"] for result in loaded)
 
 
+@pytest.mark.slow
 def test_a_shard_of_another_step_than_its_file_is_refused(resumed: dict, tmp_path: Path) -> None:
     """The file says step k + 1, every shard k: no rank resumes a replica from another step than the loop's."""
     import shutil
@@ -410,6 +432,7 @@ def test_a_shard_of_another_step_than_its_file_is_refused(resumed: dict, tmp_pat
         assert f"saved at step {saved} but the checkpoint's loops are at {saved + 1}" in result["error"], result
 
 
+@pytest.mark.slow
 def test_save_average_and_load_between_forward_and_backward_raise_naming_where_to_call_them(tmp_path: Path) -> None:
     """Before, `fabric.save` there swapped x̄ into the parameters the backward needed: both ranks died with autograd's
     "modified by an inplace operation"."""
@@ -464,6 +487,7 @@ def test_to_trainer_checkpoint_with_a_shard_missing_falls_back_to_the_average_or
     assert not Path(shard_path(str(tmp_path / "node0.ckpt"), 1, 3, 5)).exists()
 
 
+@pytest.mark.slow
 def test_a_rank_that_skips_a_load_stops_every_rank_at_once_naming_what_each_does(tmp_path: Path) -> None:
     """Before, rank 0 waited in the load's all-gather and rank 1 in its exchange until the timeout (30 minutes)."""
     timeout = 60.0

@@ -40,6 +40,7 @@ trainer.fit(Regression(), loader(rank, 64, 8), ckpt_path=resume)
 """
 
 
+@pytest.mark.slow
 def test_a_rank_dies_where_the_plan_says_once_though_the_restart_begins_that_step_again(tmp_path: Path) -> None:
     """2 ranks under `torchrun --max-restarts 1`, a checkpoint every 2 steps, `FaultPlan(kill={5: [1]})`: rank 1
     dies when step 5 begins; torchrun starts both again from step 4, step 5 begins again and nobody dies (a second

@@ -9,6 +9,8 @@ from tests import gossip_workers
 from tests.helpers import run_distributed
 from tests.reference import mixing
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 WORLD = 4
 
 

@@ -119,6 +119,7 @@ def engine() -> list[dict[str, Any]]:
     return run_distributed(engine_checks, WORLD)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "transport"), TRANSPORTED)
 def test_engine_round_is_the_error_feedback_rule(engine: list[dict[str, Any]], name: str, transport: str) -> None:
     key = f"{name}-{transport}"
@@ -144,6 +145,7 @@ def test_engine_round_is_the_error_feedback_rule(engine: list[dict[str, Any]], n
             assert o[key]["wire_bytes"] == o[key]["bytes_sent"] == 2 * 1000 * (2 if name == "ring" else 1)
 
 
+@pytest.mark.slow
 def test_engine_long_run_keeps_the_mean_and_a_bounded_disagreement(engine: list[dict[str, Any]]) -> None:
     x = torch.stack([o["x"] for o in engine]).double()
     final = torch.stack([o["long"]["final"] for o in engine]).double()
@@ -156,6 +158,7 @@ def test_engine_long_run_keeps_the_mean_and_a_bounded_disagreement(engine: list[
     assert max(distances[20:]) <= max(distances[10:20]) * 1.01 + 1e-12  # it does not grow back
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_trajectory_matches_the_quantized_reference(trained: list[dict[str, torch.Tensor]], config: Config) -> None:
     expected = reference.assert_every_rank_matches(trained, config, WORLD, atol=ATOL)

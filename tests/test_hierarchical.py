@@ -66,6 +66,7 @@ def trained() -> list[dict[str, torch.Tensor]]:
     return run_distributed(workers.fit_configs, WORLD, configs=CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_every_rank_matches_the_dense_reference(trained: list[dict[str, torch.Tensor]], config: Config) -> None:
     expected = reference.assert_every_rank_matches(trained, config, WORLD)

@@ -125,6 +125,7 @@ def _member_until_killed(rank: int, world_size: int, store_port: int) -> None:
     time.sleep(120)
 
 
+@pytest.mark.slow
 def test_a_member_whose_process_is_gone_is_polled_before_the_silence() -> None:
     """Rank 1 is killed (`SIGKILL`) while rank 0 waits for the others (a collective, an agreement on what each rank
     does) and nobody announces anything: once rank 1 has been silent for the confirmation window, its beacon is probed

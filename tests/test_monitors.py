@@ -47,6 +47,7 @@ def _logged(runs: list[dict[str, Any]], scenario: str, name: str) -> list[float]
     return per_rank[0]
 
 
+@pytest.mark.slow
 def test_consensus_distance_and_residual_match_every_replica(runs: list[dict[str, Any]], logs: Path) -> None:
     distance, relative = _logged(runs, "ring", "consensus/distance"), _logged(runs, "ring", "consensus/relative")
     encoder, decoder = (
@@ -80,6 +81,7 @@ def _gradient(x: torch.Tensor, batch: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(net.parameters()))])
 
 
+@pytest.mark.slow
 def test_effective_learning_rate_matches_gradients_at_replicas_and_average(runs: list[dict[str, Any]]) -> None:
     ratio, effective = _logged(runs, "ring", "lr/effective_ratio"), _logged(runs, "ring", "lr/effective")
     noise = _logged(runs, "ring", "noise/decentralized")
@@ -95,6 +97,7 @@ def test_effective_learning_rate_matches_gradients_at_replicas_and_average(runs:
         assert float((local - at_mean).norm()) > 1e-4  # x_i != x̄: the two gradients really differ
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("momentum", ["local", "decentlam"])
 def test_effective_learning_rate_leaves_training_bit_identical(runs: list[dict[str, Any]], momentum: str) -> None:
     """Dropout and BatchNorm, measured every step: parameters, buffers and momentum equal bit for bit."""
@@ -103,6 +106,7 @@ def test_effective_learning_rate_leaves_training_bit_identical(runs: list[dict[s
         assert torch.equal(without, with_callback)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["awc", "atc", "decentlam"])
 def test_consensus_control_keeps_distance_under_target(runs: list[dict[str, Any]], mode: str) -> None:
     target = runs[0]["targets"][mode]
@@ -116,6 +120,7 @@ def test_consensus_control_keeps_distance_under_target(runs: list[dict[str, Any]
         assert distance[k] == pytest.approx(float(_distance(_stack(runs, scenario, "after", k))), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_consensus_control_on_the_proxy_with_a_relative_target_and_until_epoch(runs: list[dict[str, Any]]) -> None:
     rounds = _logged(runs, "proxy", "consensus/gossip_steps")  # equal on every rank
     steps_per_epoch = monitor_workers.STEPS
@@ -125,6 +130,7 @@ def test_consensus_control_on_the_proxy_with_a_relative_target_and_until_epoch(r
     assert runs[0]["proxy_calibration"] is not None
 
 
+@pytest.mark.slow
 def test_plain_ddp_logs_one_model(runs: list[dict[str, Any]]) -> None:
     for name, value in {
         "consensus/distance": 0.0,
@@ -139,6 +145,7 @@ def test_plain_ddp_logs_one_model(runs: list[dict[str, Any]]) -> None:
     assert runs[0]["ddp_warnings"] and "nothing to control" in runs[0]["ddp_warnings"][0]
 
 
+@pytest.mark.slow
 def test_plot_command_writes_pngs_from_the_runs(runs: list[dict[str, Any]], logs: Path, tmp_path: Path) -> None:
     """The entry point of ``python -m lightning_decentral.plot`` (run as a command in tests/test_plot.py)."""
     assert plot.main([str(logs / "ring"), str(logs / "control-awc"), "--out", str(tmp_path)]) == 0
@@ -187,6 +194,7 @@ def test_warns_when_measurements_would_never_be_written(tmp_path: Path) -> None:
     assert not any("EffectiveLearningRate" in str(w.message) for w in caught)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "strategy, expected, unexpected",
     [

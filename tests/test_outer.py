@@ -16,6 +16,7 @@ from lightning_decentral.checkpoint import read_shard, shard_path
 from tests import fabric_workers, outer_reference
 from tests import simulation_workers as sim
 from tests.helpers import assert_resumed_as_straight, run_distributed
+from tests.marks import slow_cases
 from tests.reference import Config
 
 WORLD = 4
@@ -41,6 +42,7 @@ def on_processes() -> list[dict[str, Any]]:
     return run_distributed(sim.fit_processes, WORLD, configs=CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_simulated_workers_equal_the_ranks(
@@ -62,7 +64,7 @@ def _expected(config: Config) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("config", slow_cases(CONFIGS, {"outer_one_peer_batch_norm"}), ids=lambda c: c.name)
 def test_the_simulation_is_the_reference(config: Config, vectorize: bool) -> None:
     simulated = sim.fit_simulated_on_rank_data(config, WORLD, vectorize=vectorize)
     torch.testing.assert_close(simulated.double(), _expected(config), atol=1e-5, rtol=0)
@@ -80,6 +82,7 @@ def test_workers_lost_on_the_way_match_the_reference(failures: dict[int, list[in
     torch.testing.assert_close(simulated.double(), expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_fabric_on_processes_is_the_reference() -> None:
     trained = run_distributed(fabric_workers.fit_configs, WORLD, configs=CONFIGS)
     for config in CONFIGS:
@@ -122,11 +125,13 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["per_worker", "vectorized", "overlap", "processes"])
 def test_a_resume_in_the_middle_of_a_round_is_exact(resumed: dict[str, Any], name: str) -> None:
     assert_resumed_as_straight(resumed[name])
 
 
+@pytest.mark.slow
 def test_the_shards_hold_the_anchor_and_the_outer_momentum(resumed: dict[str, Any]) -> None:
     """Mid-round, the anchor is not the replica: without it in the shard, the resume could not be exact."""
     path = str(resumed["root"] / "per_worker.ckpt")

@@ -23,6 +23,7 @@ from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver
 from tests import outer_reference
 from tests import simulation_workers as sim
 from tests.helpers import assert_resumed_as_straight, run_distributed
+from tests.marks import slow_cases
 from tests.reference import Config
 
 WORLD = 4
@@ -46,7 +47,7 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("config", slow_cases(CONFIGS, {"outer_one_peer_top_k_batch_norm"}), ids=lambda c: c.name)
 def test_the_simulation_is_the_dense_reference(config: Config) -> None:
     simulated = sim.fit_simulated_on_rank_data(config, WORLD)
     expected = outer_reference.decentralized(config, WORLD)
@@ -64,6 +65,7 @@ def on_processes() -> list[dict[str, Any]]:
     return run_distributed(sim.fit_processes, WORLD, configs=CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_the_simulation_equals_the_processes(config: Config, on_processes: list[dict[str, Any]], monkeypatch) -> None:
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
@@ -104,11 +106,13 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["ring", "overlap", "processes"])
 def test_a_resume_in_the_middle_of_a_round_is_bit_for_bit(resumed: dict[str, Any], name: str) -> None:
     assert_resumed_as_straight(resumed[name])
 
 
+@pytest.mark.slow
 def test_the_shards_hold_the_rule_and_the_compressor_state(resumed: dict[str, Any]) -> None:
     path = str(resumed["root"] / "ring.ckpt")
     meta = torch.load(path, weights_only=True)["decentralized_shards"]

@@ -9,10 +9,13 @@ from __future__ import annotations
 import functools
 import tempfile
 
+import pytest
 import torch
 
 from tests import survival_workers as workers
 from tests.test_survivors import _decision, _every_rank_exits
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 OUTER = {"outer_optimizer": functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), "gossip_every": 3}
 

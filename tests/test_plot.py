@@ -53,6 +53,7 @@ def test_plot_runs_writes_one_png_per_quantity(logged: Path, tmp_path: Path) -> 
     assert all(p.stat().st_size > 1000 for p in written)
 
 
+@pytest.mark.slow
 def test_command_line(logged: Path, tmp_path: Path) -> None:
     command = [sys.executable, "-m", "lightning_decentral.plot", str(logged / "tb"), "--out", str(tmp_path / "out")]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -80,6 +80,7 @@ def on_processes() -> list[dict[str, Any]]:
     return run_distributed(sim.fit_processes, WORLD, configs=[PLAIN, OUTER])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [PLAIN, OUTER], ids=lambda c: c.name)
 def test_the_simulation_equals_the_processes(config: Config, on_processes: list[dict[str, Any]], monkeypatch) -> None:
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)

@@ -56,6 +56,7 @@ def _kill_rejoin(tmp_path: Path, world_size: int, dead: int, die_at: int, hold_a
     return results
 
 
+@pytest.mark.slow
 def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: Path) -> None:
     """3 ranks on a ring, momentum SGD, rank 2 killed at step 3; the survivors go on as 2; rank 2 started again asks
     while they wait at step 11: at step 15 (they look every 5 steps) they agree on the join step 20 (the first multiple
@@ -75,6 +76,7 @@ def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: 
     assert apart[2] <= 2 * apart[:2].max(), apart
 
 
+@pytest.mark.slow
 def test_the_launcher_starts_a_killed_worker_again_and_it_rejoins(tmp_path: Path) -> None:
     """`lightning-decentral-launch --max-restarts 1`, 3 workers, rank 1 killed at step 5: the launcher starts it again;
     once it asks to rejoin (the others wait at step 10 until then), it rejoins, and all three end at step 30 as 3
@@ -144,6 +146,7 @@ def _launch_toy(tmp_path: Path, script: str, workers: int, restarts: int) -> sub
     return subprocess.run(command, capture_output=True, text=True, timeout=BOUND)
 
 
+@pytest.mark.slow
 def test_the_launcher_starts_nobody_again_once_the_run_is_over(tmp_path: Path) -> None:
     """Worker 0 finishes with 0 (the run is over), then worker 1 fails: with restarts left, nobody is started again
     (there is nothing to rejoin), and the launcher exits 0; a worker that fails while none has finished is started
@@ -172,6 +175,7 @@ def test_the_launcher_starts_nobody_again_once_the_run_is_over(tmp_path: Path) -
     assert "worker 1 started again" in done.stdout and (tmp_path / "start-1").read_text() == "xxx"  # 2 restarts
 
 
+@pytest.mark.slow
 def test_the_launcher_starts_nobody_again_once_every_member_left(tmp_path: Path) -> None:
     """A worker fails after the run it belongs to published itself and every member said it leaves (`run_over`), as
     a rank that cannot rejoin a finished run does: with restarts left, it is not started again."""
@@ -193,6 +197,7 @@ def test_the_launcher_starts_nobody_again_once_every_member_left(tmp_path: Path)
     assert "started again" not in done.stdout and (tmp_path / "starts").read_text() == "x", done.stdout
 
 
+@pytest.mark.slow
 def test_the_simulation_brings_a_worker_back_as_the_processes_bring_a_rank_back(tmp_path: Path) -> None:
     """The run of the first test to step 26 (the join step 20 is an epoch boundary: the rank started again reads its
     shard from the epoch's start), against `SimulatedDecentralizedStrategy(failures={s: [2]}, rejoins={20: [2]})` with
@@ -206,6 +211,7 @@ def test_the_simulation_brings_a_worker_back_as_the_processes_bring_a_rank_back(
         torch.testing.assert_close(simulated[rank], results[rank]["replica"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_rejoin_stops_at_once_with_a_clear_error(tmp_path: Path) -> None:
     """3 ranks without rejoin=True, rank 2 killed at step 3; while the survivors wait at step 6, rank 2 started again
     with rejoin=True stops at once (the run does not take rejoins), and so does a new rank 3 of 4 (a new rank cannot
@@ -244,6 +250,7 @@ def test_a_rank_that_cannot_rejoin_stops_at_once_with_a_clear_error(tmp_path: Pa
         assert (r["world_size"], r["global_step"]) == (2, 10)
 
 
+@pytest.mark.slow
 def test_a_rank_started_again_after_its_run_is_over_stops_at_once(tmp_path: Path) -> None:
     """3 ranks with rejoin=True on a store that outlives them (hosted here, as torchrun's agent hosts it), rank 2
     killed at step 3; the survivors finish as 2 and leave. Rank 2 started again then stops with `CannotRejoin` (the

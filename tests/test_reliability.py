@@ -26,6 +26,7 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]
     return run_distributed(workers.exact_resume, WORLD, root=str(root)), root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(workers.RESUME_CONFIGS))
 def test_resume_continues_every_replica_bit_for_bit(resumed: tuple[list[dict], Path], name: str) -> None:
     results, _ = resumed
@@ -49,6 +50,7 @@ def _checkpoint_files(directory: Path, world_size: int = WORLD) -> dict[str, lis
     return files
 
 
+@pytest.mark.slow
 def test_shards_follow_top_k_and_last(resumed: tuple[list[dict], Path]) -> None:
     _, root = resumed
     files = _checkpoint_files(root / "top_k")
@@ -63,6 +65,7 @@ def test_shards_follow_top_k_and_last(resumed: tuple[list[dict], Path]) -> None:
     assert not leftovers  # removed checkpoints took their shards along; no temporary file is left
 
 
+@pytest.mark.slow
 def test_shards_hold_the_replica_while_the_file_holds_the_average(resumed: tuple[list[dict], Path]) -> None:
     """The ATC checkpoint is written at the end of validation, while the module holds x̄."""
     _, root = resumed
@@ -80,6 +83,7 @@ def _average_of(path: Path) -> torch.Tensor:
     return torch.cat([v.reshape(-1) for v in state.values()])
 
 
+@pytest.mark.slow
 def test_missing_shard_restarts_every_replica_from_the_average(resumed: tuple[list[dict], Path]) -> None:
     results, root = resumed
     average = _average_of(root / "awc" / f"epoch=0-step={workers.K}.ckpt")
@@ -99,6 +103,7 @@ def two_ranks(resumed: tuple[list[dict], Path], tmp_path_factory: pytest.TempPat
     return results, checkpoint, root
 
 
+@pytest.mark.slow
 def test_other_world_size_restarts_every_replica_from_the_average(two_ranks: tuple) -> None:
     results, checkpoint, _ = two_ranks
     for r in results:
@@ -107,6 +112,7 @@ def test_other_world_size_restarts_every_replica_from_the_average(two_ranks: tup
     assert "saved by 4 ranks and this run has 2" in warning
 
 
+@pytest.mark.slow
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(two_ranks: tuple) -> None:
     results, _, root = two_ranks
     healthy, failed = results
@@ -120,6 +126,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(two_ranks: tuple) ->
     assert list(_checkpoint_files(root, world_size=2)) == ["overwritten.ckpt"]  # its shards match its save_id
 
 
+@pytest.mark.slow
 def test_a_rank_with_another_configuration_stops_every_rank_at_setup(two_ranks: tuple) -> None:
     results, _, _ = two_ranks
     for r in results:
@@ -127,6 +134,7 @@ def test_a_rank_with_another_configuration_stops_every_rank_at_setup(two_ranks: 
         assert "rank 1 has trainable parameters (elements)=" in r["mismatch"]
 
 
+@pytest.mark.slow
 def test_nan_stops_its_rank_before_sending_and_the_others_through_the_timeout(two_ranks: tuple) -> None:
     results, _, root = two_ranks
     healthy, bad = results
@@ -163,6 +171,7 @@ def _run_until_every_rank_exits(fn: Callable, world_size: int, bound: float, **k
         return results
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> None:
     stamp = tmp_path / "killed_at"
     timeout = 20.0
@@ -174,6 +183,7 @@ def test_a_killed_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> No
     assert result["stopped_at"] - float(stamp.read_text()) < timeout
 
 
+@pytest.mark.slow
 def test_ranks_given_different_ckpt_paths_all_stop_naming_it(tmp_path: Path) -> None:
     """Lightning reads a checkpoint only on the ranks given one: without the check at `setup_environment` the
     shard protocol's all-gather met another collective on the other rank (gloo aborts, or a hang)."""
@@ -189,6 +199,7 @@ def test_ranks_given_different_ckpt_paths_all_stop_naming_it(tmp_path: Path) -> 
         assert "rank 1 has ckpt_path='" in r["different"] and f"step={workers.K - 1}.ckpt'" in r["different"]
 
 
+@pytest.mark.slow
 def test_ranks_with_different_optimizers_stop_at_setup() -> None:
     results = run_distributed(workers.optimizer_disagreement, 2, timeout=240)
     for r in results:
@@ -197,6 +208,7 @@ def test_ranks_with_different_optimizers_stop_at_setup() -> None:
         assert "rank 1 has optimizer class='torch.optim.adam.Adam' where rank 0 has 'torch.optim.sgd.SGD'" in r["class"]
 
 
+@pytest.mark.slow
 def test_resuming_under_another_update_rule_warns_once(tmp_path: Path) -> None:
     rank0, rank1 = run_distributed(workers.rule_change_on_resume, 2, timeout=240, root=str(tmp_path))
     (warning,) = rank0["atc"]["rule warnings"]
@@ -218,6 +230,7 @@ def _whole(path: Path, world_size: int) -> dict[str, torch.Tensor]:
     return checkpoint["state_dict"]
 
 
+@pytest.mark.slow
 def test_a_nan_never_reaches_a_checkpoint_and_never_costs_the_last_finite_one(tmp_path: Path) -> None:
     """AWC: step 9's NaN update sits in rank 1's replica when the checkpoint of step 10 is due, one post before the
     exchange would catch it. The save refuses on every rank; step 5's checkpoint and last.ckpt stay whole."""
@@ -230,6 +243,7 @@ def test_a_nan_never_reaches_a_checkpoint_and_never_costs_the_last_finite_one(tm
         assert all(torch.isfinite(v).all() for v in _whole(tmp_path / name, 2).values())
 
 
+@pytest.mark.slow
 def test_a_rank_killed_while_rank_0_writes_the_file_leaves_a_checkpoint_with_all_its_shards(tmp_path: Path) -> None:
     """Rank 2 dies once every shard of the second save is on disk, while rank 0 writes last.ckpt: the survivors stop
     with the library's error (gloo's under it) and keep their shards, so last.ckpt names shards that exist."""
@@ -244,6 +258,7 @@ def test_a_rank_killed_while_rank_0_writes_the_file_leaves_a_checkpoint_with_all
     _whole(tmp_path / "last.ckpt", 3)
 
 
+@pytest.mark.slow
 def test_a_rank_killed_during_validation_stops_the_others_with_the_librarys_error() -> None:
     results = _run_until_every_rank_exits(workers.killed_during_validation, 2, bound=120)
     status, survivor = results[0]
@@ -252,12 +267,14 @@ def test_a_rank_killed_during_validation_stops_the_others_with_the_librarys_erro
     assert survivor["cause"].startswith("RuntimeError: ")
 
 
+@pytest.mark.slow
 def test_ranks_with_different_max_steps_stop_at_setup() -> None:
     for message in run_distributed(workers.max_steps_disagreement, 2, timeout=120):
         assert message.startswith("ValueError: The ranks do not run the same configuration"), message
         assert f"rank 1 has max_steps={workers.K - 1} where rank 0 has {workers.K}" in message
 
 
+@pytest.mark.slow
 def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None:
     """Rank 1 of 2 stops (SIGSTOP) after step 2. Lightning's broadcast at the next batch times out first and swallows
     its error; the exchange that follows must fail at once, not wait a second timeout."""
@@ -278,6 +295,7 @@ def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None
         assert r["stopped_at"] - float(stamp.read_text()) < timeout + 5  # not 2 x timeout
 
 
+@pytest.mark.slow
 def test_a_rank_that_saves_alone_stops_every_rank_within_the_timeout_naming_what_each_does(tmp_path: Path) -> None:
     """`if trainer.is_global_zero: trainer.save_checkpoint(...)`: rank 0 waits to average x̄ for the file, rank 1 goes
     on to its next batch. Before, nothing named it. Rank 0 names rank 1's activity: at once if rank 1 began its next

@@ -55,6 +55,7 @@ def background(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Pa
     return run_distributed(workers.background_saves, WORLD, timeout=240, root=str(root)), root
 
 
+@pytest.mark.slow
 def test_saves_in_the_background_write_what_synchronous_saves_write(background: tuple[list[dict], Path]) -> None:
     results, root = background
     sync, in_background = _saves(root / "sync"), _saves(root / "background")
@@ -76,6 +77,7 @@ def test_saves_in_the_background_write_what_synchronous_saves_write(background: 
         assert torch.equal(r["background"]["end"], r["sync"]["end"])
 
 
+@pytest.mark.slow
 def test_a_resume_from_a_background_save_continues_every_replica_bit_for_bit(
     background: tuple[list[dict], Path],
 ) -> None:
@@ -86,6 +88,7 @@ def test_a_resume_from_a_background_save_continues_every_replica_bit_for_bit(
         assert not r["resumed"]["warnings"]
 
 
+@pytest.mark.slow
 def test_a_resume_through_a_linked_last_checkpoint_continues_every_replica_bit_for_bit(
     background: tuple[list[dict], Path],
 ) -> None:
@@ -99,6 +102,7 @@ def test_a_resume_through_a_linked_last_checkpoint_continues_every_replica_bit_f
         assert torch.equal(r["linked"]["end"], r["sync"]["end"])
 
 
+@pytest.mark.slow
 def test_a_linked_last_checkpoint_with_saves_in_the_background_is_refused_naming_the_fix(tmp_path: Path) -> None:
     """The link would name a file still being written: a failure then leaves `fit(ckpt_path="last")` nothing."""
     results = run_distributed(workers.linked_last_in_background, 2, timeout=120, root=str(tmp_path))
@@ -108,6 +112,7 @@ def test_a_linked_last_checkpoint_with_saves_in_the_background_is_refused_naming
     assert not list(tmp_path.iterdir())  # refused before training: nothing written
 
 
+@pytest.mark.slow
 def test_a_failed_background_save_stops_every_rank_and_removes_nothing(tmp_path: Path) -> None:
     """The second save fails on rank 1: the removal of the first, queued behind it, must not run."""
     results = run_distributed(workers.failed_background_save, 2, timeout=240, root=str(tmp_path))
@@ -121,6 +126,7 @@ def test_a_failed_background_save_stops_every_rank_and_removes_nothing(tmp_path:
     assert all(file["global_step"] == workers.EVERY for file, _ in saves.values())
 
 
+@pytest.mark.slow
 def test_the_saves_of_one_step_average_once_and_see_a_replica_changed_between_them(tmp_path: Path) -> None:
     """`ModelCheckpoint(save_last=True)`: the step's checkpoint and last.ckpt share one x̄ and one averaged momentum
     (synchronously and in the background); a replica written in place between two saves of a step, on one rank only,
@@ -150,6 +156,7 @@ def test_the_saves_of_one_step_average_once_and_see_a_replica_changed_between_th
             )
 
 
+@pytest.mark.slow
 def test_last_checkpoint_links_the_shards_of_the_step_checkpoint_and_resumes_exactly_without_it(tmp_path: Path) -> None:
     """`ModelCheckpoint(save_last=True)`: last.ckpt takes the step checkpoint's save id and its shards are hard links
     of the step checkpoint's (synchronously and in the background); each save agrees three times (its id with the
@@ -174,6 +181,7 @@ def _replica_in(checkpoint: Path, rank: int, world_size: int = WORLD) -> torch.T
     return torch.cat([v.reshape(-1) for v in shard["state_dict"].values()])
 
 
+@pytest.mark.slow
 def test_resume_newest_complete_takes_the_newest_checkpoint_every_rank_has_whole(tmp_path: Path) -> None:
     """`fit(ckpt_path="last")` after last.ckpt was truncated, then after ranks lost their shards of it and of step 8."""
     results = run_distributed(workers.newest_complete, WORLD, timeout=240, root=str(tmp_path))
@@ -199,6 +207,7 @@ def damaged(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], Path]
     return run_distributed(workers.damaged, WORLD, timeout=240, root=str(root)), root
 
 
+@pytest.mark.slow
 def test_resume_newest_complete_reads_each_shard_and_passes_over_a_truncated_one(
     damaged: tuple[list[dict], Path],
 ) -> None:
@@ -216,6 +225,7 @@ def test_resume_newest_complete_reads_each_shard_and_passes_over_a_truncated_one
         assert torch.equal(r["truncated"]["start"], r["trained"])
 
 
+@pytest.mark.slow
 def test_resume_newest_complete_falls_back_from_a_last_link_whose_file_is_gone(
     damaged: tuple[list[dict], Path],
 ) -> None:
@@ -326,6 +336,7 @@ def restarted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int, str]
     return root, code, output
 
 
+@pytest.mark.slow
 def test_a_job_that_loses_a_rank_restarts_by_itself_under_torchrun_and_resumes_exactly(
     restarted: tuple, tmp_path: Path
 ) -> None:
@@ -346,6 +357,7 @@ def _average_in(checkpoint: Path) -> torch.Tensor:
     return torch.cat([v.reshape(-1) for v in torch.load(checkpoint, weights_only=True)["state_dict"].values()])
 
 
+@pytest.mark.slow
 def test_a_job_restarted_on_fewer_then_more_ranks_restarts_every_replica_from_the_average(
     restarted: tuple, tmp_path: Path
 ) -> None:

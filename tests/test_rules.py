@@ -19,6 +19,7 @@ from lightning_decentral.schedule import StepPlan
 from lightning_decentral.topology import resolve_topology
 from tests import reference
 from tests.dense_executor import DenseExecutor
+from tests.marks import slow_cases
 from tests.reference import Config
 
 N = 4
@@ -145,7 +146,17 @@ def _cases() -> list[tuple[Config, int]]:
 CASES = _cases()
 
 
-@pytest.mark.parametrize(("config", "n"), CASES, ids=[f"{c.name}" for c, _ in CASES])
+SLOW_CASES = {  # more than ~2 s each (BatchNorm, 8 workers): the fast loop -m "not slow" leaves them out
+    "atc-one_peer_exponential-n8-batchnorm",
+    "awc-one_peer_exponential-n8-batchnorm",
+    "decentlam-one_peer_exponential-n8-batchnorm",
+    "atc-one_peer_exponential-batchnorm-clip",
+    "awc-one_peer_exponential-batchnorm-clip",
+    "atc-exponential-batchnorm-bf16",
+}
+
+
+@pytest.mark.parametrize(("config", "n"), slow_cases(CASES, SLOW_CASES), ids=[f"{c.name}" for c, _ in CASES])
 def test_every_worker_matches_the_dense_reference(config: Config, n: int) -> None:
     executor = DenseExecutor(config, n)
     trained = executor.run()
@@ -474,7 +485,11 @@ OUTER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("config", OUTER_CASES, ids=[c.name for c in OUTER_CASES])
+SLOW_OUTER = {"outer-complete-batchnorm", "outer-one_peer-heavy-ball-batchnorm", "outer-ring-overlap"}
+SLOW_OUTER |= {"outer-exponential-rounds2-overlap-bf16"}  # BatchNorm, more than ~2 s each
+
+
+@pytest.mark.parametrize("config", slow_cases(OUTER_CASES, SLOW_OUTER), ids=[c.name for c in OUTER_CASES])
 def test_outer_steps_match_the_reference_written_from_the_papers(config: Config) -> None:
     """Every worker's `OuterStep` over a DenseMixer is the decentralized form of docs/algorithms.md; on the complete
     graph (without overlap) it is also DiLoCo's Algorithm 1: one anchor, the mean pseudo-gradient, every worker
@@ -505,6 +520,7 @@ def test_outer_steps_match_the_reference_written_from_the_papers(config: Config)
     assert (trained - averaging).abs().max() > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["complete", "ring"])
 def test_an_outer_sgd_step_of_lr_1_is_periodic_averaging(topology: str) -> None:
     """`θ_i <- θ_i − 1 · (θ_i − Σ_j w_ij x_j)` is ATC's `x <- W x` every H steps (DiLoCo's outer lr 1, no momentum)."""

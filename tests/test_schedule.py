@@ -73,10 +73,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_the_simulation_gossips_the_rounds_of_each_epoch(runs: dict) -> None:
     assert runs["straight"]["rounds"] == _expected(0, 3 * sw.STEPS_PER_EPOCH)  # 1, then 3, then 2 rounds
 
 
+@pytest.mark.slow
 def test_the_processes_gossip_the_same_rounds_and_reach_the_same_replicas(runs: dict) -> None:
     for rank in runs["processes"]:
         assert rank["rounds"] == _expected(0, 3 * sw.STEPS_PER_EPOCH)
@@ -84,6 +86,7 @@ def test_the_processes_gossip_the_same_rounds_and_reach_the_same_replicas(runs: 
     torch.testing.assert_close(runs["straight"]["states"], ranks, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_continues_the_schedule_from_its_epoch(runs: dict) -> None:
     assert runs["resumed"]["rounds"] == _expected(sw.STEPS_PER_EPOCH, 3 * sw.STEPS_PER_EPOCH)
     assert torch.equal(runs["resumed"]["states"], runs["straight"]["states"])

@@ -114,6 +114,7 @@ def test_a_shard_of_this_save_removed_meanwhile_is_no_error(tmp_path: Path, monk
     assert _names(shard_directory(path)) == {os.path.basename(kept)}
 
 
+@pytest.mark.slow
 def test_a_save_leaves_only_its_shard_of_this_rank_and_what_no_other_process_may_still_need(tmp_path: Path) -> None:
     """A shard write killed midway left a temporary file; a save of this process failed before its file: the next
     save to the path removes both. Files of another process stay (its writes in progress, its shards), and so do
@@ -201,6 +202,7 @@ def test_a_non_finite_replica_or_optimizer_state_writes_and_removes_nothing(tmp_
     assert _names(shard_directory(path)) == {os.path.basename(previous)}
 
 
+@pytest.mark.slow
 def test_two_jobs_saving_to_one_path_never_delete_each_others_files(tmp_path: Path) -> None:
     """Before, a job's cleanup deleted the other's shard while it was being written (`FileNotFoundError`)."""
     from tests import reliability_workers

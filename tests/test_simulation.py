@@ -11,6 +11,7 @@ import torch
 from lightning_decentral.mixing import RandomDelays
 from tests import simulation_workers as sim
 from tests.helpers import run_distributed
+from tests.marks import slow_cases
 from tests.reference import Config
 
 WORLD = 4
@@ -54,6 +55,7 @@ def on_processes() -> list[dict[str, Any]]:
     return run_distributed(sim.fit_processes, WORLD, configs=CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_simulated_workers_equal_the_ranks(
@@ -81,7 +83,9 @@ REFERENCE_CONFIGS = [
 
 
 @pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
-@pytest.mark.parametrize("config", REFERENCE_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "config", slow_cases(REFERENCE_CONFIGS, {"atc_batch_norm_clip_accumulate"}), ids=lambda c: c.name
+)
 def test_every_rule_matches_the_dense_reference(config: Config, vectorize: bool) -> None:
     from tests.reference import run
 
@@ -109,7 +113,9 @@ FAILURE_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("config", FAILURE_CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "config", slow_cases(FAILURE_CONFIGS, {"decentlam_exponential_loses_1_and_4"}), ids=lambda c: c.name
+)
 def test_workers_lost_on_the_way_match_the_dense_reference(config: Config) -> None:
     """6 workers; the lost ones leave at their step (a local step for the others), the survivors go on with the
     named topology at their number, each with its own replica, optimizer state and data (worker 0, the
@@ -151,6 +157,7 @@ def test_with_failures_vectorize_auto_keeps_the_workers_apart(lightning_info) ->
     torch.testing.assert_close(simulated.double(), run(config, 6).double(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_each_worker_draws_from_its_own_random_state(monkeypatch) -> None:
     """Dropout masks: worker i draws what rank i draws (every rank starts from the same seed)."""
     config = Config("awc_dropout", optimizer=SGD)
@@ -199,6 +206,7 @@ def test_evaluation_runs_on_the_average_or_on_worker_zero() -> None:
         assert torch.equal(seen["after"], workers[0])  # worker 0's replica is back, bit for bit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config, dropout, vectorize",
     [
@@ -251,12 +259,14 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_simulation_resumes_its_own_checkpoint_bit_for_bit(resumed: dict[str, Any]) -> None:
     assert (resumed["sim_first"][0] - resumed["sim_straight"][0]).abs().max() > 1e-3  # the second epoch moved
     for worker, (a, b) in enumerate(zip(resumed["sim_from_sim"], resumed["sim_straight"])):
         assert torch.equal(a, b), f"worker {worker}"
 
 
+@pytest.mark.slow
 def test_the_vectorized_simulation_resumes_bit_for_bit_and_one_worker_at_a_time(resumed: dict[str, Any]) -> None:
     """Its shards are the per-worker simulation's (and so the processes'): either continues from them."""
     assert (resumed["vec_first"][0] - resumed["vec_straight"][0]).abs().max() > 1e-3
@@ -267,6 +277,7 @@ def test_the_vectorized_simulation_resumes_bit_for_bit_and_one_worker_at_a_time(
     )
 
 
+@pytest.mark.slow
 def test_a_simulated_checkpoint_resumes_on_processes_and_back(resumed: dict[str, Any]) -> None:
     """Float tolerance, not bits: the dense mixer sums in another order than the ranks' gossip."""
     torch.testing.assert_close(
@@ -277,6 +288,7 @@ def test_a_simulated_checkpoint_resumes_on_processes_and_back(resumed: dict[str,
     )
 
 
+@pytest.mark.slow
 def test_the_simulated_checkpoint_holds_the_average_and_a_shard_per_worker(resumed: dict[str, Any]) -> None:
     from lightning_decentral.checkpoint import META_KEY, read_shard, shard_path
     from tests.models import Regression
@@ -369,6 +381,7 @@ def test_a_vectorized_shard_holds_only_its_own_worker(tmp_path) -> None:
     assert sizes[True] == pytest.approx(sizes[False], rel=0.05), sizes
 
 
+@pytest.mark.slow
 def test_the_modules_hooks_run_on_every_worker_as_on_every_rank(monkeypatch) -> None:
     """A module that freezes its BatchNorm in `on_train_batch_start` and lowers its learning rate in `optimizer_step`:
     before, the per-worker path froze worker 0 only (and workers 1..n-1 took the new rate a step late)."""
@@ -460,6 +473,7 @@ def test_stacking_needs_a_dataloader_with_a_batch_size() -> None:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.batch_norm], ids=lambda c: c.name)
 def test_the_default_path_equals_the_ranks_batch_norm_counts_included(
     config: Config, on_processes: list[dict[str, Any]], lightning_info, monkeypatch

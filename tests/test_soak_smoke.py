@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here runs a benchmark script in processes of its own
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

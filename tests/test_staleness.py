@@ -101,6 +101,7 @@ IMPOSED = [
 ]
 
 
+@pytest.mark.slow
 def test_processes_under_an_imposed_schedule_match_the_reference() -> None:
     """Exponential on 4 ranks is a directed graph (rank i sends to i + 1 and i + 2): each edge ends with its FINAL."""
     trained = run_distributed(workers.fit_configs, WORLD, timeout=240, configs=IMPOSED)
@@ -114,6 +115,7 @@ NEWEST = [
 ]
 
 
+@pytest.mark.slow
 def test_the_newest_rule_is_the_reference_under_the_steps_each_rank_mixed() -> None:
     """Ranks pause in turn; each records `τ_ij(k)`, the step of each neighbour it mixed, and the reference replays
     exactly those steps."""
@@ -131,6 +133,7 @@ def test_the_newest_rule_is_the_reference_under_the_steps_each_rank_mixed() -> N
         reference.assert_every_rank_matches(trained, Config(**{**config.__dict__, "delays": replayed}), WORLD)
 
 
+@pytest.mark.slow
 def test_checkpoints_monitors_and_evaluation_while_ranks_are_at_different_steps_and_the_resume(tmp_path: Path) -> None:
     """Ranks pause in turn, so they reach a monitor, a validation or a save at different times; each enters it at its
     own step `k`: the consensus distance is the replicas' at `k`, validation sees `x̄(k)`, the file holds it, and a
@@ -189,6 +192,7 @@ def _until_every_survivor_exits(
     return results, codes, float(stamp.read_text())
 
 
+@pytest.mark.slow
 def test_a_killed_rank_stops_every_other_rank_at_once(tmp_path: Path) -> None:
     """Its neighbours' receiving threads see the connection close; they stop and close theirs, which stops rank 3
     (no neighbour of rank 1). Every survivor exits cleanly (a thread left in a gloo receive would abort it)."""
@@ -202,6 +206,7 @@ def test_a_killed_rank_stops_every_other_rank_at_once(tmp_path: Path) -> None:
     assert codes == [0, 0, 0]
 
 
+@pytest.mark.slow
 def test_a_rank_more_than_s_steps_behind_past_the_timeout_is_a_peer_failure(tmp_path: Path) -> None:
     timeout = 6.0
     results, codes, stopped_at = _until_every_survivor_exits(signal.SIGSTOP, timeout, bound=120, tmp_path=tmp_path)

@@ -58,12 +58,14 @@ def test_the_margin_covers_how_far_ranks_can_be_apart() -> None:
     assert stop_margin(one_peer) == 3 * 3 + 2
 
 
+@pytest.mark.slow
 def test_no_collective_runs_at_every_step() -> None:
     """Lightning broadcasts a SIGTERM flag from rank 0 at every batch: a barrier tying every rank to the slowest."""
     calls = run_distributed(straggler_workers.collectives_while_training, WORLD, timeout=240, stalenesses=[0, 1])
     assert calls == [{0: {}, 1: {}}] * WORLD
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("signalled", "staleness"), [(2, 0), (0, 1)])
 def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_the_checkpoint(
     signalled: int, staleness: int, tmp_path: Path

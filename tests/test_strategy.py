@@ -32,6 +32,7 @@ def evaluated(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     )
 
 
+@pytest.mark.slow
 def test_evaluation_runs_on_the_average_and_restores_replicas(evaluated: tuple[str, list, str]) -> None:
     eval_on, results, _ = evaluated
     replicas = torch.stack([r["replica"] for r in results])
@@ -45,6 +46,7 @@ def test_evaluation_runs_on_the_average_and_restores_replicas(evaluated: tuple[s
             assert torch.equal(r[after], replicas[rank]), after
 
 
+@pytest.mark.slow
 def test_predictions_come_from_the_evaluated_model(evaluated: tuple[str, list, str]) -> None:
     eval_on, results, _ = evaluated
     replicas = torch.stack([r["replica"] for r in results])
@@ -56,6 +58,7 @@ def test_predictions_come_from_the_evaluated_model(evaluated: tuple[str, list, s
         torch.testing.assert_close(r["predictions"], module(r["predict_inputs"]).detach(), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_the_average_and_loads_without_the_strategy(evaluated: tuple[str, list, str]) -> None:
     _, results, path = evaluated
     mean = torch.stack([r["replica"] for r in results]).mean(0)
@@ -66,6 +69,7 @@ def test_checkpoint_holds_the_average_and_loads_without_the_strategy(evaluated: 
     torch.testing.assert_close(flat(plain), mean, atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_the_averaged_momentum(evaluated: tuple[str, list, str]) -> None:
     _, results, path = evaluated
     state = torch.load(path, weights_only=True)["optimizer_states"][0]["state"]
@@ -75,12 +79,14 @@ def test_checkpoint_holds_the_averaged_momentum(evaluated: tuple[str, list, str]
     torch.testing.assert_close(saved, momenta.mean(0), atol=1e-6, rtol=0)
 
 
+@pytest.mark.slow
 def test_each_fit_leaves_no_process_group_behind(evaluated: tuple[str, list, str]) -> None:
     _, results, _ = evaluated
     for r in results:  # the gossip group of the first fit was destroyed when it ended
         assert r["process_groups"][0] == r["process_groups"][1] == 1, r["process_groups"]
 
 
+@pytest.mark.slow
 def test_resume_continues_every_replica_from_its_shard(evaluated: tuple[str, list, str]) -> None:
     """Each rank saved its own shard next to the average; the fallback to x̄ is in test_reliability.py."""
     _, results, _ = evaluated
@@ -89,6 +95,7 @@ def test_resume_continues_every_replica_from_its_shard(evaluated: tuple[str, lis
         assert r["resume_global_step"] == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "precision, momentum", [("bf16-mixed", "local"), ("64-true", "local"), ("bf16-mixed", "decentlam")]
 )
@@ -103,11 +110,13 @@ def test_trains_in_other_precisions(precision: str, momentum: str) -> None:
         assert all(r["in_flight"] == [True] * 12 for r in results)
 
 
+@pytest.mark.slow
 def test_more_than_one_optimizer_is_refused_on_every_rank() -> None:
     messages = run_distributed(workers.two_optimizers, 2)
     assert all("exactly one optimizer" in m and "parameter groups" in m for m in messages)
 
 
+@pytest.mark.slow
 def test_spawn_launcher_returns_the_average_to_the_main_process(tmp_path) -> None:
     model = RecordingRegression(str(tmp_path), momentum=0.9, lr=0.05)
     trainer = Trainer(
@@ -146,6 +155,7 @@ torch.save(flat(model), f"{record_dir}/main.pt")
 """
 
 
+@pytest.mark.slow
 def test_fork_launcher_returns_the_average_to_the_main_process(tmp_path) -> None:
     """`strategy="dpsgd_fork"` forks the calling process, so it runs in a fresh interpreter, not in pytest's."""
     env = {k: v for k, v in os.environ.items() if k not in ("PL_DISABLE_FORK", "LOCAL_RANK", "WORLD_SIZE")}
@@ -214,6 +224,7 @@ def test_gossip_every_that_skips_phases_of_a_time_varying_topology_is_refused() 
     )
 
 
+@pytest.mark.slow
 def test_unfreezing_during_fit_stops_every_rank_with_the_fix() -> None:
     messages = run_distributed(workers.unfreeze_during_fit, 2)
     assert all("trainable parameters changed during fit" in m and "before fit" in m for m in messages)

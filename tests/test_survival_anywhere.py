@@ -18,6 +18,8 @@ import torch
 from tests import survival_workers as workers
 from tests.test_survivors import _decision, _every_rank_exits
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def _survivors_finished(results: list, codes: list[int], dead: tuple[int, ...], steps: int) -> list[dict]:
     """The survivors' results, once each exited 0 as rank `i` of the survivors at step `steps` (the dead: SIGKILL),

@@ -54,6 +54,7 @@ def _decision(members: tuple[int, ...], lost: tuple[int, ...], step: int, genera
     return {"generation": generation, "members": members, "survivors": survivors, "lost": lost, "step": step}
 
 
+@pytest.mark.slow
 def test_the_survivors_of_a_killed_rank_finish_and_their_checkpoint_resumes_exactly_on_three(tmp_path: Path) -> None:
     """4 ranks on a ring; rank 2 is killed when step 20 of 60 starts. Ranks 0, 1 and 3 agree on one step (20, or 21
     when rank 0, which is not rank 2's neighbour, had finished exchange 20 first), finish all 60 steps and exit 0, as
@@ -83,6 +84,7 @@ def test_the_survivors_of_a_killed_rank_finish_and_their_checkpoint_resumes_exac
         torch.testing.assert_close(replica, survivor["replica"], atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_fabric_loop_survives_the_same_way(tmp_path: Path) -> None:
     """The same under Fabric: rank 2 killed at step 20 of 60, `fabric.save` at step 30 by the survivors, resumed
     exactly on 3 processes with `fabric.load`."""
@@ -117,6 +119,7 @@ def _complete_checkpoints(directory: Path, lost: tuple[int, ...] = ()) -> dict[s
     return found
 
 
+@pytest.mark.slow
 def test_a_save_in_the_steps_the_survivors_take_alone_is_written_by_them_and_keeps_the_best_path_true(
     tmp_path: Path,
 ) -> None:
@@ -134,6 +137,7 @@ def test_a_save_in_the_steps_the_survivors_take_alone_is_written_by_them_and_kee
     assert _complete_checkpoints(tmp_path, lost=(2,)) == {"epoch=0-step=10.ckpt": 2}
 
 
+@pytest.mark.slow
 def test_a_fabric_save_in_the_steps_the_survivors_take_alone_is_written_by_them(tmp_path: Path) -> None:
     """The same under Fabric: rank 2 killed at step 9 of 12, `fabric.save` at step 10 by the two survivors, who take
     it alone (it was skipped); resumed on 2 processes, each continues bit for bit."""
@@ -150,6 +154,7 @@ def test_a_fabric_save_in_the_steps_the_survivors_take_alone_is_written_by_them(
         torch.testing.assert_close(replica, survivor["replica"], atol=0, rtol=0)
 
 
+@pytest.mark.slow
 def test_the_simulation_loses_a_worker_as_the_processes_lose_a_rank() -> None:
     """Rank 2 neighbours every other rank, so none of them completes exchange 5 once it is killed there: they agree
     on step 5 everywhere. `SimulatedDecentralizedStrategy(failures={5: [2]})` gives the same replicas: step 5 local,
@@ -165,6 +170,7 @@ def test_the_simulation_loses_a_worker_as_the_processes_lose_a_rank() -> None:
     torch.testing.assert_close(torch.stack(simulated), processes, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_below_min_workers_every_survivor_stops_with_a_clear_error() -> None:
     """3 ranks, min_workers=3: rank 1 dies at step 5; ranks 0 and 2 agree, then stop alike, naming the fix."""
     with tempfile.TemporaryDirectory() as root:
@@ -179,6 +185,7 @@ def test_below_min_workers_every_survivor_stops_with_a_clear_error() -> None:
         assert "fewer than min_workers=3: the run stops on every survivor. Lower min_workers" in r
 
 
+@pytest.mark.slow
 def test_under_lightning_decentral_launch_the_store_hosts_usual_rank_dies_and_a_second_failure_is_survived(
     tmp_path: Path,
 ) -> None:
@@ -201,6 +208,7 @@ def test_under_lightning_decentral_launch_the_store_hosts_usual_rank_dies_and_a_
     assert torch.isfinite(last["replica"]).all()
 
 
+@pytest.mark.slow
 def test_a_silent_rank_is_left_behind_after_the_timeout_and_stops_when_it_wakes_up(tmp_path: Path) -> None:
     """3 ranks, timeout 5 s: rank 1 stops (SIGSTOP) when step 5 starts, its connections open. Ranks 0 and 2 give it up
     once it has been silent past the timeout (its heartbeat, or gloo's wait), finish their 12 steps as 2 ranks; woken
@@ -227,6 +235,7 @@ def test_a_silent_rank_is_left_behind_after_the_timeout_and_stops_when_it_wakes_
     assert results[1].startswith("Excluded: The other ranks went on without rank 1 after step 5")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["stopped", "killed"])
 def test_when_the_store_host_stops_or_dies_every_survivor_ends_with_store_lost(tmp_path: Path, how: str) -> None:
     """4 ranks on a ring, timeout 5 s, every rank waiting at the end of step 4; then rank 0, whose process hosts the
@@ -258,6 +267,7 @@ def test_when_the_store_host_stops_or_dies_every_survivor_ends_with_store_lost(t
         assert ("did not answer within 5 s" if how == "stopped" else "is gone") in r
 
 
+@pytest.mark.slow
 def test_a_lost_rank_started_again_stops_at_once_while_the_survivors_go_on(tmp_path: Path) -> None:
     """3 ranks, rank 2 killed when step 3 starts. Once ranks 0 and 1 have decided to go on without it (they then wait
     at step 6), rank 2 is started again with the same command: it stops with `LeftOut` instead of waiting the 30 s
@@ -378,6 +388,7 @@ def test_continue_on_nccl_is_refused_when_the_trainer_or_fabric_is_built() -> No
     trainer_for(2, DecentralizedStrategy(on_peer_failure="stop", process_group_backend="nccl"))
 
 
+@pytest.mark.slow
 def test_a_run_left_with_too_few_workers_ends_with_one_traceback_per_rank() -> None:
     """Before: each survivor printed three tracebacks (gloo's error, the PeerFailure it caused, then TooFewWorkers
     raised while handling that). 3 ranks, min_workers=3, rank 1 killed when step 3 starts: what Python prints for the
@@ -414,6 +425,7 @@ def test_a_peer_failure_prints_one_traceback_with_the_backends_error_in_one_line
     assert isinstance(caught.value.__cause__, RuntimeError) and "(Connection closed by peer" in str(caught.value)
 
 
+@pytest.mark.slow
 def test_every_survivor_logs_each_decision_and_the_run_says_at_the_end_what_it_lost() -> None:
     """Before: losing a worker printed nothing. 3 ranks on a ring, rank 1 killed when step 5 starts: ranks 0 and 2 each
     log one line for the decision (the rank lost, the agreed step, the survivors' graph), `survivors/workers` and
@@ -437,6 +449,7 @@ def test_every_survivor_logs_each_decision_and_the_run_says_at_the_end_what_it_l
     assert not [w for w in results[2]["warnings"] if w.startswith("This run lost")]  # once: on the survivors' rank 0
 
 
+@pytest.mark.slow
 def test_under_lightnings_own_launcher_continue_warns_and_a_killed_rank_stops_every_rank(tmp_path: Path) -> None:
     """Before: no warning at start (rank 0 looked launched by someone else: Lightning sets LOCAL_RANK in it), and
     with rank 1 killed the others trained to the end and the script exited 0, unless Lightning's launcher, which polls

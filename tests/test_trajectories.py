@@ -9,6 +9,8 @@ from tests import reference, workers
 from tests.helpers import run_distributed
 from tests.reference import Config
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 WORLD = 4
 SGD = {"lr": 0.1}
 MOMENTUM = {"lr": 0.05, "momentum": 0.9}
