@@ -27,13 +27,16 @@ whether every worker still running at the end ended at the last step; and the ac
 ``val_acc``, sees only the ranks' shares of those digits). Every step sleeps ``--step-sleep`` seconds first (emulated
 compute: on 2 cores the MLP's own steps are shorter than a restart by far). ``free`` and ``rejoin`` save a checkpoint at
 the last step; a further launch on as many processes resumes it, and ``resumes_exactly`` says whether every rank's
-replica at the start of that fit equals the one it ended with, bit for bit.
+replica at the start of that fit equals the one it ended with, bit for bit. The JSON also keeps each worker's end
+(``results``: its step, world size, whether its replica is finite, the survivors' decisions it adopted) and the
+launcher's own lines (``launcher``: each worker's exit and each start again).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -121,7 +124,13 @@ def worker(args: argparse.Namespace) -> None:
     if args.mode == "check":
         return
     accuracy = trainer.callback_metrics.get("val_acc")
-    result = {"step": trainer.global_step, "val_acc": None if accuracy is None else float(accuracy)}
+    result = {
+        "step": trainer.global_step,
+        "val_acc": None if accuracy is None else float(accuracy),
+        "world_size": trainer.world_size,
+        "finite": bool(torch.isfinite(replica(trainer.lightning_module)).all()),
+        "decisions": [dataclasses.asdict(decision) for decision in strategy.failures_survived],
+    }
     Path(out, f"result-{rank}.json").write_text(json.dumps(result))
 
 
@@ -269,10 +278,12 @@ def run(mode: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
         "kills": kills,
         "unplanned_starts": starts - planned,
         "ended_at": {r: res["step"] for r, res in results.items()},
+        "results": results,  # each worker's at the end: step, val_acc, world_size, finite, decisions
         "accuracy": accuracy,
         "val_acc": results.get(0, {}).get("val_acc"),
         "resumes_exactly": resumes,
         "log": log[-3000:],
+        "launcher": [line for line in log.splitlines() if line.startswith("lightning-decentral-launch:")],
     }
 
 

@@ -1,7 +1,6 @@
 """A training script for tests/test_survivors.py to run under `lightning-decentral-launch`: `--steps` steps on a ring
 with `on_peer_failure="continue"` and `--min-workers`; `--deaths 0:10,1:20` kills rank 0 when step 10 starts, then
-rank 1 at step 20; `--rejoin`: a worker started again (`--max-restarts`) rejoins; `--hold-at`: every rank waits for
-`<out>/released` there. Each survivor writes its final replica and what it saw to `<out>/rank-<first rank>.pt`."""
+rank 1 at step 20. Each survivor writes its final replica and what it saw to `<out>/rank-<first rank>.pt`."""
 
 from __future__ import annotations
 
@@ -23,16 +22,11 @@ def main() -> None:
     parser.add_argument("--deaths", required=True)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--min-workers", type=int, required=True)
-    parser.add_argument("--rejoin", action="store_true", help="rejoin=True: a worker started again rejoins")
-    parser.add_argument("--hold-at", type=int, default=-1, help="every rank waits for <out>/released at this step")
     args = parser.parse_args()
     deaths = {int(rank): int(step) for rank, step in (item.split(":") for item in args.deaths.split(","))}
     rank = int(os.environ["RANK"])
     world_size = int(os.environ["WORLD_SIZE"])
-    extra = {"rejoin": True, "hold_at": args.hold_at} if args.rejoin else {}
-    result = workers.survive(
-        rank, world_size, args.out, deaths=deaths, steps=args.steps, min_workers=args.min_workers, **extra
-    )
+    result = workers.survive(rank, world_size, args.out, deaths=deaths, steps=args.steps, min_workers=args.min_workers)
     torch.save(result, f"{args.out}/rank-{rank}.pt")
 
 

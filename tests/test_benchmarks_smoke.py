@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +18,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_step_time_smoke(tmp_path: Path) -> None:
+    """A row per method asked for, on every rank, with positive finite step times in order (25 % <= median <= 75 %)
+    for each measured step, and byte counts that follow from the model's size: ddp's ring all-reduce model
+    `2(n - 1)/n` x the float32 model, the ring's exchange 2 out-neighbours x the float32 model, as the strategy
+    counted it."""
     out = tmp_path / "results.json"
-    _run_smoke("step_time.py", "--out", str(out))
+    _run_smoke("step_time.py", "--methods", "ddp,ring", "--out", str(out))
     results = json.loads(out.read_text())
-    assert results
+    meta, rows = results["meta"], results["rows"]
+    parameters, n, steps = meta["parameters"], meta["workers"], meta["config"]["steps"]
+    assert parameters == benchmarks_harness().count_parameters(tuple(meta["widths"])) > 0
+    assert [(row["name"], row["ranks"], row["parameters"]) for row in rows] == [
+        ("ddp", n, parameters),
+        ("ring", n, parameters),
+    ]
+    for row in rows:
+        times = [row["median_s"], row["q25_s"], row["q75_s"], row["mean_s"], *row["repeat_medians_s"]]
+        assert len(row["repeat_medians_s"]) == meta["repeats"] and all(0 < t < math.inf for t in times), row
+        assert row["q25_s"] <= row["median_s"] <= row["q75_s"], row
+        assert [len(repeat) for repeat in row["step_times_slowest_rank_s"]] == [steps] * meta["repeats"], row
+        assert all(0 < t < math.inf for repeat in row["step_times_slowest_rank_s"] for t in repeat), row
+    model_bytes = 4 * parameters
+    ddp, ring = rows
+    assert ddp["bytes_sent_per_rank"] == 2 * (n - 1) / n * model_bytes, ddp
+    assert ring["bytes_sent_per_rank"] == ring["gossip_bytes_sent_reported"] == 2 * model_bytes, ring
 
 
 def test_gpu_smoke(tmp_path: Path) -> None:
@@ -89,15 +110,25 @@ def test_survive_accuracy_smoke(tmp_path: Path) -> None:
 
 
 def test_chaos_smoke(tmp_path: Path) -> None:
-    """The chaos soak's short form: 3 workers under `lightning-decentral-launch --max-restarts`, one `SIGKILL` at step
-    45 of 90; the worker started again rejoins, no worker fails otherwise, all 3 end at step 90 with a finite accuracy
-    of x̄ (the mean of their replicas), and the checkpoint of step 90 resumes on 3 processes bit for bit."""
+    """The chaos soak's short form: 3 workers under `lightning-decentral-launch --max-restarts 1`, one `SIGKILL` at
+    step 45 of 90; the launcher reports the kill and starts the worker again, which rejoins (the last decision of every
+    worker admits it, the members all three), no worker fails otherwise, all 3 end at step 90 as 3 ranks with finite
+    replicas and a finite accuracy of x̄ (their mean), and the checkpoint of step 90 resumes on 3 processes bit for
+    bit. (Also the end-to-end test of rejoining under the launcher.)"""
     out = tmp_path / "chaos.json"
-    _run_smoke("chaos.py", "--modes", "rejoin", "--directory", str(tmp_path), "--out", str(out))
+    _run_smoke("chaos.py", "--modes", "rejoin", "--max-restarts", "1", "--directory", str(tmp_path), "--out", str(out))
     (run,) = json.loads(out.read_text())["runs"]
     assert (run["exit"], len(run["kills"]), run["unplanned_starts"]) == (0, 1, 0), run
     assert run["ended_at"] == {str(rank): 90 for rank in range(3)}, run["ended_at"]
     assert 0.0 <= run["accuracy"] <= 1.0 and run["resumes_exactly"] is True, run
+    ((victim, pid),) = [(kill["rank"], kill["pid"]) for kill in run["kills"]]
+    launched = run["launcher"]
+    assert f"lightning-decentral-launch: worker {victim} (pid {pid}) was killed by SIGKILL" in launched, launched
+    again = f"lightning-decentral-launch: worker {victim} started again (pid "
+    assert any(line.startswith(again) and line.endswith("restart 1 of 1)") for line in launched), launched
+    for result in run["results"].values():
+        assert result["world_size"] == 3 and result["finite"], result
+        assert result["decisions"][-1]["joined"] == [victim] and result["decisions"][-1]["members"] == [0, 1, 2], result
 
 
 def test_compression_smoke(tmp_path: Path) -> None:

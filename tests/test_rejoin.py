@@ -76,58 +76,6 @@ def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: 
     assert apart[2] <= 2 * apart[:2].max(), apart
 
 
-@pytest.mark.slow
-def test_the_launcher_starts_a_killed_worker_again_and_it_rejoins(tmp_path: Path) -> None:
-    """`lightning-decentral-launch --max-restarts 1`, 3 workers, rank 1 killed at step 5: the launcher starts it again;
-    once it asks to rejoin (the others wait at step 10 until then), it rejoins, and all three end at step 30 as 3
-    ranks; the launcher exits 0."""
-    script, port = Path(__file__).with_name("survival_script.py"), free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_decentral.membership.launch",
-        "--nproc-per-node",
-        "3",
-        "--max-restarts",
-        "1",
-        "--master-port",
-        str(port),
-    ]
-    arguments = [
-        "--out",
-        str(tmp_path),
-        "--deaths",
-        "1:5",
-        "--steps",
-        "30",
-        "--min-workers",
-        "1",
-        "--rejoin",
-        "--hold-at",
-        "10",
-    ]
-    launcher = subprocess.Popen(
-        [*command, str(script), *arguments], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + BOUND
-        _wait_for(lambda: (tmp_path / "decided").exists() or launcher.poll() is not None, deadline)
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-        _wait_for(lambda: asking(store) == [1] or launcher.poll() is not None, deadline)
-        (tmp_path / "released").touch()
-        stdout, stderr = launcher.communicate(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    assert launcher.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    assert "worker 1 (pid" in stdout and "was killed by SIGKILL" in stdout
-    assert "lightning-decentral-launch: worker 1 started again (pid" in stdout and "restart 1 of 1" in stdout
-    results = [torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False) for rank in range(3)]
-    for r in results:
-        assert (r["world_size"], r["global_step"]) == (3, 30) and torch.isfinite(r["replica"]).all()
-        assert r["decisions"][-1]["joined"] == (1,) and r["decisions"][-1]["members"] == (0, 1, 2)
-
-
 def _launch_toy(tmp_path: Path, script: str, workers: int, restarts: int) -> subprocess.CompletedProcess:
     """`lightning-decentral-launch --max-restarts restarts` of `workers` toy workers running `script` (written to
     `tmp_path/worker.py`, given `tmp_path` as its argument), bounded."""
