@@ -38,6 +38,9 @@ order rotated from repeat to repeat:
   gradients travel in one bucket (``bucket_cap_mb=1024``): with DDP's default 25 MB buckets gloo aborted the job
   ("Received data size doesn't match expected size. Is there a distributed collective mismatch"; the hook issues
   each bucket's next all-reduce from the previous one's callback, an order that may differ between ranks).
+* ``no_exchange``: the floor, ``DecentralizedStrategy(topology="ring")`` (static: any ``gossip_every`` is allowed)
+  with ``gossip_every`` beyond the run: the strategy's own step with every step local, nothing sent. Each method's
+  ``overhead`` is its step over the floor's in the same repeat, minus 1 (the time it adds to the computation).
 * ``decent_dp``: Decent-DP (``pip install decent-dp``; not a dependency of this project), its
   ``DecentralizedDataParallel`` with ``topology="one-peer-exp"`` around the same MLP, in a plain loop of its own (it
   steps the optimizer in its backward hooks, so it cannot run under a Lightning ``Trainer``); step-time job only.
@@ -73,6 +76,7 @@ import harness
 
 # the methods of the issues: name -> (table label, topology (None: DDP's all-reduce), momentum, compression)
 METHODS = {
+    "no_exchange": ("no exchange (floor)", "none (local steps only)", "local", None),
     "ddp": ("ddp", None, None, None),
     "ring": ("dpsgd awc", "ring", "local", None),
     "one_peer_exponential": ("dpsgd awc", "one_peer_exponential", "local", None),
@@ -90,10 +94,12 @@ STEPS_ONLY = ("decent_dp",)  # methods without a time-to-loss job
 DEFAULT_METHODS = "ddp,ring,one_peer_exponential,decentlam"
 
 
-def make_strategy(method: str) -> Any:
+def make_strategy(method: str, max_steps: int) -> Any:
     from lightning_decentral import DecentralizedStrategy
 
     _, topology, momentum, compression = METHODS[method]
+    if method == "no_exchange":  # (k + 1) % gossip_every is never 0 in the run: every step local, nothing sent
+        return DecentralizedStrategy(topology="ring", gossip_every=max_steps + 1)
     if method == "ddp_powersgd":
         from lightning.pytorch.strategies import DDPStrategy
 
@@ -124,7 +130,7 @@ def make_trainer(method: str, world_size: int, max_steps: int, callbacks: list, 
     if method == "ddp_powersgd":
         callbacks = [PowerSGD(), *callbacks]
     return quiet_trainer(
-        make_strategy(method),
+        make_strategy(method, max_steps),
         max_steps,
         callbacks,
         num_nodes=world_size,
@@ -277,10 +283,14 @@ def summarize(profile: dict[str, Any], methods: list[str], config: dict[str, Any
             ]
         rows.append(row)
     ddp = next((r for r in rows if r["name"] == "ddp"), None)
+    floor = next((r for r in rows if r["name"] == "no_exchange"), None)
     for row in rows:
         if ddp and "step_median_s" in row:
             # per repeat: this method's median over ddp's median in the same repeat
             row["step_ratio"] = [a / b for a, b in zip(row["step_repeat_medians_s"], ddp["step_repeat_medians_s"])]
+        if floor and "step_median_s" in row and "step_median_s" in floor:
+            # per repeat: this method's median over the floor's in the same repeat, minus 1
+            row["overhead"] = [a / b - 1 for a, b in zip(row["step_repeat_medians_s"], floor["step_repeat_medians_s"])]
         if ddp and "loss_s" in row:
             row["loss_ratio"] = [a / b for a, b in zip(row["loss_s"], ddp["loss_s"]) if a is not None and b is not None]
     return rows
@@ -293,16 +303,16 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
         f"{profile['goodput_gbit']:.2f} Gbit/s. Command: `{command}`",
         "",
         "| method | topology | sent per rank and step (MB) | median step (s) | IQR of steps (s) "
-        "| step / ddp (median, range over repeats) "
+        "| step / ddp (median, range over repeats) | overhead: step / floor − 1 (median, range) "
         f"| time to loss < {config['threshold']:g} (s, median) | steps to it (median) | time / ddp (median, range) "
         f"| loss at the end (mean of the last {config['smooth']} steps) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
-    def ratio(values: list[float] | None) -> str:
+    def ratio(values: list[float] | None, sign: str = "") -> str:
         if not values:
             return "n/a"
-        return f"{statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f})"
+        return f"{statistics.median(values):{sign}.2f} ({min(values):{sign}.2f}–{max(values):{sign}.2f})"
 
     for r in rows:
         reached = [t for t in r.get("loss_s", []) if t is not None]
@@ -319,7 +329,7 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
                 if "step_median_s" in r
                 else "n/a | n/a | "
             )
-            + f"{ratio(r.get('step_ratio'))} | {loss if 'loss_s' in r else 'n/a'} | "
+            + f"{ratio(r.get('step_ratio'))} | {ratio(r.get('overhead'), '+')} | {loss if 'loss_s' in r else 'n/a'} | "
             + f"{statistics.median(steps) if steps else 'n/a'} | {ratio(r.get('loss_ratio'))} | "
             + (f"{statistics.median(r['final_loss']):.3f} |" if "final_loss" in r else "n/a |")
         )

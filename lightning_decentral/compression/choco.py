@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_decentral.compression.compressors import Compressor
+from lightning_decentral.compression.fused import chunk_size, decode_add_, encode_update_
 from lightning_decentral.topology import Topology
 
 
@@ -210,34 +211,66 @@ class ChocoExchange:
 
     def outgoing(self, round: int) -> dict[int, Tensor]:
         """Compress for every out-neighbour of `W(step)` (once per shared copy), update the sent copies, and return
-        each out-neighbour's message: the payloads of the buffers, concatenated."""
-        choco, compressor = self.choco, self.choco.compressor
+        each out-neighbour's message: the payloads of the buffers, concatenated (written in place: no copy of them)."""
+        choco = self.choco
         peers = [j for j, _ in self.topology.out_neighbors(choco.rank, self.step)]
-        parts: dict[int, list[Tensor]] = {j: [] for j in peers}
+        device = self.copies[0].like.device if self.copies else torch.device("cpu")
+        size = sum(size for _, size in self._parts)
+        messages = {j: torch.empty(size, dtype=torch.uint8, device=device) for j in peers}
         for index, (x, copies) in enumerate(zip(self.current, self.copies)):
-            seed = exchange_seed(self.step, round, self.tag + index, choco.rank)
+            seed, (offset, size) = exchange_seed(self.step, round, self.tag + index, choco.rank), self._parts[index]
             for slot, members in copies.slots_for(peers).items():
-                sent, difference = copies.sent[slot], copies.work
-                payload = compressor.compress(torch.sub(x.reshape(-1), sent, out=difference), seed)
-                if payload.untyped_storage().data_ptr() == difference.untyped_storage().data_ptr():
-                    payload = payload.clone()  # a view of the work space, which the next buffer overwrites
-                sent.add_(compressor.decompress(payload, copies.numel, sent.dtype, seed))
-                for peer in members:
-                    parts[peer].append(payload)
-        messages = {j: torch.cat(p) if len(p) > 1 else p[0] for j, p in parts.items()}
+                payload = messages[members[0]][offset : offset + size]
+                encode_update_(choco.compressor, x.reshape(-1), copies.sent[slot], seed, payload, copies.work)
+                for peer in members[1:]:
+                    messages[peer][offset : offset + size].copy_(payload)
         choco.wire_bytes += sum(m.numel() for m in messages.values())
         return messages
 
     def incoming(self, round: int, messages: Mapping[int, Tensor]) -> None:
         """Add each in-neighbour's `q` to its copy, then apply `x += γ Δ` (or accumulate it in `out`)."""
-        choco, compressor = self.choco, self.choco.compressor
+        choco = self.choco
         for index, (copies, (offset, size)) in enumerate(zip(self.copies, self._parts)):
             for peer, message in messages.items():
                 seed = exchange_seed(self.step, round, self.tag + index, peer)
-                q = compressor.decompress(message[offset : offset + size], copies.numel, copies.like.dtype, seed)
                 if peer not in copies.received:  # a first-time in-neighbour: its copy starts at zero (or the origin)
                     copies.received[peer] = copies.fresh()
-                copies.received[peer].add_(q)
+                decode_add_(choco.compressor, message[offset : offset + size], copies.received[peer], seed)
+        if not self.measure and not choco.from_copy:
+            for index, copies in enumerate(self.copies):
+                self._combine(index, copies)
+        else:
+            self._combine_whole(round)
+        if self.out is not None and self.rounds > 1 and round == self.rounds - 1:
+            for o, b in zip(self.out, self.buffers):
+                o.sub_(b)
+
+    def _combine(self, index: int, copies: EdgeCopies) -> None:
+        """`x += γ Δ` for buffer `index` (or its share of `out`), chunk by chunk: `Δ`, its step and its sum into the
+        target while the chunk is in cache (the same operations per element as `_combine_whole`)."""
+        terms, gamma = self._terms(copies), self.choco.consensus_step
+        x = self.buffers[index].view(-1)
+        direct = self.out is not None and self.rounds == 1 and self.out[index].dtype == copies.like.dtype
+        target = self.out[index].view(-1) if self.out is not None else x
+        step = chunk_size(copies.numel, copies.like.device, 1)
+        for start in range(0, copies.numel, step):
+            stop = min(start + step, copies.numel)
+            change = target[start:stop] if direct else copies.work[start:stop]
+            torch.mul(terms[0][0][start:stop], terms[0][1], out=change)
+            for copy, weight in terms[1:]:
+                change.add_(copy[start:stop], alpha=weight)
+            change.mul_(gamma)
+            if direct:
+                continue
+            if self.out is not None and self.rounds == 1:
+                target[start:stop].copy_(change)
+            else:
+                target[start:stop].add_(change.to(x.dtype))
+
+    def _combine_whole(self, round: int) -> None:
+        """`x += γ Δ` over whole buffers: with residuals to measure (`‖Δ‖²` of each whole buffer) or from the
+        worker's own copy."""
+        choco = self.choco
         changes = [self._change(copies) for copies in self.copies]
         if self.measure and round == 0:
             self.residuals = [torch.dot(d, d) for d in changes]
@@ -252,9 +285,6 @@ class ChocoExchange:
                 self.out[index].copy_(change.view_as(x))
             else:
                 self.out[index].add_(change.view_as(x).to(x.dtype))
-        if self.out is not None and self.rounds > 1 and round == self.rounds - 1:
-            for o, b in zip(self.out, self.buffers):
-                o.sub_(b)
 
     def _own(self, copies: EdgeCopies) -> Tensor | None:
         """The worker's own public copy at this round, `Σ_j w_ji x̂_{i→j} / Σ_j w_ji` over its out-edges of `W(step)`
@@ -269,16 +299,20 @@ class ChocoExchange:
             own.add_(copy, alpha=weight / total)
         return own
 
-    def _change(self, copies: EdgeCopies) -> Tensor:
-        """`Δ = Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j}` over the edges of `W(step)` (the out-edges of one copy
-        together)."""
+    def _terms(self, copies: EdgeCopies) -> list[tuple[Tensor, float]]:
+        """The copies and weights of `Δ = Σ_j w_ij x̂_{j→i} − Σ_j w_ji x̂_{i→j}` over the edges of `W(step)` (the
+        out-edges of one copy together)."""
         rank = self.choco.rank
         terms = [(copies.received[peer], weight) for peer, weight in self.topology.in_neighbors(rank, self.step)]
         by_slot: dict[int, float] = {}
         for peer, weight in self.topology.out_neighbors(rank, self.step):
             slot = copies.slot_of[peer]
             by_slot[slot] = by_slot.get(slot, 0.0) - weight
-        terms += [(copies.sent[slot], weight) for slot, weight in by_slot.items()]
+        return terms + [(copies.sent[slot], weight) for slot, weight in by_slot.items()]
+
+    def _change(self, copies: EdgeCopies) -> Tensor:
+        """`Δ` ([`_terms`][lightning_decentral.compression.ChocoExchange._terms]) in the work space."""
+        terms = self._terms(copies)
         change = torch.mul(terms[0][0], terms[0][1], out=copies.work)
         for copy, weight in terms[1:]:
             change.add_(copy, alpha=weight)

@@ -94,6 +94,13 @@ def _scale_blocks_(x: Tensor, scales: Tensor, block: int | None) -> Tensor:
     return x
 
 
+def l1_mean(rows: Tensor, scratch: Tensor | None = None) -> Tensor:
+    """`‖r‖₁ / len(r)` of each row of `rows` (into `scratch`, of `rows`' shape, on the way if given): `Sign`'s scales,
+    as a sum of magnitudes (several times faster on the CPU than `torch.linalg.vector_norm(rows, 1, dim=1)`, which
+    can differ from it in the last bit)."""
+    return torch.abs(rows, out=scratch).sum(1).div_(rows.shape[1])
+
+
 def _check_block(block: int | None) -> None:
     if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
         raise ValueError(f"`block` must be a positive integer (elements per scale) or None (one scale), got {block!r}.")
@@ -126,7 +133,7 @@ class Sign:
         return _blocks(numel, self.block) * SCALE.itemsize + packed_bytes(numel, 1)
 
     def compress(self, v: Tensor, seed: int) -> Tensor:
-        scales = _per_block(v, self.block, lambda rows: torch.linalg.vector_norm(rows, 1, dim=1) / rows.shape[1])
+        scales = _per_block(v, self.block, lambda rows: l1_mean(rows))
         return torch.cat([scales.to(SCALE).view(torch.uint8), pack_bits(v >= 0, 1)])
 
     def decompress(self, payload: Tensor, numel: int, dtype: torch.dtype, seed: int) -> Tensor:
