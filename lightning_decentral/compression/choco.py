@@ -259,7 +259,8 @@ class ChocoExchange:
             torch.mul(terms[0][0][start:stop], terms[0][1], out=change)
             for copy, weight in terms[1:]:
                 change.add_(copy[start:stop], alpha=weight)
-            change.mul_(gamma)
+            if gamma != 1:  # × 1.0 changes nothing: a pass saved at the default steps of sign and int8/int4
+                change.mul_(gamma)
             if direct:
                 continue
             if self.out is not None and self.rounds == 1:
