@@ -9,7 +9,8 @@ adapt-with-combine, what [`CompressedGossip`][lightning_decentral.gossip.Compres
 apart from the transport: ``ChocoExchange.outgoing`` (the message ``C(x − x̂)`` and the sent copy's update) and
 ``ChocoExchange.incoming`` of the neighbour's message (its copy's update and the correction ``γ Δ`` into ``out``).
 The baseline is ``dst.copy_(src)`` of a buffer of the same size and dtype on the same device, timed in the same loop:
-each repeat times the copy, then every compressor in turn; the table gives each median and its ratio to the copy's.
+one compressor at a time, each of its steps after a copy; the table gives each median and its ratio to the copy's
+(over all the copies of the run).
 On the CPU the clock is the process's CPU time (``time.process_time``: on a machine others load too, the cycles the
 work takes rather than its waits for a core); on CUDA the wall time, bracketed by ``torch.cuda.synchronize()``.
 Threads: ``--threads`` (default 1, as each worker of the step-time benchmarks).
@@ -72,25 +73,32 @@ def timed(work: Callable[[], Any], device: torch.device) -> float:
 
 
 def measure(numel: int, compressors: list[str], repeats: int, device: torch.device) -> list[dict[str, Any]]:
-    """One row per compressor (and the copy): median seconds per step and median ratio to the copy."""
+    """One row per compressor and one for the copy: median seconds per step and the ratio to the copy's median.
+    One compressor's buffers at a time (a billion elements fit a GPU once), its steps alternating with copies."""
     source = torch.randn(numel, device=device)
     target = torch.empty_like(source)
-    exchanges = {name: Exchange(name, numel, device) for name in compressors}
-    work: dict[str, Callable[[], Any]] = {"copy": lambda: target.copy_(source), **exchanges}
-    for run in work.values():  # warm-up: first-touch pages, allocator, lazy initialisation
-        run()
-    times: dict[str, list[float]] = {name: [] for name in work}
-    for _ in range(repeats):
-        for name, run in work.items():
-            times[name].append(timed(run, device))
-    copy = statistics.median(times["copy"])
+
+    def copy() -> None:
+        target.copy_(source)
+
+    copy()  # first-touch pages
+    times: dict[str, list[float]] = {"copy": []}
+    for name in compressors:
+        exchange = Exchange(name, numel, device)
+        exchange()  # warm-up: the copies made, allocator and lazy initialisation
+        times[name] = []
+        for _ in range(repeats):
+            times["copy"].append(timed(copy, device))
+            times[name].append(timed(exchange, device))
+        del exchange
+    baseline = max(statistics.median(times["copy"]), 1e-9)  # a clock tick at the least
     return [
         {
             "numel": numel,
             "compressor": name,
             "median_s": statistics.median(seconds),
             "quartiles_s": [harness.quantile(seconds, 0.25), harness.quantile(seconds, 0.75)],
-            "ratio_to_copy": statistics.median(seconds) / copy,
+            "ratio_to_copy": statistics.median(seconds) / baseline,
         }
         for name, seconds in times.items()
     ]

@@ -1,6 +1,7 @@
 """One GPU: the CUDA and bf16 paths of the strategies, and the simulation's speed and memory at n workers.
 
     python benchmarks/gpu.py --out gpu.json --out gpu.md        # a CUDA machine: n = 16, 32, 64
+    python benchmarks/gpu.py --sections arithmetic,compressed --out gpu_compressed.json --out gpu_compressed.md
     python benchmarks/gpu.py --smoke --out smoke.json           # any machine, seconds (tests/test_benchmarks_smoke.py)
 
 Everything runs in this process, one fresh Trainer after the other, on the digits MLP of ``simulate.py``
@@ -17,6 +18,15 @@ Everything runs in this process, one fresh Trainer after the other, on the digit
   GPU synchronized first), the median after ``--warmup`` steps; the ratio is to ``lightning``'s in the same
   precision and run. Memory: ``torch.cuda.max_memory_allocated`` over the run minus ``lightning``'s, per worker
   (``None`` on the CPU).
+* ``arithmetic``: one step of the CHOCO arithmetic of each of ``--compressions``
+  (``benchmarks/compressor_arithmetic.py``: one worker of one-peer gossip, its message and its neighbour's) on flat
+  buffers of ``--arithmetic-numel`` elements (default 10M, 100M, 1B float32) against a device-to-device ``copy_`` of
+  the buffer, wall time with the device synchronized.
+* ``compressed``: the simulation with ``compression=`` each of ``--compressions`` (workers apart: stacked workers do
+  not compress), the MLP in 32-true, at each n, against ``lightning`` and against the same simulation uncompressed
+  in the same run.
+
+``--sections`` picks among ``paths``, ``simulation``, ``arithmetic``, ``compressed`` (default: all).
 
 A run that fails is recorded with its error and the others go on.
 """
@@ -35,6 +45,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from compressor_arithmetic import measure as measure_arithmetic
 from mlp import MLP, digits, digits_loader, quiet_trainer
 
 from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
@@ -215,11 +226,60 @@ def measure_simulation(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def measure_compressed(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The MLP's simulation at each n, uncompressed and with each compressor (workers apart), against the Trainer."""
+    steps, rows = args.warmup + args.steps, []
+    base = _fit("auto", args, "32-true", args.global_batch, steps)
+    for n in args.workers:
+        plain = None
+        for compression in [None, *args.compressions]:
+            row: dict[str, Any] = {"n": n, "compression": compression or "none"}
+            try:
+                strategy = SimulatedDecentralizedStrategy(
+                    workers=n, topology="one_peer_exponential", vectorize=False, compression=compression
+                )
+                run = _fit(strategy, args, "32-true", args.global_batch // n, steps)
+                row.update(
+                    step_s=run["step_s"], device=run["device"], ratio_to_lightning=run["step_s"] / base["step_s"]
+                )
+                plain = run["step_s"] if compression is None else plain
+                row["ratio_to_uncompressed"] = run["step_s"] / plain if plain else None
+            except Exception as exc:  # recorded: the other runs go on
+                row.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-2000:])
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "traceback"}), flush=True)
+    return rows
+
+
 def render(result: dict[str, Any]) -> str:
     """The markdown tables of ``docs/benchmarks.md``."""
-    lines = [
-        f"Device: {result['device']}; torch {result['torch']}, lightning {result['lightning']}.",
-        "",
+    lines = [f"Device: {result['device']}; torch {result['torch']}, lightning {result['lightning']}.", ""]
+
+    def number(value: Any, scale: float = 1.0, digits: int = 2) -> str:
+        return "" if value is None else f"{value * scale:.{digits}f}"
+
+    if "arithmetic" in result:
+        lines += ["| elements | arithmetic of one step | median (ms) | / copy_ of the buffer |", "|---|---|---|---|"]
+        for r in result["arithmetic"]:
+            lines.append(
+                f"| {r['numel']:,} | {r['compressor']} | {number(r['median_s'], 1e3)} | {number(r['ratio_to_copy'])} |"
+            )
+        lines.append("")
+    if "compressed" in result:
+        lines += [
+            "| n | compression | median step (ms) | × plain Trainer | × uncompressed simulation | error |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in result["compressed"]:
+            lines.append(
+                f"| {r['n']} | {r['compression']} | {number(r.get('step_s'), 1e3)} | "
+                f"{number(r.get('ratio_to_lightning'))} | {number(r.get('ratio_to_uncompressed'))} | "
+                f"{r.get('error', '')} |"
+            )
+        lines.append("")
+    if "paths" not in result:
+        return "\n".join(lines) + "\n"
+    lines += [
         "| rule | precision | device | finite after 3 steps | resumed at 3, ended at | error |",
         "|---|---|---|---|---|---|",
     ]
@@ -234,11 +294,7 @@ def render(result: dict[str, Any]) -> str:
         "worker | error |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-
-    def number(value: Any, scale: float = 1.0, digits: int = 2) -> str:
-        return "" if value is None else f"{value * scale:.{digits}f}"
-
-    for r in result["simulation"]:
+    for r in result.get("simulation", []):
         lines.append(
             f"| {r['model']} | {r['kind']} | {r['n']} | {r['precision']} | {r.get('device', '')} | "
             f"{number(r.get('step_s'), 1e3)} | {number(r.get('ratio_to_lightning'))} | "
@@ -258,6 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--models", default="mlp,resnet20", help="the simulation's models (default mlp,resnet20)")
     parser.add_argument("--conv-global-batch", type=int, default=1024, help="resnet20's global batch (default 1024)")
+    parser.add_argument("--sections", default="paths,simulation,arithmetic,compressed", help="what to run (all)")
+    parser.add_argument("--compressions", default="sign,int4,top_k:0.01", help="compressors of the compressed runs")
+    parser.add_argument("--arithmetic-numel", default="10000000,100000000,1000000000", help="buffer sizes")
+    parser.add_argument("--arithmetic-repeats", type=int, default=5, help="timed steps per compressor (default 5)")
     parser.add_argument("--out", action="append", default=[], help=".json or .md; repeatable")
     parser.add_argument(
         "--smoke",
@@ -268,22 +328,34 @@ def main(argv: list[str] | None = None) -> int:
     args.workers = [int(n) for n in args.workers.split(",")]
     args.precisions = args.precisions.split(",")
     args.models = args.models.split(",")
+    args.sections, args.compressions = args.sections.split(","), args.compressions.split(",")
+    args.arithmetic_numel = [int(n) for n in args.arithmetic_numel.split(",")]
     args.widths, args.conv_width, args.image_size = (64, 128, 128, 10), 16, 32
     if args.smoke:
         args.workers, args.precisions, args.steps, args.warmup, args.widths = [4], ["32-true"], 2, 2, (64, 16, 10)
         args.conv_width, args.image_size, args.conv_global_batch = 4, 8, 16
+        args.arithmetic_numel, args.arithmetic_repeats = [4099], 2
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    result = {
-        "device": device,
-        "torch": torch.__version__,
-        "lightning": pl.__version__,
-        "paths": check_paths(args),
-        "simulation": measure_simulation(args),
+    result: dict[str, Any] = {"device": device, "torch": torch.__version__, "lightning": pl.__version__}
+    arithmetic_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sections = {
+        "paths": lambda: check_paths(args),
+        "simulation": lambda: measure_simulation(args),
+        "arithmetic": lambda: [
+            row
+            for numel in args.arithmetic_numel
+            for row in measure_arithmetic(numel, args.compressions, args.arithmetic_repeats, arithmetic_device)
+        ],
+        "compressed": lambda: measure_compressed(args),
     }
+    for name in args.sections:
+        result[name] = sections[name]()
     for out in args.out:
         Path(out).write_text(render(result) if out.endswith(".md") else json.dumps(result, indent=1))
     print(render(result))
-    failed = [r for r in result["paths"] if not r["ok"]] + [r for r in result["simulation"] if "error" in r]
+    failed = [r for r in result.get("paths", []) if not r["ok"]] + [
+        r for name in ("simulation", "compressed") for r in result.get(name, []) if "error" in r
+    ]
     return 1 if failed else 0
 
 

@@ -44,6 +44,19 @@ def test_step_time_smoke(tmp_path: Path) -> None:
     assert ring["bytes_sent_per_rank"] == ring["gossip_bytes_sent_reported"] == 2 * model_bytes, ring
 
 
+@pytest.mark.slow
+def test_compressor_arithmetic_smoke(tmp_path: Path) -> None:
+    """Every default compressor's step of arithmetic and the copy baseline are timed, once per buffer size, with a
+    ratio to the copy (the copy's own is 1)."""
+    out = tmp_path / "arithmetic.json"
+    _run_smoke("compressor_arithmetic.py", "--numel", "4099,70001", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    names = ["copy", "sign", "int8", "int4", "top_k:0.01", "random_k:0.01"]
+    assert [(row["numel"], row["compressor"]) for row in rows] == [(n, c) for n in (4099, 70001) for c in names]
+    assert all(row["median_s"] >= 0 and row["ratio_to_copy"] >= 0 for row in rows)
+    assert all(row["ratio_to_copy"] == 1 for row in rows if row["compressor"] == "copy" and row["median_s"] > 0)
+
+
 def test_gpu_smoke(tmp_path: Path) -> None:
     """The GPU script's runs on the CPU: both rules train, save and resume; both simulation paths are timed, on the MLP
     and on the conv + BatchNorm ResNet-20 (small)."""

@@ -17,8 +17,8 @@ step on one chunk of `CHUNK` elements (whole blocks, so a chunk's scales are its
 chunk's difference, scale, codes and update stay in a core's cache and the scratch is allocated once per call; the
 sparse ones ([`TopK`][lightning_decentral.compression.TopK], [`RandomK`][lightning_decentral.compression.RandomK])
 add their `k` values into `x̂` where they belong instead of adding a dense `C(v)` that is zero elsewhere, and
-`RandomK` reads only its `k` coordinates of `x − x̂`. On a GPU a chunk is the whole buffer (each operation is one
-kernel launch, and memory-bound either way).
+`RandomK` reads only its `k` coordinates of `x − x̂`. On a GPU chunks are large (each operation is one
+kernel launch: chunks of `DEVICE_CHUNK` elements, 64M).
 
 Every element goes through the operations `compress` then `decompress` apply to it, in the same order and dtype,
 so the payload bytes and the copies are the same (the sparse compressors leave `x̂` untouched where `C(v)` is zero;
@@ -60,12 +60,16 @@ CHUNK = 1 << 18
 float32, stay in a core's L2 cache (measured: benchmarks/compressor_arithmetic.py)."""
 
 
+DEVICE_CHUNK = 1 << 26
+"""Elements per chunk on a GPU: each operation is one kernel launch over a chunk, so chunks are large (a buffer of up
+to 64M elements is one chunk); the limit only bounds the scratch (256 MB a buffer in float32)."""
+
+
 def chunk_size(numel: int, device: torch.device, align: int, chunk: int | None = None) -> int:
     """The elements of one chunk of a `numel`-element buffer on `device`: a multiple of `align` near `chunk`
-    (`CHUNK` by default) on the CPU, the whole buffer elsewhere."""
-    if device.type != "cpu":
-        return max(numel, 1)
-    return max(align, (chunk or CHUNK) // align * align)
+    (`CHUNK` on the CPU, `DEVICE_CHUNK` elsewhere, by default)."""
+    chunk = chunk or (CHUNK if device.type == "cpu" else DEVICE_CHUNK)
+    return max(align, chunk // align * align)
 
 
 def fused(compressor: Compressor, numel: int) -> bool:
