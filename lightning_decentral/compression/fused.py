@@ -22,7 +22,10 @@ kernel launch: chunks of `DEVICE_CHUNK` elements, 64M).
 
 Every element goes through the operations `compress` then `decompress` apply to it, in the same order and dtype,
 so the payload bytes and the copies are the same (the sparse compressors leave `x̂` untouched where `C(v)` is zero;
-the dense sum would turn a `−0.0` there into `+0.0`, which compares equal). A compressor of another type (a
+the dense sum would turn a `−0.0` there into `+0.0`, which compares equal). One caveat: with several torch threads a
+`Sign` block sum over a chunk of few rows may be split across threads where the whole buffer's is not (blocks of
+tens of thousands of elements), so a scale can differ from `compress`'s in the last bit, as `compress`'s own already
+differs from one thread count to another; both ends read the scale from the payload, so they always agree. A compressor of another type (a
 [`Compressor`][lightning_decentral.compression.Compressor] of your own, or a `block=None` one, whose single scale
 needs the whole buffer first) goes through its `compress` and `decompress`.
 
