@@ -17,6 +17,9 @@ _WORDS: dict[int, tuple[torch.dtype, tuple[int, ...], tuple[int, ...]]] = {
     2: (torch.int32, (6, 12), (0x000F000F, 0x03030303)),
     4: (torch.int16, (4,), (0x0F0F,)),
 }
+FOLDED = tuple(_WORDS)
+"""The widths [`fold_bytes_`][lightning_decentral.compression.bits.fold_bytes_] and
+[`spread_bytes`][lightning_decentral.compression.bits.spread_bytes] take: 1, 2 and 4 bits."""
 
 
 def packed_bytes(count: int, bits: int) -> int:
