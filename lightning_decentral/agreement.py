@@ -254,7 +254,27 @@ def _exact(value: Any) -> str:
 def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) -> dict[str, int | str]:
     """What every rank must agree on before the first exchange: the strategy's update-rule arguments (its
     [`options`][lightning_decentral.options.GossipOptions]), its bound topology, the precision and the model's
-    trainable layout. Strings up to 64 characters, digests of what does not fit."""
+    trainable layout. Strings up to 64 characters, digests of what does not fit.
+
+    Every field of `GossipOptions` changes what travels between the ranks, how it is combined, or which collectives
+    run, so each is compared (a rank that differs would meet another message size, another exchange or another
+    collective: a gloo abort, a hang, or replicas that drift apart in silence):
+
+    - `topology`: who exchanges with whom and with which weights (its `repr` and the digest of `W(0..period-1)`).
+    - `combine`, `momentum`: the update rule (which tensors travel, and when: AWC posts `x(k)`, DecentLaM `z`).
+    - `gossip_every`, `gossip_steps` (and its schedule): at which steps and how many rounds travel.
+    - `gossip_buffers`: whether the buffers travel beside the parameters (the message's size).
+    - `eval_on`: `"average"` all-reduces the replicas for every evaluation, `"local"` does not.
+    - `bucket_cap_mb` (as bytes): DecentLaM's buckets, the unit each message carries.
+    - `gossip_dtype`: the precision on the wire (the message's size).
+    - `staleness`, `delays`: which step of each neighbour is mixed (and a gloo group of its own).
+    - `on_peer_failure`, `min_workers`: whether the survivors' membership runs, and when it stops the run.
+    - `outer_optimizer` (class and defaults), `outer_overlap`: the outer step and when its exchange travels.
+    - `compression` (the compressor with its parameters: `Sign(block=1024, ...)`, `TopK(fraction=0.01, ...)`): the
+      message's size and what each end adds to its public copies.
+    - `consensus_step`: CHOCO's `γ`, how far each rank moves towards its neighbours' copies (`x̄` drifts if it
+      differs).
+    """
     options = strategy.options
     params = [p for p in module.parameters() if p.requires_grad]
     buffers = [b for b in module.buffers() if b.is_floating_point()] if options.gossip_buffers else []
@@ -282,6 +302,8 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         if options.outer_optimizer is None
         else fitted(outer_optimizer_name(options.outer_optimizer)),
         "outer_overlap": int(options.outer_overlap),
+        "compression": schedule_name(options.compression),
+        "consensus_step": "" if options.consensus_step is None else _exact(options.consensus_step),
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),
@@ -290,13 +312,17 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
 
 
 def schedule_name(delays: Any) -> str:
-    """A delay schedule as the ranks compare it: its `repr` if that names its values (a dataclass such as
-    `RandomDelays(seed=0)`), else its qualified name (a function's `repr` holds its address).
+    """A delay schedule or a compressor as the ranks compare it: its `repr` if that names its values (a dataclass
+    such as `RandomDelays(seed=0)` or `Sign(block=1024, consensus_step=1.0)`), else its qualified name (a function's
+    `repr` holds its address).
 
     Examples:
+        >>> from lightning_decentral.compression import TopK
         >>> from lightning_decentral.mixing import RandomDelays
         >>> schedule_name(RandomDelays(seed=3)), schedule_name(None), schedule_name(fitted)
         ('RandomDelays(seed=3)', '', 'lightning_decentral.agreement.fitted')
+        >>> schedule_name(TopK(0.01))
+        'TopK(fraction=0.01, consensus_step=0.03)'
     """
     if delays is None:
         return ""

@@ -240,6 +240,28 @@ def optimizer_disagreement(rank: int, world_size: int) -> dict[str, str]:
     return out
 
 
+OPTION_DISAGREEMENTS = {
+    "compression": ({"compression": "sign"}, {"compression": "int8"}),
+    "compression against none": ({"compression": "sign"}, {}),
+    "compression parameters": ({"compression": "top_k:0.1"}, {"compression": "top_k:0.2"}),
+    "consensus_step": ({"compression": "int8", "consensus_step": 1.0}, {"compression": "int8", "consensus_step": 0.5}),
+}
+"""Options rank 0 and rank 1 start with, by the field they differ in (`option_disagreement`)."""
+
+
+def option_disagreement(rank: int, world_size: int) -> dict[str, str]:
+    """For each case of `OPTION_DISAGREEMENTS`, a fit with rank 0's options on rank 0 and rank 1's on the others: how
+    it ended on this rank (every rank must stop at setup, naming the field)."""
+    out = {}
+    for name, options in OPTION_DISAGREEMENTS.items():
+        strategy = DecentralizedStrategy(timeout=timedelta(seconds=30), **options[min(rank, 1)])
+        trainer = trainer_for(world_size, strategy, max_steps=2 * K)
+        out[name] = _outcome(
+            trainer.fit, Regression(seed=init_seed(rank), **MOMENTUM_SGD), loader(rank, K * BATCH, BATCH)
+        )
+    return out
+
+
 def rule_change_on_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Save at step K under AWC, then resume exactly under ATC and under AWC; the warnings of each resume."""
     callbacks = [ModelCheckpoint(root, every_n_train_steps=K, save_top_k=-1)]

@@ -209,6 +209,27 @@ def test_ranks_with_different_optimizers_stop_at_setup() -> None:
 
 
 @pytest.mark.slow
+def test_ranks_with_different_compression_or_consensus_step_stop_at_setup() -> None:
+    """Ranks started with `sign` and `int8` ended in a gloo abort ("Received data size doesn't match") on one rank and a
+    `PeerFailure` on the other, `sign` against none in "a neighbour died", another `top_k` fraction likewise, and
+    `consensus_step` 1.0 against 0.5 trained to the end while `x̄` drifted: each now stops every rank at setup, naming
+    the field, both values and the fix."""
+    expected = {
+        "compression": "rank 1 has compression='Quantize(bits=8, block=1024, consensus_step=1.0)' where rank 0 has "
+        "'Sign(block=1024, consensus_step=1.0)'",
+        "compression against none": "rank 1 has compression='' where rank 0 has 'Sign(block=1024, consensus_step=1.0)'",
+        "compression parameters": "rank 1 has compression='TopK(fraction=0.2, consensus_step=0.6)' where rank 0 has "
+        "'TopK(fraction=0.1, consensus_step=0.3)'",
+        "consensus_step": "rank 1 has consensus_step='0.5' where rank 0 has '1.0'",
+    }
+    for r in run_distributed(workers.option_disagreement, 2, timeout=240):
+        for name, difference in expected.items():
+            assert r[name].startswith("ValueError: The ranks do not run the same configuration"), (name, r[name])
+            assert difference in r[name], (name, r[name])
+            assert "Build the same DecentralizedStrategy and the same model on every rank" in r[name]
+
+
+@pytest.mark.slow
 def test_resuming_under_another_update_rule_warns_once(tmp_path: Path) -> None:
     rank0, rank1 = run_distributed(workers.rule_change_on_resume, 2, timeout=240, root=str(tmp_path))
     (warning,) = rank0["atc"]["rule warnings"]
