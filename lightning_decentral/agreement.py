@@ -199,28 +199,44 @@ class Ranks:
     def check_same_optimizers(self, optimizers: list[Any]) -> None:
         """Stop every rank unless every rank has the same number of optimizers, of the same classes, with the
         same number of parameter groups and the same `HYPERPARAMETERS` in each (compared exactly: a float
-        travels as its `repr`, the shortest string that reads back as the same float). Three all-gathers,
-        each of a shape every rank agrees on after the one before."""
-        advice = (
-            "Build the same optimizer with the same hyperparameters on every rank (`configure_optimizers` may not "
-            "depend on the rank): the replicas would otherwise drift apart under different updates."
-        )
-        self.check_same_configuration({"optimizers": len(optimizers)}, advice)
-        where = [f" (optimizer {i})" if len(optimizers) > 1 else "" for i in range(len(optimizers))]
-        structure: dict[str, int | str] = {}
-        for optimizer, at in zip(optimizers, where):
-            structure[f"optimizer class{at}"] = fitted(f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
-            structure[f"param groups{at}"] = len(optimizer.param_groups)
-        self.check_same_configuration(structure, advice)
-        values: dict[str, int | str] = {}
-        for i, optimizer in enumerate(optimizers):
-            groups = optimizer.param_groups
-            for g, group in enumerate(groups):
-                parts = [f"optimizer {i}"] * (len(optimizers) > 1) + [f"param group {g}"] * (len(groups) > 1)
-                suffix = f" ({', '.join(parts)})" if parts else ""
-                for name in HYPERPARAMETERS:
-                    values[f"{name}{suffix}"] = _exact(group[name]) if name in group else "absent"
-        self.check_same_configuration(values, advice)
+        travels as its `repr`, the shortest string that reads back as the same float). Three all-gathers of
+        [`optimizer_configuration`][lightning_decentral.agreement.optimizer_configuration]'s stages, each of a
+        shape every rank agrees on after the one before."""
+        for stage in optimizer_configuration(optimizers):
+            self.check_same_configuration(stage, OPTIMIZER_ADVICE)
+
+
+OPTIMIZER_ADVICE = (
+    "Build the same optimizer with the same hyperparameters on every rank (`configure_optimizers` may not "
+    "depend on the rank): the replicas would otherwise drift apart under different updates."
+)
+"""The fix an optimizer that differs between ranks is refused with."""
+
+
+def optimizer_configuration(optimizers: list[Any]) -> list[dict[str, int | str]]:
+    """What every rank's optimizers must agree on, in three stages, each of a shape fixed by the one before: their
+    number; each one's class and number of parameter groups; the `HYPERPARAMETERS` of each group.
+
+    Examples:
+        >>> sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> count, structure, values = optimizer_configuration([sgd])
+        >>> count, structure["optimizer class"], values["lr"], values["betas"]
+        ({'optimizers': 1}, 'torch.optim.sgd.SGD', '0.1', 'absent')
+    """
+    where = [f" (optimizer {i})" if len(optimizers) > 1 else "" for i in range(len(optimizers))]
+    structure: dict[str, int | str] = {}
+    for optimizer, at in zip(optimizers, where):
+        structure[f"optimizer class{at}"] = fitted(f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+        structure[f"param groups{at}"] = len(optimizer.param_groups)
+    values: dict[str, int | str] = {}
+    for i, optimizer in enumerate(optimizers):
+        groups = optimizer.param_groups
+        for g, group in enumerate(groups):
+            parts = [f"optimizer {i}"] * (len(optimizers) > 1) + [f"param group {g}"] * (len(groups) > 1)
+            suffix = f" ({', '.join(parts)})" if parts else ""
+            for name in HYPERPARAMETERS:
+                values[f"{name}{suffix}"] = _exact(group[name]) if name in group else "absent"
+    return [{"optimizers": len(optimizers)}, structure, values]
 
 
 HYPERPARAMETERS = ("lr", "momentum", "betas", "weight_decay", "nesterov", "eps")

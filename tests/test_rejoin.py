@@ -76,6 +76,47 @@ def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: 
     assert apart[2] <= 2 * apart[:2].max(), apart
 
 
+@pytest.mark.slow
+def test_a_rank_started_again_with_another_configuration_is_refused_and_the_members_go_on(tmp_path: Path) -> None:
+    """3 ranks with rejoin=True, rank 2 killed at step 3; while the survivors wait at step 6, rank 2 is started again
+    with gossip_every=2 (the run has 1), then with another learning rate. It was admitted without a check (its set-up
+    took the members' state over), its exchanges met the members' at other steps, and a phantom "Survived failure 3:
+    lost rank ()" was logged at the end. Now each is refused before it asks, naming the field and both values, and the
+    members finish as 2, one failure decided, no other."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=12, hold_at=6, rejoin=True)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_error, 3, out, port=port, deaths={2: 3}, **run)
+        refused = {}
+        try:
+            deadline = time.monotonic() + BOUND
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
+            for name, other in {"gossip_every": dict(gossip_every=2), "lr": dict(lr=0.1)}.items():
+                with tempfile.TemporaryDirectory() as restart:
+                    restarted = start_rank(workers.survive_or_error, 2, 3, port, restart, deaths={}, **run, **other)
+                    restarted.join(max(0.0, deadline - time.monotonic()))
+                    assert restarted.exitcode == 0, (name, restarted.exitcode)
+                    refused[name] = pickle.loads((Path(restart) / "2.pkl").read_bytes())[1]
+            (tmp_path / "released").touch()
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert [p.exitcode for p in procs[:2]] == [0, 0]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        members = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+    refusal = "CannotRejoin: Rank 2 cannot rejoin: it does not run the members' configuration: "
+    assert refused["gossip_every"].startswith(refusal + "it has gossip_every=2 where the members have 1."), refused
+    assert refused["lr"].startswith(refusal + "it has lr='0.1' where the members have '0.05'."), refused
+    assert all("The members go on without it. Start it again with the command" in r for r in refused.values())
+    for r in members:
+        assert isinstance(r, dict), r
+        assert (r["world_size"], r["global_step"]) == (2, 12), r
+        assert [d["lost"] for d in r["decisions"]] == [(2,)], r["decisions"]
+        assert not [line for line in r["logged"] if "lost rank ()" in line or "Rejoined" in line], r["logged"]
+
+
 def _launch_toy(tmp_path: Path, script: str, workers: int, restarts: int) -> subprocess.CompletedProcess:
     """`lightning-decentral-launch --max-restarts restarts` of `workers` toy workers running `script` (written to
     `tmp_path/worker.py`, given `tmp_path` as its argument), bounded."""

@@ -15,7 +15,7 @@ from lightning_decentral._compat import default_store
 from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure
 from lightning_decentral.membership.groups import alone, poison
 from lightning_decentral.membership.protocol import Decision, Join, Membership
-from lightning_decentral.membership.rejoin import Joins, ask, hand_over, publish, source_for
+from lightning_decentral.membership.rejoin import CannotRejoin, Joins, ask, hand_over, publish, source_for
 from lightning_decentral.membership.report import decision_line
 from lightning_decentral.membership.store import store_client, store_host
 
@@ -138,23 +138,36 @@ class Survivors:
         on_change: Callable[[Decision], None],
         handover: Callable[[], Any],
         margin: Callable[[], int],
+        configuration: dict[str, int | str] | None = None,
     ) -> tuple[Survivors, Join]:
         """A lost rank started again (`rank`, of the run `info` describes,
-        [`current`][lightning_decentral.membership.rejoin.current]): ask to rejoin, wait until the members admit it,
-        make the grown group with them (the default process group, this rank's place in it as the decision says) and
-        keep `W` of the grown members from the join step. Returns its survivors and the decision; the executor then
-        takes its state from the decision's source."""
+        [`current`][lightning_decentral.membership.rejoin.current]): unless its `configuration` differs from the one
+        the members published (then `CannotRejoin` names each field, and the members never see it), ask to rejoin, wait
+        until the members admit it, make the grown group with them (the default process group, this rank's place in it
+        as the decision says) and keep `W` of the grown members from the join step. Returns its survivors and the
+        decision; the executor then takes its state from the decision's source."""
         store = cls._store(timeout)
         membership = cls._membership(store, info["run"], rank, info["start_size"], min_workers, timeout)
         membership.start()
         survivors = cls(membership, driver, backend, timeout, on_change, Joins(membership, margin), handover)
-        survivors.published = {"rejoin": True, "token": info["token"]}
-        decision = ask(membership, driver.topology, timeout.total_seconds())
+        survivors.published = {"rejoin": True, "token": info["token"], "configuration": configuration}
+        try:
+            decision = ask(membership, driver.topology, timeout.total_seconds(), configuration)
+        except CannotRejoin:
+            membership.close()  # its heartbeat and beacon stop with it
+            raise
         assert isinstance(decision, Join)  # a decision that admits it
         driver.keep(decision.members, decision.step + 1, of=survivors.start_topology)
         log.warning(decision_line(decision, rank, driver.topology))
         membership.form_group(backend, timeout)
         return survivors, decision
+
+    def publish_configuration(self, configuration: dict[str, int | str]) -> None:
+        """Publish what every member runs (the fields of the check that every rank runs the same configuration and
+        optimizers, at set-up), with the rest of what a rank that rejoins reads
+        ([`publish`][lightning_decentral.membership.rejoin.publish]): it compares its own with it before it asks."""
+        self.published["configuration"] = configuration
+        publish(self.membership.store, self.membership, **self.published)
 
     @staticmethod
     def _store(timeout: timedelta) -> GuardedStore:

@@ -47,12 +47,12 @@ class Rejoining:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """`fit(ckpt_path=...)` on a rank that rejoins (the same command as the members'): read the file alone, no
         agreement with the members (theirs is past); the state handed over replaces what it restores."""
-        if self.joined is None:
+        if not self.joining:  # type: ignore[attr-defined]
             return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
         return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[attr-defined]
 
     def take_over_state(self) -> None:
-        """A rank that rejoins, in `configure_ddp`, paired with the members' collectives after a join: publish its
+        """A rank that rejoins, admitted, in `setup`, paired with the members' collectives after a join: publish its
         activities, receive the source's state, load the replica, and have the Trainer restore the rest after setup."""
         decision = self.joined
         assert decision is not None
