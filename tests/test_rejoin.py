@@ -117,6 +117,74 @@ def test_a_rank_started_again_with_another_configuration_is_refused_and_the_memb
         assert not [line for line in r["logged"] if "lost rank ()" in line or "Rejoined" in line], r["logged"]
 
 
+@pytest.mark.slow
+def test_a_fault_plan_that_kills_two_of_three_and_one_rank_started_again(tmp_path: Path) -> None:
+    """3 ranks, `FaultPlan({8: [1, 2]})`, min_workers=1: rank 0 goes on alone; rank 1 alone is started again (with the
+    same plan). It checked the plan's ranks against the members' world size (2) and raised once admitted, and the lone
+    survivor then died with an IndexError. Now it checks them against the run's start, rejoins, and both end at step
+    30 as 2 ranks."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=30, hold_at=11, rejoin=True, min_workers=1, fault_plan={8: [1, 2]})
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_traceback, 3, out, port=port, deaths={}, **run)
+        restarted = None
+        try:
+            deadline = time.monotonic() + BOUND
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
+            restarted = start_rank(workers.survive_or_traceback, 1, 3, port, again, deaths={}, **run)
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+            _wait_for(lambda: asking(store) == [1] or not restarted.is_alive(), deadline)
+            (tmp_path / "released").touch()
+            for p in [*procs, restarted]:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in [*procs, restarted]:
+                if p is not None and p.is_alive():
+                    p.kill()
+        results = [pickle.loads((Path(out) / "0.pkl").read_bytes())[1]]
+        results.append(pickle.loads((Path(again) / "1.pkl").read_bytes())[1])
+    for r in results:
+        assert isinstance(r, dict), r
+        assert (r["world_size"], r["global_step"]) == (2, 30), r
+        assert [(d["lost"], d.get("joined", ())) for d in r["decisions"]][-1] == ((), (1,)), r["decisions"]
+    assert [d["lost"] for d in results[0]["decisions"]] == [(1, 2), ()], results[0]["decisions"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_once_admitted_leaves_the_members_going_on(tmp_path: Path) -> None:
+    """3 ranks, rank 2 killed at step 3 and started again; admitted at step 20, it dies before it takes the state
+    over. Its source's hand-over fails: the members survive it as a failure (that decision replaces the join), and end
+    at step 30 as 2, instead of stopping with gloo's error."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=30, hold_at=11, rejoin=True)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_traceback, 3, out, port=port, deaths={2: 3}, **run)
+        restarted = None
+        try:
+            deadline = time.monotonic() + BOUND
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
+            restarted = start_rank(
+                workers.survive_or_traceback, 2, 3, port, again, deaths={}, dies_in="take over", **run
+            )
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+            _wait_for(lambda: asking(store) == [2] or not restarted.is_alive(), deadline)
+            (tmp_path / "released").touch()
+            for p in [*procs, restarted]:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in [*procs, restarted]:
+                if p is not None and p.is_alive():
+                    p.kill()
+        results = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+    assert (tmp_path / "killed-2").exists()
+    for r in results:
+        assert isinstance(r, dict), r
+        assert (r["world_size"], r["global_step"]) == (2, 30), r
+        assert [(d["lost"], d.get("joined", ())) for d in r["decisions"]] == [((2,), ()), ((), (2,)), ((2,), ())], r[
+            "decisions"
+        ]
+
+
 def _launch_toy(tmp_path: Path, script: str, workers: int, restarts: int) -> subprocess.CompletedProcess:
     """`lightning-decentral-launch --max-restarts restarts` of `workers` toy workers running `script` (written to
     `tmp_path/worker.py`, given `tmp_path` as its argument), bounded."""

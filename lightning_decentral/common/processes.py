@@ -164,6 +164,11 @@ class OnProcesses:
         return self.survivors.membership.first_rank if self.survivors is not None else self.global_rank
 
     @property
+    def start_size(self) -> int:
+        """The number of ranks when the run started (a failure or a rejoin changes `world_size`)."""
+        return self.survivors.membership.start_size if self.survivors is not None else self.world_size
+
+    @property
     def failures_survived(self) -> list[Decision]:
         """The survivors' decisions of the run so far (or of the last one), one per failure survived."""
         return list(self.survivors.membership.decisions) if self.survivors is not None else []

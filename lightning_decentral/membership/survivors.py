@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from lightning_decentral._compat import default_store
-from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure
+from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure, peers_answer
 from lightning_decentral.membership.groups import alone, poison
 from lightning_decentral.membership.protocol import Decision, Join, Membership
 from lightning_decentral.membership.rejoin import CannotRejoin, Joins, ask, hand_over, publish, source_for
@@ -261,15 +261,21 @@ class Survivors:
             self.pending = None
             self.driver.rebind_mixers()
             self.on_change(decision)
+            if self.pending is not None:  # a failure in on_change was survived: its decision replaced this one, and
+                return  # its group is made when its step begins (nobody is handed this decision's state)
             publish(self.membership.store, self.membership, **self.published)
-            self._hand_over(decision)
+            try:
+                self._hand_over(decision)
+            except PeerFailure as failure:  # the rank that rejoins failed before it took the state over
+                self._agree(decision.step + 1, failure)
 
     def _hand_over(self, decision: Decision) -> None:
         """This member is the source of a rank that rejoins with `decision`: hand it this rank's state."""
         for joiner in decision.joined if isinstance(decision, Join) else ():
             source = source_for(joiner, decision.members, decision.joined, self.driver.topology)
             if source == self.membership.first_rank and self.handover is not None:
-                hand_over(self.handover(), to=decision.members.index(joiner))
+                with peers_answer(f"Handing this rank's state over to rank {joiner}, which rejoins", f"rank {joiner}"):
+                    hand_over(self.handover(), to=decision.members.index(joiner))
 
     def close(self) -> None:
         """Stop the heartbeat."""
