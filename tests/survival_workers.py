@@ -162,20 +162,23 @@ def survive(
     dies_in: str = "batch",
     lr: float = MOMENTUM_SGD["lr"],
     fault_plan: dict[int, list[int]] | None = None,
+    save_last: bool = False,
     **strategy: Any,
 ) -> dict[str, Any]:
     """`steps` steps of momentum SGD (learning rate `lr`) with `on_peer_failure="continue"`; the ranks of `deaths`
     ({rank: step}) die there (where `dies_in` says: `DIES_IN`), those of `stops` stop there; every rank waits for
-    `root/released` at the start of step `hold_at`,
-    or at the end of step `hold_after` (see `Mortal`). A checkpoint every `save_at` steps (0: none), the best `top_k`
-    kept (-1: all); with `validate`, a validation at the end of each epoch (`val_loss` logged with `sync_dist=True`).
+    `root/released` at the start of step `hold_at`, or at the end of step `hold_after` (see `Mortal`). A checkpoint
+    every `save_at` steps (0: none), the best `top_k` kept (-1: all), and `last.ckpt` with `save_last`; with
+    `validate`, a validation at the end of each epoch (`val_loss` logged with `sync_dist=True`).
     Each survivor's final replica, recorded replicas, step end times, the decisions, the last `val_loss` (NaN without
     `validate`), the checkpoint callback's `best_model_path`, and what the fit logged and warned. With `fault_plan`, a
     [`FaultPlan`][lightning_decentral.callbacks.FaultPlan] of it kills ranks too."""
     assert dies_in in DIES_IN, dies_in
     optimizer = {**MOMENTUM_SGD, "lr": lr}
     model = Mortal(deaths, root, record, stops, hold_at, hold_after, dies_in, seed=init_seed(rank), **optimizer)
-    checkpoints = MortalCheckpoint(deaths, root, dies_in, dirpath=root, every_n_train_steps=save_at, save_top_k=top_k)
+    checkpoints = MortalCheckpoint(
+        deaths, root, dies_in, dirpath=root, every_n_train_steps=save_at, save_top_k=top_k, save_last=save_last
+    )
     callbacks: list[Any] = [checkpoints] if save_at else []
     callbacks += [FaultPlan(kill=fault_plan)] if fault_plan else []
     strategy_ = DecentralizedStrategy(

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_decentral import SimulatedDecentralizedStrategy
+from lightning_decentral.checkpoint import META_KEY, read_shard, shard_path
 from lightning_decentral.membership.rejoin import asking
 from tests import survival_workers as workers
 from tests.helpers import free_port, start_processes, start_rank
@@ -85,7 +86,7 @@ def test_a_rank_started_again_with_another_configuration_is_refused_and_the_memb
     members finish as 2, one failure decided, no other."""
     port = free_port()
     run = dict(root=str(tmp_path), steps=12, hold_at=6, rejoin=True)
-    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+    with tempfile.TemporaryDirectory() as out:
         procs = start_processes(workers.survive_or_error, 3, out, port=port, deaths={2: 3}, **run)
         refused = {}
         try:
@@ -183,6 +184,51 @@ def test_a_rank_that_dies_once_admitted_leaves_the_members_going_on(tmp_path: Pa
         assert [(d["lost"], d.get("joined", ())) for d in r["decisions"]] == [((2,), ()), ((), (2,)), ((2,), ())], r[
             "decisions"
         ]
+
+
+@pytest.mark.slow
+def test_after_two_rejoins_last_ckpt_is_one_complete_current_save(tmp_path: Path) -> None:
+    """3 ranks saving every 5 steps with save_last=True; rank 2 killed at step 3 rejoins at step 20, is killed again at
+    step 22 and rejoins at step 30. Its ModelCheckpoint started afresh and named its saves `last-v1.ckpt` beside the
+    members' `last.ckpt`: one save's shards under two names, `last.ckpt` without rank 2's. Now it takes the members'
+    paths over: `last.ckpt` alone, of step 40, with a shard of every rank of its save."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=40, save_at=5, save_last=True, rejoin=True, hold_at=11, hold_after=24)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_traceback, 3, out, port=port, deaths={2: 3}, **run)
+        started = []
+        try:
+            deadline = time.monotonic() + BOUND
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)  # the members wait at step 11
+            started.append(start_rank(workers.survive_or_traceback, 2, 3, port, again, deaths={2: 22}, **run))
+            _wait_for(lambda: asking(store) == [2] or not started[-1].is_alive(), deadline)
+            (tmp_path / "released").touch()
+            _wait_for(lambda: not started[-1].is_alive(), deadline)  # rejoined at 20, killed at 22
+            (tmp_path / "released").unlink()
+            held = [tmp_path / f"held-{rank}" for rank in (0, 1)]  # the members wait at the end of step 24
+            _wait_for(lambda: all(h.exists() for h in held), deadline)
+            started.append(start_rank(workers.survive_or_traceback, 2, 3, port, again, deaths={}, **run))
+            _wait_for(lambda: asking(store) == [2] or not started[-1].is_alive(), deadline)
+            (tmp_path / "released").touch()
+            for p in [*procs, *started]:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in [*procs, *started]:
+                if p.is_alive():
+                    p.kill()
+        results = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+        results.append(pickle.loads((Path(again) / "2.pkl").read_bytes())[1])
+    for r in results:
+        assert isinstance(r, dict), r
+        assert (r["world_size"], r["global_step"]) == (3, 40), r
+    assert not list(tmp_path.glob("last-v*")), sorted(p.name for p in tmp_path.iterdir())  # files, shard folders
+    last = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    meta = last[META_KEY]
+    assert (last["global_step"], meta["world_size"]) == (40, 3), (last["global_step"], meta)
+    for rank in range(3):
+        shard = read_shard(shard_path(str(tmp_path / "last.ckpt"), rank, 3, meta["save_id"]))
+        assert (shard["save_id"], shard["rank"]) == (meta["save_id"], rank)
 
 
 def _launch_toy(tmp_path: Path, script: str, workers: int, restarts: int) -> subprocess.CompletedProcess:

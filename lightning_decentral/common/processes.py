@@ -220,9 +220,9 @@ class OnProcesses:
 
     def rejoin(self, configuration: dict[str, int | str]) -> None:
         """A lost rank started again, its set-up done
-        ([`Survivors.rejoin`][lightning_decentral.membership.Survivors.rejoin]): refused, naming the field, if `configuration` (the fields of the members' check that every rank runs the same
-        configuration and optimizers) differs from the one the members published; else admitted, the default group is
-        the grown members'."""
+        ([`Survivors.rejoin`][lightning_decentral.membership.Survivors.rejoin]): refused, naming the field, if
+        `configuration` (the fields of the members' check that every rank runs the same configuration and optimizers)
+        differs from the one the members published; else admitted, the default group is the grown members'."""
         client = store_client(self._timeout)
         info = run_in_progress(client, self.global_rank)
         self.survivors, self.joined = Survivors.rejoin(
