@@ -223,7 +223,8 @@ def ask(
     decided meanwhile: ask the next generation); returns the decision, adopted. `membership` is this rank's, started
     (its heartbeat beats), its prefix the run's; `topology` the run's at the start; `configuration`, what this rank
     runs, compared with what the members published before it asks
-    ([`refuse_other_configuration`][lightning_decentral.membership.rejoin.refuse_other_configuration]). Raises `CannotRejoin`."""
+    ([`refuse_other_configuration`][lightning_decentral.membership.rejoin.refuse_other_configuration]). Raises
+    `CannotRejoin`."""
     store, rank, deadline = membership.store, membership.first_rank, time.monotonic() + timeout
     while True:
         info = _joinable(store, rank, topology)
