@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -205,6 +205,33 @@ class Ranks:
         for stage in optimizer_configuration(optimizers):
             self.check_same_configuration(stage, OPTIMIZER_ADVICE)
 
+    def check_same_public_copies(self, state: Mapping[str, Any] | None) -> None:
+        """Stop every rank, naming the edges and the fix, unless both ends of every edge of compressed gossip hold the
+        same public copies: rank `j`'s copy of rank `i`'s model `x̂_{i→j}` is rank `i`'s own, and every rank's copies
+        start where the others' do. With one copy different (a shard altered, mixed from two saves) `x̄` is no longer
+        kept and drifts away without bound, silently. One all-gather of digests
+        ([`public_copy_digests`][lightning_decentral.agreement.public_copy_digests] of this rank's
+        [`Choco.state_dict`][lightning_decentral.compression.Choco.state_dict], `state`), not of the copies; run at
+        set-up and resume, never per step."""
+        n = self.world_size
+        table = self.gather(public_copy_digests(state, n), "Comparing the public copies of compressed gossip")
+        origins = [rank for rank in range(n) if table[rank, 0] != table[0, 0]]
+        edges = [
+            (i, j) for i in range(n) for j in range(n) if i != j and table[i, 1 + j] != table[j, 1 + n + i]
+        ]  # x̂_{i→j}: sent by i, received by j
+        if not origins and not edges:
+            return
+        differences = [
+            f"rank {j}'s copy of rank {i}'s model differs from rank {i}'s (edge {i} → {j})" for i, j in edges
+        ]
+        differences += [f"rank {rank}'s copies start elsewhere than rank 0's" for rank in origins]
+        raise ValueError(
+            "The two ends of an edge of compressed gossip do not hold the same public copies: "
+            + "; ".join(differences)
+            + ". x̄ would drift away without bound. Resume every rank from the shards of one save, as that save wrote "
+            "them (the same ckpt_path on every rank, each rank's shard beside it, unaltered), or start without one."
+        )
+
 
 OPTIMIZER_ADVICE = (
     "Build the same optimizer with the same hyperparameters on every rank (`configure_optimizers` may not "
@@ -237,6 +264,42 @@ def optimizer_configuration(optimizers: list[Any]) -> list[dict[str, int | str]]
             for name in HYPERPARAMETERS:
                 values[f"{name}{suffix}"] = _exact(group[name]) if name in group else "absent"
     return [{"optimizers": len(optimizers)}, structure, values]
+
+
+def public_copy_digests(state: Mapping[str, Any] | None, world_size: int) -> list[int]:
+    """A rank's row of [`check_same_public_copies`][lightning_decentral.agreement.Ranks.check_same_public_copies] from
+    its compressed gossip `state` ([`Choco.state_dict`][lightning_decentral.compression.Choco.state_dict]; `None`:
+    plain gossip): the digest of where its copies start, then for each rank `j` that of its copies `x̂_{i→j}` (sent to
+    `j`), then that of `x̂_{j→i}` (received from `j`), every buffer's in key order; a copy not made yet adds nothing.
+
+    Examples:
+        >>> copies = {0: {"sent": [torch.ones(2)], "slot_of": {1: 0}, "received": {1: torch.zeros(2)}}}
+        >>> mine = public_copy_digests({"copies": copies, "origins": {}}, 2)
+        >>> theirs = {0: {"sent": [torch.zeros(2)], "slot_of": {0: 0}, "received": {0: torch.ones(2)}}}
+        >>> other = public_copy_digests({"copies": theirs, "origins": {}}, 2)
+        >>> mine[1 + 1] == other[1 + 2 + 0], other[1 + 0] == mine[1 + 2 + 1]  # 0 → 1 and 1 → 0 agree
+        (True, True)
+    """
+    state = state or {"copies": {}, "origins": {}}
+    copies = {int(key): value for key, value in state["copies"].items()}
+    origins = {int(key): value for key, value in state.get("origins", {}).items()}
+
+    def of(tensors: list[tuple[int, Tensor]]) -> int:
+        return digest(*(part for key, t in tensors for part in (str(key).encode(), _bytes(t))))
+
+    slots = {key: {int(j): int(slot) for j, slot in c["slot_of"].items()} for key, c in copies.items()}
+    got = {key: {int(j): copy for j, copy in c["received"].items()} for key, c in copies.items()}
+    sent = [
+        of([(key, copies[key]["sent"][slots[key][j]]) for key in sorted(copies) if j in slots[key]])
+        for j in range(world_size)
+    ]
+    received = [of([(key, got[key][j]) for key in sorted(copies) if j in got[key]]) for j in range(world_size)]
+    return [of(sorted(origins.items())), *sent, *received]
+
+
+def _bytes(tensor: Tensor) -> bytes:
+    """A tensor's values as bytes (on the CPU), for a digest."""
+    return tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 HYPERPARAMETERS = ("lr", "momentum", "betas", "weight_decay", "nesterov", "eps")

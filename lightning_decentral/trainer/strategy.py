@@ -291,6 +291,15 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         )
 
     @override
+    def on_train_start(self) -> None:
+        """Before the first training batch, once a resume restored everything: with compression, both ends of every
+        edge hold the same public copies
+        ([`check_same_public_copies`][lightning_decentral.agreement.Ranks.check_same_public_copies])."""
+        super().on_train_start()
+        if self.options.compression is not None:
+            self._ranks.check_same_public_copies(self.driver.copies.state())
+
+    @override
     def on_train_end(self) -> None:
         """After the last training batch: finish anything still in flight."""
         self.driver.drain()
