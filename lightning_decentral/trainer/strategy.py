@@ -212,8 +212,9 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     def configure_ddp(self) -> None:
         """Runs in `setup` when fitting, before the optimizers exist: start every replica from rank 0's
         weights (or from its own shard when resuming), pack it into flat buffers (no DDP wrapper) and
-        build the gossip engine."""
-        if not self.joining:  # a lost rank started again rejoins once its optimizers exist (in `setup`)
+        build the gossip engine. A lost rank started again only packs its replica: it has no process group until it
+        rejoins, once its optimizers exist (`setup`)."""
+        if not self.joining:
             self._start_replicas()
         self._replica = Replica(self.lightning_module, self.gossip_buffers)
         if not self.joining:
