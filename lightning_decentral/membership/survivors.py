@@ -266,8 +266,9 @@ class Survivors:
             publish(self.membership.store, self.membership, **self.published)
             try:
                 self._hand_over(decision)
-            except PeerFailure as failure:  # the rank that rejoins failed before it took the state over
-                self._agree(decision.step + 1, failure)
+            except PeerFailure as failure:  # the rank that rejoins failed before it took the state over: a failure
+                self._agree(decision.step + 1, failure)  # survived, whose group is made when its step begins
+                return
 
     def _hand_over(self, decision: Decision) -> None:
         """This member is the source of a rank that rejoins with `decision`: hand it this rank's state."""
