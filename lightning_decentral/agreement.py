@@ -353,6 +353,10 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
       message's size and what each end adds to its public copies.
     - `consensus_step`: CHOCO's `γ`, how far each rank moves towards its neighbours' copies (`x̄` drifts if it
       differs).
+
+    Of the executors' own arguments, the Trainer's strategy adds `rejoin` (a member without it never admits a rank
+    that asks) with `max_steps` and `max_epochs`; `timeout`, `resume` and the start method change neither what travels
+    nor how it is combined, and are not compared.
     """
     options = strategy.options
     params = [p for p in module.parameters() if p.requires_grad]
