@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -199,28 +199,107 @@ class Ranks:
     def check_same_optimizers(self, optimizers: list[Any]) -> None:
         """Stop every rank unless every rank has the same number of optimizers, of the same classes, with the
         same number of parameter groups and the same `HYPERPARAMETERS` in each (compared exactly: a float
-        travels as its `repr`, the shortest string that reads back as the same float). Three all-gathers,
-        each of a shape every rank agrees on after the one before."""
-        advice = (
-            "Build the same optimizer with the same hyperparameters on every rank (`configure_optimizers` may not "
-            "depend on the rank): the replicas would otherwise drift apart under different updates."
+        travels as its `repr`, the shortest string that reads back as the same float). Three all-gathers of
+        [`optimizer_configuration`][lightning_decentral.agreement.optimizer_configuration]'s stages, each of a
+        shape every rank agrees on after the one before."""
+        for stage in optimizer_configuration(optimizers):
+            self.check_same_configuration(stage, OPTIMIZER_ADVICE)
+
+    def check_same_public_copies(self, state: Mapping[str, Any] | None) -> None:
+        """Stop every rank, naming the edges and the fix, unless both ends of every edge of compressed gossip hold the
+        same public copies: rank `j`'s copy of rank `i`'s model `x̂_{i→j}` is rank `i`'s own, and every rank's copies
+        start where the others' do. With one copy different (a shard altered, mixed from two saves) `x̄` is no longer
+        kept and drifts away without bound, silently. One all-gather of digests
+        ([`public_copy_digests`][lightning_decentral.agreement.public_copy_digests] of this rank's
+        [`Choco.state_dict`][lightning_decentral.compression.Choco.state_dict], `state`), not of the copies; run at
+        set-up and resume, never per step."""
+        n = self.world_size
+        table = self.gather(public_copy_digests(state, n), "Comparing the public copies of compressed gossip")
+        origins = [rank for rank in range(n) if table[rank, 0] != table[0, 0]]
+        edges = [
+            (i, j) for i in range(n) for j in range(n) if i != j and table[i, 1 + j] != table[j, 1 + n + i]
+        ]  # x̂_{i→j}: sent by i, received by j
+        if not origins and not edges:
+            return
+        differences = [
+            f"rank {j}'s copy of rank {i}'s model differs from rank {i}'s (edge {i} → {j})" for i, j in edges
+        ]
+        differences += [f"rank {rank}'s copies start elsewhere than rank 0's" for rank in origins]
+        raise ValueError(
+            "The two ends of an edge of compressed gossip do not hold the same public copies: "
+            + "; ".join(differences)
+            + ". x̄ would drift away without bound. Resume every rank from the shards of one save, as that save wrote "
+            "them (the same ckpt_path on every rank, each rank's shard beside it, unaltered), or start without one."
         )
-        self.check_same_configuration({"optimizers": len(optimizers)}, advice)
-        where = [f" (optimizer {i})" if len(optimizers) > 1 else "" for i in range(len(optimizers))]
-        structure: dict[str, int | str] = {}
-        for optimizer, at in zip(optimizers, where):
-            structure[f"optimizer class{at}"] = fitted(f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
-            structure[f"param groups{at}"] = len(optimizer.param_groups)
-        self.check_same_configuration(structure, advice)
-        values: dict[str, int | str] = {}
-        for i, optimizer in enumerate(optimizers):
-            groups = optimizer.param_groups
-            for g, group in enumerate(groups):
-                parts = [f"optimizer {i}"] * (len(optimizers) > 1) + [f"param group {g}"] * (len(groups) > 1)
-                suffix = f" ({', '.join(parts)})" if parts else ""
-                for name in HYPERPARAMETERS:
-                    values[f"{name}{suffix}"] = _exact(group[name]) if name in group else "absent"
-        self.check_same_configuration(values, advice)
+
+
+OPTIMIZER_ADVICE = (
+    "Build the same optimizer with the same hyperparameters on every rank (`configure_optimizers` may not "
+    "depend on the rank): the replicas would otherwise drift apart under different updates."
+)
+"""The fix an optimizer that differs between ranks is refused with."""
+
+
+def optimizer_configuration(optimizers: list[Any]) -> list[dict[str, int | str]]:
+    """What every rank's optimizers must agree on, in three stages, each of a shape fixed by the one before: their
+    number; each one's class and number of parameter groups; the `HYPERPARAMETERS` of each group.
+
+    Examples:
+        >>> sgd = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> count, structure, values = optimizer_configuration([sgd])
+        >>> count, structure["optimizer class"], values["lr"], values["betas"]
+        ({'optimizers': 1}, 'torch.optim.sgd.SGD', '0.1', 'absent')
+    """
+    where = [f" (optimizer {i})" if len(optimizers) > 1 else "" for i in range(len(optimizers))]
+    structure: dict[str, int | str] = {}
+    for optimizer, at in zip(optimizers, where):
+        structure[f"optimizer class{at}"] = fitted(f"{type(optimizer).__module__}.{type(optimizer).__qualname__}")
+        structure[f"param groups{at}"] = len(optimizer.param_groups)
+    values: dict[str, int | str] = {}
+    for i, optimizer in enumerate(optimizers):
+        groups = optimizer.param_groups
+        for g, group in enumerate(groups):
+            parts = [f"optimizer {i}"] * (len(optimizers) > 1) + [f"param group {g}"] * (len(groups) > 1)
+            suffix = f" ({', '.join(parts)})" if parts else ""
+            for name in HYPERPARAMETERS:
+                values[f"{name}{suffix}"] = _exact(group[name]) if name in group else "absent"
+    return [{"optimizers": len(optimizers)}, structure, values]
+
+
+def public_copy_digests(state: Mapping[str, Any] | None, world_size: int) -> list[int]:
+    """A rank's row of [`check_same_public_copies`][lightning_decentral.agreement.Ranks.check_same_public_copies] from
+    its compressed gossip `state` ([`Choco.state_dict`][lightning_decentral.compression.Choco.state_dict]; `None`:
+    plain gossip): the digest of where its copies start, then for each rank `j` that of its copies `x̂_{i→j}` (sent to
+    `j`), then that of `x̂_{j→i}` (received from `j`), every buffer's in key order; a copy not made yet adds nothing.
+
+    Examples:
+        >>> copies = {0: {"sent": [torch.ones(2)], "slot_of": {1: 0}, "received": {1: torch.zeros(2)}}}
+        >>> mine = public_copy_digests({"copies": copies, "origins": {}}, 2)
+        >>> theirs = {0: {"sent": [torch.zeros(2)], "slot_of": {0: 0}, "received": {0: torch.ones(2)}}}
+        >>> other = public_copy_digests({"copies": theirs, "origins": {}}, 2)
+        >>> mine[1 + 1] == other[1 + 2 + 0], other[1 + 0] == mine[1 + 2 + 1]  # 0 → 1 and 1 → 0 agree
+        (True, True)
+    """
+    state = state or {"copies": {}, "origins": {}}
+    copies = {int(key): value for key, value in state["copies"].items()}
+    origins = {int(key): value for key, value in state.get("origins", {}).items()}
+
+    def of(tensors: list[tuple[int, Tensor]]) -> int:
+        return digest(*(part for key, t in tensors for part in (str(key).encode(), _bytes(t))))
+
+    slots = {key: {int(j): int(slot) for j, slot in c["slot_of"].items()} for key, c in copies.items()}
+    got = {key: {int(j): copy for j, copy in c["received"].items()} for key, c in copies.items()}
+    sent = [
+        of([(key, copies[key]["sent"][slots[key][j]]) for key in sorted(copies) if j in slots[key]])
+        for j in range(world_size)
+    ]
+    received = [of([(key, got[key][j]) for key in sorted(copies) if j in got[key]]) for j in range(world_size)]
+    return [of(sorted(origins.items())), *sent, *received]
+
+
+def _bytes(tensor: Tensor) -> bytes:
+    """A tensor's values as bytes (on the CPU), for a digest."""
+    return tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
 
 
 HYPERPARAMETERS = ("lr", "momentum", "betas", "weight_decay", "nesterov", "eps")
@@ -254,7 +333,31 @@ def _exact(value: Any) -> str:
 def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) -> dict[str, int | str]:
     """What every rank must agree on before the first exchange: the strategy's update-rule arguments (its
     [`options`][lightning_decentral.options.GossipOptions]), its bound topology, the precision and the model's
-    trainable layout. Strings up to 64 characters, digests of what does not fit."""
+    trainable layout. Strings up to 64 characters, digests of what does not fit.
+
+    Every field of `GossipOptions` changes what travels between the ranks, how it is combined, or which collectives
+    run, so each is compared (a rank that differs would meet another message size, another exchange or another
+    collective: a gloo abort, a hang, or replicas that drift apart in silence):
+
+    - `topology`: who exchanges with whom and with which weights (its `repr` and the digest of `W(0..period-1)`).
+    - `combine`, `momentum`: the update rule (which tensors travel, and when: AWC posts `x(k)`, DecentLaM `z`).
+    - `gossip_every`, `gossip_steps` (and its schedule): at which steps and how many rounds travel.
+    - `gossip_buffers`: whether the buffers travel beside the parameters (the message's size).
+    - `eval_on`: `"average"` all-reduces the replicas for every evaluation, `"local"` does not.
+    - `bucket_cap_mb` (as bytes): DecentLaM's buckets, the unit each message carries.
+    - `gossip_dtype`: the precision on the wire (the message's size).
+    - `staleness`, `delays`: which step of each neighbour is mixed (and a gloo group of its own).
+    - `on_peer_failure`, `min_workers`: whether the survivors' membership runs, and when it stops the run.
+    - `outer_optimizer` (class and defaults), `outer_overlap`: the outer step and when its exchange travels.
+    - `compression` (the compressor with its parameters: `Sign(block=1024, ...)`, `TopK(fraction=0.01, ...)`): the
+      message's size and what each end adds to its public copies.
+    - `consensus_step`: CHOCO's `γ`, how far each rank moves towards its neighbours' copies (`x̄` drifts if it
+      differs).
+
+    Of the executors' own arguments, the Trainer's strategy adds `rejoin` (a member without it never admits a rank
+    that asks) with `max_steps` and `max_epochs`; `timeout`, `resume` and the start method change neither what travels
+    nor how it is combined, and are not compared.
+    """
     options = strategy.options
     params = [p for p in module.parameters() if p.requires_grad]
     buffers = [b for b in module.buffers() if b.is_floating_point()] if options.gossip_buffers else []
@@ -282,6 +385,8 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         if options.outer_optimizer is None
         else fitted(outer_optimizer_name(options.outer_optimizer)),
         "outer_overlap": int(options.outer_overlap),
+        "compression": schedule_name(options.compression),
+        "consensus_step": "" if options.consensus_step is None else _exact(options.consensus_step),
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),
@@ -290,13 +395,17 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
 
 
 def schedule_name(delays: Any) -> str:
-    """A delay schedule as the ranks compare it: its `repr` if that names its values (a dataclass such as
-    `RandomDelays(seed=0)`), else its qualified name (a function's `repr` holds its address).
+    """A delay schedule or a compressor as the ranks compare it: its `repr` if that names its values (a dataclass
+    such as `RandomDelays(seed=0)` or `Sign(block=1024, consensus_step=1.0)`), else its qualified name (a function's
+    `repr` holds its address).
 
     Examples:
+        >>> from lightning_decentral.compression import TopK
         >>> from lightning_decentral.mixing import RandomDelays
         >>> schedule_name(RandomDelays(seed=3)), schedule_name(None), schedule_name(fitted)
         ('RandomDelays(seed=3)', '', 'lightning_decentral.agreement.fitted')
+        >>> schedule_name(TopK(0.01))
+        'TopK(fraction=0.01, consensus_step=0.03)'
     """
     if delays is None:
         return ""

@@ -240,6 +240,55 @@ def optimizer_disagreement(rank: int, world_size: int) -> dict[str, str]:
     return out
 
 
+OPTION_DISAGREEMENTS = {
+    "compression": ({"compression": "sign"}, {"compression": "int8"}),
+    "compression against none": ({"compression": "sign"}, {}),
+    "compression parameters": ({"compression": "top_k:0.1"}, {"compression": "top_k:0.2"}),
+    "consensus_step": ({"compression": "int8", "consensus_step": 1.0}, {"compression": "int8", "consensus_step": 0.5}),
+}
+"""Options rank 0 and rank 1 start with, by the field they differ in (`option_disagreement`)."""
+
+
+def option_disagreement(rank: int, world_size: int) -> dict[str, str]:
+    """For each case of `OPTION_DISAGREEMENTS`, a fit with rank 0's options on rank 0 and rank 1's on the others: how
+    it ended on this rank (every rank must stop at setup, naming the field)."""
+    out = {}
+    for name, options in OPTION_DISAGREEMENTS.items():
+        strategy = DecentralizedStrategy(timeout=timedelta(seconds=30), **options[min(rank, 1)])
+        trainer = trainer_for(world_size, strategy, max_steps=2 * K)
+        out[name] = _outcome(
+            trainer.fit, Regression(seed=init_seed(rank), **MOMENTUM_SGD), loader(rank, K * BATCH, BATCH)
+        )
+    return out
+
+
+def public_copy_altered(rank: int, world_size: int, root: str) -> dict[str, str]:
+    """`compression="sign"` on a ring, saving at every step to `K`; rank 1 then flips one bit of its copy of rank 0's
+    model in its shard of step K's save. Resumes from step K − 1's save (as written) and from step K's: how each
+    ended on this rank."""
+    strategy = dict(compression="sign", timeout=timedelta(seconds=30))
+    saves = ModelCheckpoint(root, every_n_train_steps=1, save_top_k=-1)
+    trainer = trainer_for(
+        world_size, DecentralizedStrategy(**strategy), max_steps=K, callbacks=[saves], enable_checkpointing=True
+    )
+    trainer.fit(Regression(seed=init_seed(rank), **MOMENTUM_SGD), loader(rank, K * BATCH, BATCH))
+    if rank == 1:
+        (path,) = shards_of_rank(f"{root}/epoch=0-step={K}.ckpt", 1)
+        shard = torch.load(path, weights_only=True)
+        copy = shard["gossip"]["copies"][0]["received"][0]  # x̂_{0→1}, rank 1's copy of rank 0's model
+        copy.view(torch.int32)[0] ^= 1  # its lowest bit
+        torch.save(shard, path)
+    dist.barrier()
+    out = {}
+    for step in (K - 1, K):
+        trainer = trainer_for(world_size, DecentralizedStrategy(**strategy), max_steps=K + 2)
+        model = Regression(seed=init_seed(rank), **MOMENTUM_SGD)
+        out[f"step {step}"] = _outcome(
+            trainer.fit, model, loader(rank, K * BATCH, BATCH), ckpt_path=f"{root}/epoch=0-step={step}.ckpt"
+        )
+    return out
+
+
 def rule_change_on_resume(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Save at step K under AWC, then resume exactly under ATC and under AWC; the warnings of each resume."""
     callbacks = [ModelCheckpoint(root, every_n_train_steps=K, save_top_k=-1)]

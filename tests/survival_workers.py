@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_decentral import DecentralizedStrategy
 from lightning_decentral import checkpoint as shards
+from lightning_decentral.callbacks import FaultPlan
 from tests.models import Regression, flat, init_seed, loader
 from tests.workers import trainer_for
 
@@ -27,11 +28,11 @@ EPOCH = 10  # batches per epoch: a checkpoint every multiple of it resumes at an
 MOMENTUM_SGD = {"lr": 0.05, "momentum": 0.9}
 
 
-DIES_IN = ("batch", "validation", "shard write", "file_exists", "save agreement")
+DIES_IN = ("batch", "validation", "shard write", "file_exists", "save agreement", "take over")
 """Where a rank of `deaths` dies at its step: when the step starts; in the validation after it (`validation_step`);
 inside the write of its shard of the save after it; in `ModelCheckpoint.file_exists` (the broadcast that starts
 that save); or right after it, so that the others wait for it in the agreement that every rank is in the save
-(`Activities.agree`)."""
+(`Activities.agree`); or, a rank that rejoins, once admitted, when it would take a member's state over (at any step)."""
 
 
 def _die(stamps: str, rank: int) -> None:
@@ -136,6 +137,13 @@ def _mortal_shard_writes(rank: int, step: int | None, stamps: str) -> Any:
     return mock.patch.object(shards, "write_shard", write_shard)
 
 
+def _mortal_take_over(rank: int, stamps: str) -> Any:
+    """A patch of the rejoining rank's `take_over` in which it dies instead: admitted, before it receives the state."""
+    from lightning_decentral.trainer import rejoin
+
+    return mock.patch.object(rejoin, "take_over", lambda source: _die(stamps, rank))
+
+
 def survive(
     rank: int,
     world_size: int,
@@ -152,25 +160,38 @@ def survive(
     top_k: int = -1,
     hold_after: int = -1,
     dies_in: str = "batch",
+    lr: float = MOMENTUM_SGD["lr"],
+    fault_plan: dict[int, list[int]] | None = None,
+    save_last: bool = False,
     **strategy: Any,
 ) -> dict[str, Any]:
-    """`steps` steps with `on_peer_failure="continue"`; the ranks of `deaths` ({rank: step}) die there (where `dies_in`
-    says: `DIES_IN`), those of `stops` stop there; every rank waits for `root/released` at the start of step `hold_at`,
-    or at the end of step `hold_after` (see `Mortal`). A checkpoint every `save_at` steps (0: none), the best `top_k`
-    kept (-1: all); with `validate`, a validation at the end of each epoch (`val_loss` logged with `sync_dist=True`).
+    """`steps` steps of momentum SGD (learning rate `lr`) with `on_peer_failure="continue"`; the ranks of `deaths`
+    ({rank: step}) die there (where `dies_in` says: `DIES_IN`), those of `stops` stop there; every rank waits for
+    `root/released` at the start of step `hold_at`, or at the end of step `hold_after` (see `Mortal`). A checkpoint
+    every `save_at` steps (0: none), the best `top_k` kept (-1: all), and `last.ckpt` with `save_last`; with
+    `validate`, a validation at the end of each epoch (`val_loss` logged with `sync_dist=True`).
     Each survivor's final replica, recorded replicas, step end times, the decisions, the last `val_loss` (NaN without
-    `validate`), the checkpoint callback's `best_model_path`, and what the fit logged and warned."""
+    `validate`), the checkpoint callback's `best_model_path`, and what the fit logged and warned. With `fault_plan`, a
+    [`FaultPlan`][lightning_decentral.callbacks.FaultPlan] of it kills ranks too."""
     assert dies_in in DIES_IN, dies_in
-    model = Mortal(deaths, root, record, stops, hold_at, hold_after, dies_in, seed=init_seed(rank), **MOMENTUM_SGD)
-    checkpoints = MortalCheckpoint(deaths, root, dies_in, dirpath=root, every_n_train_steps=save_at, save_top_k=top_k)
-    callbacks = [checkpoints] if save_at else []
+    optimizer = {**MOMENTUM_SGD, "lr": lr}
+    model = Mortal(deaths, root, record, stops, hold_at, hold_after, dies_in, seed=init_seed(rank), **optimizer)
+    checkpoints = MortalCheckpoint(
+        deaths, root, dies_in, dirpath=root, every_n_train_steps=save_at, save_top_k=top_k, save_last=save_last
+    )
+    callbacks: list[Any] = [checkpoints] if save_at else []
+    callbacks += [FaultPlan(kill=fault_plan)] if fault_plan else []
     strategy_ = DecentralizedStrategy(
         topology=topology, on_peer_failure="continue", timeout=timedelta(seconds=timeout), **strategy
     )
     trainer = trainer_for(
         world_size, strategy_, max_steps=steps, callbacks=callbacks, enable_checkpointing=bool(save_at)
     )
-    dying = _mortal_shard_writes(rank, deaths.get(rank), root) if dies_in == "shard write" else contextlib.nullcontext()
+    dying = contextlib.nullcontext()
+    if dies_in == "shard write":
+        dying = _mortal_shard_writes(rank, deaths.get(rank), root)
+    elif dies_in == "take over":
+        dying = _mortal_take_over(rank, root)
     with dying, _LoggedLines() as logged, warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         trainer.fit(model, loader(rank, EPOCH * BATCH, BATCH), loader(rank, 2 * BATCH, BATCH) if validate else None)
@@ -187,7 +208,7 @@ def survive(
         "global_step": trainer.global_step,
         "batches_ready": trainer.fit_loop.epoch_loop.batch_progress.total.ready,
         "val_loss": float(trainer.callback_metrics.get("val_loss", float("nan"))),
-        "best_model_path": callbacks[0].best_model_path if callbacks else "",
+        "best_model_path": checkpoints.best_model_path if save_at else "",
     }
 
 

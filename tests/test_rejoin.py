@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_decentral import SimulatedDecentralizedStrategy
+from lightning_decentral.checkpoint import META_KEY, read_shard, shard_path
 from lightning_decentral.membership.rejoin import asking
 from tests import survival_workers as workers
 from tests.helpers import free_port, start_processes, start_rank
@@ -74,6 +75,160 @@ def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: 
     replicas = torch.stack([results[r]["replica"] for r in range(3)])
     apart = (replicas - replicas.mean(0)).norm(dim=1)  # after 10 steps mixing: as near x̄ as the members
     assert apart[2] <= 2 * apart[:2].max(), apart
+
+
+@pytest.mark.slow
+def test_a_rank_started_again_with_another_configuration_is_refused_and_the_members_go_on(tmp_path: Path) -> None:
+    """3 ranks with rejoin=True, rank 2 killed at step 3; while the survivors wait at step 6, rank 2 is started again
+    with gossip_every=2 (the run has 1), then with another learning rate. It was admitted without a check (its set-up
+    took the members' state over), its exchanges met the members' at other steps, and a phantom "Survived failure 3:
+    lost rank ()" was logged at the end. Now each is refused before it asks, naming the field and both values, and the
+    members finish as 2, one failure decided, no other."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=12, hold_at=6, rejoin=True)
+    with tempfile.TemporaryDirectory() as out:
+        procs = start_processes(workers.survive_or_error, 3, out, port=port, deaths={2: 3}, **run)
+        refused = {}
+        try:
+            deadline = time.monotonic() + BOUND
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
+            for name, other in {"gossip_every": dict(gossip_every=2), "lr": dict(lr=0.1)}.items():
+                with tempfile.TemporaryDirectory() as restart:
+                    restarted = start_rank(workers.survive_or_error, 2, 3, port, restart, deaths={}, **run, **other)
+                    restarted.join(max(0.0, deadline - time.monotonic()))
+                    assert restarted.exitcode == 0, (name, restarted.exitcode)
+                    refused[name] = pickle.loads((Path(restart) / "2.pkl").read_bytes())[1]
+            (tmp_path / "released").touch()
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            assert [p.exitcode for p in procs[:2]] == [0, 0]
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        members = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+    refusal = "CannotRejoin: Rank 2 cannot rejoin: it does not run the members' configuration: "
+    assert refused["gossip_every"].startswith(refusal + "it has gossip_every=2 where the members have 1."), refused
+    assert refused["lr"].startswith(refusal + "it has lr='0.1' where the members have '0.05'."), refused
+    assert all("The members go on without it. Start it again with the command" in r for r in refused.values())
+    for r in members:
+        assert isinstance(r, dict), r
+        assert (r["world_size"], r["global_step"]) == (2, 12), r
+        assert [d["lost"] for d in r["decisions"]] == [(2,)], r["decisions"]
+        assert not [line for line in r["logged"] if "lost rank ()" in line or "Rejoined" in line], r["logged"]
+
+
+@pytest.mark.slow
+def test_a_fault_plan_that_kills_two_of_three_and_one_rank_started_again(tmp_path: Path) -> None:
+    """3 ranks, `FaultPlan({8: [1, 2]})`, min_workers=1: rank 0 goes on alone; rank 1 alone is started again (with the
+    same plan). It checked the plan's ranks against the members' world size (2) and raised once admitted, and the lone
+    survivor then died with an IndexError. Now it checks them against the run's start, rejoins, and both end at step
+    30 as 2 ranks."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=30, hold_at=11, rejoin=True, min_workers=1, fault_plan={8: [1, 2]})
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_traceback, 3, out, port=port, deaths={}, **run)
+        restarted = None
+        try:
+            deadline = time.monotonic() + BOUND
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
+            restarted = start_rank(workers.survive_or_traceback, 1, 3, port, again, deaths={}, **run)
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+            _wait_for(lambda: asking(store) == [1] or not restarted.is_alive(), deadline)
+            (tmp_path / "released").touch()
+            for p in [*procs, restarted]:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in [*procs, restarted]:
+                if p is not None and p.is_alive():
+                    p.kill()
+        results = [pickle.loads((Path(out) / "0.pkl").read_bytes())[1]]
+        results.append(pickle.loads((Path(again) / "1.pkl").read_bytes())[1])
+    for r in results:
+        assert isinstance(r, dict), r
+        assert (r["world_size"], r["global_step"]) == (2, 30), r
+        assert [(d["lost"], d.get("joined", ())) for d in r["decisions"]][-1] == ((), (1,)), r["decisions"]
+    assert [d["lost"] for d in results[0]["decisions"]] == [(1, 2), ()], results[0]["decisions"]
+
+
+@pytest.mark.slow
+def test_a_rank_that_dies_once_admitted_leaves_the_members_going_on(tmp_path: Path) -> None:
+    """3 ranks, rank 2 killed at step 3 and started again; admitted at step 20, it dies before it takes the state
+    over. Its source's hand-over fails: the members survive it as a failure (that decision replaces the join), and end
+    at step 30 as 2, instead of stopping with gloo's error."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=30, hold_at=11, rejoin=True)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_traceback, 3, out, port=port, deaths={2: 3}, **run)
+        restarted = None
+        try:
+            deadline = time.monotonic() + BOUND
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
+            restarted = start_rank(
+                workers.survive_or_traceback, 2, 3, port, again, deaths={}, dies_in="take over", **run
+            )
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+            _wait_for(lambda: asking(store) == [2] or not restarted.is_alive(), deadline)
+            (tmp_path / "released").touch()
+            for p in [*procs, restarted]:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in [*procs, restarted]:
+                if p is not None and p.is_alive():
+                    p.kill()
+        results = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+    assert (tmp_path / "killed-2").exists()
+    for r in results:
+        assert isinstance(r, dict), r
+        assert (r["world_size"], r["global_step"]) == (2, 30), r
+        assert [(d["lost"], d.get("joined", ())) for d in r["decisions"]] == [((2,), ()), ((), (2,)), ((2,), ())], r[
+            "decisions"
+        ]
+
+
+@pytest.mark.slow
+def test_after_two_rejoins_last_ckpt_is_one_complete_current_save(tmp_path: Path) -> None:
+    """3 ranks saving every 5 steps with save_last=True; rank 2 killed at step 3 rejoins at step 20, is killed again at
+    step 22 and rejoins at step 30. Its ModelCheckpoint started afresh and named its saves `last-v1.ckpt` beside the
+    members' `last.ckpt`: one save's shards under two names, `last.ckpt` without rank 2's. Now it takes the members'
+    paths over: `last.ckpt` alone, of step 40, with a shard of every rank of its save."""
+    port = free_port()
+    run = dict(root=str(tmp_path), steps=40, save_at=5, save_last=True, rejoin=True, hold_at=11, hold_after=24)
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
+        procs = start_processes(workers.survive_or_traceback, 3, out, port=port, deaths={2: 3}, **run)
+        started = []
+        try:
+            deadline = time.monotonic() + BOUND
+            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
+            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)  # the members wait at step 11
+            started.append(start_rank(workers.survive_or_traceback, 2, 3, port, again, deaths={2: 22}, **run))
+            _wait_for(lambda: asking(store) == [2] or not started[-1].is_alive(), deadline)
+            (tmp_path / "released").touch()
+            _wait_for(lambda: not started[-1].is_alive(), deadline)  # rejoined at 20, killed at 22
+            (tmp_path / "released").unlink()
+            held = [tmp_path / f"held-{rank}" for rank in (0, 1)]  # the members wait at the end of step 24
+            _wait_for(lambda: all(h.exists() for h in held), deadline)
+            started.append(start_rank(workers.survive_or_traceback, 2, 3, port, again, deaths={}, **run))
+            _wait_for(lambda: asking(store) == [2] or not started[-1].is_alive(), deadline)
+            (tmp_path / "released").touch()
+            for p in [*procs, *started]:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            for p in [*procs, *started]:
+                if p.is_alive():
+                    p.kill()
+        results = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+        results.append(pickle.loads((Path(again) / "2.pkl").read_bytes())[1])
+    for r in results:
+        assert isinstance(r, dict), r
+        assert (r["world_size"], r["global_step"]) == (3, 40), r
+    assert not list(tmp_path.glob("last-v*")), sorted(p.name for p in tmp_path.iterdir())  # files, shard folders
+    last = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    meta = last[META_KEY]
+    assert (last["global_step"], meta["world_size"]) == (40, 3), (last["global_step"], meta)
+    for rank in range(3):
+        shard = read_shard(shard_path(str(tmp_path / "last.ckpt"), rank, 3, meta["save_id"]))
+        assert (shard["save_id"], shard["rank"]) == (meta["save_id"], rank)
 
 
 def _launch_toy(tmp_path: Path, script: str, workers: int, restarts: int) -> subprocess.CompletedProcess:

@@ -209,6 +209,41 @@ def test_ranks_with_different_optimizers_stop_at_setup() -> None:
 
 
 @pytest.mark.slow
+def test_ranks_with_different_compression_or_consensus_step_stop_at_setup() -> None:
+    """Ranks started with `sign` and `int8` ended in a gloo abort ("Received data size doesn't match") on one rank and a
+    `PeerFailure` on the other, `sign` against none in "a neighbour died", another `top_k` fraction likewise, and
+    `consensus_step` 1.0 against 0.5 trained to the end while `x̄` drifted: each now stops every rank at setup, naming
+    the field, both values and the fix."""
+    expected = {
+        "compression": "rank 1 has compression='Quantize(bits=8, block=1024, consensus_step=1.0)' where rank 0 has "
+        "'Sign(block=1024, consensus_step=1.0)'",
+        "compression against none": "rank 1 has compression='' where rank 0 has 'Sign(block=1024, consensus_step=1.0)'",
+        "compression parameters": "rank 1 has compression='TopK(fraction=0.2, consensus_step=0.6)' where rank 0 has "
+        "'TopK(fraction=0.1, consensus_step=0.3)'",
+        "consensus_step": "rank 1 has consensus_step='0.5' where rank 0 has '1.0'",
+    }
+    for r in run_distributed(workers.option_disagreement, 2, timeout=240):
+        for name, difference in expected.items():
+            assert r[name].startswith("ValueError: The ranks do not run the same configuration"), (name, r[name])
+            assert difference in r[name], (name, r[name])
+            assert "Build the same DecentralizedStrategy and the same model on every rank" in r[name]
+
+
+@pytest.mark.slow
+def test_a_public_copy_altered_in_a_shard_stops_every_rank_at_resume(tmp_path: Path) -> None:
+    """One bit flipped in rank 1's copy of rank 0's model (a shard of a compressed run): resumed, `x̄` drifted without
+    bound, silently (1.3 after 10 steps, 2.6 after 20). Now the resume stops every rank, naming the edge and the fix,
+    from digests of the copies; a resume from an unaltered save goes on."""
+    for r in run_distributed(workers.public_copy_altered, 2, timeout=240, root=str(tmp_path)):
+        assert r[f"step {workers.K - 1}"] == "no error", r
+        altered = r[f"step {workers.K}"]
+        assert altered.startswith("ValueError: The two ends of an edge of compressed gossip do not hold the same"), r
+        assert "rank 1's copy of rank 0's model differs from rank 0's (edge 0 → 1)" in altered, altered
+        assert "edge 1 → 0" not in altered, altered
+        assert "Resume every rank from the shards of one save, as that save wrote them" in altered, altered
+
+
+@pytest.mark.slow
 def test_resuming_under_another_update_rule_warns_once(tmp_path: Path) -> None:
     rank0, rank1 = run_distributed(workers.rule_change_on_resume, 2, timeout=240, root=str(tmp_path))
     (warning,) = rank0["atc"]["rule warnings"]

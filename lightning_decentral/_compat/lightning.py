@@ -17,6 +17,7 @@ from lightning.pytorch.loops.progress import _Progress as Progress
 from lightning.pytorch.loops.progress import _ReadyCompletedTracker as ReadyCompletedTracker
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as MultiProcessingLauncher
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
+from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler as distributed_sampler
 from lightning.pytorch.utilities.data import _is_dataloader_shuffled as is_dataloader_shuffled
 from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
@@ -31,9 +32,11 @@ __all__ = [
     "ReadyCompletedTracker",
     "SubprocessScriptLauncher",
     "as_fabric_backward",
+    "callback_states",
     "distributed_sampler",
     "epochs_begun",
     "is_dataloader_shuffled",
+    "load_callback_states",
     "mark_sigterm_received",
     "replace_sigterm_handling",
     "resume_from_state",
@@ -120,6 +123,16 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
         "the checkpoint restore_training_state restores from (loops, optimizers, schedulers, precision)",
     ),
     (
+        "lightning.pytorch.trainer.call",
+        "_call_callbacks_state_dict",
+        "every callback's state as a checkpoint holds it: a rank that rejoins takes its callbacks' over from a member",
+    ),
+    (
+        "lightning.pytorch.trainer.call",
+        "_call_callbacks_load_state_dict",
+        "the callbacks' states loaded as on resume, from a state received over the network (no checkpoint file)",
+    ),
+    (
         "torchmetrics.Metric",
         "_update_count",
         "restored with a metric's states after an evaluation that must leave no trace: update_count has no setter",
@@ -203,6 +216,17 @@ def resume_from_state(trainer: Trainer, checkpoint: dict[str, Any]) -> None:
     """Make `trainer` restore the training state (loops, optimizers, schedulers, precision plugin) from `checkpoint`
     after the strategy's `setup`, as it does for `fit(ckpt_path=...)`: call it in the strategy's `setup`."""
     trainer._checkpoint_connector._loaded_checkpoint = checkpoint
+
+
+def callback_states(trainer: Trainer) -> dict[str, dict[str, Any]]:
+    """Every callback's `state_dict` by its `state_key`, as a checkpoint holds them (`checkpoint["callbacks"]`)."""
+    return call._call_callbacks_state_dict(trainer)
+
+
+def load_callback_states(trainer: Trainer, states: dict[str, dict[str, Any]]) -> None:
+    """Load `states` ([`callback_states`][lightning_decentral._compat.lightning.callback_states]) into `trainer`'s
+    callbacks, as Lightning does on resume."""
+    call._call_callbacks_load_state_dict(trainer, {"callbacks": states})
 
 
 def mark_sigterm_received(trainer: Trainer) -> None:

@@ -65,12 +65,14 @@ class FaultPlan(Callback):
         self.signal = signal
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Before the run: every rank named is one of the run's."""
+        """Before the run: every rank named is one of the run's at its start (a failure or a rejoin renumbers and
+        counts the ranks anew, the plan's ranks stay those of the start)."""
         named = sorted({rank for ranks in self.kill.values() for rank in ranks})
-        if named and named[-1] >= trainer.world_size:
+        size = getattr(trainer.strategy, "start_size", trainer.world_size)
+        if named and named[-1] >= size:
             raise ValueError(
-                f"FaultPlan(kill=...) names ranks {named}, but the run has {trainer.world_size} (0 to "
-                f"{trainer.world_size - 1}): name ranks of the run as it starts."
+                f"FaultPlan(kill=...) names ranks {named}, but the run has {size} (0 to {size - 1}): name ranks of the "
+                "run as it starts."
             )
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:

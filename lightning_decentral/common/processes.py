@@ -164,6 +164,11 @@ class OnProcesses:
         return self.survivors.membership.first_rank if self.survivors is not None else self.global_rank
 
     @property
+    def start_size(self) -> int:
+        """The number of ranks when the run started (a failure or a rejoin changes `world_size`)."""
+        return self.survivors.membership.start_size if self.survivors is not None else self.world_size
+
+    @property
     def failures_survived(self) -> list[Decision]:
         """The survivors' decisions of the run so far (or of the last one), one per failure survived."""
         return list(self.survivors.membership.decisions) if self.survivors is not None else []
@@ -202,29 +207,37 @@ class OnProcesses:
         except LeftOut:
             if not self.rejoins:
                 raise
-            self._rejoin(backend)
+            self._will_rejoin()
         self.owns_default_group = True
 
-    def _rejoin(self, backend: str) -> None:
-        """A lost rank started again ([`Survivors.rejoin`][lightning_decentral.membership.Survivors.rejoin]): the
-        default group is the grown members', the job's store the members' namespace."""
+    def _will_rejoin(self) -> None:
+        """A lost rank started again: the job's store is the members' namespace from now on, and it sets up alone (no
+        process group yet) until it [`rejoin`][lightning_decentral.common.processes.OnProcesses.rejoin]s, once it
+        knows what it runs (its optimizers included)."""
+        client = store_client(self._timeout)
+        rejoin_store(client, run_in_progress(client, self.global_rank)["token"])
+        self.joining = True  # until its first batch: Lightning's barrier and broadcast stay on this rank
+
+    def rejoin(self, configuration: dict[str, int | str]) -> None:
+        """A lost rank started again, its set-up done
+        ([`Survivors.rejoin`][lightning_decentral.membership.Survivors.rejoin]): refused, naming the field, if
+        `configuration` (the fields of the members' check that every rank runs the same configuration and optimizers)
+        differs from the one the members published; else admitted, the default group is the grown members'."""
         client = store_client(self._timeout)
         info = run_in_progress(client, self.global_rank)
-        rejoin_store(client, info["token"])
-        min_workers = self.options.min_workers_for(info["start_size"])
         self.survivors, self.joined = Survivors.rejoin(
             self.driver,
             info,
             self.global_rank,
-            min_workers,
-            backend,
+            self.options.min_workers_for(info["start_size"]),
+            self._process_group_backend,  # type: ignore[attr-defined]
             self._timeout,
             self.on_survivors,
             self.handover_state,
             self.join_margin,
+            configuration,
         )
         rank_zero_only.rank = self.global_rank
-        self.joining = True  # until its first batch: Lightning's barrier and broadcast stay on this rank
 
     def handover_state(self) -> Any:
         """What this rank hands to a lost rank that rejoins, when it is the source (`rejoin=True`)."""
@@ -241,7 +254,7 @@ class OnProcesses:
         warn instead and survive nothing (a failure stops every rank, as with `"stop"`): that launcher ends every
         process within seconds of one failing."""
         backend = dist.get_backend()
-        if self.options.on_peer_failure == "continue" and self.joined is None:
+        if self.options.on_peer_failure == "continue" and not self.joining:
             self.survivors = self._start_surviving(backend)
         return self.driver.process_mixer(
             self.root_device, backend, self._timeout, self.owns_default_group, self.survivors

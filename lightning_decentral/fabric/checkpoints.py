@@ -225,6 +225,8 @@ class ShardedCheckpoints:
         if optimizer_key is not None:
             self.load_rule_state(shard.get("rule_state", {}))
         self.driver.copies.load(shard.get("gossip"))
+        if self.driver.options.compression is not None:  # both ends of every edge resume with the same public copies
+            self._ranks.check_same_public_copies(self.driver.copies.state() or shard.get("gossip"))
         return remainder
 
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:

@@ -216,16 +216,26 @@ class Joins:
         return [r for r in m.left_out if m.store.check([m.key("ask", m.generation, r)])]
 
 
-def ask(membership: Membership, topology: Topology, timeout: float) -> Decision:
+def ask(
+    membership: Membership, topology: Topology, timeout: float, configuration: dict[str, int | str] | None = None
+) -> Decision:
     """The joiner's side: ask to rejoin the run in progress and wait until the members admit this rank (a failure
     decided meanwhile: ask the next generation); returns the decision, adopted. `membership` is this rank's, started
-    (its heartbeat beats), its prefix the run's; `topology` the run's at the start. Raises `CannotRejoin`."""
+    (its heartbeat beats), its prefix the run's; `topology` the run's at the start; `configuration`, what this rank
+    runs, compared with what the members published before it asks
+    ([`refuse_other_configuration`][lightning_decentral.membership.rejoin.refuse_other_configuration]). Raises
+    `CannotRejoin`."""
     store, rank, deadline = membership.store, membership.first_rank, time.monotonic() + timeout
     while True:
         info = _joinable(store, rank, topology)
         if info is None:  # its loss is not decided yet: the members still count it
             _wait_a_little(deadline, rank, "the members to decide it was lost")
             continue
+        if configuration is not None:
+            if "configuration" not in info:  # the members publish it once their set-up is over
+                _wait_a_little(deadline, rank, "the members to publish their configuration")
+                continue
+            refuse_other_configuration(info, rank, configuration)
         membership.enter(info["generation"], info["members"])
         g = membership.generation
         store.set(membership.key("ask", g, rank), "1")
@@ -239,6 +249,37 @@ def ask(membership: Membership, topology: Topology, timeout: float) -> Decision:
             return membership.adopt(json.loads(store.get(decided)))
         except Excluded:  # a failure was decided first: ask the next generation
             continue
+
+
+def refuse_other_configuration(info: dict[str, Any], rank: int, configuration: dict[str, int | str]) -> None:
+    """Raise `CannotRejoin` naming each field (and both values) in which `configuration`, what rank `rank` runs,
+    differs from the `configuration` the members of the run `info` describes published at their set-up (the fields
+    of their check that every rank runs the same configuration and optimizers,
+    [`check_same_configuration`][lightning_decentral.agreement.Ranks.check_same_configuration]): the members never
+    see a rank that would meet other messages, other collectives or another update.
+
+    Examples:
+        >>> info = {"configuration": {"gossip_every": 1, "lr": "0.05"}}
+        >>> refuse_other_configuration(info, 2, {"gossip_every": 1, "lr": "0.05"})
+        >>> refuse_other_configuration(info, 2, {"gossip_every": 2, "lr": "0.05"})
+        Traceback (most recent call last):
+        ...
+        lightning_decentral.membership.rejoin.CannotRejoin: Rank 2 cannot rejoin: ... it has gossip_every=2 where the
+        members have 1. ...
+    """
+    theirs = info["configuration"]
+    names = list(theirs) + [name for name in configuration if name not in theirs]
+    differences = [
+        f"it has {name}={configuration.get(name, 'absent')!r} where the members have {theirs.get(name, 'absent')!r}"
+        for name in names
+        if configuration.get(name, "absent") != theirs.get(name, "absent")
+    ]
+    if differences:
+        raise CannotRejoin(
+            f"Rank {rank} cannot rejoin: it does not run the members' configuration: {'; '.join(differences)}. The "
+            "members go on without it. Start it again with the command, arguments and model the run started with "
+            "(no strategy argument, optimizer or Trainer limit may depend on the rank or on the restart)."
+        )
 
 
 def run_in_progress(store: Any, rank: int) -> dict[str, Any]:

@@ -12,10 +12,10 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from lightning_decentral._compat import default_store
-from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure
+from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure, peers_answer
 from lightning_decentral.membership.groups import alone, poison
 from lightning_decentral.membership.protocol import Decision, Join, Membership
-from lightning_decentral.membership.rejoin import Joins, ask, hand_over, publish, source_for
+from lightning_decentral.membership.rejoin import CannotRejoin, Joins, ask, hand_over, publish, source_for
 from lightning_decentral.membership.report import decision_line
 from lightning_decentral.membership.store import store_client, store_host
 
@@ -138,23 +138,36 @@ class Survivors:
         on_change: Callable[[Decision], None],
         handover: Callable[[], Any],
         margin: Callable[[], int],
+        configuration: dict[str, int | str] | None = None,
     ) -> tuple[Survivors, Join]:
         """A lost rank started again (`rank`, of the run `info` describes,
-        [`current`][lightning_decentral.membership.rejoin.current]): ask to rejoin, wait until the members admit it,
-        make the grown group with them (the default process group, this rank's place in it as the decision says) and
-        keep `W` of the grown members from the join step. Returns its survivors and the decision; the executor then
-        takes its state from the decision's source."""
+        [`current`][lightning_decentral.membership.rejoin.current]): unless its `configuration` differs from the one
+        the members published (then `CannotRejoin` names each field, and the members never see it), ask to rejoin, wait
+        until the members admit it, make the grown group with them (the default process group, this rank's place in it
+        as the decision says) and keep `W` of the grown members from the join step. Returns its survivors and the
+        decision; the executor then takes its state from the decision's source."""
         store = cls._store(timeout)
         membership = cls._membership(store, info["run"], rank, info["start_size"], min_workers, timeout)
         membership.start()
         survivors = cls(membership, driver, backend, timeout, on_change, Joins(membership, margin), handover)
-        survivors.published = {"rejoin": True, "token": info["token"]}
-        decision = ask(membership, driver.topology, timeout.total_seconds())
+        survivors.published = {"rejoin": True, "token": info["token"], "configuration": configuration}
+        try:
+            decision = ask(membership, driver.topology, timeout.total_seconds(), configuration)
+        except CannotRejoin:
+            membership.close()  # its heartbeat and beacon stop with it
+            raise
         assert isinstance(decision, Join)  # a decision that admits it
         driver.keep(decision.members, decision.step + 1, of=survivors.start_topology)
         log.warning(decision_line(decision, rank, driver.topology))
         membership.form_group(backend, timeout)
         return survivors, decision
+
+    def publish_configuration(self, configuration: dict[str, int | str]) -> None:
+        """Publish what every member runs (the fields of the check that every rank runs the same configuration and
+        optimizers, at set-up), with the rest of what a rank that rejoins reads
+        ([`publish`][lightning_decentral.membership.rejoin.publish]): it compares its own with it before it asks."""
+        self.published["configuration"] = configuration
+        publish(self.membership.store, self.membership, **self.published)
 
     @staticmethod
     def _store(timeout: timedelta) -> GuardedStore:
@@ -248,15 +261,22 @@ class Survivors:
             self.pending = None
             self.driver.rebind_mixers()
             self.on_change(decision)
+            if self.pending is not None:  # a failure in on_change was survived: its decision replaced this one, and
+                return  # its group is made when its step begins (nobody is handed this decision's state)
             publish(self.membership.store, self.membership, **self.published)
-            self._hand_over(decision)
+            try:
+                self._hand_over(decision)
+            except PeerFailure as failure:  # the rank that rejoins failed before it took the state over: a failure
+                self._agree(decision.step + 1, failure)  # survived, whose group is made when its step begins
+                return
 
     def _hand_over(self, decision: Decision) -> None:
         """This member is the source of a rank that rejoins with `decision`: hand it this rank's state."""
         for joiner in decision.joined if isinstance(decision, Join) else ():
             source = source_for(joiner, decision.members, decision.joined, self.driver.topology)
             if source == self.membership.first_rank and self.handover is not None:
-                hand_over(self.handover(), to=decision.members.index(joiner))
+                with peers_answer(f"Handing this rank's state over to rank {joiner}, which rejoins", f"rank {joiner}"):
+                    hand_over(self.handover(), to=decision.members.index(joiner))
 
     def close(self) -> None:
         """Stop the heartbeat."""

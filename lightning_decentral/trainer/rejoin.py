@@ -6,17 +6,19 @@ The state is this rank's shard (replica, optimizer, precision plugin, rule state
 a save writes it ([`make_shard`][lightning_decentral.checkpoint.make_shard]), the fit loop's state and the learning-rate
 schedulers'. The rank that rejoins loads the replica, and the Trainer restores the rest after the strategy's setup,
 as for `fit(ckpt_path=...)`: the loops (the step, the epoch, the batch), the optimizer, the schedulers. It keeps its
-own random state and its own data shard; the callbacks start afresh (a `ModelCheckpoint`'s best score is not sent).
+own random state and its own data shard; its callbacks take the source's state over (a `ModelCheckpoint`'s directory,
+paths and scores: every rank names each save alike).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch import LightningModule
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral._compat.lightning import resume_from_state
+from lightning_decentral._compat.lightning import callback_states, load_callback_states, resume_from_state
 from lightning_decentral.failures import Activities
 from lightning_decentral.membership import Join
 from lightning_decentral.membership.rejoin import source_for, take_over
@@ -42,17 +44,18 @@ class Rejoining:
             "epoch": trainer.current_epoch,
             "global_step": trainer.global_step,
             "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+            "callbacks": callback_states(trainer),
         }
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """`fit(ckpt_path=...)` on a rank that rejoins (the same command as the members'): read the file alone, no
         agreement with the members (theirs is past); the state handed over replaces what it restores."""
-        if self.joined is None:
+        if not self.joining:  # type: ignore[attr-defined]
             return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
         return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[attr-defined]
 
     def take_over_state(self) -> None:
-        """A rank that rejoins, in `configure_ddp`, paired with the members' collectives after a join: publish its
+        """A rank that rejoins, admitted, in `setup`, paired with the members' collectives after a join: publish its
         activities, receive the source's state, load the replica, and have the Trainer restore the rest after setup."""
         decision = self.joined
         assert decision is not None
@@ -63,4 +66,18 @@ class Rejoining:
         self.lightning_module.load_state_dict(shard["state_dict"])
         self._resume_shard = shard
         precision_key = type(self.precision_plugin).__qualname__  # type: ignore[attr-defined]
-        resume_from_state(self.lightning_module.trainer, shards.with_shard(state, shard, precision_key))
+        trainer = self.lightning_module.trainer
+        resume_from_state(trainer, shards.with_shard(state, shard, precision_key))
+        take_over_callbacks(trainer, state["callbacks"])
+
+
+def take_over_callbacks(trainer: Trainer, states: dict[str, dict[str, Any]]) -> None:
+    """The callbacks of a rank that rejoins take the source's `states` over
+    ([`callback_states`][lightning_decentral._compat.lightning.callback_states]): a `ModelCheckpoint` first its
+    directory (the members agreed on rank 0's when they set up; this rank set up alone), then its paths and scores, so
+    that every rank names each save alike (`last.ckpt`, not a `last-v1.ckpt` of its own beside the members')."""
+    for callback in trainer.checkpoint_callbacks:
+        state = states.get(callback.state_key, {})
+        if isinstance(callback, ModelCheckpoint) and state.get("dirpath") is not None:
+            callback.dirpath = state["dirpath"]
+    load_callback_states(trainer, states)

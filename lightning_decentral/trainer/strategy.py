@@ -35,7 +35,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_decentral.agreement import run_configuration
+from lightning_decentral.agreement import optimizer_configuration, run_configuration
 from lightning_decentral.common import OnProcesses, backward_may_overlap, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.failures import DEFAULT_TIMEOUT, checked_timeout
@@ -180,8 +180,12 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
             self._agree_on_stops(trainer)  # before this fit's first collective
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
         if trainer.state.fn == TrainerFn.FITTING:
-            if self.joined is None:  # a rank that rejoins runs the same command: the members checked theirs
+            if self.joining:
+                self._rejoin_the_members()
+            else:
                 self._ranks.check_same_optimizers(self.optimizers)
+                if self.survivors is not None and self.rejoins:  # what a rank that rejoins must run too
+                    self.survivors.publish_configuration(self._admission_configuration())
             context = RuleContext(
                 bucket_bytes=self.options.bucket_bytes,
                 grad_scaler=enabled_grad_scaler(self.precision_plugin),
@@ -208,14 +212,30 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     def configure_ddp(self) -> None:
         """Runs in `setup` when fitting, before the optimizers exist: start every replica from rank 0's
         weights (or from its own shard when resuming), pack it into flat buffers (no DDP wrapper) and
-        build the gossip engine."""
-        if self.joined is not None:
-            self.take_over_state()
-            self._start_saves()
-        else:
+        build the gossip engine. A lost rank started again only packs its replica: it has no process group until it
+        rejoins, once its optimizers exist (`setup`)."""
+        if not self.joining:
             self._start_replicas()
         self._replica = Replica(self.lightning_module, self.gossip_buffers)
+        if not self.joining:
+            self._mixer = self.start_gossip()
+
+    def _rejoin_the_members(self) -> None:
+        """A lost rank started again, its optimizers built: refused, naming the field, unless it runs the members'
+        configuration and optimizers (they never see it then); else admitted, it takes its state over from a member
+        and starts its gossip."""
+        self.rejoin(self._admission_configuration())
+        self.take_over_state()
+        self._start_saves()
         self._mixer = self.start_gossip()
+
+    def _admission_configuration(self) -> dict[str, int | str]:
+        """What a rank that rejoins must run as the members do: the fields of their check at set-up, the run's and
+        the optimizers' ([`optimizer_configuration`][lightning_decentral.agreement.optimizer_configuration])."""
+        fields = self._configuration()
+        for stage in optimizer_configuration(self.optimizers):
+            fields.update(stage)
+        return fields
 
     # -- one optimizer step -----------------------------------------------------------------
 
@@ -272,6 +292,15 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         )
 
     @override
+    def on_train_start(self) -> None:
+        """Before the first training batch, once a resume restored everything: with compression, both ends of every
+        edge hold the same public copies
+        ([`check_same_public_copies`][lightning_decentral.agreement.Ranks.check_same_public_copies])."""
+        super().on_train_start()
+        if self.options.compression is not None:
+            self._ranks.check_same_public_copies(self.driver.copies.state())
+
+    @override
     def on_train_end(self) -> None:
         """After the last training batch: finish anything still in flight."""
         self.driver.drain()
@@ -290,7 +319,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     def _agree_on_stops(self, trainer: Trainer) -> None:
         """A SIGTERM stops every rank at one step agreed through the store, not through a broadcast per batch."""
         self._stops = StopAgreement(job_store(), next_key(), self._stop_margin(), self._timeout)
-        if self.global_rank == 0 and self.joined is None:
+        if self.global_rank == 0 and not self.joining:
             self._stops.forget_earlier_runs()
         stop_together(trainer, self._stops, self._check_replica)
 
@@ -364,6 +393,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         if trainer.state.fn == TrainerFn.FITTING:  # a rank that stops first leaves the others waiting for it
             configuration["max_steps"] = trainer.max_steps
             configuration["max_epochs"] = -1 if trainer.max_epochs is None else trainer.max_epochs
+            configuration["rejoin"] = int(self.rejoins)  # a member without it would never admit a rank that asks
         return configuration
 
     def _epoch(self) -> int:
