@@ -20,7 +20,7 @@ from lightning_decentral._compat import use_count
 from lightning_decentral.failures import PeerFailure
 from lightning_decentral.membership.guard import Guard
 from lightning_decentral.options import outer_optimizer_name
-from lightning_decentral.replicas import MeanFn, averaged_optimizer_state, group_by_layout
+from lightning_decentral.replicas import MeanFn, averaged_optimizer_state, group_by_layout, local_tensor
 from lightning_decentral.schedule import RoundsSchedule
 
 _STRING_SLOTS = 64  # a configuration string travels as this many code points
@@ -113,7 +113,7 @@ class Ranks:
             flat = torch.cat([t.detach().reshape(-1) for t in group])
             self._collective(
                 "Starting every replica from rank 0's weights",
-                lambda flat=flat: dist.broadcast(flat, src=0, group=self.group),
+                lambda flat=flat: dist.broadcast(flat, group=self.group, group_src=0),
                 "rank 0 or another rank",
             )
             offset = 0
@@ -387,6 +387,7 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "outer_overlap": int(options.outer_overlap),
         "compression": schedule_name(options.compression),
         "consensus_step": "" if options.consensus_step is None else _exact(options.consensus_step),
+        "shard_size": options.shard_size,
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),
         "trainable parameter shapes and dtypes": digest(*(f"{tuple(p.shape)}{p.dtype}".encode() for p in params)),
@@ -422,7 +423,7 @@ def parameter_deviations(ranks: Ranks, module: torch.nn.Module) -> list[tuple[st
     of the parameters; every rank must call it together.
     """
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-    wide = [p.detach().to(torch.promote_types(p.dtype, torch.float32)) for _, p in named]
+    wide = [local_tensor(p).to(torch.promote_types(p.dtype, torch.float32)) for _, p in named]
     means = ranks.mean(wide)
     return [(name, _squared_norm(w - m), _squared_norm(m)) for (name, _), w, m in zip(named, wide, means)]
 

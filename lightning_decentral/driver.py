@@ -202,6 +202,7 @@ class StepDriver:
         timeout: timedelta,
         on_default_group: bool,
         survival: Surviving | None = None,
+        group: Any | None = None,
     ) -> Mixer:
         """This rank's mixer when every worker is a process (every rank calls it together): bounded staleness over
         [`StaleGossip`][lightning_decentral.gossip.StaleGossip] (its own gloo group), else
@@ -210,11 +211,14 @@ class StepDriver:
         once instead of waiting a second timeout), or on a new group of every rank with `timeout`; with
         `compression`, CHOCO's over it ([`CompressedGossip`][lightning_decentral.gossip.CompressedGossip],
         `from_copy` with an outer step). With `survival`, a failed exchange or collective (`guard`) asks it, and each
-        step begins with it."""
+        step begins with it. With `group` (sharded replicas: the ranks holding this rank's shard of every replica), on
+        that group."""
         options, topology = self.options, self.topology
         self.survival = self.watch.survival = self.guard.survival = survival
-        if options.staleness:
-            mixer: Mixer = StaleGossip.on_new_group(topology, options.staleness, options.delays, timeout, self.watch)
+        if group is not None:  # staleness and survival are refused with sharded replicas (GossipOptions)
+            mixer: Mixer = Gossip(topology, group=group, dtype=options.gossip_dtype, timeout=timeout, watch=self.watch)
+        elif options.staleness:
+            mixer = StaleGossip.on_new_group(topology, options.staleness, options.delays, timeout, self.watch)
         elif on_default_group:
             mixer = Gossip(topology, dtype=options.gossip_dtype, timeout=timeout, watch=self.watch)
         else:

@@ -126,6 +126,10 @@ class GossipOptions:
         consensus_step: `γ` of compressed gossip, in `(0, 1]`; `None`: the compressor's `consensus_step` (sign, int8,
             int4: 1; int2, int3: 0.3; `top_k:f`: `3f`; `random_k:f`: `f`; measured in docs/benchmarks.md,
             "Compressed gossip"). Kept as the value used.
+        shard_size: `s`, the ranks of one replica (the Trainer's strategy only): `n = r·s` ranks form `r` replicas of
+            `s` consecutive ranks, FSDP2 shards each replica over its ranks and the rule runs across the `r` replicas
+            on the local shards (docs/sharded.md). 1: every rank is a replica. Not with `staleness`,
+            `on_peer_failure="continue"` or a `Hierarchical` topology.
 
     Examples:
         >>> options = GossipOptions(combine="atc", gossip_steps={"epoch": {0: 4, 5: 1}}, gossip_dtype="bfloat16")
@@ -166,6 +170,7 @@ class GossipOptions:
     outer_overlap: bool = False
     compression: str | Compressor | None = None
     consensus_step: float | None = None
+    shard_size: int = 1
 
     def __post_init__(self) -> None:
         _check_choice("combine", self.combine, COMBINE)
@@ -185,6 +190,40 @@ class GossipOptions:
         self._check_staleness()
         self._check_outer()
         self._check_compression()
+        self._check_sharding()
+
+    def _check_sharding(self) -> None:
+        """`shard_size` is an integer ≥ 1; above 1 the rule runs across replicas of `shard_size` ranks, which every rank
+        of a replica must reach at the same step and which fail together."""
+        _check_positive_int("shard_size", self.shard_size, "1 = every rank is a replica")
+        if self.shard_size == 1:
+            return
+        unsupported = [
+            (
+                self.staleness > 0,
+                f"staleness={self.staleness} (FSDP's collectives inside a replica keep its ranks at one step, and the "
+                "stale exchange's own group spans every rank)",
+                "use staleness=0",
+            ),
+            (
+                self.on_peer_failure != "stop",
+                f"on_peer_failure={self.on_peer_failure!r} (a replica is lost with any of its ranks, and FSDP's "
+                "process group inside it cannot be rebuilt without it)",
+                "use on_peer_failure='stop' (a restart resumes from the newest complete checkpoint)",
+            ),
+            (
+                isinstance(t := self.topology, Hierarchical) or (isinstance(t, str) and TOPOLOGIES[t] is Hierarchical),
+                "a Hierarchical topology (the ranks of a node already form one replica: FSDP inside it replaces the "
+                "average on the node)",
+                "use a flat topology over the replicas such as topology='ring' or 'one_peer_exponential'",
+            ),
+        ]
+        for bad, what, fix in unsupported:
+            if bad:
+                raise ValueError(
+                    f"shard_size={self.shard_size} shards every replica over {self.shard_size} ranks, but {what} is "
+                    f"not supported with it: {fix}, or shard_size=1."
+                )
 
     def _check_staleness(self) -> None:
         """`staleness` is an integer ≥ 0; above 0 it takes AWC or ATC, one round every step, full precision;
@@ -380,6 +419,22 @@ def gossip_options(owner: str, **arguments: Any) -> GossipOptions:
                 f"{owner} got an unexpected argument {name!r}: {hint}The update-rule arguments are {names}."
             )
     return GossipOptions(**arguments)
+
+
+def refuse_sharding(options: GossipOptions, owner: str, why: str) -> None:
+    """Raise `ValueError` if `options.shard_size` is above 1 on an executor that does not shard (`owner`, `why`).
+
+    Examples:
+        >>> refuse_sharding(GossipOptions(shard_size=2), "SimulatedDecentralizedStrategy", "its workers are rows")
+        Traceback (most recent call last):
+        ...
+        ValueError: SimulatedDecentralizedStrategy does not shard replicas (its workers are rows): ...
+    """
+    if options.shard_size != 1:
+        raise ValueError(
+            f"{owner} does not shard replicas ({why}): drop shard_size={options.shard_size}, or train with the "
+            "Trainer's DecentralizedStrategy(shard_size=...) (docs/sharded.md)."
+        )
 
 
 Executor = TypeVar("Executor", bound=type)

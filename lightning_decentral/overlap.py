@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from lightning_decentral import algorithms
 from lightning_decentral.mixing import Mixer, Pending
+from lightning_decentral.replicas import local_tensor, shaped_like
 
 
 @dataclass
@@ -63,7 +64,7 @@ class _Flat:
         self.params.sort(key=self.offset)
 
     def offset(self, param: Parameter) -> int:
-        return param.data.storage_offset() - self.data.storage_offset()
+        return local_tensor(param).storage_offset() - self.data.storage_offset()
 
 
 class GradientBuckets:
@@ -117,15 +118,16 @@ class GradientBuckets:
     # -- one step -----------------------------------------------------------------
 
     def attach_gradients(self) -> None:
-        """Make every `p.grad` a view into the flat gradient buffers (before a backward)."""
+        """Make every `p.grad` a view into the flat gradient buffers (before a backward); of a sharded parameter, a
+        `DTensor` whose local shard is the view."""
         for flat in self._flats:
             for p in flat.params:
                 start = flat.offset(p)
-                view = flat.grad[start : start + p.numel()].view_as(p)
+                view = flat.grad[start : start + _numel(p)]
                 if p.grad is None:  # zero_grad(set_to_none=True) ran
-                    p.grad = view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    p.grad = view.copy_(p.grad)
+                    p.grad = shaped_like(p, view.zero_())
+                elif local_tensor(p.grad).data_ptr() != view.data_ptr():
+                    p.grad = shaped_like(p, view.copy_(local_tensor(p.grad).reshape(-1)))
 
     def arm(self, step: int, rounds: int, listen: bool) -> None:
         """Prepare step `step` (`rounds` exchanges per bucket); `listen`: post from the gradient hooks."""
@@ -205,7 +207,12 @@ class GradientBuckets:
 
 
 def _shares_storage(param: Parameter, flat: Tensor) -> bool:
-    return param.data.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    return local_tensor(param).untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+
+
+def _numel(param: Parameter) -> int:
+    """The elements of `param` this process holds (its local shard's)."""
+    return local_tensor(param).numel()
 
 
 def _bucket(flat: _Flat, chunk: list[Parameter], group_of: dict[int, int]) -> _Bucket:
@@ -214,9 +221,9 @@ def _bucket(flat: _Flat, chunk: list[Parameter], group_of: dict[int, int]) -> _B
     for p in sorted(chunk, key=flat.offset):
         start, group = flat.offset(p), group_of.get(id(p))
         if runs and runs[-1][2] == group and runs[-1][1] == start:
-            runs[-1][1] = start + p.numel()
+            runs[-1][1] = start + _numel(p)
         else:
-            runs.append([start, start + p.numel(), group])
+            runs.append([start, start + _numel(p), group])
     segments = [_Segment(flat.data[a:b], flat.grad[a:b], flat.send[a:b], g) for a, b, g in runs]
     return _Bucket(params=chunk, send=flat.send[runs[0][0] : runs[-1][1]], segments=segments)
 
@@ -225,9 +232,9 @@ def _chunks(params: list[Parameter], bucket_bytes: int) -> list[list[Parameter]]
     chunks: list[list[Parameter]] = [[]]
     size = 0
     for p in params:
-        if chunks[-1] and size + p.numel() * p.element_size() > bucket_bytes:
+        if chunks[-1] and size + _numel(p) * p.element_size() > bucket_bytes:
             chunks.append([])
             size = 0
         chunks[-1].append(p)
-        size += p.numel() * p.element_size()
+        size += _numel(p) * p.element_size()
     return [c for c in chunks if c]

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from torch.nn import Module, Parameter
 
 MeanFn = Callable[[list[Tensor]], list[Tensor]]  # tensors -> their means over the workers, new tensors
@@ -37,6 +38,34 @@ def pack_(tensors: Iterable[Tensor]) -> list[Tensor]:
             offset += t.numel()
         buffers.append(flat)
     return buffers
+
+
+def local_tensor(tensor: Tensor) -> Tensor:
+    """What this process holds of `tensor`, detached: its local shard if it is a `DTensor` (a parameter FSDP sharded, or
+    its gradient), else its data. Writing into it writes into `tensor`.
+
+    Examples:
+        >>> local_tensor(torch.ones(2, requires_grad=True))
+        tensor([1., 1.])
+    """
+    return tensor.detach().to_local() if isinstance(tensor, DTensor) else tensor.data
+
+
+def shaped_like(tensor: Tensor, local: Tensor) -> Tensor:
+    """A tensor laid out as `tensor` whose local part is `local` (its elements, viewed in `tensor`'s local shape):
+    a `DTensor` sharded as `tensor` when `tensor` is one (the gradient of a sharded parameter), else a view of `local`.
+
+    Examples:
+        >>> shaped_like(torch.zeros(2, 2), torch.arange(4.0))
+        tensor([[0., 1.],
+                [2., 3.]])
+    """
+    if isinstance(tensor, DTensor):
+        shaped = local.view(tensor.to_local().shape)
+        return DTensor.from_local(
+            shaped, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+    return local.view_as(tensor)
 
 
 def group_by_layout(tensors: list[Tensor]) -> list[list[Tensor]]:
@@ -119,7 +148,7 @@ class Replica:
     def layout(self) -> list[tuple[int, int, int]]:
         """For each tensor held (parameters, then mixed buffers), in order: its buffer in `mixed`, offset and size."""
         out = []
-        for tensor in [p.data for p in self.parameters] + self.buffers:
+        for tensor in [local_tensor(p) for p in self.parameters] + self.buffers:
             i = next(
                 i
                 for i, flat in enumerate(self.mixed)
@@ -131,7 +160,7 @@ class Replica:
     def check_trainable_unchanged(self, module: Module) -> None:
         """Raise if the module's trainable parameters are no longer the packed ones ((un)freezing during fit)."""
         packed = sum(b.numel() for b in self.flat_parameters)
-        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        trainable = sum(local_tensor(p).numel() for p in module.parameters() if p.requires_grad)
         if trainable != packed:
             raise RuntimeError(
                 f"The trainable parameters changed during fit ({packed} elements at setup, {trainable} now), e.g. "
@@ -159,9 +188,10 @@ class AveragedModel:
         if not self._depth and mean is not None:
             tensors = [t for t in state_tensors(module) if t.is_floating_point()]
         originals = [t.detach().clone() for t in tensors]
+        locals_ = [local_tensor(t) for t in tensors]  # of a sharded parameter, this rank's shard: mean averages those
         with torch.no_grad():
-            for t, average in zip(tensors, mean(tensors) if tensors else []):
-                t.copy_(average)
+            for local, average in zip(locals_, mean(locals_) if tensors else []):
+                local.copy_(average)
         if tensors:
             self._own = {id(t): original for t, original in zip(tensors, originals)}
         self._depth += 1
@@ -170,8 +200,8 @@ class AveragedModel:
         finally:
             self._depth -= 1
             with torch.no_grad():
-                for t, original in zip(tensors, originals):
-                    t.copy_(original)
+                for local, original in zip(locals_, originals):
+                    local.copy_(local_tensor(original))
             if tensors:
                 self._own = {}
 
@@ -222,8 +252,8 @@ def averaged_optimizer_state(states: list[dict[str, Any]], mean: MeanFn) -> dict
         for name, value in values.items()
         if isinstance(value, Tensor) and value.is_floating_point() and value.dim() > 0
     ]
-    for (values, name), average in zip(entries, mean([values[name] for values, name in entries])):
-        values[name] = average
+    for (values, name), average in zip(entries, mean([local_tensor(values[name]) for values, name in entries])):
+        values[name] = shaped_like(values[name], average)
     return {**state, "state": per_param}
 
 
@@ -237,5 +267,5 @@ def averaged_state_dict(state_dict: dict[str, Tensor], mean: MeanFn) -> dict[str
         {'w': tensor([2., 2.]), 'n': tensor(3)}
     """
     names = [name for name, value in state_dict.items() if value.is_floating_point()]
-    means = dict(zip(names, mean([state_dict[name] for name in names]))) if names else {}
-    return {name: means.get(name, value) for name, value in state_dict.items()}
+    means = dict(zip(names, mean([local_tensor(state_dict[name]) for name in names]))) if names else {}
+    return {name: shaped_like(value, means[name]) if name in means else value for name, value in state_dict.items()}

@@ -58,6 +58,7 @@ _PRELOAD = [
     "tests.restart_workers",
     "tests.survival_workers",
     "tests.compression_workers",
+    "tests.sharded_workers",
 ]
 
 

@@ -33,6 +33,7 @@ from lightning_decentral.membership.store import store_client
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.rendezvous import LeftOut, connect, job_token, rejoin_store
+from lightning_decentral.sharding import Sharding
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class OnProcesses:
     rejoins = False  # rejoin=True: lost ranks started again rejoin the run in progress
     joined: Join | None = None  # this process is a lost rank that rejoined, with this decision
     joining = False  # a rank that rejoins, before its first training batch
+    sharding: Sharding | None = None  # shard_size > 1: replicas of several ranks (the Trainer's strategy only)
     _timeout: timedelta  # Lightning's DDPStrategy keeps it
 
     def _configure_launcher(self) -> None:
@@ -102,7 +104,9 @@ class OnProcesses:
         device_default = dist.Backend.default_device_backend_map.get(self.root_device.type, "gloo")
         self.options.check_backend(self.process_group_backend or device_default)  # type: ignore[attr-defined]
         super()._configure_launcher()  # type: ignore[misc]
-        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)  # type: ignore[attr-defined]
+        world_size = self.num_nodes * self.num_processes  # type: ignore[attr-defined]
+        workers = self.sharding.bind(world_size) if self.sharding is not None else world_size  # sharded: the replicas
+        self.driver.bind(workers, self.num_nodes)  # type: ignore[attr-defined]
 
     @property
     def trained_module(self) -> Module:
@@ -117,6 +121,8 @@ class OnProcesses:
         0-dim float64 tensors, `p̄ = (1/n) Σ_i p_i` averaged in at least float32. Costs one all-reduce
         of the parameters; every rank must call it together (`Ξ² = (1/n) Σ_i Σ_p ‖p_i − p̄‖²`).
         """
+        if self.sharding is not None:  # over the replicas, summed over each replica's shards
+            return self.sharding.parameter_deviations(self.replica_ranks, self.trained_module)
         return parameter_deviations(self._ranks, self.trained_module)
 
     def gradient_sum(self) -> list[Tensor]:
@@ -126,6 +132,14 @@ class OnProcesses:
     @property
     def _ranks(self) -> Ranks:
         return Ranks.of_world(self.root_device, self.guard)
+
+    @property
+    def replica_ranks(self) -> Ranks:
+        """The ranks a mean over the replicas runs on: every rank; with sharded replicas, the ranks holding this rank's
+        shard of every replica (its column of the device mesh)."""
+        if self.sharding is not None:
+            return self.sharding.replica_ranks(self.root_device, self.guard)
+        return self._ranks
 
     # -- every collective goes through the driver's guard ---------------------------------------------------------
 
@@ -256,8 +270,9 @@ class OnProcesses:
         backend = dist.get_backend()
         if self.options.on_peer_failure == "continue" and not self.joining:
             self.survivors = self._start_surviving(backend)
+        group = self.sharding.replica_group if self.sharding is not None else None
         return self.driver.process_mixer(
-            self.root_device, backend, self._timeout, self.owns_default_group, self.survivors
+            self.root_device, backend, self._timeout, self.owns_default_group, self.survivors, group
         )
 
     def _start_surviving(self, backend: str) -> Survivors | None:

@@ -31,7 +31,7 @@ from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities, checked_ti
 from lightning_decentral.measures import random_state
 from lightning_decentral.membership.guard import from_its_value_now
 from lightning_decentral.mixing import FABRIC, Mixer
-from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
+from lightning_decentral.options import gossip_options, refuse_sharding, register_strategies, takes_gossip_options
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext, check_one_optimizer
 
@@ -89,6 +89,11 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
                 "out (on_peer_failure='continue'); resume from a checkpoint to grow."
             )
         gossip = gossip_options(type(self).__name__, **options)
+        refuse_sharding(
+            gossip,
+            "Fabric's DecentralizedStrategy",
+            "its module is set up by fabric.setup, which has no device mesh yet",
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -41,7 +41,7 @@ from typing_extensions import override
 from lightning_decentral.common import backward_may_overlap
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.mixing import SIMULATION
-from lightning_decentral.options import gossip_options, probe_outer_optimizer, takes_gossip_options
+from lightning_decentral.options import gossip_options, probe_outer_optimizer, refuse_sharding, takes_gossip_options
 from lightning_decentral.rules import RuleContext, check_one_optimizer
 from lightning_decentral.simulation.data import WorkerLoaders, first_batch_together
 from lightning_decentral.simulation.hooks import WorkerHooks
@@ -129,6 +129,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` must be a positive integer (the simulated workers), got {workers!r}.")
         gossip = gossip_options(type(self).__name__, **options)
+        refuse_sharding(gossip, type(self).__name__, "its workers are whole models in one process")
         if gossip.on_peer_failure != "stop":
             raise ValueError(
                 f"on_peer_failure={gossip.on_peer_failure!r} is for processes; in the simulation, name the workers "

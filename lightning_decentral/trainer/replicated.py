@@ -36,7 +36,7 @@ from lightning_decentral.common import EvaluatesOnAverage
 from lightning_decentral.failures import Activities
 from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.membership.guard import Guard, from_its_value_now
-from lightning_decentral.replicas import AveragedModel, MeanFn, state_tensors
+from lightning_decentral.replicas import AveragedModel, MeanFn, local_tensor, state_tensors
 from lightning_decentral.trainer.background import BackgroundWriter, background_save
 from lightning_decentral.trainer.resume import RESUME, ResolvesLast, ScriptLauncher, choose_checkpoint
 from lightning_decentral.trainer.reuse import StepSaves
@@ -113,9 +113,10 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         ([`ReusedMeans`][lightning_decentral.trainer.reuse.ReusedMeans])."""
         if self.world_size == 1 or self.lightning_module is None:
             return None
+        ranks = self.replica_ranks
         if label is not None and self._step_saves is not None:
-            return self._step_saves.means.bound(self._ranks, label, what)
-        return functools.partial(self._ranks.mean, what=what)
+            return self._step_saves.means.bound(ranks, label, what)
+        return functools.partial(ranks.mean, what=what)
 
     @override
     def _configure_launcher(self) -> None:
@@ -160,7 +161,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self._ranks.check_same_configuration(self._configuration())
         self.activities = Activities.of_group(self._ranks, self._timeout)
         if self._resume_shard is None:
-            self._ranks.broadcast_from_rank_zero(list(state_tensors(self.lightning_module)))
+            self.replica_ranks.broadcast_from_rank_zero([local_tensor(t) for t in state_tensors(self.lightning_module)])
         self._start_saves()
 
     def _start_saves(self) -> None:
@@ -260,7 +261,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
             return super().optimizer_state(optimizer)
         label = next((f"optimizer {i}" for i, known in enumerate(self.optimizers) if known is optimizer), None)
         mean = self._mean("Averaging the optimizer state (to save)", label)
-        return mean_optimizer_state(self._ranks, super().optimizer_state(optimizer), mean)
+        return mean_optimizer_state(self.replica_ranks, super().optimizer_state(optimizer), mean)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -404,6 +405,18 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     @property
     def _ranks(self) -> Ranks:
         return Ranks.of_world(self.root_device, self.guard)
+
+    @property
+    def resuming_shard(self) -> dict[str, Any] | None:
+        """During `fit(ckpt_path=...)`, from `load_checkpoint` until the optimizers are restored: this rank's shard,
+        if the run resumes exactly from the shards (`None` otherwise)."""
+        return self._resume_shard
+
+    @property
+    def replica_ranks(self) -> Ranks:
+        """The ranks a mean over the replicas runs on (every rank; a subclass with sharded replicas: this rank's
+        column)."""
+        return self._ranks
 
     def _configuration(self) -> dict[str, int | str]:
         """What every rank must agree on (`Ranks.check_same_configuration`)."""

@@ -29,7 +29,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -45,6 +45,13 @@ from lightning_decentral.options import gossip_options, register_strategies, tak
 from lightning_decentral.rendezvous import job_store
 from lightning_decentral.replicas import Replica
 from lightning_decentral.rules import RuleContext
+from lightning_decentral.sharding import (
+    Sharding,
+    check_same_sharding,
+    full_tensors,
+    local_tensors,
+    sharded_optimizer_state,
+)
 from lightning_decentral.trainer.rejoin import Rejoining
 from lightning_decentral.trainer.replicated import ReplicaStrategy
 from lightning_decentral.trainer.signals import stop_together
@@ -142,6 +149,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         )
         self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
         self.rejoins = rejoin
+        self.sharding = Sharding(gossip.shard_size) if gossip.shard_size > 1 else None
         self._replica: Replica | None = None
         self._mixer: Mixer | None = None
         self._stops: StopAgreement | None = None  # this fit's agreement on a step to stop at after a SIGTERM
@@ -170,7 +178,23 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
                 "on a process group of every rank, which a failure breaks. Drop the AsyncCheckpointIO plugin, or use "
                 "on_peer_failure='stop' (a restart resumes from the newest complete checkpoint)."
             )
+        if self.sharding is not None and isinstance(self.checkpoint_io, AsyncCheckpointIO):
+            raise ValueError(
+                f"shard_size={self.options.shard_size} does not save in the background (AsyncCheckpointIO): the full x̄ "
+                "of a checkpoint is gathered inside each replica, on the training's process groups. Drop the "
+                "AsyncCheckpointIO plugin, or use shard_size=1."
+            )
         super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        """Runs first in every Trainer run, before `configure_model`: with sharded replicas, the device mesh
+        `("replica", "shard")`, given to the module as `self.device_mesh` (as Lightning's `ModelParallelStrategy`
+        does)."""
+        super().setup_environment()
+        if self.sharding is not None:
+            mesh = self.sharding.mesh or self.sharding.make_mesh(self.root_device.type, self.world_size)
+            self.lightning_module._device_mesh = mesh  # Lightning's own way: the module has no setter
 
     @override
     def setup(self, trainer: Trainer) -> None:
@@ -190,7 +214,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
                 bucket_bytes=self.options.bucket_bytes,
                 grad_scaler=enabled_grad_scaler(self.precision_plugin),
                 any_worker=self._ranks.any,
-                overlap_backward=backward_may_overlap(self.lightning_module),
+                overlap_backward=self.sharding is None and backward_may_overlap(self.lightning_module),
                 warn=rank_zero_warn,
             )
             assert self._replica is not None and self._mixer is not None
@@ -214,9 +238,12 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         weights (or from its own shard when resuming), pack it into flat buffers (no DDP wrapper) and
         build the gossip engine. A lost rank started again only packs its replica: it has no process group until it
         rejoins, once its optimizers exist (`setup`)."""
+        if self.sharding is not None:  # FSDP's parameters are replaced by views of the flat buffers: before the rest
+            self._replica = self.sharding.replica(self.lightning_module, self.gossip_buffers, rank_zero_info)
         if not self.joining:
             self._start_replicas()
-        self._replica = Replica(self.lightning_module, self.gossip_buffers)
+        if self.sharding is None:
+            self._replica = Replica(self.lightning_module, self.gossip_buffers)
         if not self.joining:
             self._mixer = self.start_gossip()
 
@@ -323,6 +350,12 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
             self._stops.forget_earlier_runs()
         stop_together(trainer, self._stops, self._check_replica)
 
+    @override
+    def rule_record(self) -> dict[str, str]:
+        """The update rule and topology the shards record (`Driven`'s), and `shard_size` above 1."""
+        record = super().rule_record()
+        return {**record, "shard_size": str(self.options.shard_size)} if self.sharding is not None else record
+
     def _stop_margin(self) -> int:
         return stop_margin(self.topology, self.staleness, self.gossip_every)
 
@@ -362,7 +395,52 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         the survivors of a failure take alone, once they made their process group
         ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
         form_for_save(self.survivors)
-        return super().lightning_module_state_dict()
+        state = super().lightning_module_state_dict()
+        return full_tensors(state) if self.sharding is not None else state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Runs when a checkpoint is saved, on every rank: the optimizer state averaged over the replicas
+        (`ReplicaStrategy`'s); with sharded replicas gathered whole, as the checkpoint file holds it."""
+        state = super().optimizer_state(optimizer)
+        return full_tensors(state) if self.sharding is not None else state
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Runs when a run starts from `ckpt_path` (`ReplicaStrategy`'s); a fit with sharded replicas resumes only from
+        its own shards, saved under the same `shard_size` and world size (their shards are the module's)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            check_same_sharding(self.options.shard_size, self.resuming_shard, checkpoint_path)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+        """Runs when a checkpoint is restored: with sharded replicas, a shard's local tensors become the module's
+        shards (sharded at its root first, if `configure_model` left it whole)."""
+        if self.sharding is not None and self.resuming_shard is not None:
+            checkpoint = {
+                **checkpoint,
+                "state_dict": self.sharding.sharded_state(
+                    self.lightning_module, checkpoint["state_dict"], rank_zero_info
+                ),
+            }
+        super().load_model_state_dict(checkpoint, strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        """Runs when a checkpoint is restored, last: with sharded replicas, a shard's optimizer state becomes that of
+        the module's shards."""
+        if self.sharding is not None and self.resuming_shard is not None and "optimizer_states" in checkpoint:
+            states = [sharded_optimizer_state(o, s) for o, s in zip(self.optimizers, checkpoint["optimizer_states"])]
+            checkpoint = {**checkpoint, "optimizer_states": states}
+        super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def _shard_parts(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """This rank's part of `checkpoint` (`ReplicaStrategy`'s); with sharded replicas, its local shards."""
+        parts = super()._shard_parts(checkpoint)
+        return local_tensors(parts) if self.sharding is not None else parts
 
     def _check_replica(self) -> None:
         """At an epoch's first batch: the trainable parameters are still those packed when fit started."""

@@ -1,0 +1,132 @@
+"""Functions the test processes of sharded replicas run: the same runs with replicas of `s` ranks (FSDP2 inside) and
+with unsharded workers whose batch is the union of a replica's `s` batches."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_decentral import DecentralizedStrategy
+from lightning_decentral.compression import Sign
+from tests.workers import trainer_for
+
+IN, HIDDEN, OUT, BATCH = 4, 8, 8, 2  # every dimension 0 a multiple of the shard sizes tested
+
+
+class Blocks(Dataset):
+    """Rank `rank`'s batches: batch `b` is block `(rank, b)` of `BATCH` samples; with `union` ranks `rank·union …
+    rank·union + union − 1`'s blocks concatenated (the batch of an unsharded worker standing for a replica)."""
+
+    def __init__(self, rank: int, steps: int, union: int = 1) -> None:
+        self.rank, self.steps, self.union = rank, steps, union
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        xs, ys = zip(*(block(self.rank * self.union + shard, b) for shard in range(self.union)))
+        return torch.cat(xs), torch.cat(ys)
+
+
+def block(rank: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * rank + b)
+    x = torch.randn(BATCH, IN, generator=generator)
+    return x, torch.sin(x @ torch.linspace(-1, 1, IN * OUT).reshape(IN, OUT)) + 0.3 * (rank % 3)
+
+
+def loader(rank: int, steps: int, union: int = 1) -> DataLoader:
+    return DataLoader(Blocks(rank, steps, union), batch_size=None)
+
+
+class Tiny(LightningModule):
+    """A two-layer MLP; `shard="layers"` shards each layer and the root in `configure_model` (the documented way),
+    `"none"` leaves sharding to the strategy, `"own_mesh"` shards on a mesh of its own."""
+
+    def __init__(self, shard: str = "layers", optimizer: str = "momentum") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+        self.shard, self.optimizer = shard, optimizer
+        self.validation_losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.device_mesh is not None and self.shard == "layers":
+            fully_shard(self.net[0], mesh=self.device_mesh["shard"])
+            fully_shard(self.net, mesh=self.device_mesh["shard"])
+        if self.shard == "own_mesh":  # a mesh of its own: refused
+            fully_shard(self.net, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.validation_losses.append(nn.functional.mse_loss(self.net(x), y).item())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=0.01)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "awc": dict(topology="ring"),
+    "awc_root": dict(topology="ring"),  # the module left unsharded: the strategy shards it at its root
+    "decentlam": dict(topology="ring", momentum="decentlam"),
+    "outer": dict(
+        topology="complete",
+        gossip_every=3,
+        outer_optimizer=functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True),
+    ),
+    # sign's scale is per block of a rank's flat buffer: blocks of 4 elements hold the same elements sharded or not here
+    # (every row of a weight and every shard of a parameter is a multiple of 4 long), so the runs are equal
+    "sign": dict(topology="ring", compression=Sign(block=4)),
+}
+
+
+def full_parameters(module: nn.Module) -> torch.Tensor:
+    """The module's trainable parameters, whole, flattened (a collective inside each replica when sharded)."""
+    return torch.cat(
+        [(p.full_tensor() if isinstance(p, DTensor) else p).detach().reshape(-1) for p in module.parameters()]
+    )
+
+
+def fit_own_mesh(rank: int, world_size: int) -> None:
+    trainer = trainer_for(world_size, DecentralizedStrategy(shard_size=2), max_steps=1)
+    trainer.fit(Tiny(shard="own_mesh"), train_dataloaders=loader(rank, 1))
+
+
+def fit_configs(
+    rank: int, world_size: int, shard_size: int, names: list[str], steps: int = 6, **kwargs: Any
+) -> dict[str, Any]:
+    """Fit the configs `names` of `CONFIGS`: with `shard_size > 1` on this rank's blocks, else on the union of the
+    blocks of the replica this worker stands for (`union` ranks); return each run's whole parameters and what this rank
+    holds."""
+    union = kwargs.pop("union", 1)
+    out: dict[str, Any] = {}
+    for name in names:
+        options = CONFIGS[name]
+        model = Tiny(shard="none" if name == "awc_root" else "layers", **kwargs)
+        strategy = DecentralizedStrategy(shard_size=shard_size, **options)
+        trainer = trainer_for(world_size, strategy, max_steps=steps)
+        trainer.fit(model, train_dataloaders=loader(rank, steps, union))
+        optimizer_state = [
+            t for state in trainer.optimizers[0].state.values() for t in state.values() if isinstance(t, torch.Tensor)
+        ]
+        out[name] = {
+            "parameters": full_parameters(model),
+            "held": sum(b.numel() for b in strategy.flat_parameters),
+            "optimizer_state_held": sum(
+                (t.to_local() if isinstance(t, DTensor) else t).numel() for t in optimizer_state if t.dim() > 0
+            ),
+        }
+    return out

@@ -1,0 +1,82 @@
+"""Sharded replicas (`shard_size`): FSDP2 inside each replica, the update rules across replicas on the local shards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
+from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
+from lightning_decentral.options import GossipOptions
+from lightning_decentral.sharding import ReplicaLayout, check_same_sharding
+from tests import sharded_workers
+from tests.helpers import run_distributed
+
+
+@pytest.mark.parametrize(
+    ("options", "fix"),
+    [
+        (dict(staleness=1), "use staleness=0"),
+        (dict(on_peer_failure="continue"), "use on_peer_failure='stop'"),
+        (dict(topology="hierarchical"), "use a flat topology"),
+    ],
+)
+def test_what_does_not_compose_is_refused_naming_the_fix(options, fix):
+    with pytest.raises(ValueError, match=fix):
+        GossipOptions(shard_size=2, **options)
+    GossipOptions(shard_size=1, **options)  # unsharded: as before
+
+
+def test_shard_size_is_a_positive_integer():
+    with pytest.raises(ValueError, match="shard_size"):
+        GossipOptions(shard_size=0)
+
+
+def test_a_world_size_shard_size_does_not_divide_is_refused_when_the_trainer_is_built():
+    with pytest.raises(ValueError, match="not a multiple of it"):
+        Trainer(strategy=DecentralizedStrategy(shard_size=3), accelerator="cpu", devices=4)
+    assert ReplicaLayout.of(8, 2).column(1) == [1, 3, 5, 7]
+
+
+def test_the_simulation_and_fabric_refuse_shard_size():
+    with pytest.raises(ValueError, match="does not shard replicas"):
+        SimulatedDecentralizedStrategy(workers=4, shard_size=2)
+    with pytest.raises(ValueError, match="does not shard replicas"):
+        FabricStrategy(shard_size=2)
+
+
+def test_a_resume_across_a_change_of_sharding_is_refused():
+    with pytest.raises(ValueError, match="saved with shard_size=2, this run has shard_size=1"):
+        check_same_sharding(1, {"strategy": {"shard_size": "2"}}, "a.ckpt")
+    with pytest.raises(ValueError, match="has none for this rank"):
+        check_same_sharding(2, None, "a.ckpt")
+
+
+@pytest.mark.slow
+def test_a_sharded_run_equals_unsharded_workers_on_the_union_of_a_replicas_batches():
+    """8 ranks as 4 replicas of 2 (FSDP2 inside) against 4 unsharded workers, each on the two batches of the replica
+    it stands for: AWC, DecentLaM, DiLoCo and sign-compressed gossip, and a module the strategy shards at its root."""
+    names = list(sharded_workers.CONFIGS)
+    sharded = run_distributed(sharded_workers.fit_configs, world_size=8, timeout=240, shard_size=2, names=names)
+    names_unsharded = [n for n in names if n != "awc_root"]
+    workers = run_distributed(
+        sharded_workers.fit_configs, world_size=4, timeout=240, shard_size=1, union=2, names=names_unsharded
+    )
+    for name in names:
+        reference = [w["awc" if name == "awc_root" else name] for w in workers]
+        whole = reference[0]["parameters"].numel()
+        for rank, run in enumerate(sharded):
+            torch.testing.assert_close(run[name]["parameters"], reference[rank // 2]["parameters"], rtol=0, atol=1e-6)
+            # memory: this rank's exchange buffers and optimizer state hold half of the replica
+            assert run[name]["held"] == whole // 2, name
+            assert run[name]["optimizer_state_held"] == whole // 2, name
+        if name != "outer":  # the outer step of the last step (6 = 2 · 3) averages every replica: equal
+            spread = max((w["parameters"] - reference[0]["parameters"]).abs().max().item() for w in reference)
+            assert spread > 1e-3, f"{name}: the replicas should differ, or the test shows nothing"
+
+
+@pytest.mark.slow
+def test_a_module_sharded_on_another_mesh_is_refused_naming_the_fix():
+    with pytest.raises(RuntimeError, match=r"device_mesh\['shard'\]"):
+        run_distributed(sharded_workers.fit_own_mesh, world_size=2, timeout=120)
