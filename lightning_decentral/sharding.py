@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -201,16 +202,18 @@ class Sharding:
         self.mesh = init_device_mesh(device_type, (layout.replicas, layout.shard_size), mesh_dim_names=MESH_DIMS)
         return self.mesh
 
-    @property
-    def replica_group(self) -> dist.ProcessGroup:
-        """This rank's column of the mesh: the ranks holding its shard of every replica, in replica order."""
-        return self._mesh().get_group(MESH_DIMS[0])
+    def new_replica_group(self, timeout: timedelta) -> dist.ProcessGroup:
+        """A new process group of this rank's column, with `timeout` (every rank creates every column's, in order):
+        the exchange's own, which it destroys when the run ends (the mesh's groups stay for the next run)."""
+        layout = self._layout()
+        groups = [dist.new_group(layout.column(shard), timeout=timeout) for shard in range(layout.shard_size)]
+        return groups[layout.shard_of(dist.get_rank())]
 
     def replica_ranks(self, device: torch.device, guard: Guard | None = None) -> Ranks:
         """[`Ranks`][lightning_decentral.agreement.Ranks] over this rank's column: a mean there is the mean over the
         replicas of this rank's shards."""
         mesh = self._mesh()
-        return Ranks(mesh.get_local_rank(MESH_DIMS[0]), mesh.size(0), device, self.replica_group, guard)
+        return Ranks(mesh.get_local_rank(MESH_DIMS[0]), mesh.size(0), device, mesh.get_group(MESH_DIMS[0]), guard)
 
     def shard_root(self, module: Module, info: Callable[[str], None]) -> None:
         """Shard `module` on the mesh's `"shard"` dimension for a `configure_model` that did not: each of its direct
@@ -260,6 +263,11 @@ class Sharding:
             lambda: dist.all_reduce(sums, group=self._mesh().get_group(MESH_DIMS[1])),
         )
         return [(name, total[0], total[1]) for (name, _, _), total in zip(deviations, sums)]
+
+    def _layout(self) -> ReplicaLayout:
+        if self.layout is None:
+            raise RuntimeError("The layout is bound to the world size when the Trainer is created.")
+        return self.layout
 
     def _mesh(self) -> DeviceMesh:
         if self.mesh is None:

@@ -7,10 +7,10 @@ import functools
 from typing import Any
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -57,7 +57,9 @@ class Tiny(LightningModule):
         self.shard, self.optimizer = shard, optimizer
         self.validation_losses: list[float] = []
 
-    def configure_model(self) -> None:
+    def configure_model(self) -> None:  # runs in every Trainer run: idempotent, as Lightning asks
+        if isinstance(self.net, FSDPModule):
+            return
         if self.device_mesh is not None and self.shard == "layers":
             fully_shard(self.net[0], mesh=self.device_mesh["shard"])
             fully_shard(self.net, mesh=self.device_mesh["shard"])
@@ -130,3 +132,75 @@ def fit_configs(
             ),
         }
     return out
+
+
+def average_over_replicas(vector: torch.Tensor, shard_size: int) -> torch.Tensor:
+    """`x̄`: the mean of every replica's whole `vector` (each of a replica's ranks holds the same one)."""
+    gathered = [torch.empty_like(vector) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(gathered, vector)
+    return torch.stack(gathered[::shard_size]).mean(0)
+
+
+class SeesValidation(Tiny):
+    """Records the whole parameters each validation runs on."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.validation_losses.append(full_parameters(self))
+
+
+class SaveAt(Callback):
+    """Saves `path` after optimizer step `step`, recording `x̄` then."""
+
+    def __init__(self, path: str, step: int, shard_size: int) -> None:
+        self.path, self.step, self.shard_size = path, step, shard_size
+        self.x_bar: torch.Tensor | None = None
+
+    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            self.x_bar = average_over_replicas(full_parameters(module), self.shard_size)
+            self.state = own_state(trainer, module)
+            trainer.save_checkpoint(self.path)
+
+
+class AtStart(Callback):
+    """Records this rank's replica and optimizer state when training starts."""
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.state = own_state(trainer, module)
+
+
+def own_state(trainer: Any, module: Any) -> torch.Tensor:
+    """This rank's replica and optimizer state, whole, flattened (a collective inside each replica)."""
+    state = [t for s in trainer.optimizers[0].state.values() for t in s.values() if t.dim() > 0]
+    return torch.cat(
+        [full_parameters(module), *((t.full_tensor() if isinstance(t, DTensor) else t).reshape(-1) for t in state)]
+    )
+
+
+def checkpoint_and_resume(rank: int, world_size: int, path: str, shard_size: int = 2) -> dict[str, Any]:
+    """4 steps, saved after step 2, then validated on `x̄`; the file's `state_dict` loaded into a plain module; a
+    resume from it (the replica and optimizer state it starts from)."""
+    save = SaveAt(path, 2, shard_size)
+    straight = SeesValidation()
+    trainer = trainer_for(world_size, DecentralizedStrategy(shard_size=shard_size), max_steps=4, callbacks=[save])
+    trainer.fit(straight, train_dataloaders=loader(rank, 4))
+    trainer.validate(straight, dataloaders=loader(rank, 1), verbose=False)
+    plain = Tiny(shard="none")
+    plain.load_state_dict(torch.load(path, weights_only=True)["state_dict"], strict=True)
+    start = AtStart()
+    trainer = trainer_for(world_size, DecentralizedStrategy(shard_size=shard_size), max_steps=4, callbacks=[start])
+    trainer.fit(Tiny(), train_dataloaders=loader(rank, 4), ckpt_path=path)
+    return {
+        "validated_on": straight.validation_losses[-1],
+        "x_bar": average_over_replicas(full_parameters(straight), shard_size),
+        "own_after_validation": full_parameters(straight),
+        "file": torch.cat([p.detach().reshape(-1) for p in plain.parameters()]),
+        "x_bar_at_save": save.x_bar,
+        "saved": save.state,
+        "resumed": start.state,
+    }
+
+
+def resume_with(rank: int, world_size: int, path: str, shard_size: int) -> None:
+    trainer = trainer_for(world_size, DecentralizedStrategy(shard_size=shard_size), max_steps=4)
+    trainer.fit(Tiny(), train_dataloaders=loader(rank, 4), ckpt_path=path)

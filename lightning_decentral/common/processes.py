@@ -270,7 +270,7 @@ class OnProcesses:
         backend = dist.get_backend()
         if self.options.on_peer_failure == "continue" and not self.joining:
             self.survivors = self._start_surviving(backend)
-        group = self.sharding.replica_group if self.sharding is not None else None
+        group = self.sharding.new_replica_group(self._timeout) if self.sharding is not None else None
         return self.driver.process_mixer(
             self.root_device, backend, self._timeout, self.owns_default_group, self.survivors, group
         )
