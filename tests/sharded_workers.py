@@ -148,20 +148,6 @@ class SeesValidation(Tiny):
         self.validation_losses.append(full_parameters(self))
 
 
-class SaveAt(Callback):
-    """Saves `path` after optimizer step `step`, recording `x̄` then."""
-
-    def __init__(self, path: str, step: int, shard_size: int) -> None:
-        self.path, self.step, self.shard_size = path, step, shard_size
-        self.x_bar: torch.Tensor | None = None
-
-    def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            self.x_bar = average_over_replicas(full_parameters(module), self.shard_size)
-            self.state = own_state(trainer, module)
-            trainer.save_checkpoint(self.path)
-
-
 class AtStart(Callback):
     """Records this rank's replica and optimizer state when training starts."""
 
@@ -172,32 +158,40 @@ class AtStart(Callback):
 def own_state(trainer: Any, module: Any) -> torch.Tensor:
     """This rank's replica and optimizer state, whole, flattened (a collective inside each replica)."""
     state = [t for s in trainer.optimizers[0].state.values() for t in s.values() if t.dim() > 0]
-    return torch.cat(
-        [full_parameters(module), *((t.full_tensor() if isinstance(t, DTensor) else t).reshape(-1) for t in state)]
-    )
+    whole = [(t.full_tensor() if isinstance(t, DTensor) else t).reshape(-1) for t in state]
+    return torch.cat([full_parameters(module), *whole])
 
 
 def checkpoint_and_resume(rank: int, world_size: int, path: str, shard_size: int = 2) -> dict[str, Any]:
-    """4 steps, saved after step 2, then validated on `x̄`; the file's `state_dict` loaded into a plain module; a
-    resume from it (the replica and optimizer state it starts from)."""
-    save = SaveAt(path, 2, shard_size)
-    straight = SeesValidation()
-    trainer = trainer_for(world_size, DecentralizedStrategy(shard_size=shard_size), max_steps=4, callbacks=[save])
-    trainer.fit(straight, train_dataloaders=loader(rank, 4))
-    trainer.validate(straight, dataloaders=loader(rank, 1), verbose=False)
+    """Two epochs of 2 steps straight; one epoch, validated on `x̄` and saved, its file's `state_dict` loaded into a
+    plain module; a resume from it to the end of the second epoch."""
+
+    def fit(epochs: int, ckpt_path: str | None = None, callbacks: list | None = None) -> tuple[SeesValidation, Any]:
+        model = SeesValidation()
+        strategy = DecentralizedStrategy(shard_size=shard_size)
+        trainer = trainer_for(world_size, strategy, max_epochs=epochs, callbacks=callbacks or [])
+        trainer.fit(model, train_dataloaders=loader(rank, 2), ckpt_path=ckpt_path)
+        return model, trainer
+
+    straight, _ = fit(2)
+    first, trainer = fit(1)
+    x_bar = average_over_replicas(full_parameters(first), shard_size)
+    trainer.validate(first, dataloaders=loader(rank, 1), verbose=False)
+    saved = own_state(trainer, first)
+    trainer.save_checkpoint(path)
     plain = Tiny(shard="none")
     plain.load_state_dict(torch.load(path, weights_only=True)["state_dict"], strict=True)
     start = AtStart()
-    trainer = trainer_for(world_size, DecentralizedStrategy(shard_size=shard_size), max_steps=4, callbacks=[start])
-    trainer.fit(Tiny(), train_dataloaders=loader(rank, 4), ckpt_path=path)
+    resumed, _ = fit(2, ckpt_path=path, callbacks=[start])
     return {
-        "validated_on": straight.validation_losses[-1],
-        "x_bar": average_over_replicas(full_parameters(straight), shard_size),
-        "own_after_validation": full_parameters(straight),
+        "validated_on": first.validation_losses[-1],
+        "x_bar": x_bar,
+        "own_after_validation": full_parameters(first),
         "file": torch.cat([p.detach().reshape(-1) for p in plain.parameters()]),
-        "x_bar_at_save": save.x_bar,
-        "saved": save.state,
-        "resumed": start.state,
+        "saved": saved,
+        "resumed_from": start.state,
+        "straight": full_parameters(straight),
+        "resumed": full_parameters(resumed),
     }
 
 

@@ -83,13 +83,14 @@ def test_a_module_sharded_on_another_mesh_is_refused_naming_the_fix():
 
 
 @pytest.mark.slow
-def test_validation_runs_on_x_bar_and_a_checkpoint_holds_it_whole_and_restores_every_rank_exactly(tmp_path):
+def test_validation_runs_on_x_bar_and_a_checkpoint_holds_it_whole_and_resumes_every_rank_exactly(tmp_path):
     path = str(tmp_path / "step2.ckpt")
     runs = run_distributed(sharded_workers.checkpoint_and_resume, world_size=4, timeout=240, path=path)
     for rank, run in enumerate(runs):
         torch.testing.assert_close(run["validated_on"], run["x_bar"], rtol=0, atol=1e-7)
-        torch.testing.assert_close(run["file"], run["x_bar_at_save"], rtol=0, atol=1e-7)  # loaded by a plain module
-        assert torch.equal(run["resumed"], run["saved"]), f"rank {rank}"  # its own replica and optimizer state
+        torch.testing.assert_close(run["file"], run["x_bar"], rtol=0, atol=1e-7)  # loaded by a plain module
+        assert torch.equal(run["resumed_from"], run["saved"]), f"rank {rank}"  # its own replica and optimizer state
+        assert torch.equal(run["resumed"], run["straight"]), f"rank {rank}"
     assert not torch.equal(runs[0]["own_after_validation"], runs[0]["x_bar"])  # each replica is its own again
     with pytest.raises(RuntimeError, match="saved with shard_size=2, this run has shard_size=1"):
         run_distributed(sharded_workers.resume_with, world_size=4, timeout=120, path=path, shard_size=1)
