@@ -251,18 +251,19 @@ class Sharding:
         return {name: shaped_like(current[name], value) if name in current else value for name, value in state.items()}
 
     def parameter_deviations(self, ranks: Ranks, module: Module) -> list[tuple[str, Tensor, Tensor]]:
-        """For each trainable parameter `p`: its name, `‖p_g − p̄‖²` of this rank's replica `g` and `‖p̄‖²`, each summed
-        over the replica's shards ([`parameter_deviations`][lightning_decentral.agreement.parameter_deviations] over
-        `ranks`, this rank's column, then one all-reduce in the replica): what an unsharded worker measures."""
+        """For each trainable parameter `p`: its name, this rank's part of `‖p_g − p̄‖²` (its shard's: a sum over every
+        rank is the sum over the replicas) and `‖p̄‖²` whole, summed over the replica's shards
+        ([`parameter_deviations`][lightning_decentral.agreement.parameter_deviations] over `ranks`, this rank's
+        column, then one all-reduce of the norms in the replica)."""
         deviations = parameter_deviations(ranks, module)
         if not deviations:
             return deviations
-        sums = torch.stack([torch.stack([d, m]) for _, d, m in deviations])
+        norms = torch.stack([m for _, _, m in deviations])
         ranks.guard.run(
-            "Summing the consensus distance over a replica's shards",
-            lambda: dist.all_reduce(sums, group=self._mesh().get_group(MESH_DIMS[1])),
+            "Summing the norm of x̄ over a replica's shards",
+            lambda: dist.all_reduce(norms, group=self._mesh().get_group(MESH_DIMS[1])),
         )
-        return [(name, total[0], total[1]) for (name, _, _), total in zip(deviations, sums)]
+        return [(name, d, norm) for (name, d, _), norm in zip(deviations, norms)]
 
     def _layout(self) -> ReplicaLayout:
         if self.layout is None:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_decentral import DecentralizedStrategy
 from lightning_decentral.compression import Sign
+from lightning_decentral.measures import consensus_distance
 from tests.workers import trainer_for
 
 IN, HIDDEN, OUT, BATCH = 4, 8, 8, 2  # every dimension 0 a multiple of the shard sizes tested
@@ -126,6 +127,7 @@ def fit_configs(
         ]
         out[name] = {
             "parameters": full_parameters(model),
+            "consensus": consensus_distance(strategy, per_layer=True),  # what ConsensusDistance logs
             "held": sum(b.numel() for b in strategy.flat_parameters),
             "optimizer_state_held": sum(
                 (t.to_local() if isinstance(t, DTensor) else t).numel() for t in optimizer_state if t.dim() > 0

@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
+from lightning_decentral.callbacks import EffectiveLearningRate
 from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.sharding import ReplicaLayout, check_same_sharding
@@ -39,6 +40,14 @@ def test_a_world_size_shard_size_does_not_divide_is_refused_when_the_trainer_is_
     assert ReplicaLayout.of(8, 2).column(1) == [1, 3, 5, 7]
 
 
+def test_the_effective_learning_rate_is_refused_with_sharded_replicas():
+    trainer = Trainer(
+        strategy=DecentralizedStrategy(shard_size=2), accelerator="cpu", devices=4, callbacks=[EffectiveLearningRate()]
+    )
+    with pytest.raises(ValueError, match="remove the callback"):
+        trainer.callbacks[0].setup(trainer, sharded_workers.Tiny(), "fit")
+
+
 def test_the_simulation_and_fabric_refuse_shard_size():
     with pytest.raises(ValueError, match="does not shard replicas"):
         SimulatedDecentralizedStrategy(workers=4, shard_size=2)
@@ -68,6 +77,8 @@ def test_a_sharded_run_equals_unsharded_workers_on_the_union_of_a_replicas_batch
         whole = reference[0]["parameters"].numel()
         for rank, run in enumerate(sharded):
             torch.testing.assert_close(run[name]["parameters"], reference[rank // 2]["parameters"], rtol=0, atol=1e-6)
+            # the consensus distance over the replicas, ‖x̄‖ and Ξ per layer: as over the unsharded workers
+            torch.testing.assert_close(run[name]["consensus"], reference[0]["consensus"], rtol=1e-5, atol=1e-8)
             # memory: this rank's exchange buffers and optimizer state hold half of the replica
             assert run[name]["held"] == whole // 2, name
             assert run[name]["optimizer_state_held"] == whole // 2, name

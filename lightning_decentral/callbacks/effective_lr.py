@@ -68,6 +68,13 @@ class EffectiveLearningRate(Callback):
         self._batches: list[tuple[Any, int, dict[str, Any]]] = []  # the measured step's micro-batches
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        strategy = decentralized(trainer)
+        if strategy is not None and getattr(strategy, "shard_size", 1) > 1:
+            raise ValueError(
+                "EffectiveLearningRate differentiates training_step at x̄ with torch.autograd.grad, which cannot reach "
+                "parameters FSDP sharded (its forward runs on gathered copies, outside their graph): remove the callback "
+                "with shard_size > 1 (ConsensusDistance measures sharded replicas)."
+            )
         if stage == "fit" and not pl_module.automatic_optimization:
             raise ValueError(
                 "EffectiveLearningRate re-runs `training_step` at the averaged weights, which needs automatic "

@@ -121,7 +121,7 @@ class OnProcesses:
         0-dim float64 tensors, `p̄ = (1/n) Σ_i p_i` averaged in at least float32. Costs one all-reduce
         of the parameters; every rank must call it together (`Ξ² = (1/n) Σ_i Σ_p ‖p_i − p̄‖²`).
         """
-        if self.sharding is not None:  # over the replicas, summed over each replica's shards
+        if self.sharding is not None:  # this rank's shard's part of its replica's term
             return self.sharding.parameter_deviations(self.replica_ranks, self.trained_module)
         return parameter_deviations(self._ranks, self.trained_module)
 
