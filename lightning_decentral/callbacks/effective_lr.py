@@ -72,8 +72,8 @@ class EffectiveLearningRate(Callback):
         if strategy is not None and getattr(strategy, "shard_size", 1) > 1:
             raise ValueError(
                 "EffectiveLearningRate differentiates training_step at x̄ with torch.autograd.grad, which cannot reach "
-                "parameters FSDP sharded (its forward runs on gathered copies, outside their graph): remove the callback "
-                "with shard_size > 1 (ConsensusDistance measures sharded replicas)."
+                "parameters FSDP sharded (its forward runs on gathered copies, outside their graph): remove the "
+                "callback with shard_size > 1 (ConsensusDistance measures sharded replicas)."
             )
         if stage == "fit" and not pl_module.automatic_optimization:
             raise ValueError(
