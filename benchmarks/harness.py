@@ -301,6 +301,7 @@ def run_ranks(
     network: EmulatedNetwork | None = None,
     one_node: bool = False,
     start_method: str = START_METHOD,
+    ranks_per_host: int = 1,
 ) -> list[Any]:
     """Run ``work(rank)`` on ``n`` ranks, one process each, and return each rank's (JSON) result.
 
@@ -310,7 +311,10 @@ def run_ranks(
     ``MASTER_PORT``, ``WORLD_SIZE``, and ``NODE_RANK`` = rank with ``LOCAL_RANK=0``
     (``Trainer(num_nodes=n, devices=1)``), or with ``one_node`` ``NODE_RANK=0`` and
     ``LOCAL_RANK`` = rank (``Trainer(devices=n)``). With ``network``, rank ``i`` first enters host
-    ``i``'s namespace and meets the others at host 0's address on ``eth0``; without, on 127.0.0.1.
+    ``i``'s namespace and meets the others at host 0's address on ``eth0``; without, on 127.0.0.1. With
+    ``ranks_per_host`` = `p`, ranks `h·p … h·p+p−1` share host `h`'s namespace (they talk over its own address, which
+    the kernel routes locally: only traffic between hosts crosses the shaped links) as node `h` of
+    ``Trainer(num_nodes=n/p, devices=p)``.
     When a rank fails, or ``timeout`` seconds pass, every rank is killed (a rank left alone would
     wait forever in a collective), also on Ctrl-C and SIGTERM (see :func:`exit_on_sigterm`).
     """
@@ -324,12 +328,12 @@ def run_ranks(
                 MASTER_ADDR="127.0.0.1" if network is None else network.addresses[0],
                 MASTER_PORT=str(port),
                 WORLD_SIZE=str(n),
-                NODE_RANK="0" if one_node else str(rank),
-                LOCAL_RANK=str(rank) if one_node else "0",
+                NODE_RANK="0" if one_node else str(rank // ranks_per_host),
+                LOCAL_RANK=str(rank) if one_node else str(rank % ranks_per_host),
             )
             if network is not None:
                 env["GLOO_SOCKET_IFNAME"] = network.interface
-            namespace = None if network is None else network.namespaces[rank]
+            namespace = None if network is None else network.namespaces[rank // ranks_per_host]
             procs.append(context.Process(target=_rank, args=(work, rank, env, namespace, out)))
             procs[-1].start()
         deadline = time.monotonic() + timeout

@@ -318,3 +318,14 @@ def test_outer_smoke(tmp_path: Path) -> None:
     assert sent["diloco"] == pytest.approx(sent["complete_every_step"] / 3)
     assert sent["outer_one_peer"] == sent["outer_one_peer_overlap"] == pytest.approx(sent["dpsgd_one_peer"] / 3)
     assert 0 < sent["outer_one_peer_sign"] < sent["dpsgd_one_peer"] / (25 * 3)  # sign: 1 bit and a scale per 1024
+
+
+@pytest.mark.slow
+def test_sharded_smoke(tmp_path: Path) -> None:
+    """Issue 37's jobs on the emulated network (4 hosts of 2 ranks): HSDP and the three sharded methods train, every
+    rank holds half of the parameters and optimizer state, and each logs the loss every H = 3 steps."""
+    profile = _emulated_profile(tmp_path, "sharded.py")
+    rows = {row["method"]: row for row in profile["rows"]}
+    assert set(rows) == {"hsdp", "sharded_one_peer", "sharded_one_peer_sign", "sharded_diloco"}
+    assert all(row["held_vs_unsharded"] == pytest.approx(0.5) for row in rows.values())
+    assert all([p["step"] for p in row["points"]] == [3, 6] and row["step_seconds"] > 0 for row in rows.values())
