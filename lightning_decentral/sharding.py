@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn import Module, Parameter
@@ -47,8 +47,8 @@ class ReplicaLayout:
 
     Examples:
         >>> layout = ReplicaLayout.of(world_size=8, shard_size=2)
-        >>> layout.replicas, layout.replica_of(5), layout.shard_of(5), layout.column(1)
-        (4, 2, 1, [1, 3, 5, 7])
+        >>> layout.replicas, layout.replica_of(5), layout.shard_of(5), layout.row(2), layout.column(1)
+        (4, 2, 1, [4, 5], [1, 3, 5, 7])
         >>> ReplicaLayout.of(world_size=6, shard_size=4)
         Traceback (most recent call last):
         ...
@@ -82,6 +82,10 @@ class ReplicaLayout:
     def shard_of(self, rank: int) -> int:
         """`l`, the shard rank `rank` holds."""
         return rank % self.shard_size
+
+    def row(self, replica: int) -> list[int]:
+        """The ranks of replica `replica`: the group FSDP shards it over."""
+        return list(range(replica * self.shard_size, (replica + 1) * self.shard_size))
 
     def column(self, shard: int) -> list[int]:
         """The ranks holding shard `shard` of every replica, in replica order: the group the rule runs on."""
@@ -196,10 +200,16 @@ class Sharding:
         self.layout = ReplicaLayout.of(world_size, self.shard_size)
         return self.layout.replicas
 
-    def make_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
-        """The 2-D mesh `("replica", "shard")` over the default group (every rank together)."""
+    def make_mesh(self, device_type: str, world_size: int, timeout: timedelta) -> DeviceMesh:
+        """The 2-D mesh `("replica", "shard")` over the default group (every rank together), its groups (FSDP's inside
+        each replica, the columns across) made with `timeout`: a rank whose peer died stops within it."""
         layout = self.layout = ReplicaLayout.of(world_size, self.shard_size)
-        self.mesh = init_device_mesh(device_type, (layout.replicas, layout.shard_size), mesh_dim_names=MESH_DIMS)
+        rank = dist.get_rank()
+        columns = [dist.new_group(layout.column(shard), timeout=timeout) for shard in range(layout.shard_size)]
+        rows = [dist.new_group(layout.row(g), timeout=timeout) for g in range(layout.replicas)]
+        groups = [columns[layout.shard_of(rank)], rows[layout.replica_of(rank)]]
+        ranks = torch.arange(world_size).view(layout.replicas, layout.shard_size)
+        self.mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=MESH_DIMS)
         return self.mesh
 
     def new_replica_group(self, timeout: timedelta) -> dist.ProcessGroup:

@@ -200,3 +200,24 @@ def checkpoint_and_resume(rank: int, world_size: int, path: str, shard_size: int
 def resume_with(rank: int, world_size: int, path: str, shard_size: int) -> None:
     trainer = trainer_for(world_size, DecentralizedStrategy(shard_size=shard_size), max_steps=4)
     trainer.fit(Tiny(), train_dataloaders=loader(rank, 4), ckpt_path=path)
+
+
+class FailsOnRank(Tiny):
+    """Raises in `training_step` at batch 2 on rank `bad`."""
+
+    def __init__(self, bad: int) -> None:
+        super().__init__()
+        self.bad = bad
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2 and self.global_rank == self.bad:
+            raise ValueError(f"rank {self.bad} fails on purpose")
+        return super().training_step(batch, batch_idx)
+
+
+def fail_on_rank(rank: int, world_size: int, bad: int, timeout_s: float) -> None:
+    from datetime import timedelta
+
+    strategy = DecentralizedStrategy(shard_size=2, timeout=timedelta(seconds=timeout_s))
+    trainer = trainer_for(world_size, strategy, max_steps=6)
+    trainer.fit(FailsOnRank(bad), train_dataloaders=loader(rank, 6))

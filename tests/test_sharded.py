@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pickle
+import time
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -12,7 +15,7 @@ from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.sharding import ReplicaLayout, check_same_sharding
 from tests import sharded_workers
-from tests.helpers import run_distributed
+from tests.helpers import run_distributed, start_processes
 
 
 @pytest.mark.parametrize(
@@ -107,3 +110,24 @@ def test_validation_runs_on_x_bar_and_a_checkpoint_holds_it_whole_and_resumes_ev
         run_distributed(sharded_workers.resume_with, world_size=4, timeout=120, path=path, shard_size=1)
     with pytest.raises(RuntimeError, match="has none for this rank"):
         run_distributed(sharded_workers.resume_with, world_size=2, timeout=120, path=path, shard_size=2)
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_stops_every_rank_within_the_timeout(tmp_path):
+    """on_peer_failure="stop": rank 1 (shard 1 of replica 0) raises at step 2; its replica's other rank (in FSDP's
+    collectives) and the other replica (in the exchange) stop with an error, none waits past the strategy's timeout."""
+    procs = start_processes(sharded_workers.fail_on_rank, 4, str(tmp_path), bad=1, timeout_s=20)
+    deadline = time.monotonic() + 150
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    alive = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not alive, f"ranks {alive} still running"
+    for rank in range(4):
+        with open(tmp_path / f"{rank}.pkl", "rb") as f:
+            status, value = pickle.load(f)
+        assert status == "error", f"rank {rank} finished"
+        if rank == 1:
+            assert "fails on purpose" in value

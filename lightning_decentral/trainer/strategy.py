@@ -193,7 +193,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         does)."""
         super().setup_environment()
         if self.sharding is not None:
-            mesh = self.sharding.mesh or self.sharding.make_mesh(self.root_device.type, self.world_size)
+            mesh = self.sharding.mesh or self.sharding.make_mesh(self.root_device.type, self.world_size, self._timeout)
             self.lightning_module._device_mesh = mesh  # Lightning's own way: the module has no setter
 
     @override
