@@ -81,7 +81,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             processes under the same `delays` give the same replicas; `None`: `τ = k`), `outer_optimizer` and
             `outer_overlap` (not `outer_overlap` with `failures`), `compression` and `consensus_step` (the workers kept
             apart, without `failures`). `on_peer_failure` must stay `"stop"` and `min_workers` is only checked
-            against `workers`: a lost worker is `failures=`.
+            against `workers`: a lost worker is `failures=`; `shard_size` must stay 1 (the workers are whole models).
         vectorize: `"auto"` (the default): stack the workers when stacking gives the per-worker result (an
             elementwise optimizer, no dropout layer, no hook that sees one worker's batch or gradients, a DataLoader
             with a `batch_size`; see [`stacking_problem`][lightning_decentral.simulation.vectorized.stacking_problem]),
