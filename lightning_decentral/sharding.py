@@ -248,14 +248,15 @@ class Sharding:
         )
 
     def replica(self, module: Module, mix_buffers: bool, info: Callable[[str], None]) -> ShardedReplica:
-        """This rank's [`ShardedReplica`][lightning_decentral.sharding.ShardedReplica] of `module`, sharded at its
-        root first if `configure_model` did not shard it; `ValueError` naming the fix if it cannot be packed."""
+        """This rank's [`ShardedReplica`][lightning_decentral.sharding.ShardedReplica] of `module`, sharded first
+        ([`shard_root`][lightning_decentral.sharding.Sharding.shard_root]) if `configure_model` did not shard it;
+        `ValueError` naming the fix if it cannot be packed."""
         check_sharded(module, self._mesh(), lambda m: self.shard_root(m, info))
         return ShardedReplica(module, mix_buffers)
 
     def sharded_state(self, module: Module, state: dict[str, Any], info: Callable[[str], None]) -> dict[str, Any]:
         """A shard's `state` dict (local tensors) as `module`'s state dict: each entry of a sharded parameter a
-        `DTensor` laid out as it (the module sharded at its root first if `configure_model` left it whole)."""
+        `DTensor` laid out as it (the module sharded first if `configure_model` left it whole)."""
         check_sharded(module, self._mesh(), lambda m: self.shard_root(m, info))
         current = module.state_dict()
         return {name: shaped_like(current[name], value) if name in current else value for name, value in state.items()}

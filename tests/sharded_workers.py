@@ -83,7 +83,7 @@ class Tiny(LightningModule):
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "awc": dict(topology="ring"),
-    "awc_root": dict(topology="ring"),  # the module left unsharded: the strategy shards it at its root
+    "awc_root": dict(topology="ring"),  # the module left unsharded: the strategy shards its submodules
     "decentlam": dict(topology="ring", momentum="decentlam"),
     "outer": dict(
         topology="complete",

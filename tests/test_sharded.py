@@ -68,7 +68,7 @@ def test_a_resume_across_a_change_of_sharding_is_refused():
 @pytest.mark.slow
 def test_a_sharded_run_equals_unsharded_workers_on_the_union_of_a_replicas_batches():
     """8 ranks as 4 replicas of 2 (FSDP2 inside) against 4 unsharded workers, each on the two batches of the replica
-    it stands for: AWC, DecentLaM, DiLoCo and sign-compressed gossip, and a module the strategy shards at its root."""
+    it stands for: AWC, DecentLaM, DiLoCo and sign-compressed gossip, and a module the strategy shards itself."""
     names = list(sharded_workers.CONFIGS)
     sharded = run_distributed(sharded_workers.fit_configs, world_size=8, timeout=240, shard_size=2, names=names)
     names_unsharded = [n for n in names if n != "awc_root"]

@@ -418,7 +418,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     @override
     def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
         """Runs when a checkpoint is restored: with sharded replicas, a shard's local tensors become the module's
-        shards (sharded at its root first, if `configure_model` left it whole)."""
+        shards (the module sharded first, if `configure_model` left it whole)."""
         if self.sharding is not None and self.resuming_shard is not None:
             checkpoint = {
                 **checkpoint,
