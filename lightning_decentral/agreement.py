@@ -423,7 +423,7 @@ def parameter_deviations(ranks: Ranks, module: torch.nn.Module) -> list[tuple[st
     of the parameters; every rank must call it together.
     """
     named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-    wide = [local_tensor(p).to(torch.promote_types(p.dtype, torch.float32)) for _, p in named]
+    wide = [local_tensor(p).detach().to(torch.promote_types(p.dtype, torch.float32)) for _, p in named]
     means = ranks.mean(wide)
     return [(name, _squared_norm(w - m), _squared_norm(m)) for (name, _), w, m in zip(named, wide, means)]
 

@@ -41,14 +41,14 @@ def pack_(tensors: Iterable[Tensor]) -> list[Tensor]:
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
-    """What this process holds of `tensor`, detached: its local shard if it is a `DTensor` (a parameter FSDP sharded, or
-    its gradient), else its data. Writing into it writes into `tensor`.
+    """What this process holds of `tensor`: its local shard, detached, if it is a `DTensor` (a parameter FSDP sharded, or
+    its gradient), else `tensor` itself. Writing into it (under `torch.no_grad()`) writes into `tensor`.
 
     Examples:
-        >>> local_tensor(torch.ones(2, requires_grad=True))
+        >>> local_tensor(torch.ones(2))
         tensor([1., 1.])
     """
-    return tensor.detach().to_local() if isinstance(tensor, DTensor) else tensor.data
+    return tensor.detach().to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def shaped_like(tensor: Tensor, local: Tensor) -> Tensor:
