@@ -41,8 +41,8 @@ def pack_(tensors: Iterable[Tensor]) -> list[Tensor]:
 
 
 def local_tensor(tensor: Tensor) -> Tensor:
-    """What this process holds of `tensor`: its local shard, detached, if it is a `DTensor` (a parameter FSDP sharded, or
-    its gradient), else `tensor` itself. Writing into it (under `torch.no_grad()`) writes into `tensor`.
+    """What this process holds of `tensor`: its local shard, detached, if it is a `DTensor` (a parameter FSDP sharded,
+    or its gradient), else `tensor` itself. Writing into it (under `torch.no_grad()`) writes into `tensor`.
 
     Examples:
         >>> local_tensor(torch.ones(2))
