@@ -73,7 +73,7 @@ class Rejoining:
 
 def take_over_callbacks(trainer: Trainer, states: dict[str, dict[str, Any]]) -> None:
     """The callbacks of a rank that rejoins take the source's `states` over
-    ([`callback_states`][lightning_decentral._compat.lightning.callback_states]): a `ModelCheckpoint` first its
+    (`_compat.lightning.callback_states`): a `ModelCheckpoint` first its
     directory (the members agreed on rank 0's when they set up; this rank set up alone), then its paths and scores, so
     that every rank names each save alike (`last.ckpt`, not a `last-v1.ckpt` of its own beside the members')."""
     for callback in trainer.checkpoint_callbacks:
