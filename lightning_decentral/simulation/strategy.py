@@ -38,6 +38,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral._compat.lightning import uses_distributed_sampler
 from lightning_decentral.common import backward_may_overlap
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.mixing import SIMULATION
@@ -265,7 +266,14 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             self._group.as_worker,
             together=together,
             origins=lambda: self._comings.visited(self._group) if self._comings else self._group.origins,
+            **self._sampling(),
         )
+
+    def _sampling(self) -> dict[str, Any]:
+        """How the Trainer would give `n` processes the training data: its `use_distributed_sampler` and
+        `overfit_batches` (the arguments of [`rank_samplers`][lightning_decentral.simulation.data.rank_samplers])."""
+        trainer = self.lightning_module.trainer
+        return {"distributed": uses_distributed_sampler(trainer), "overfit_batches": trainer.overfit_batches}
 
     def _choose_path(self, dataloader: torch.utils.data.DataLoader) -> None:
         """`vectorize="auto"`, before training: stack the workers if that gives the per-worker result (what can be seen
@@ -284,7 +292,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             problem = STACKED_COMPRESSION
         if problem is None:
             with random_states_kept(), self.precision_plugin.train_step_context():
-                batch = self.batch_to_device(first_batch_together(dataloader, self.workers))
+                batch = self.batch_to_device(first_batch_together(dataloader, self.workers, **self._sampling()))
                 problem = stacking_trial(self._group.modules, batch, lambda module, part: module.training_step(part, 0))
         if problem is not None:
             return _say_path(f"the per-worker path, one worker at a time, because {problem}")
