@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_decentral.compression import RandomK, resolve_compression
 from tests.choco_reference import ChocoReference
 from tests.models import init_seed, initial_net, make_optimizer, make_scheduler, rank_data
 
@@ -193,7 +194,15 @@ def run(config: Config, n: int) -> torch.Tensor:
     history = StaleHistory(config, n)
     choco = None
     if config.compression is not None:
-        choco = ChocoReference(config.compression, config.consensus_step, lambda step: mixing(config.topology, n, step))
+        # a compressor that draws at random starts its copies at the models (docs/algorithms.md, "Compressed gossip")
+        origins = {0: _flat(start).double(), 1: _flat_buffers(start).double()}
+        random = isinstance(resolve_compression(config.compression), RandomK)
+        choco = ChocoReference(
+            config.compression,
+            config.consensus_step,
+            lambda step: mixing(config.topology, n, step),
+            origins=origins if random else None,
+        )
     alive = list(range(n))
     for k in range(config.steps):
         lost = config.failures.get(k, [])

@@ -34,6 +34,7 @@ from lightning_decentral.mixing.delays import (
 )
 from lightning_decentral.mixing.dense import DenseMixer, DenseView, stages
 from lightning_decentral.mixing.protocol import (
+    BytesSent,
     FABRIC,
     SIMULATION,
     TRAINER,
@@ -52,6 +53,7 @@ from lightning_decentral.mixing.protocol import (
 from lightning_decentral.mixing.stacked import StackedMixer
 
 __all__ = [
+    "BytesSent",
     "FABRIC",
     "SIMULATION",
     "TRAINER",

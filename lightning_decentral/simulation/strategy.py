@@ -188,6 +188,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         if not module.automatic_optimization:
             raise ValueError("SimulatedDecentralizedStrategy needs automatic optimization; use DecentralizedStrategy.")
         check_one_optimizer(self.optimizers, "`configure_optimizers` returned")
+        self.driver.check_length(trainer.max_steps, rank_zero_warn)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             raise ValueError(
@@ -335,7 +336,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
                 batch, lambda module, part: module.training_step(part, *args, **kwargs)
             )
         log_over_workers(self.lightning_module, logged, len(self._group.modules))
-        self.lightning_module.log_dict(self.driver.copies.metrics(), on_step=True, on_epoch=False)
+        self.lightning_module.log_dict(self.driver.bytes_metrics(self.workers), on_step=True, on_epoch=False)
         self._outputs = outputs
         self._losses = [_loss_of(output) for output in outputs]
         if any(loss is None for loss in self._losses):

@@ -180,6 +180,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
             self._agree_on_stops(trainer)  # before this fit's first collective
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
         if trainer.state.fn == TrainerFn.FITTING:
+            self.driver.check_length(trainer.max_steps, rank_zero_warn)
             if self.joining:
                 self._rejoin_the_members()
             else:
@@ -255,9 +256,9 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's `training_step`; with compression, `gossip/bytes_sent` is logged too."""
+        """The module's `training_step`; `gossip/bytes_sent` (this rank's bytes so far) is logged too."""
         output = super().training_step(*args, **kwargs)
-        self.lightning_module.log_dict(self.driver.copies.metrics(), on_step=True, on_epoch=False)
+        self.lightning_module.log_dict(self.driver.bytes_metrics(), on_step=True, on_epoch=False)
         return output
 
     @override
