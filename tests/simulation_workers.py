@@ -463,3 +463,24 @@ def fit_simulated_with_hooks(config: Config, workers: int, vectorize: Any) -> li
     strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
     _trainer(strategy, config, 1).fit(model, train_dataloaders=shared_loader(config, workers))
     return [_state(module) for module in strategy.worker_modules()]
+
+
+class CosineOverTheRun(LoggingRegression):
+    """Its learning rate follows a cosine over the run's steps, which `configure_optimizers` reads from
+    `trainer.estimated_stepping_batches` (under `max_epochs`, Lightning loads the training data to count them)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def fit_cosine_for_an_epoch(config: Config, workers: int, vectorize: Any) -> list[torch.Tensor]:
+    """`CosineOverTheRun` for one epoch (`max_epochs=1`) of ``config``'s data: every worker's final state."""
+    model = CosineOverTheRun(seed=init_seed(0))
+    pl.seed_everything(SEED, verbose=False)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
+    trainer = _trainer(strategy, config, 1, max_epochs=1)  # and max_steps=config.steps: the data has as many
+    trainer.fit(model, train_dataloaders=shared_loader(config, workers))
+    return [_state(module) for module in strategy.worker_modules()]

@@ -464,6 +464,20 @@ def test_vectorize_auto_is_the_default_and_stacks_what_stacking_runs_exactly(lig
     assert all(torch.equal(a, s) for a, s in zip(auto["states"], stacked["states"]))  # the same path: bit for bit
 
 
+def test_vectorize_auto_decides_when_configure_optimizers_loads_the_data(lightning_info, monkeypatch) -> None:
+    """Before: a schedule over `trainer.estimated_stepping_batches` with `max_epochs` (the digits example's cosine)
+    made Lightning load the training data inside `configure_optimizers`, before the workers existed: no info line,
+    and the per-worker path without a word."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    config = Config("cosine", optimizer=SGD)
+    auto = sim.fit_cosine_for_an_epoch(config, WORLD, vectorize="auto")
+    (line,) = set(lightning_info())
+    assert "the stacked path" in line
+    apart = sim.fit_cosine_for_an_epoch(config, WORLD, vectorize=False)
+    assert (apart[0] - apart[1]).abs().max() > 1e-4
+    torch.testing.assert_close(torch.stack(auto), torch.stack(apart), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("case", ["dropout", "hook", "optimizer", "item"])
 def test_vectorize_auto_keeps_the_workers_apart_naming_why(case: str, lightning_info, monkeypatch) -> None:
     monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)

@@ -88,17 +88,23 @@ class WorkerLoaders:
         distributed: bool = True,
         overfit_batches: int | float = 0,
     ) -> None:
-        samplers = rank_samplers(dataloader, workers, distributed, overfit_batches)
-        self.sampler = _Samplers(samplers)
-        self.workers, self.together = workers, together
+        self.dataloader, self.samplers = dataloader, rank_samplers(dataloader, workers, distributed, overfit_batches)
+        self.sampler = _Samplers(self.samplers)
+        self.workers = workers
+        self._origins = origins or (lambda: range(workers))
+        self.follow(as_worker, together)
+
+    def follow(self, as_worker: Callable[[int], Any], together: bool) -> None:
+        """From now on, iterate for workers reached by `as_worker`, together (stacked) or not: the workers a
+        DataLoader loaded before they existed (during `configure_optimizers`) were decided on afterwards."""
+        dataloader, samplers = self.dataloader, self.samplers
+        self.together, self._as_worker = together, as_worker
         if together:
             self.loaders = [_together(dataloader, samplers)]
         elif samplers[0] is dataloader.sampler:  # every worker iterates the DataLoader as it is
-            self.loaders = [dataloader] * workers
+            self.loaders = [dataloader] * self.workers
         else:
             self.loaders = [update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING) for sampler in samplers]
-        self._as_worker = as_worker
-        self._origins = origins or (lambda: range(workers))
 
     def __len__(self) -> int:
         return len(self.loaders[0])

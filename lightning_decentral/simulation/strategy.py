@@ -172,13 +172,20 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._comings: Comings | None = None  # failures= and rejoins= (per-worker path)
         self._context: RuleContext | None = None  # the rules' context, kept to stack the workers later
         self._undecided = False  # vectorize="auto": the path is chosen at the first training DataLoader
+        self._setting_up = False  # inside Lightning's setup (the optimizers built), before the workers exist
+        self._early: tuple[torch.utils.data.DataLoader, WorkerLoaders] | None = None  # the training data loaded then
 
     # -- set-up -----------------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: Trainer) -> None:
         """Before each stage; before fit, also the workers: module copies, optimizers, replicas, rules."""
-        super().setup(trainer)
+        self._early = None
+        self._setting_up = True  # configure_optimizers may load the training data (estimated_stepping_batches)
+        try:
+            super().setup(trainer)
+        finally:
+            self._setting_up = False
         self._rng_restored = False
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -224,6 +231,11 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             self._group = self._workers_apart(modules, context)
             self._undecided = self.vectorize == "auto"
         self.driver.run(self._group)
+        if self._early is not None:  # the training data was loaded before the workers existed: they follow it now
+            dataloader, loaders = self._early
+            if self._undecided:
+                self._choose_path(dataloader)
+            loaders.follow(self._group.as_worker, together=isinstance(self._group, StackedWorkers))
 
     def _outer_probe(self) -> Optimizer | None:
         """What `outer_optimizer` builds (whether it is elementwise decides if the workers can be stacked), or
@@ -261,7 +273,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         if self._undecided:
             self._choose_path(dataloader)
         together = isinstance(self._group, StackedWorkers)
-        return WorkerLoaders(
+        loaders = WorkerLoaders(
             dataloader,
             self.workers,
             self._group.as_worker,
@@ -269,6 +281,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             origins=lambda: self._comings.visited(self._group) if self._comings else self._group.origins,
             **self._sampling(),
         )
+        if self._setting_up:  # before the workers exist (configure_optimizers read estimated_stepping_batches)
+            self._early = (dataloader, loaders)
+        return loaders
 
     def _sampling(self) -> dict[str, Any]:
         """How the Trainer would give `n` processes the training data: its `use_distributed_sampler` and
