@@ -6,7 +6,11 @@ counts and port checked; and what is counted and sent from the first step: every
 from __future__ import annotations
 
 import functools
+import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -194,3 +198,35 @@ def test_compression_on_a_time_varying_topology_is_refused_naming_a_static_one(t
     with pytest.raises(ValueError, match=match):
         SimulatedDecentralizedStrategy(workers=4, topology=topology, compression="sign")
     SimulatedDecentralizedStrategy(workers=4, topology="exponential", compression="sign")
+
+
+NOISY_RUN = """
+import os, sys, tempfile
+if sys.argv[1] == "with":
+    import lightning_decentral
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+from tests.models import Regression, rank_data
+trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Regression(lr=0.1), DataLoader(TensorDataset(*rank_data(0, 16)), batch_size=4))
+trainer.save_checkpoint(os.path.join(tempfile.mkdtemp(), "stopped.ckpt"))  # as OnExceptionCheckpoint saves
+"""
+
+
+@pytest.mark.slow
+def test_third_party_messages_that_say_nothing_are_dropped_where_they_arise() -> None:
+    """Before: torch's `LeafSpec` FutureWarning (Lightning's own code, once per rank) and Lightning's "`weights_only`
+    was not set" (once per rank at each save that does not say, four times on a SIGTERM stop of 4 ranks)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    printed = {
+        how: subprocess.run(
+            [sys.executable, "-c", NOISY_RUN, how], capture_output=True, text=True, env=env, cwd=root, timeout=240
+        )
+        for how in ("without", "with")
+    }
+    assert all(run.returncode == 0 for run in printed.values()), printed
+    noise = ("isinstance(treespec, LeafSpec)", "`weights_only` was not set")
+    assert all(text in printed["without"].stderr for text in noise)  # what Lightning alone prints
+    assert not any(text in printed["with"].stderr + printed["with"].stdout for text in noise)
