@@ -117,8 +117,10 @@ def headline(message: str, options: list[str] | None = None) -> str:
         "trainer.strategy.init_args.combine: 'acw' is not one of 'awc', 'atc'. Did you mean 'awc'?"
         >>> headline("unrecognized arguments: --trainer.max_epohcs 3", ["--trainer.max_epochs", "--trainer.max_steps"])
         'unrecognized arguments: --trainer.max_epohcs 3. Did you mean --trainer.max_epochs?'
-        >>> headline('''Parser key "outer_optimizer":
-        ...   - Type Callable expects a function or a callable class: Option 'momentom' is not accepted. Got value: Namespace(class_path='torch.optim.SGD', init_args=Namespace(momentom=0.9))''')
+        >>> nested = ("Type Callable expects a function or a callable class: Option 'momentom' is not accepted. "
+        ...           "Got value: Namespace(class_path='torch.optim.SGD', init_args=Namespace(momentom=0.9))")
+        >>> headline(f'''Parser key "outer_optimizer":
+        ...   - {nested}''')
         "outer_optimizer.init_args.momentom: torch.optim.SGD has no option 'momentom'. Did you mean 'momentum'?"
     """
     stack: list[tuple[int, str, str | None]] = []  # (indent, path component, class_path) of the open entries
@@ -180,8 +182,11 @@ def strategy_by_class(args: list[str]) -> list[str]:
 
     Examples:
         >>> import lightning_decentral
-        >>> strategy_by_class(["fit", "--trainer.strategy", "decentlam", "--trainer.strategy.compression", "sign"])
-        ['fit', '--trainer.strategy', 'lightning_decentral.trainer.strategy.DecentralizedStrategy', '--trainer.strategy.init_args.momentum', 'decentlam', '--trainer.strategy.init_args.start_method', 'popen', '--trainer.strategy.compression', 'sign']
+        >>> args = ["fit", "--trainer.strategy", "decentlam", "--trainer.strategy.compression", "sign"]
+        >>> print(*strategy_by_class(args))
+        fit --trainer.strategy lightning_decentral.trainer.strategy.DecentralizedStrategy
+        --trainer.strategy.init_args.momentum decentlam --trainer.strategy.init_args.start_method popen
+        --trainer.strategy.compression sign
         >>> strategy_by_class(["fit", "--trainer.strategy=dpsgd"])  # no option of its own: the name stays
         ['fit', '--trainer.strategy=dpsgd']
     """

@@ -440,10 +440,8 @@ def test_an_outer_optimizer_on_the_command_line_prints_as_yaml(run_cli) -> None:
 def test_a_registered_strategy_name_takes_options_of_its_own(run_cli) -> None:
     """Before: `--trainer.strategy decentlam --trainer.strategy.compression sign` gave only `Expected a <class 'str'>`
     (a name is a string, which takes no option)."""
-    code, out, _ = run_cli(
-        ["fit", "--config", QUICKSTART, "--trainer.strategy", "dpsgd", "--trainer.strategy.compression", "sign"]
-        + ["--print_config"]
-    )
+    options = ["--trainer.strategy", "dpsgd", "--trainer.strategy.compression", "sign"]
+    code, out, _ = run_cli(["fit", "--config", QUICKSTART, *options, "--print_config"])
     assert code == 0
     assert "class_path: lightning_decentral.trainer.strategy.DecentralizedStrategy" in out
     assert "compression: sign" in out and "momentum: local" in out

@@ -302,7 +302,7 @@ class OnProcesses:
         """The run is over: after a clean run every rank leaves the mixer's groups together (at `step`); after an
         error (the others may be gone) the mixer is aborted (a stale mixer's threads end, and its neighbours learn of
         the failure at once). The heartbeat stops, with one line if the run lost workers (logged by one rank:
-        [`says_losses`][lightning_decentral.membership.report.says_losses]); the ranks stay the survivors'."""
+        `membership.report.says_losses`); the ranks stay the survivors'."""
         if mixer is not None and not failed:
             mixer.leave(step)
         elif mixer is not None:

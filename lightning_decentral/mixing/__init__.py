@@ -34,10 +34,10 @@ from lightning_decentral.mixing.delays import (
 )
 from lightning_decentral.mixing.dense import DenseMixer, DenseView, stages
 from lightning_decentral.mixing.protocol import (
-    BytesSent,
     FABRIC,
     SIMULATION,
     TRAINER,
+    BytesSent,
     ExchangeEvent,
     ExchangeObserver,
     Mixer,
@@ -53,10 +53,10 @@ from lightning_decentral.mixing.protocol import (
 from lightning_decentral.mixing.stacked import StackedMixer
 
 __all__ = [
-    "BytesSent",
     "FABRIC",
     "SIMULATION",
     "TRAINER",
+    "BytesSent",
     "DelaySchedule",
     "DelayedMixing",
     "DenseMixer",

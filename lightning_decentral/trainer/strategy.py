@@ -356,7 +356,8 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """After the callbacks' `on_exception` (the checkpoint saved at a stop): a SIGTERM stop logs one line on rank 0,
-        naming the step and the checkpoint to resume from ([`stop_line`][lightning_decentral.trainer.signals.stop_line])."""
+        naming the step and the checkpoint to resume from
+        ([`stop_line`][lightning_decentral.trainer.signals.stop_line])."""
         super().on_exception(exception)
         if isinstance(exception, SIGTERMException) and self.is_global_zero:
             log.info(stop_line(self.lightning_module.trainer.global_step, self.last_save))
