@@ -47,7 +47,7 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("config", slow_cases(CONFIGS, {"outer_one_peer_top_k_batch_norm"}), ids=lambda c: c.name)
+@pytest.mark.parametrize("config", slow_cases(CONFIGS, {"outer_exponential_top_k_batch_norm"}), ids=lambda c: c.name)
 def test_the_simulation_is_the_dense_reference(config: Config) -> None:
     simulated = sim.fit_simulated_on_rank_data(config, WORLD)
     expected = outer_reference.decentralized(config, WORLD)

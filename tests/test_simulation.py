@@ -464,6 +464,7 @@ def test_vectorize_auto_is_the_default_and_stacks_what_stacking_runs_exactly(lig
     assert all(torch.equal(a, s) for a, s in zip(auto["states"], stacked["states"]))  # the same path: bit for bit
 
 
+@pytest.mark.slow
 def test_vectorize_auto_decides_when_configure_optimizers_loads_the_data(lightning_info, monkeypatch) -> None:
     """Before: a schedule over `trainer.estimated_stepping_batches` with `max_epochs` (the digits example's cosine)
     made Lightning load the training data inside `configure_optimizers`, before the workers existed: no info line,
