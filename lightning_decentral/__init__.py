@@ -7,6 +7,7 @@ a hand-written loop ([`lightning_decentral.fabric`][lightning_decentral.fabric])
 """
 
 import logging
+import warnings
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
@@ -39,6 +40,20 @@ _logger.setLevel(logging.INFO)
 if not logging.getLogger().hasHandlers():
     _logger.addHandler(logging.StreamHandler())
     _logger.propagate = False
+
+# Third-party messages that tell a user of the package nothing, dropped where they arise (nothing else is touched):
+# torch's FutureWarning about the `LeafSpec()` Lightning's own code makes (once per process, every rank), and
+# Lightning's INFO "`weights_only` was not set, defaulting to `False`." at a save that does not say, as
+# OnExceptionCheckpoint's on a SIGTERM stop (every rank: once per rank).
+warnings.filterwarnings(
+    "ignore",
+    message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    category=FutureWarning,
+    module=r"lightning\.pytorch\.utilities\._pytree",
+)
+logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector").addFilter(
+    lambda record: not record.getMessage().startswith("`weights_only` was not set")
+)
 
 DecentralizedStrategy.register_strategies(StrategyRegistry)
 SimulatedDecentralizedStrategy.register_strategies(StrategyRegistry)

@@ -89,7 +89,8 @@ _CLASS = re.compile(r"(?:- )?Problem with given class_path '([^']+)':$")
 _NOISE = re.compile(r"(?:Does not validate against any of the Union subtypes|Subtypes:|Errors:|Given value type:)")
 _GIVEN = re.compile(r"Given value: (.*)$")
 _LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)$")
-_OPTION = re.compile(r"Option '([^']+)' is not accepted$")
+_OPTION = re.compile(r"Option '([^']+)' is not accepted")
+_NESTED_CLASS = re.compile(r"Got value: Namespace\(class_path='([^']+)'")  # a class inside an option (outer_optimizer)
 _UNRECOGNIZED = re.compile(r"[Uu]nrecognized arguments: (\S+)|does not accept option '([^']+)'")  # command line, file
 _UNREGISTERED = re.compile(r"invalid (strategy|accelerator) name: `\w+='([^']*)'`")  # Lightning's registries
 _REGISTERED = {
@@ -116,6 +117,11 @@ def headline(message: str, options: list[str] | None = None) -> str:
         "trainer.strategy.init_args.combine: 'acw' is not one of 'awc', 'atc'. Did you mean 'awc'?"
         >>> headline("unrecognized arguments: --trainer.max_epohcs 3", ["--trainer.max_epochs", "--trainer.max_steps"])
         'unrecognized arguments: --trainer.max_epohcs 3. Did you mean --trainer.max_epochs?'
+        >>> nested = ("Type Callable expects a function or a callable class: Option 'momentom' is not accepted. "
+        ...           "Got value: Namespace(class_path='torch.optim.SGD', init_args=Namespace(momentom=0.9))")
+        >>> headline(f'''Parser key "outer_optimizer":
+        ...   - {nested}''')
+        "outer_optimizer.init_args.momentom: torch.optim.SGD has no option 'momentom'. Did you mean 'momentum'?"
     """
     stack: list[tuple[int, str, str | None]] = []  # (indent, path component, class_path) of the open entries
     deepest: tuple[int, list[str], str | None, str] | None = None
@@ -145,8 +151,11 @@ def headline(message: str, options: list[str] | None = None) -> str:
     if (literal := _LITERAL.match(text)) and (choices := _literals(literal[1])):
         value = literal[2]
         text = f"{value!r} is not one of {', '.join(map(repr, choices))}." + _did_you_mean(value, choices, repr)
-    elif option := _OPTION.match(text):
-        where, name = f"{where}.{option[1]}" if where else option[1], option[1]
+    elif option := _OPTION.search(text):
+        name, nested = option[1], _NESTED_CLASS.search(text)
+        if nested:  # an option of the class an option holds: trainer.strategy.init_args.outer_optimizer.init_args.x
+            class_path, where = nested[1], f"{where}.init_args"
+        where = f"{where}.{name}" if where else name
         text = f"{class_path or 'the class'} has no option {name!r}." + _did_you_mean(
             name, _parameters(class_path), repr
         )
@@ -162,6 +171,43 @@ def headline(message: str, options: list[str] | None = None) -> str:
     elif given is not None and "Got value" not in text and not given.startswith(("NestedArg(", "Namespace(")):
         text = f"{text.rstrip('.')}. Got value: {given}"
     return f"{where}: {text}" if where else text
+
+
+def strategy_by_class(args: list[str]) -> list[str]:
+    """`args` with `--trainer.strategy NAME` (a name of Lightning's `StrategyRegistry`: `dpsgd`, `decentlam`,
+    `dpsgd_sim`, `ddp`, ...) replaced by the class it names and the arguments it registers, when options of the
+    strategy follow (`--trainer.strategy.compression sign`): a name is a string, which takes no options, so the
+    parser would refuse them with only `Expected a <class 'str'>`. The options given later override the registered
+    ones.
+
+    Examples:
+        >>> import lightning_decentral
+        >>> args = ["fit", "--trainer.strategy", "decentlam", "--trainer.strategy.compression", "sign"]
+        >>> print(*strategy_by_class(args))
+        fit --trainer.strategy lightning_decentral.trainer.strategy.DecentralizedStrategy
+        --trainer.strategy.init_args.momentum decentlam --trainer.strategy.init_args.start_method popen
+        --trainer.strategy.compression sign
+        >>> strategy_by_class(["fit", "--trainer.strategy=dpsgd"])  # no option of its own: the name stays
+        ['fit', '--trainer.strategy=dpsgd']
+    """
+    flag = "--trainer.strategy"
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            name, end = args[index + 1], index + 2
+        elif arg.startswith(f"{flag}="):
+            name, end = arg.split("=", 1)[1], index + 1
+        else:
+            continue
+        options = [a for a in args[end:] if a.startswith(f"{flag}.") and not a.startswith(f"{flag}.help")]
+        if name not in StrategyRegistry or not options:
+            return args
+        entry = StrategyRegistry[name]
+        registered = [
+            part for key, value in entry["init_params"].items() for part in (f"{flag}.init_args.{key}", str(value))
+        ]
+        cls = entry["strategy"]
+        return [*args[:index], flag, f"{cls.__module__}.{cls.__qualname__}", *registered, *args[end:]]
+    return args
 
 
 def _literals(written: str) -> list[Any]:
@@ -220,9 +266,16 @@ class DecentralizedCLI(LightningCLI):
         return super().init_parser(**kwargs)
 
     def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        """Parse the command line; a strategy is built through `_build_strategy`, which keeps its error."""
+        """Parse the command line (a registered strategy name given options of its own becomes its class:
+        [`strategy_by_class`][lightning_decentral.cli.strategy_by_class]); a strategy is built through
+        `_build_strategy`, which keeps its error."""
         parser.add_instantiator(self._build_strategy, Strategy, subclasses=True)
-        super().parse_arguments(parser, args)
+        given = sys.argv[1:] if args is None else args
+        rewritten = strategy_by_class(given) if isinstance(given, list) else given
+        if rewritten is given:
+            super().parse_arguments(parser, args)
+        else:  # the command line, rewritten: Lightning would warn that both args and sys.argv are given
+            self.config = parser.parse_args(rewritten)
 
     def _build_strategy(self, strategy_class: type, *args: Any, **kwargs: Any) -> Strategy:
         """`strategy_class(*args, **kwargs)`; a refusal is kept, as `trainer.strategy.init_args.<option>: message`

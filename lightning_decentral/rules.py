@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 
 from lightning_decentral import algorithms
 from lightning_decentral._compat import grad_scale, unscales_in_step
-from lightning_decentral.mixing import Mixer, Pending
+from lightning_decentral.mixing import Mixer, Pending, StartsCopies
 from lightning_decentral.overlap import GradientBuckets
 from lightning_decentral.replicas import Replica
 from lightning_decentral.schedule import StepPlan
@@ -92,10 +92,16 @@ class UpdateRule:
         self.plan: StepPlan | None = None  # the step begun and not yet ended
         self._residual: tuple[int, Tensor] | None = None
         self._pending: Pending | None = None  # an exchange in flight
+        self._begun = False  # a first step has begun
 
     def begin_step(self, plan: StepPlan) -> None:
-        """Step `plan.step` begins (before its first forward pass)."""
+        """Step `plan.step` begins (before its first forward pass). At the first, compressed gossip's public copies
+        are told where the models start, which every worker passes alike
+        ([`Choco.start_copies_at`][lightning_decentral.compression.Choco.start_copies_at])."""
         self.plan = plan
+        if not self._begun and isinstance(self.mixer, StartsCopies):
+            self.mixer.start_copies_at(self.replica.mixed)
+        self._begun = True
 
     def before_backward(self) -> None:
         """A backward pass is about to run."""

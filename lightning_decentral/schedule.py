@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_decentral.topology import Topology
+from lightning_decentral.topology import Hierarchical, PerRound, Topology
 
 
 @dataclass(frozen=True)
@@ -148,7 +148,9 @@ class GossipSchedule:
     [`RoundsSchedule`][lightning_decentral.schedule.RoundsSchedule], gives at that step and epoch), none on
     the others.
 
-    A step whose `W(k)` is the identity is local too.
+    A step whose `W(k)` is the identity is local too. A time-varying topology advances one matrix per gossip round,
+    not per step ([`PerRound`][lightning_decentral.topology.PerRound]): under `gossip_every = H` the rounds apply
+    `W(0), W(1), …` of the topology in turn, so every matrix of its period is used.
 
     Args:
         topology: a topology bound to the world size.
@@ -158,8 +160,8 @@ class GossipSchedule:
         first_step: the steps before it are local (the survivors of a failure mix again from there).
 
     Raises:
-        ValueError: if the steps that gossip never connect every rank (a time-varying topology
-            whose period shares a factor with `gossip_every`).
+        ValueError: if the steps that gossip never connect every rank (a time-varying `Hierarchical` topology,
+            indexed by the step, whose period shares a factor with `gossip_every`).
 
     Examples:
         >>> from lightning_decentral.topology import Ring
@@ -173,6 +175,9 @@ class GossipSchedule:
         (StepPlan(step=7, rounds=4), StepPlan(step=8, rounds=1))
         >>> [GossipSchedule(Ring(world_size=3), first_step=2).rounds(k) for k in range(4)]  # survivors, from step 2
         [0, 0, 1, 1]
+        >>> from lightning_decentral.topology import OnePeerExponential
+        >>> GossipSchedule(OnePeerExponential(world_size=4), gossip_every=10).topology  # one matrix per round
+        PerRound(OnePeerExponential(world_size=4), every=10)
     """
 
     def __init__(
@@ -182,11 +187,13 @@ class GossipSchedule:
         rounds: int | RoundsSchedule | dict = 1,
         first_step: int = 0,
     ) -> None:
+        if gossip_every > 1 and topology.period > 1 and not isinstance(topology, (PerRound, Hierarchical)):
+            topology = PerRound(topology, gossip_every)
         self.topology = topology
         self.gossip_every = gossip_every
         self.first_step = first_step
         self.rounds_per_gossip = RoundsSchedule.of(rounds)
-        if gossip_every > 1 and topology.period > 1:  # only the phases (k + 1) % p == 0 mix
+        if gossip_every > 1 and isinstance(topology, Hierarchical) and topology.period > 1:  # by the step: (k+1) % H
             cycle = math.lcm(gossip_every, topology.period)
             topology.check_connected(
                 range(gossip_every - 1, cycle, gossip_every),

@@ -74,8 +74,9 @@ class DenseExecutor:
         topology = resolve_topology(config.topology, n)
         delayed = DelayedMixing(topology, config.staleness, config.delays) if config.staleness else None
         compression = resolve_compression(config.compression)
+        self.schedule = GossipSchedule(topology, config.gossip_every, config.gossip_steps)
         self.mixer = DenseMixer(
-            topology,
+            self.schedule.topology,  # a time-varying topology: one matrix per gossip round
             config.gossip_dtype,
             delayed,
             compression=compression,
@@ -84,7 +85,6 @@ class DenseExecutor:
         )
         self.mixer.measure_residuals = measure_residuals
         self.mixer.observers.extend(observers)
-        self.schedule = GossipSchedule(topology, config.gossip_every, config.gossip_steps)
         self.warnings: list[str] = []
         self.context = RuleContext(
             bucket_bytes=int(config.bucket_cap_mb * 2**20),

@@ -131,7 +131,11 @@ def decentralized(config: Config, n: int) -> torch.Tensor:
     if config.compression is not None:  # every copy starts at the models every worker starts from
         origins = {tag: workers.parameters()[0], tag + 1: workers.buffers()[0]}
         choco = ChocoReference(
-            config.compression, config.consensus_step, lambda step: mixing(config.topology, n, step), True, origins
+            config.compression,
+            config.consensus_step,
+            lambda step: mixing(config.topology, n, config.phase(step)),
+            True,
+            origins,
         )
     for k in range(config.steps):
         lost = config.failures.get(k, [])

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lightning_decentral.compression import RandomK, resolve_compression
 from tests.choco_reference import ChocoReference
 from tests.models import init_seed, initial_net, make_optimizer, make_scheduler, rank_data
 
@@ -61,7 +62,7 @@ def stages(config: Config, n: int, step: int) -> list[tuple[torch.Tensor, bool]]
     exact average over its group: ``[W(step)]``, or for ``hierarchical`` (``m`` ranks per node,
     rank ``a m + l``) ``[I_N ⊗ W_in, W_out ⊗ I_m]``, whose product is ``W_out ⊗ W_in``."""
     if config.topology != "hierarchical":
-        w = mixing(config.topology, n, step)
+        w = mixing(config.topology, n, config.phase(step))
         return [(w, _is_average(w))]
     inner, outer, m = config.hierarchy
     m = m or n // config.num_nodes
@@ -134,6 +135,11 @@ class Config:
         """``outer`` as the strategies take it: ``functools.partial(torch.optim.SGD, **outer)``."""
         return functools.partial(torch.optim.SGD, **self.outer)
 
+    def phase(self, step: int) -> int:
+        """The matrix of a time-varying topology that step ``step`` applies: one per gossip round,
+        ``⌊step / gossip_every⌋`` (a hierarchical topology's parts: by the step)."""
+        return step if self.topology == "hierarchical" else step // self.gossip_every
+
     def strategy_kwargs(self) -> dict[str, Any]:
         from lightning_decentral import Hierarchical
 
@@ -193,7 +199,15 @@ def run(config: Config, n: int) -> torch.Tensor:
     history = StaleHistory(config, n)
     choco = None
     if config.compression is not None:
-        choco = ChocoReference(config.compression, config.consensus_step, lambda step: mixing(config.topology, n, step))
+        # a compressor that draws at random starts its copies at the models (docs/algorithms.md, "Compressed gossip")
+        origins = {0: _flat(start).double(), 1: _flat_buffers(start).double()}
+        random = isinstance(resolve_compression(config.compression), RandomK)
+        choco = ChocoReference(
+            config.compression,
+            config.consensus_step,
+            lambda step: mixing(config.topology, n, config.phase(step)),
+            origins=origins if random else None,
+        )
     alive = list(range(n))
     for k in range(config.steps):
         lost = config.failures.get(k, [])

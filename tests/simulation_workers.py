@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
 from tests.models import HIDDEN, IN, OUT, Regression, flat, init_seed, rank_data
@@ -33,10 +33,12 @@ class LoggingRegression(Regression):
         return loss
 
 
-def shared_loader(config: Config, workers: int) -> DataLoader:
-    """One shuffled dataset for all workers: Lightning's DistributedSampler splits it."""
+def shared_loader(config: Config, workers: int, shuffle: bool = True) -> DataLoader:
+    """One dataset for all workers: Lightning's DistributedSampler splits it (and shuffles it, whatever `shuffle`)."""
     samples = config.steps * config.accumulate * config.batch_size * workers
-    return DataLoader(TensorDataset(*rank_data(0, samples, config.dtype)), batch_size=config.batch_size, shuffle=True)
+    return DataLoader(
+        TensorDataset(*rank_data(0, samples, config.dtype)), batch_size=config.batch_size, shuffle=shuffle
+    )
 
 
 def _trainer(strategy: Any, config: Config, devices: int, **kwargs: Any) -> pl.Trainer:
@@ -89,6 +91,36 @@ def fit_processes(rank: int, world_size: int, configs: list[Config], dropout: fl
     return out
 
 
+LOADER_CASES = [(False, True), (True, True), (False, False), (True, False)]
+"""`(shuffle, use_distributed_sampler)` of the data-order comparison."""
+
+
+def fit_processes_per_loader(rank: int, world_size: int, config: Config) -> dict[tuple[bool, bool], torch.Tensor]:
+    """``config`` on ``world_size`` gloo processes with each of `LOADER_CASES`: this rank's final state."""
+    out = {}
+    for shuffle, distributed in LOADER_CASES:
+        model = LoggingRegression(seed=init_seed(rank), **config.optimizer_spec())
+        pl.seed_everything(SEED, verbose=False)
+        strategy = DecentralizedStrategy(**config.strategy_kwargs())
+        trainer = _trainer(strategy, config, world_size, use_distributed_sampler=distributed)
+        trainer.fit(model, train_dataloaders=shared_loader(config, world_size, shuffle))
+        out[(shuffle, distributed)] = _state(model)
+    return out
+
+
+def fit_simulated_with_loader(
+    config: Config, workers: int, shuffle: bool, distributed: bool, vectorize: Any
+) -> list[torch.Tensor]:
+    """``config`` on ``workers`` simulated workers with a training DataLoader of `shuffle` and the Trainer's
+    `use_distributed_sampler=distributed`: every worker's final state."""
+    model = LoggingRegression(seed=init_seed(0), **config.optimizer_spec())
+    pl.seed_everything(SEED, verbose=False)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
+    trainer = _trainer(strategy, config, 1, use_distributed_sampler=distributed)
+    trainer.fit(model, train_dataloaders=shared_loader(config, workers, shuffle))
+    return [_state(module) for module in strategy.worker_modules()]
+
+
 def fit_simulated(
     config: Config,
     workers: int,
@@ -123,13 +155,26 @@ def _logged_bytes(trainer: pl.Trainer) -> Any:
     return None if value is None else float(value)
 
 
+class InOrder(DistributedSampler):
+    """Rank ``i`` of ``n``'s samples ``i, i + n, ...`` in order (a DistributedSampler without shuffling), which a
+    simulated worker ``i`` asks for by ``for_rank``: the simulation shuffles a training DataLoader's samples as the
+    Trainer's processes do, whatever its ``shuffle`` says."""
+
+    def __init__(self, dataset: Any, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+
+    def for_rank(self, rank: int, num_replicas: int) -> InOrder:
+        return InOrder(self.dataset, num_replicas, rank)
+
+
 def interleaved_loader(config: Config, workers: int) -> DataLoader:
-    """Worker ``i`` of ``workers`` (DistributedSampler without shuffling: samples i, i + n, ...) gets
-    exactly ``rank_data(i)``, the data the dense reference gives rank ``i``."""
+    """Worker ``i`` of ``workers`` (samples i, i + n, ... in order) gets exactly ``rank_data(i)``, the data the dense
+    reference gives rank ``i``."""
     parts = [rank_data(i, config.samples, config.dtype) for i in range(workers)]
     x = torch.stack([p[0] for p in parts], dim=1).flatten(0, 1)
     y = torch.stack([p[1] for p in parts], dim=1).flatten(0, 1)
-    return DataLoader(TensorDataset(x, y), batch_size=config.batch_size, shuffle=False)
+    dataset = TensorDataset(x, y)
+    return DataLoader(dataset, batch_size=config.batch_size, sampler=InOrder(dataset))
 
 
 def fit_simulated_on_rank_data(config: Config, workers: int, vectorize: bool = False) -> torch.Tensor:
@@ -417,4 +462,25 @@ def fit_simulated_with_hooks(config: Config, workers: int, vectorize: Any) -> li
     pl.seed_everything(SEED, verbose=False)
     strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
     _trainer(strategy, config, 1).fit(model, train_dataloaders=shared_loader(config, workers))
+    return [_state(module) for module in strategy.worker_modules()]
+
+
+class CosineOverTheRun(LoggingRegression):
+    """Its learning rate follows a cosine over the run's steps, which `configure_optimizers` reads from
+    `trainer.estimated_stepping_batches` (under `max_epochs`, Lightning loads the training data to count them)."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        total = self.trainer.estimated_stepping_batches
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def fit_cosine_for_an_epoch(config: Config, workers: int, vectorize: Any) -> list[torch.Tensor]:
+    """`CosineOverTheRun` for one epoch (`max_epochs=1`) of ``config``'s data: every worker's final state."""
+    model = CosineOverTheRun(seed=init_seed(0))
+    pl.seed_everything(SEED, verbose=False)
+    strategy = SimulatedDecentralizedStrategy(workers=workers, vectorize=vectorize, **config.strategy_kwargs())
+    trainer = _trainer(strategy, config, 1, max_epochs=1)  # and max_steps=config.steps: the data has as many
+    trainer.fit(model, train_dataloaders=shared_loader(config, workers))
     return [_state(module) for module in strategy.worker_modules()]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -159,12 +160,18 @@ def sigterm(rank: int, world_size: int, signalled_rank: int, root: str, stalenes
     trainer = trainer_for(
         world_size, strategy, max_steps=60, callbacks=[OnExceptionCheckpoint(root)], enable_checkpointing=True
     )
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning_decentral").addHandler(handler)
     try:
         trainer.fit(model, loader(rank, 60 * 8, 8))
         stopped = "no error"
     except BaseException as exc:  # SIGTERMException is a SystemExit
         stopped = type(exc).__name__
-    return {"stopped": stopped, "global_step": trainer.global_step, "params": flat(model)}
+    finally:
+        logging.getLogger("lightning_decentral").removeHandler(handler)
+    return {"stopped": stopped, "global_step": trainer.global_step, "params": flat(model), "logged": lines}
 
 
 class Collectives(Callback):

@@ -329,9 +329,10 @@ def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any, **
 
     from lightning_decentral import SimulatedDecentralizedStrategy
     from tests.models import rank_data
+    from tests.simulation_workers import InOrder
 
-    parts = [rank_data(i, EPOCH * BATCH) for i in range(workers)]  # DistributedSampler without shuffling: i, i + n, ...
-    interleaved = [torch.stack([p[j] for p in parts], dim=1).flatten(0, 1) for j in (0, 1)]
+    parts = [rank_data(i, EPOCH * BATCH) for i in range(workers)]  # worker i takes samples i, i + n, ... in order
+    interleaved = TensorDataset(*[torch.stack([p[j] for p in parts], dim=1).flatten(0, 1) for j in (0, 1)])
     failures: dict[int, list[int]] = {}
     for rank, step in deaths.items():
         failures.setdefault(step, []).append(rank)
@@ -347,9 +348,8 @@ def simulate(workers: int, deaths: dict[int, int], steps: int, topology: Any, **
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    trainer.fit(
-        Regression(seed=init_seed(0), **MOMENTUM_SGD), DataLoader(TensorDataset(*interleaved), batch_size=BATCH)
-    )
+    data = DataLoader(interleaved, batch_size=BATCH, sampler=InOrder(interleaved))  # the simulation shuffles otherwise
+    trainer.fit(Regression(seed=init_seed(0), **MOMENTUM_SGD), data)
     return [flat(module) for module in simulated.worker_modules()]
 
 

@@ -435,3 +435,52 @@ def test_an_outer_optimizer_on_the_command_line_prints_as_yaml(run_cli) -> None:
     )
     assert code == 0, err
     assert "outer_optimizer:\n        class_path: torch.optim.SGD\n        init_args:\n          lr: 0.7" in out
+
+
+def test_a_registered_strategy_name_takes_options_of_its_own(run_cli) -> None:
+    """Before: `--trainer.strategy decentlam --trainer.strategy.compression sign` gave only `Expected a <class 'str'>`
+    (a name is a string, which takes no option)."""
+    options = ["--trainer.strategy", "dpsgd", "--trainer.strategy.compression", "sign"]
+    code, out, _ = run_cli(["fit", "--config", QUICKSTART, *options, "--print_config"])
+    assert code == 0
+    assert "class_path: lightning_decentral.trainer.strategy.DecentralizedStrategy" in out
+    assert "compression: sign" in out and "momentum: local" in out
+    code, out, err = run_cli(
+        ["fit", "--config", QUICKSTART, "--trainer.strategy", "decentlam", "--trainer.strategy.compression", "sign"]
+    )
+    assert code == 2
+    first = err.splitlines()[0]
+    assert first.startswith("error: trainer.strategy.init_args.compression: compression=Sign")
+    assert "momentum='decentlam'" in first and "use momentum='local'" in first
+
+
+def test_a_typo_inside_the_outer_optimizers_init_args_names_the_close_match(tmp_path: Path, run_cli) -> None:
+    """Before: the parser's account only (`Option 'momentom' is not accepted`), no suggestion."""
+    config = tmp_path / "outer.yaml"
+    config.write_text(
+        textwrap.dedent(
+            """\
+            trainer:
+              strategy:
+                class_path: lightning_decentral.DecentralizedStrategy
+                init_args:
+                  gossip_every: 4
+                  outer_optimizer:
+                    class_path: torch.optim.SGD
+                    init_args: {lr: 0.7, momentom: 0.9}
+            """
+        )
+    )
+    code, _, err = run_cli(["fit", "--config", QUICKSTART, "--config", str(config), "--print_config"])
+    assert code == 2
+    assert err.splitlines()[0] == (
+        "error: trainer.strategy.init_args.outer_optimizer.init_args.momentom: torch.optim.SGD has no option "
+        "'momentom'. Did you mean 'momentum'?"
+    )
+
+
+def test_print_config_with_comments_prints_each_options_help(run_cli) -> None:
+    """Before: `--print_config=comments` was refused (`Invalid option "comments"`: ruamel.yaml was not a dependency)."""
+    code, out, _ = run_cli(["fit", "--config", QUICKSTART, "--print_config=comments"])
+    assert code == 0
+    assert "# gossip on steps with `(k + 1) % gossip_every == 0`" in out and "gossip_every: 1" in out

@@ -33,9 +33,9 @@ NESTEROV = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 OUTER = {"optimizer": SGD, "outer": NESTEROV, "dtype": F64}
 CONFIGS = [
     Config("outer_ring_sign", compression="sign", gossip_every=3, steps=9, **OUTER),
-    Config(
-        "outer_one_peer_top_k_batch_norm",
-        topology="one_peer_exponential",
+    Config(  # a time-varying topology is refused with compression (issue 38): was one_peer_exponential
+        "outer_exponential_top_k_batch_norm",
+        topology="exponential",
         compression="top_k:0.2",
         gossip_every=3,
         steps=9,
@@ -47,7 +47,7 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("config", slow_cases(CONFIGS, {"outer_one_peer_top_k_batch_norm"}), ids=lambda c: c.name)
+@pytest.mark.parametrize("config", slow_cases(CONFIGS, {"outer_exponential_top_k_batch_norm"}), ids=lambda c: c.name)
 def test_the_simulation_is_the_dense_reference(config: Config) -> None:
     simulated = sim.fit_simulated_on_rank_data(config, WORLD)
     expected = outer_reference.decentralized(config, WORLD)
@@ -156,11 +156,15 @@ class _Bytes(ExchangeObserver):
         self.sent += event.bytes_sent
 
 
+DIRECTED_RING = [[0.5, 0.5, 0, 0], [0, 0.5, 0.5, 0], [0, 0, 0.5, 0.5], [0.5, 0, 0, 0.5]]
+"""One peer per step, static (compression refuses a time-varying topology such as one_peer_exponential: issue 38)."""
+
+
 def _bytes_per_step(steps: int, **options: Any) -> float:
     """Bytes one worker sends per optimizer step in a simulated run of `steps` steps on 4 workers: what compressed
     gossip put on the wire (`bytes_sent`), else what the exchanges announced (an `ExchangeObserver`)."""
     strategy, count = (
-        SimulatedDecentralizedStrategy(workers=WORLD, topology="one_peer_exponential", **options),
+        SimulatedDecentralizedStrategy(workers=WORLD, topology=DIRECTED_RING, **options),
         _Bytes(),
     )
     trainer = pl.Trainer(

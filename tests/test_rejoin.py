@@ -75,6 +75,15 @@ def test_a_killed_rank_started_again_rejoins_and_ends_with_the_others(tmp_path: 
     replicas = torch.stack([results[r]["replica"] for r in range(3)])
     apart = (replicas - replicas.mean(0)).norm(dim=1)  # after 10 steps mixing: as near x̄ as the members
     assert apart[2] <= 2 * apart[:2].max(), apart
+    # issue 38: every rank logs the same survivor metrics (before: lost 1.0 on the members, 0.0 on the rank that
+    # rejoined), and one rank ends with one line (not a warning) that counts the rejoin (before: "went on with 2")
+    assert [results[r]["metrics"] for r in range(3)] == [{"survivors/workers": 3.0, "survivors/lost": 0.0}] * 3
+    ended = [line for r in range(3) for line in results[r]["logged"] if line.startswith("This run lost")]
+    assert ended == [
+        "This run lost 1 of its 3 workers: rank 2 (the survivors agreed on step 3). Rank 2 rejoined (from step 20). "
+        "It ended with 3 (strategy.failures_survived lists the decisions)."
+    ]
+    assert not [w for r in range(3) for w in results[r]["warnings"] if w.startswith("This run lost")]
 
 
 @pytest.mark.slow

@@ -71,6 +71,31 @@ def test_simulated_workers_equal_the_ranks(
     assert simulated["train_loss"] == pytest.approx(on_processes[0][config.name]["train_loss"], abs=1e-5)
 
 
+DATA_ORDER = Config("awc_ring_data_order", optimizer=SGD)
+
+
+@pytest.fixture(scope="module")
+def per_loader_on_processes() -> list[dict[tuple[bool, bool], torch.Tensor]]:
+    return run_distributed(sim.fit_processes_per_loader, WORLD, config=DATA_ORDER)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
+@pytest.mark.parametrize("shuffle, distributed", sim.LOADER_CASES, ids=lambda v: str(v))
+def test_the_simulation_takes_the_data_in_the_processes_order_whatever_the_loader_says(
+    shuffle: bool, distributed: bool, vectorize: bool, per_loader_on_processes: list[Any], monkeypatch
+) -> None:
+    """Lightning's processes shuffle a training DataLoader with their DistributedSampler even when it says
+    `shuffle=False`; with `use_distributed_sampler=False` each rank iterates the DataLoader as it is. Before, the
+    simulation asked the DataLoader whether it shuffles, and a `shuffle=False` run differed from 4 processes."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    workers = torch.stack(sim.fit_simulated_with_loader(DATA_ORDER, WORLD, shuffle, distributed, vectorize)).double()
+    ranks = torch.stack([r[(shuffle, distributed)] for r in per_loader_on_processes]).double()
+    if distributed:
+        assert (ranks[0] - ranks[1]).abs().max() > 1e-4  # each rank its own data: the replicas differ
+    torch.testing.assert_close(workers, ranks, atol=1e-5, rtol=0)
+
+
 REFERENCE_CONFIGS = [
     Config("awc_sgd", optimizer={"lr": 0.1}),
     Config("awc_momentum_one_peer", topology="one_peer_exponential", optimizer=SGD),
@@ -437,6 +462,21 @@ def test_vectorize_auto_is_the_default_and_stacks_what_stacking_runs_exactly(lig
     assert "the stacked path" in line and "SGD is elementwise" in line
     stacked = sim.fit_simulated(config, WORLD, vectorize=True)
     assert all(torch.equal(a, s) for a, s in zip(auto["states"], stacked["states"]))  # the same path: bit for bit
+
+
+@pytest.mark.slow
+def test_vectorize_auto_decides_when_configure_optimizers_loads_the_data(lightning_info, monkeypatch) -> None:
+    """Before: a schedule over `trainer.estimated_stepping_batches` with `max_epochs` (the digits example's cosine)
+    made Lightning load the training data inside `configure_optimizers`, before the workers existed: no info line,
+    and the per-worker path without a word."""
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+    config = Config("cosine", optimizer=SGD)
+    auto = sim.fit_cosine_for_an_epoch(config, WORLD, vectorize="auto")
+    (line,) = set(lightning_info())
+    assert "the stacked path" in line
+    apart = sim.fit_cosine_for_an_epoch(config, WORLD, vectorize=False)
+    assert (apart[0] - apart[1]).abs().max() > 1e-4
+    torch.testing.assert_close(torch.stack(auto), torch.stack(apart), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("case", ["dropout", "hook", "optimizer", "item"])

@@ -93,6 +93,12 @@ def test_a_sigterm_on_one_rank_stops_every_rank_at_the_same_step_with_the_checkp
     assert stopped == "SIGTERMException" and 5 < step < 60
     saved = torch.load(tmp_path / "on_exception.ckpt", weights_only=True)
     assert saved["global_step"] == step
+    # issue 38: one line for the job (rank 0's) naming the step and the checkpoint to resume from
+    said = [line for _, r in results for line in r["logged"] if line.startswith("Stopped by SIGTERM")]
+    assert said == [
+        f"Stopped by SIGTERM before step {step}, every rank at the same step. Resume with trainer.fit(..., "
+        f"ckpt_path={str(tmp_path / 'on_exception.ckpt')!r})."
+    ]
     mean = torch.stack([r["params"] for _, r in results]).mean(0)
     torch.testing.assert_close(
         torch.cat([v.reshape(-1) for v in saved["state_dict"].values()]), mean, atol=1e-6, rtol=0

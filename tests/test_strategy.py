@@ -215,13 +215,16 @@ def test_bad_topologies_fail_when_the_trainer_is_built(topology: object, devices
         Trainer(strategy=DecentralizedStrategy(topology=topology), accelerator="cpu", devices=devices, logger=False)
 
 
-def test_gossip_every_that_skips_phases_of_a_time_varying_topology_is_refused() -> None:
-    strategy = DecentralizedStrategy(topology="one_peer_exponential", gossip_every=2)  # 4 ranks: period 2
-    with pytest.raises(ValueError, match=r"gossip_every=2.*shares no factor with 2"):
-        Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
-    Trainer(
-        strategy=DecentralizedStrategy(topology="one_peer_exponential", gossip_every=3), accelerator="cpu", devices=4
-    )
+@pytest.mark.parametrize("every", [2, 3, 10])
+def test_a_time_varying_topology_advances_one_matrix_per_gossip_round(every: int) -> None:
+    """Issue 38 changed this: the matrix was indexed by the step, so `gossip_every=2` (or 10) on 4 ranks, a multiple
+    of the period 2, only ever used W(1) and was refused as never connected."""
+    strategy = DecentralizedStrategy(topology="one_peer_exponential", gossip_every=every)  # 4 ranks: period 2
+    Trainer(strategy=strategy, accelerator="cpu", devices=4, logger=False)
+    rounds = [k for k in range(6 * every) if strategy.driver.schedule.rounds(k)]
+    assert rounds == [every - 1 + every * r for r in range(6)]
+    offsets = [strategy.topology.out_neighbors(0, k)[0][0] for k in rounds]
+    assert offsets == [3, 2] * 3  # rank 0 sends to 0 − 1, then 0 − 2 (mod 4): W(0), W(1), W(0), ...
 
 
 @pytest.mark.slow

@@ -429,7 +429,8 @@ def test_a_peer_failure_prints_one_traceback_with_the_backends_error_in_one_line
 def test_every_survivor_logs_each_decision_and_the_run_says_at_the_end_what_it_lost() -> None:
     """Before: losing a worker printed nothing. 3 ranks on a ring, rank 1 killed when step 5 starts: ranks 0 and 2 each
     log one line for the decision (the rank lost, the agreed step, the survivors' graph), `survivors/workers` and
-    `survivors/lost` are in the logged metrics, and the end of the run warns what was lost."""
+    `survivors/lost` are in the logged metrics, and the end of the run says what was lost. Issue 38 changed the end:
+    one log line (it was a Python warning), which says "It ended with" (it said "It went on with")."""
     with tempfile.TemporaryDirectory() as root:
         results, codes = _every_rank_exits(workers.survive, 3, root=root, deaths={1: 5}, steps=10)
     assert codes == [0, -9, 0]
@@ -441,12 +442,13 @@ def test_every_survivor_logs_each_decision_and_the_run_says_at_the_end_what_it_l
         assert "mix again from step 6 on Ring(world_size=2)" in line
         assert line.endswith(f"rank {first_rank} of the start, rank {first_rank // 2} now.")
         assert r["metrics"] == {"survivors/workers": 2.0, "survivors/lost": 1.0}
-    ended = [w for w in results[0]["warnings"] if w.startswith("This run lost")]
+    ended = [line for line in results[0]["logged"] if line.startswith("This run lost")]
     assert ended == [
-        "This run lost 1 of its 3 workers: rank 1 (the survivors agreed on step 5). It went on with 2 "
+        "This run lost 1 of its 3 workers: rank 1 (the survivors agreed on step 5). It ended with 2 "
         "(strategy.failures_survived lists the decisions)."
     ]
-    assert not [w for w in results[2]["warnings"] if w.startswith("This run lost")]  # once: on the survivors' rank 0
+    assert not [line for line in results[2]["logged"] if line.startswith("This run lost")]  # once: one rank says it
+    assert not [w for r in (results[0], results[2]) for w in r["warnings"] if w.startswith("This run lost")]
 
 
 @pytest.mark.slow

@@ -19,7 +19,6 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher as M
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher as SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.connectors.data_connector import _get_distributed_sampler as distributed_sampler
-from lightning.pytorch.utilities.data import _is_dataloader_shuffled as is_dataloader_shuffled
 from lightning.pytorch.utilities.data import _update_dataloader as update_dataloader
 from torchmetrics import Metric
 
@@ -35,7 +34,6 @@ __all__ = [
     "callback_states",
     "distributed_sampler",
     "epochs_begun",
-    "is_dataloader_shuffled",
     "load_callback_states",
     "mark_sigterm_received",
     "replace_sigterm_handling",
@@ -43,6 +41,7 @@ __all__ = [
     "set_epochs_begun",
     "set_update_count",
     "update_dataloader",
+    "uses_distributed_sampler",
 ]
 
 _LOOP_STATE = "a Fabric checkpoint converted to a Trainer's needs the loop state the Trainer restores: no public writer"
@@ -74,9 +73,10 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
         "the sampler the Trainer gives rank i (its seed, a custom sampler wrapped): a simulated worker i gets the same",
     ),
     (
-        "lightning.pytorch.utilities.data",
-        "_is_dataloader_shuffled",
-        "whether the Trainer's sampler of a DataLoader shuffles: decided alike for the simulated workers",
+        "lightning.pytorch.trainer.trainer.Trainer",
+        "_accelerator_connector",
+        "holds the Trainer's use_distributed_sampler (no public reader): the simulated workers get the data as "
+        "processes would under it",
     ),
     (
         "lightning.pytorch.utilities.data",
@@ -227,6 +227,16 @@ def load_callback_states(trainer: Trainer, states: dict[str, dict[str, Any]]) ->
     """Load `states` ([`callback_states`][lightning_decentral._compat.lightning.callback_states]) into `trainer`'s
     callbacks, as Lightning does on resume."""
     call._call_callbacks_load_state_dict(trainer, {"callbacks": states})
+
+
+def uses_distributed_sampler(trainer: Trainer) -> bool:
+    """The Trainer's `use_distributed_sampler` argument: whether its processes get a `DistributedSampler` each.
+
+    Examples:
+        >>> uses_distributed_sampler(Trainer(use_distributed_sampler=False, logger=False, enable_progress_bar=False))
+        False
+    """
+    return trainer._accelerator_connector.use_distributed_sampler
 
 
 def mark_sigterm_received(trainer: Trainer) -> None:

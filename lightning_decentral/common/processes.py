@@ -28,7 +28,7 @@ from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import Decision, Join, Membership, Survivors
 from lightning_decentral.membership.guard import Guard
 from lightning_decentral.membership.rejoin import refuse_after_the_run, refuse_new_rank, run_in_progress
-from lightning_decentral.membership.report import losses, survivor_metrics
+from lightning_decentral.membership.report import losses, says_losses, survivor_metrics
 from lightning_decentral.membership.store import store_client
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import GossipOptions
@@ -311,13 +311,13 @@ class OnProcesses:
         workers lost so far), for a logger; else nothing."""
         if self.survivors is None:
             return {}
-        return survivor_metrics(self.failures_survived, self.world_size)
+        return survivor_metrics(self.survivors.start_topology.world_size, self.world_size)
 
     def end_gossip(self, mixer: Any | None, step: int, failed: bool) -> None:
         """The run is over: after a clean run every rank leaves the mixer's groups together (at `step`); after an
         error (the others may be gone) the mixer is aborted (a stale mixer's threads end, and its neighbours learn of
-        the failure at once). The heartbeat stops, with one warning if the run lost workers; the ranks stay the
-        survivors'."""
+        the failure at once). The heartbeat stops, with one line if the run lost workers (logged by one rank:
+        `membership.report.says_losses`); the ranks stay the survivors'."""
         if mixer is not None and not failed:
             mixer.leave(step)
         elif mixer is not None:
@@ -325,5 +325,5 @@ class OnProcesses:
         if self.survivors is not None:
             self.survivors.close()
             lost = losses(self.failures_survived)
-            if lost:
-                rank_zero_warn(lost)
+            if lost and says_losses(self.failures_survived, self.first_rank):
+                log.info(lost)

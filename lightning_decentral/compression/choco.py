@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from lightning_decentral.compression.compressors import Compressor
+from lightning_decentral.compression.compressors import Compressor, RandomK, TopK
 from lightning_decentral.compression.fused import chunk_size, decode_add_, encode_update_
 from lightning_decentral.topology import Topology
 
@@ -135,8 +135,13 @@ class Choco:
 
     def start_copies_at(self, buffers: Sequence[Tensor], tag: int = 0) -> None:
         """New copies of buffer `tag + index` start at `buffers[index]` instead of zero (a value every worker passes
-        alike: the models they all start from), so that a first message sends `C(x − x(0))`, not `C(x)`. The first
-        origin of a buffer stays (a later fit, or a resume, keeps the one both ends of every edge know)."""
+        alike: the models they all start from), so that a first message sends `C(x − x(0))`, not `C(x)`: with
+        `from_copy` (the outer step), and for a compressor that draws its coordinates at random (`RandomK`: each
+        sender draws others, so copies started at zero would differ between equal models and push them apart);
+        other compressors' copies start at zero, as CHOCO's. The first origin of a buffer stays (a later fit, or a
+        resume, keeps the one both ends of every edge know)."""
+        if not (self.from_copy or isinstance(self.compressor, RandomK)):
+            return
         for index, buffer in enumerate(buffers):
             if tag + index not in self.origins:
                 self.origins[tag + index] = buffer.detach().reshape(-1).to(state_dtype(buffer.dtype), copy=True)
@@ -358,12 +363,6 @@ class ChocoStates:
         """Bytes of every worker's messages so far."""
         return sum(choco.wire_bytes for choco in self.chocos)
 
-    def metrics(self) -> dict[str, float]:
-        """`{"gossip/bytes_sent": bytes per worker so far}` (the mean over this process's workers); `{}` without a
-        compressing mixer. What the executors log at each step."""
-        chocos = self.chocos
-        return {"gossip/bytes_sent": self.bytes_sent / len(chocos)} if chocos else {}
-
     def state(self, worker: int = 0) -> dict[str, Any] | None:
         """Worker `worker`'s [`state_dict`][lightning_decentral.compression.Choco.state_dict]; `None` without a
         mixer."""
@@ -397,3 +396,45 @@ def exchange_in_process(
         for rank, exchange in enumerate(exchanges):
             senders = exchange.topology.in_neighbors(rank, exchange.step)
             exchange.incoming(round, {j: messages[j][rank] for j, _ in senders})
+
+
+def check_compressible(compressor: Compressor, buffers: Sequence[Tensor]) -> None:
+    """Refuse, naming the fix, a `compressor` that cannot run on the flat `buffers` a worker exchanges (its parameters,
+    then its mixed buffers): one `compress` and `decompress` of a few of each buffer's values, in the dtype of its
+    public copies, must run (a complex parameter does not compare with zero, as `Sign` asks); and a sparsifier's
+    `fraction` of the largest buffer must round to at least one coordinate (`kept` would send one regardless, and
+    the default `consensus_step`, proportional to the fraction, would never mix).
+
+    Examples:
+        >>> from lightning_decentral.compression import Sign
+        >>> check_compressible(Sign(), [torch.zeros(10)])
+        >>> check_compressible(Sign(), [torch.zeros(10, dtype=torch.complex64)])
+        Traceback (most recent call last):
+        ...
+        ValueError: compression=Sign(...) cannot compress the model's torch.complex64 values ...
+        >>> check_compressible(TopK(1e-9), [torch.zeros(1000)])
+        Traceback (most recent call last):
+        ...
+        ValueError: compression=TopK(...) keeps a fraction 1e-09 of the coordinates: 1e-06 of the model's 1000, ...
+    """
+    for dtype in {buffer.dtype for buffer in buffers}:
+        sample = next(b for b in buffers if b.dtype == dtype).detach().reshape(-1)[:8].to(state_dtype(dtype))
+        try:
+            compressor.decompress(compressor.compress(sample.clone(), 0), sample.numel(), sample.dtype, 0)
+        except Exception as error:
+            raise ValueError(
+                f"compression={compressor!r} cannot compress the model's {dtype} values (one message of "
+                f"{sample.numel()} of them failed: {type(error).__name__}: {error}). Compressed gossip runs on real "
+                f"floating-point parameters and buffers (float16, bfloat16, float32, float64): keep {dtype} tensors "
+                "out of the trainable parameters, use compression=None, or pass a Compressor of your own that takes "
+                "them."
+            ) from error
+    fraction = compressor.fraction if isinstance(compressor, (TopK, RandomK)) else None
+    largest = max((buffer.numel() for buffer in buffers), default=0)
+    if fraction is not None and largest and int(fraction * largest + 0.5) == 0:
+        raise ValueError(
+            f"compression={compressor!r} keeps a fraction {fraction:g} of the coordinates: {fraction * largest:.3g} of "
+            f"the model's {largest}, which rounds to none, so the fraction sends nothing of what it names (and "
+            f"consensus_step={compressor.consensus_step:g}, in proportion to it, would never mix). Use a fraction of "
+            f"at least {1 / largest:.3g} (one coordinate of {largest})."
+        )

@@ -243,7 +243,7 @@ class TopK:
     def __post_init__(self) -> None:
         _check_fraction("TopK", self.fraction)
         if self.consensus_step is None:  # measured: docs/benchmarks.md, "Compressed gossip"
-            object.__setattr__(self, "consensus_step", round(min(1.0, 3 * self.fraction), 12))
+            object.__setattr__(self, "consensus_step", float(f"{min(1.0, 3 * self.fraction):.12g}"))
 
     def payload_bytes(self, numel: int, dtype: torch.dtype) -> int:
         k = kept(numel, self.fraction)

@@ -42,10 +42,9 @@ def consensus_metrics(strategy: DecentralizedStrategy, per_layer: bool = False) 
 
 
 def gossip_metrics(strategy: DecentralizedStrategy) -> dict[str, Tensor]:
-    """What the Trainer's strategies log of the exchange: `gossip/bytes_sent`, the bytes this rank has put on the wire
-    for compressed gossip so far (`strategy.bytes_sent`); empty without
-    compression. Call it on any rank, any time."""
-    return {name: torch.tensor(value) for name, value in strategy.driver.copies.metrics().items()}
+    """What the Trainer's strategies log of the exchange: `gossip/bytes_sent`, the bytes this rank has sent so far
+    (`strategy.bytes_sent`, float64: exact). Call it on any rank, any time."""
+    return strategy.driver.bytes_metrics()
 
 
 def effective_lr_metrics(

@@ -70,6 +70,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("script", help="the training script every worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     args = parser.parse_args(argv)
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc-per-node must be 1 or more (the workers on this node), got {args.nproc_per_node}.")
+    if args.nnodes < 1:
+        parser.error(f"--nnodes must be 1 or more (the nodes of the job), got {args.nnodes}.")
+    if not 0 <= args.node_rank < args.nnodes:
+        parser.error(f"--node-rank must be in [0, {args.nnodes}) for --nnodes {args.nnodes}, got {args.node_rank}.")
+    if not 0 <= args.master_port <= 65535:
+        parser.error(f"--master-port must be a port in [0, 65535] (0: a free one), got {args.master_port}.")
     if args.max_restarts < 0:
         parser.error(f"--max-restarts must be 0 or more, got {args.max_restarts}.")
     if args.nnodes > 1 and args.master_port == 0:
@@ -100,9 +108,20 @@ def main(argv: list[str] | None = None) -> int:
     """Run the launcher; its exit code."""
     args = parse(argv)
     first = args.node_rank == 0
-    store = dist.TCPStore(
-        args.master_addr, args.master_port, is_master=first, wait_for_workers=False, timeout=timedelta(seconds=300)
-    )
+    try:
+        store = dist.TCPStore(
+            args.master_addr, args.master_port, is_master=first, wait_for_workers=False, timeout=timedelta(seconds=300)
+        )
+    except dist.DistNetworkError as error:
+        if not first or "EADDRINUSE" not in str(error):
+            raise
+        print(
+            f"lightning-decentral-launch: --master-port {args.master_port} is already in use on {args.master_addr} "
+            "(another job's store?): choose another port, or --master-port 0 for a free one (one node only).",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     port = store.port
     if first:
         store.set(LAUNCHER_KEY, f"pid {os.getpid()} on {socket.gethostname()}")

@@ -78,6 +78,26 @@ class ExchangeObserver:
         """`wait` has finished it (`event.waited` is set)."""
 
 
+class BytesSent(ExchangeObserver):
+    """`total`: the bytes of every exchange posted since it was added (`ExchangeEvent.bytes_sent`, all rounds).
+
+    Examples:
+        >>> from lightning_decentral.mixing import DenseMixer
+        >>> from lightning_decentral.topology import Ring
+        >>> mixer, sent = DenseMixer(Ring(world_size=4)), BytesSent()
+        >>> mixer.observers.append(sent)
+        >>> pending = [mixer.worker(i).start([torch.zeros(4)], step=0, rounds=2) for i in range(4)]
+        >>> sent.total  # each worker: 16 bytes to each of 2 neighbours, twice
+        256
+    """
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def on_post(self, event: ExchangeEvent) -> None:
+        self.total += event.bytes_sent
+
+
 class Pending(Protocol):
     """An exchange in flight, as `Mixer.start` returns it.
 

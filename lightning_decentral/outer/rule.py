@@ -98,6 +98,7 @@ class OuterStep(UpdateRule):
         for anchor in self.anchor:
             anchor.grad = torch.zeros_like(anchor)  # Δ̃, written at each outer step
         self.outer_optimizer = outer_optimizer(self.anchor)
+        check_outer_step(outer_optimizer, self.anchor)
         self._anchored = False  # the anchor is taken from the replica when the first step begins
         self._sent: list[Tensor] = []  # overlap: the models y sent, and W y − y once the exchange is done
         self._change: list[Tensor] = []
@@ -249,6 +250,35 @@ class OuterStep(UpdateRule):
         self.outer_optimizer.load_state_dict(
             {"state": dict(enumerate(entries)) if pieces else {}, "param_groups": groups}
         )
+
+
+def check_outer_step(outer_optimizer: OptimizerFactory, anchor: Sequence[Tensor]) -> None:
+    """Refuse, naming the reason and the fix, an outer optimizer that cannot take the outer step: one `step()` (no
+    closure) of what `outer_optimizer` builds on copies of `anchor`, each with a dense zero `.grad` (what the outer
+    step gives it: `θ − x̃`) must run. LBFGS (it needs a closure) and SparseAdam (sparse gradients) do not.
+
+    Examples:
+        >>> import functools
+        >>> check_outer_step(functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9), [torch.zeros(3)])
+        >>> check_outer_step(torch.optim.SparseAdam, [torch.zeros(3)])
+        Traceback (most recent call last):
+        ...
+        ValueError: outer_optimizer builds a SparseAdam, whose step failed on a copy of the model: RuntimeError: ...
+    """
+    copies = [torch.nn.Parameter(t.detach().clone()) for t in anchor]
+    for copy in copies:
+        copy.grad = torch.zeros_like(copy)
+    built = outer_optimizer(copies)
+    try:
+        built.step()
+    except Exception as error:
+        raise ValueError(
+            f"outer_optimizer builds a {type(built).__name__}, whose step failed on a copy of the model: "
+            f"{type(error).__name__}: {error}. The outer step is one step() without a closure from a dense .grad "
+            "(the pseudo-gradient θ − x̃): use an optimizer that takes it, such as torch.optim.SGD (lr=0.7, "
+            "momentum=0.9, nesterov=True: DiLoCo's), Adam or AdamW; not LBFGS (it needs a closure) or SparseAdam "
+            "(sparse gradients)."
+        ) from error
 
 
 def _per_element(value: Any, anchor: Tensor) -> bool:

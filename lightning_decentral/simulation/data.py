@@ -12,7 +12,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
-from lightning_decentral._compat.lightning import distributed_sampler, is_dataloader_shuffled, update_dataloader
+from lightning_decentral._compat.lightning import distributed_sampler, update_dataloader
 
 
 class PerWorker(tuple):
@@ -63,9 +63,12 @@ class StackedBatch:
 
 
 class WorkerLoaders:
-    """A training DataLoader as `n` workers see it: worker `i` iterates rank `i`'s `DistributedSampler`
-    (Lightning's own, with its shuffling seed, padding and `drop_last`), or `sampler.for_rank(i, n)` for a
-    sampler that has it ([`DirichletSampler`][lightning_decentral.data.DirichletSampler]).
+    """A training DataLoader as `n` workers see it, as the Trainer hands it to `n` processes: worker `i` iterates rank
+    `i`'s `DistributedSampler` (Lightning's own, shuffled whatever the DataLoader's `shuffle` says, with its seed,
+    padding and `drop_last`), or `sampler.for_rank(i, n)` for a sampler that has it
+    ([`DirichletSampler`][lightning_decentral.data.DirichletSampler]); with `distributed=False` (the Trainer's
+    `use_distributed_sampler=False`) every worker iterates the DataLoader as it is, its sampler drawing from the
+    worker's random state.
 
     Each item is a [`PerWorker`][lightning_decentral.simulation.data.PerWorker] of batches of the workers
     `origins()` names (all of them until some are lost; a lost worker's shard is not visited), the batch of the
@@ -82,17 +85,26 @@ class WorkerLoaders:
         as_worker: Callable[[int], Any],
         together: bool = False,
         origins: Callable[[], Sequence[int]] | None = None,
+        distributed: bool = True,
+        overfit_batches: int | float = 0,
     ) -> None:
-        shuffle = is_dataloader_shuffled(dataloader)
-        samplers = [_rank_sampler(dataloader, shuffle, workers, rank) for rank in range(workers)]
-        self.sampler = _Samplers(samplers)
-        self.workers, self.together = workers, together
+        self.dataloader, self.samplers = dataloader, rank_samplers(dataloader, workers, distributed, overfit_batches)
+        self.sampler = _Samplers(self.samplers)
+        self.workers = workers
+        self._origins = origins or (lambda: range(workers))
+        self.follow(as_worker, together)
+
+    def follow(self, as_worker: Callable[[int], Any], together: bool) -> None:
+        """From now on, iterate for workers reached by `as_worker`, together (stacked) or not: the workers a
+        DataLoader loaded before they existed (during `configure_optimizers`) were decided on afterwards."""
+        dataloader, samplers = self.dataloader, self.samplers
+        self.together, self._as_worker = together, as_worker
         if together:
             self.loaders = [_together(dataloader, samplers)]
+        elif samplers[0] is dataloader.sampler:  # every worker iterates the DataLoader as it is
+            self.loaders = [dataloader] * self.workers
         else:
             self.loaders = [update_dataloader(dataloader, sampler, mode=RunningStage.TRAINING) for sampler in samplers]
-        self._as_worker = as_worker
-        self._origins = origins or (lambda: range(workers))
 
     def __len__(self) -> int:
         return len(self.loaders[0])
@@ -117,10 +129,12 @@ class WorkerLoaders:
             yield PerWorker(batches, origins)
 
 
-def first_batch_together(dataloader: torch.utils.data.DataLoader, workers: int) -> StackedBatch:
+def first_batch_together(
+    dataloader: torch.utils.data.DataLoader, workers: int, distributed: bool = True, overfit_batches: int | float = 0
+) -> StackedBatch:
     """Every worker's first batch (worker `i`'s from rank `i`'s sampler), loaded in this process and collated at once:
     what the first stacked step would see, without starting the DataLoader's worker processes."""
-    samplers = [_rank_sampler(dataloader, is_dataloader_shuffled(dataloader), workers, rank) for rank in range(workers)]
+    samplers = rank_samplers(dataloader, workers, distributed, overfit_batches)
     indices = next(iter(_StepBatches(samplers, dataloader.batch_size, dataloader.drop_last)))
     return StackedBatch(dataloader.collate_fn([dataloader.dataset[i] for i in indices]), workers)
 
@@ -159,18 +173,42 @@ class _StepBatches:
         return per_worker // self.batch_size if self.drop_last else -(-per_worker // self.batch_size)
 
     def __iter__(self) -> Iterator[list[int]]:
-        orders = [list(sampler) for sampler in self.samplers]
+        drawn: dict[int, list[int]] = {}  # one sampler for every worker (not distributed): one draw, as on ranks alike
+        for sampler in self.samplers:
+            if id(sampler) not in drawn:
+                drawn[id(sampler)] = list(sampler)
+        orders = [drawn[id(sampler)] for sampler in self.samplers]
         for step in range(len(self)):
             window = slice(step * self.batch_size, (step + 1) * self.batch_size)
             yield [index for order in orders for index in order[window]]
 
 
-def _rank_sampler(dataloader: torch.utils.data.DataLoader, shuffle: bool, workers: int, rank: int) -> Any:
-    """Rank `rank`'s sampler: `sampler.for_rank(rank, workers)` if the DataLoader's sampler has one (a
-    [`DirichletSampler`][lightning_decentral.data.DirichletSampler]), else Lightning's `DistributedSampler`."""
+def rank_samplers(
+    dataloader: torch.utils.data.DataLoader, workers: int, distributed: bool = True, overfit_batches: int | float = 0
+) -> list[Any]:
+    """The sampler the Trainer gives each of `workers` ranks for the training `dataloader`: `sampler.for_rank(i, n)`
+    if the DataLoader's sampler has one (a [`DirichletSampler`][lightning_decentral.data.DirichletSampler]); else, with
+    `distributed` (`use_distributed_sampler=True`), Lightning's `DistributedSampler` for rank `i`, which shuffles a
+    training DataLoader whatever its own `shuffle` says (but with `overfit_batches`); else the DataLoader's own
+    sampler, for every rank.
+
+    Examples:
+        >>> from torch.utils.data import DataLoader
+        >>> samplers = rank_samplers(DataLoader(range(8), shuffle=False), workers=2)
+        >>> sorted([*samplers[0], *samplers[1]]) == list(range(8)), list(samplers[0]) == [0, 2, 4, 6]  # shuffled
+        (True, False)
+        >>> loader = DataLoader(range(8))
+        >>> rank_samplers(loader, workers=2, distributed=False) == [loader.sampler] * 2
+        True
+    """
     if hasattr(dataloader.sampler, "for_rank"):
-        return dataloader.sampler.for_rank(rank, workers)
-    return distributed_sampler(dataloader, shuffle, overfit_batches=0, num_replicas=workers, rank=rank)
+        return [dataloader.sampler.for_rank(rank, workers) for rank in range(workers)]
+    if not distributed:
+        return [dataloader.sampler] * workers
+    return [
+        distributed_sampler(dataloader, True, overfit_batches=overfit_batches, num_replicas=workers, rank=rank)
+        for rank in range(workers)
+    ]
 
 
 class _Samplers:
@@ -180,8 +218,9 @@ class _Samplers:
         self.samplers = samplers
 
     def set_epoch(self, epoch: int) -> None:
-        for sampler in self.samplers:
-            sampler.set_epoch(epoch)
+        for sampler in {id(s): s for s in self.samplers}.values():
+            if callable(getattr(sampler, "set_epoch", None)):
+                sampler.set_epoch(epoch)
 
 
 _END = object()

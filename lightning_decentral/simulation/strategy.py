@@ -38,6 +38,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral._compat.lightning import uses_distributed_sampler
 from lightning_decentral.common import backward_may_overlap
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.mixing import SIMULATION
@@ -172,13 +173,20 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._comings: Comings | None = None  # failures= and rejoins= (per-worker path)
         self._context: RuleContext | None = None  # the rules' context, kept to stack the workers later
         self._undecided = False  # vectorize="auto": the path is chosen at the first training DataLoader
+        self._setting_up = False  # inside Lightning's setup (the optimizers built), before the workers exist
+        self._early: tuple[torch.utils.data.DataLoader, WorkerLoaders] | None = None  # the training data loaded then
 
     # -- set-up -----------------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: Trainer) -> None:
         """Before each stage; before fit, also the workers: module copies, optimizers, replicas, rules."""
-        super().setup(trainer)
+        self._early = None
+        self._setting_up = True  # configure_optimizers may load the training data (estimated_stepping_batches)
+        try:
+            super().setup(trainer)
+        finally:
+            self._setting_up = False
         self._rng_restored = False
         if trainer.state.fn != TrainerFn.FITTING:
             return
@@ -188,6 +196,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         if not module.automatic_optimization:
             raise ValueError("SimulatedDecentralizedStrategy needs automatic optimization; use DecentralizedStrategy.")
         check_one_optimizer(self.optimizers, "`configure_optimizers` returned")
+        self.driver.check_length(trainer.max_steps, rank_zero_warn)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if scaler is not None:
             raise ValueError(
@@ -223,6 +232,11 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             self._group = self._workers_apart(modules, context)
             self._undecided = self.vectorize == "auto"
         self.driver.run(self._group)
+        if self._early is not None:  # the training data was loaded before the workers existed: they follow it now
+            dataloader, loaders = self._early
+            if self._undecided:
+                self._choose_path(dataloader)
+            loaders.follow(self._group.as_worker, together=isinstance(self._group, StackedWorkers))
 
     def _outer_probe(self) -> Optimizer | None:
         """What `outer_optimizer` builds (whether it is elementwise decides if the workers can be stacked), or
@@ -260,13 +274,23 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         if self._undecided:
             self._choose_path(dataloader)
         together = isinstance(self._group, StackedWorkers)
-        return WorkerLoaders(
+        loaders = WorkerLoaders(
             dataloader,
             self.workers,
             self._group.as_worker,
             together=together,
             origins=lambda: self._comings.visited(self._group) if self._comings else self._group.origins,
+            **self._sampling(),
         )
+        if self._setting_up:  # before the workers exist (configure_optimizers read estimated_stepping_batches)
+            self._early = (dataloader, loaders)
+        return loaders
+
+    def _sampling(self) -> dict[str, Any]:
+        """How the Trainer would give `n` processes the training data: its `use_distributed_sampler` and
+        `overfit_batches` (the arguments of [`rank_samplers`][lightning_decentral.simulation.data.rank_samplers])."""
+        trainer = self.lightning_module.trainer
+        return {"distributed": uses_distributed_sampler(trainer), "overfit_batches": trainer.overfit_batches}
 
     def _choose_path(self, dataloader: torch.utils.data.DataLoader) -> None:
         """`vectorize="auto"`, before training: stack the workers if that gives the per-worker result (what can be seen
@@ -285,7 +309,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             problem = STACKED_COMPRESSION
         if problem is None:
             with random_states_kept(), self.precision_plugin.train_step_context():
-                batch = self.batch_to_device(first_batch_together(dataloader, self.workers))
+                batch = self.batch_to_device(first_batch_together(dataloader, self.workers, **self._sampling()))
                 problem = stacking_trial(self._group.modules, batch, lambda module, part: module.training_step(part, 0))
         if problem is not None:
             return _say_path(f"the per-worker path, one worker at a time, because {problem}")
@@ -328,7 +352,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
                 batch, lambda module, part: module.training_step(part, *args, **kwargs)
             )
         log_over_workers(self.lightning_module, logged, len(self._group.modules))
-        self.lightning_module.log_dict(self.driver.copies.metrics(), on_step=True, on_epoch=False)
+        self.lightning_module.log_dict(self.driver.bytes_metrics(self.workers), on_step=True, on_epoch=False)
         self._outputs = outputs
         self._losses = [_loss_of(output) for output in outputs]
         if any(loss is None for loss in self._losses):

@@ -21,7 +21,7 @@ Examples:
     True
 """
 
-from lightning_decentral.topology.base import TOPOLOGIES, Topology, topology_class
+from lightning_decentral.topology.base import TOPOLOGIES, PerRound, Topology, topology_class
 from lightning_decentral.topology.builtin import Complete, Exponential, OnePeerExponential, RandomMatching, Ring, Torus
 from lightning_decentral.topology.custom import GraphTopology, MatrixTopology
 from lightning_decentral.topology.hierarchical import Hierarchical
@@ -35,6 +35,7 @@ __all__ = [
     "Hierarchical",
     "MatrixTopology",
     "OnePeerExponential",
+    "PerRound",
     "RandomMatching",
     "Ring",
     "Topology",

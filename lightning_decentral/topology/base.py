@@ -421,3 +421,41 @@ class InducedSubgraph(Topology):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.topology!r}, members={self.members})"
+
+
+class PerRound(Topology):
+    """`topology` advanced one matrix per gossip round when only every `every`-th step gossips (`gossip_every`):
+    `W(k) = W_topology(⌊k / every⌋)`, so the rounds, at steps `every − 1, 2·every − 1, …`, apply `W_topology(0),
+    W_topology(1), …` in turn, whatever `every` is (a step that does not gossip does not read its matrix). Period
+    `every · topology.period`. [`GossipSchedule`][lightning_decentral.schedule.GossipSchedule] makes it.
+
+    Examples:
+        >>> from lightning_decentral.topology import OnePeerExponential
+        >>> rounds = PerRound(OnePeerExponential(world_size=4), every=10)
+        >>> rounds.out_neighbors(0, step=9), rounds.out_neighbors(0, step=19), rounds.period
+        ([(3, 0.5)], [(2, 0.5)], 20)
+    """
+
+    def __init__(self, topology: Topology, every: int) -> None:
+        self.topology, self.every = topology, every
+        super().__init__(world_size=topology.world_size)
+
+    @property
+    def period(self) -> int:
+        return self.every * self.topology.period
+
+    def _matrix(self, step: int) -> np.ndarray:
+        return self.topology.mixing(step // self.every)
+
+    def validate(self) -> None:
+        """Nothing more to check: `topology` was validated when it was bound, and its matrices are these."""
+
+    def for_members(self, members: Sequence[int]) -> Topology:
+        """[`Topology.for_members`][lightning_decentral.topology.Topology.for_members] of `topology`, per round."""
+        members = self._checked_members(members)
+        if members == list(range(self.world_size)):
+            return self
+        return PerRound(self.topology.for_members(members), self.every)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.topology!r}, every={self.every})"

@@ -74,6 +74,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self._eval_context = contextlib.ExitStack()
         self._resume_shard: dict[str, Any] | None = None  # fit(ckpt_path=...): this rank's shard, until restored
         self._failed = False  # an exception ended the run: no collective at teardown
+        self.last_save: tuple[int, str] | None = None  # (step, path) of the last checkpoint saved (a stop names it)
         self._checkpoint_agreed = False  # this fit's ranks checked they resume from the same checkpoint
         self.activities: Activities | None = None  # what each rank does: ranks that disagree stop at once
         self._writer: BackgroundWriter | None = None  # saves in the background (AsyncCheckpointIO), during fit
@@ -287,6 +288,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         `CheckpointIO` of your own writes it ([`with_atomic_writes`][lightning_decentral.files.with_atomic_writes]).
         Under `AsyncCheckpointIO`, in the background after a copy; the first save of a step waits for those of earlier
         steps (so at most one step's saves are in flight, and a failed one raises at the same save on every rank)."""
+        self.last_save = (self.lightning_module.trainer.global_step, str(filepath))
         if self._writer is not None:
             self._finish_earlier_saves()
             write_file = functools.partial(self._write_file, filepath=filepath, storage_options=storage_options)

@@ -49,3 +49,22 @@ def stop_together(trainer: Trainer, agreement: StopAgreement, first_check: Calla
             raise SIGTERMException()
 
     replace_sigterm_handling(trainer, on_sigterm, stop_if_agreed)
+
+
+def stop_line(step: int, last_save: tuple[int, str] | None) -> str:
+    """The line a run stopped by a SIGTERM logs once: the step every rank stopped before, and the checkpoint to resume
+    from (one saved at the stop: `OnExceptionCheckpoint`, or a `ModelCheckpoint` that saves on exceptions).
+
+    Examples:
+        >>> print(stop_line(12, (12, "ckpts/on_exception.ckpt")))
+        Stopped by SIGTERM before step 12, every rank at the same step. Resume with trainer.fit(...,
+        ckpt_path='ckpts/on_exception.ckpt').
+        >>> print(stop_line(12, (10, "ckpts/last.ckpt")))
+        Stopped by SIGTERM before step 12, ... No checkpoint was saved at the stop ...; the newest is
+        'ckpts/last.ckpt', of step 10.
+    """
+    said = f"Stopped by SIGTERM before step {step}, every rank at the same step."
+    if last_save is not None and last_save[0] == step:
+        return f"{said} Resume with trainer.fit(..., ckpt_path={last_save[1]!r})."
+    newest = f"the newest is {last_save[1]!r}, of step {last_save[0]}" if last_save else "none was saved in this fit"
+    return f"{said} No checkpoint was saved at the stop (OnExceptionCheckpoint(dirpath) saves one); {newest}."

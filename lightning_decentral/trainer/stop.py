@@ -16,6 +16,7 @@ that finds itself past `S` raises instead of stopping elsewhere. The calls run u
 from __future__ import annotations
 
 import itertools
+import math
 from collections import deque
 from datetime import timedelta
 from typing import Any
@@ -96,8 +97,9 @@ class StopAgreement:
 def stop_margin(topology: Topology, staleness: int = 0, gossip_every: int = 1) -> int:
     """A margin larger than the most steps two ranks can be apart: a rank waits at each exchange for its in-neighbours
     to have started a step at most `staleness` behind (the synchronous exchange also for its out-neighbours), so it
-    leads a neighbour by at most `(staleness + 1) · gossip_every` steps, and any rank by that times the longest
-    shortest path `D` of the graph of every edge over a period, times the period (time-varying topologies); plus 2.
+    leads a neighbour by at most `(staleness + 1)` gossip steps, and any rank by that times the longest shortest path
+    `D` of the graph of every edge over a period, times the steps over which the edges repeat, `lcm(gossip_every,
+    period)` (a time-varying topology under `gossip_every` has a period of `gossip_every` times its own); plus 2.
 
     Examples:
         >>> from lightning_decentral.topology import Ring
@@ -108,7 +110,7 @@ def stop_margin(topology: Topology, staleness: int = 0, gossip_every: int = 1) -
     n = topology.world_size
     receives_from = [{j for w in matrices for j in range(n) if j != i and w[i, j] != 0} for i in range(n)]
     diameter = max(_eccentricity(receives_from, i) for i in range(n))
-    return (staleness + 1) * gossip_every * topology.period * diameter + 2
+    return (staleness + 1) * math.lcm(gossip_every, topology.period) * diameter + 2
 
 
 def _eccentricity(receives_from: list[set[int]], start: int) -> int:

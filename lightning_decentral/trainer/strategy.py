@@ -17,6 +17,7 @@ launching, cluster environments, samplers, `barrier`, `broadcast` and `reduce` a
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -54,8 +56,10 @@ from lightning_decentral.sharding import (
 )
 from lightning_decentral.trainer.rejoin import Rejoining
 from lightning_decentral.trainer.replicated import ReplicaStrategy
-from lightning_decentral.trainer.signals import stop_together
+from lightning_decentral.trainer.signals import stop_line, stop_together
 from lightning_decentral.trainer.stop import StopAgreement, next_key, stop_margin
+
+log = logging.getLogger(__name__)
 
 
 @takes_gossip_options
@@ -205,6 +209,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
             self._agree_on_stops(trainer)  # before this fit's first collective
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
         if trainer.state.fn == TrainerFn.FITTING:
+            self.driver.check_length(trainer.max_steps, rank_zero_warn)
             if self.joining:
                 self._rejoin_the_members()
             else:
@@ -283,9 +288,9 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's `training_step`; with compression, `gossip/bytes_sent` is logged too."""
+        """The module's `training_step`; `gossip/bytes_sent` (this rank's bytes so far) is logged too."""
         output = super().training_step(*args, **kwargs)
-        self.lightning_module.log_dict(self.driver.copies.metrics(), on_step=True, on_epoch=False)
+        self.lightning_module.log_dict(self.driver.bytes_metrics(), on_step=True, on_epoch=False)
         return output
 
     @override
@@ -381,6 +386,15 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         """Lightning's reduce; a rank that rejoins keeps its own value before its first batch (the length of its data
         Lightning checks)."""
         return tensor if self.joining else super().reduce(tensor, group, reduce_op)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """After the callbacks' `on_exception` (the checkpoint saved at a stop): a SIGTERM stop logs one line on rank 0,
+        naming the step and the checkpoint to resume from
+        ([`stop_line`][lightning_decentral.trainer.signals.stop_line])."""
+        super().on_exception(exception)
+        if isinstance(exception, SIGTERMException) and self.is_global_zero:
+            log.info(stop_line(self.lightning_module.trainer.global_step, self.last_save))
 
     @override
     def on_survivors(self, decision: Decision) -> None:
