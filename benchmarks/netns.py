@@ -82,9 +82,10 @@ METHODS = {
     "one_peer_exponential": ("dpsgd awc", "one_peer_exponential", "local", None),
     "decentlam": ("decentlam", "ring", "decentlam", None),
     "decentlam_one_peer": ("decentlam", "one_peer_exponential", "decentlam", None),
-    "one_peer_sign": ("dpsgd awc, sign", "one_peer_exponential", "local", "sign"),
-    "one_peer_int4": ("dpsgd awc, int4", "one_peer_exponential", "local", "int4"),
-    "one_peer_top_k": ("dpsgd awc, top_k:0.01", "one_peer_exponential", "local", "top_k:0.01"),
+    # compression keeps a public copy per edge and refuses a time-varying graph: one peer a step on a static ring
+    "one_peer_sign": ("dpsgd awc, sign", "one_peer_ring", "local", "sign"),
+    "one_peer_int4": ("dpsgd awc, int4", "one_peer_ring", "local", "int4"),
+    "one_peer_top_k": ("dpsgd awc, top_k:0.01", "one_peer_ring", "local", "top_k:0.01"),
     "ddp_powersgd": ("ddp + PowerSGD (rank 4)", "all-reduce (rank-4 factors of the gradients)", None, None),
     "decent_dp": ("Decent-DP 0.2.3", "one-peer-exp (its own)", None, None),
 }

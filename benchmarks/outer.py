@@ -21,7 +21,8 @@ so every run sees the same number of tokens (``8 × 8 × 64`` per step), with ``
 * ``outer_one_peer_overlap``: the same with ``outer_overlap=True``;
 * ``averaging_one_peer``: ``gossip_every=H`` on ``one_peer_exponential`` without an outer optimizer (ATC), to show
   what the outer optimizer adds;
-* ``diloco_sign``, ``outer_one_peer_sign``: ``diloco`` and ``outer_one_peer`` with ``compression="sign"`` (the round's
+* ``diloco_sign``, ``outer_one_peer_sign``: ``diloco`` and ``outer_one_peer`` with ``compression="sign"``, the latter
+  on the static ``one_peer_ring`` (compression refuses a time-varying graph; one peer a round all the same) (the round's
   models sent as CHOCO's messages, the pseudo-gradient taken from the public copies; the workers run apart, as
   compression needs).
 
@@ -155,7 +156,12 @@ def methods(every: int) -> dict[str, dict[str, Any]]:
             "outer_optimizer": NESTEROV,
             "compression": "sign",
         },
-        "outer_one_peer_sign": {**one_peer, "gossip_every": every, "outer_optimizer": NESTEROV, "compression": "sign"},
+        "outer_one_peer_sign": {  # compression refuses a time-varying graph: one peer a round on a static ring
+            "topology": "one_peer_ring",
+            "gossip_every": every,
+            "outer_optimizer": NESTEROV,
+            "compression": "sign",
+        },
     }
 
 

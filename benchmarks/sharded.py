@@ -13,7 +13,8 @@ root are sharded with FSDP2 over a host's 2 ranks in ``configure_model``. The me
 * ``hsdp``: Lightning's ``ModelParallelStrategy`` with FSDP2 on a 2-D mesh ``(replicate, shard)``: HSDP, the gradients
   reduce-scattered in a host and all-reduced between hosts every step;
 * ``sharded_one_peer``: ``DecentralizedStrategy(shard_size=2, topology="one_peer_exponential")``, AWC every step;
-* ``sharded_one_peer_sign``: the same with ``compression="sign"``;
+* ``sharded_one_peer_sign``: the same with ``compression="sign"``, on the static ``one_peer_ring`` (compression refuses
+  a time-varying graph; one peer a step all the same);
 * ``sharded_diloco``: ``shard_size=2, topology="complete", gossip_every=H`` with DiLoCo's outer Nesterov step.
 
 Measured per rank: the bytes of its parameters and optimizer state (its local shards), the median time of a training
@@ -110,7 +111,7 @@ def make_strategy(method: str, every: int, world_size: int) -> Any:
     nesterov = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     options = {
         "sharded_one_peer": dict(topology="one_peer_exponential"),
-        "sharded_one_peer_sign": dict(topology="one_peer_exponential", compression="sign"),
+        "sharded_one_peer_sign": dict(topology="one_peer_ring", compression="sign"),  # static: compression's copies
         "sharded_diloco": dict(topology="complete", gossip_every=every, outer_optimizer=nesterov),
     }
     if method == "hsdp":

@@ -217,6 +217,7 @@ def test_resolve_topology() -> None:
         "torus",
         "exponential",
         "one_peer_exponential",
+        "one_peer_ring",
         "complete",
         "random_matching",
         "hierarchical",

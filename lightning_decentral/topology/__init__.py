@@ -22,7 +22,15 @@ Examples:
 """
 
 from lightning_decentral.topology.base import TOPOLOGIES, PerRound, Topology, topology_class
-from lightning_decentral.topology.builtin import Complete, Exponential, OnePeerExponential, RandomMatching, Ring, Torus
+from lightning_decentral.topology.builtin import (
+    Complete,
+    Exponential,
+    OnePeerExponential,
+    OnePeerRing,
+    RandomMatching,
+    Ring,
+    Torus,
+)
 from lightning_decentral.topology.custom import GraphTopology, MatrixTopology
 from lightning_decentral.topology.hierarchical import Hierarchical
 from lightning_decentral.topology.resolve import resolve_topology
@@ -35,6 +43,7 @@ __all__ = [
     "Hierarchical",
     "MatrixTopology",
     "OnePeerExponential",
+    "OnePeerRing",
     "PerRound",
     "RandomMatching",
     "Ring",

@@ -1,4 +1,4 @@
-"""The built-in graphs: ring, torus, static and one-peer exponential, complete."""
+"""The built-in graphs: ring, torus, static and one-peer exponential, the one-peer ring, complete."""
 
 from __future__ import annotations
 
@@ -168,6 +168,26 @@ class OnePeerExponential(Topology, name="one_peer_exponential"):
         if n == 1:
             return np.ones((1, 1))
         return _circulant(n, {0: 0.5, 2**step: 0.5})
+
+
+class OnePeerRing(Topology, name="one_peer_ring"):
+    """A static directed ring: `W[i, i] = W[i, (i + 1) mod n] = 1/2`.
+
+    Each rank receives from one peer and sends to one, at every step: `one_peer_exponential`'s bytes on a graph
+    that does not vary, so compressed gossip keeps its public copies current (`compression=` refuses a time-varying
+    graph). `W` is doubly stochastic but not symmetric; its eigenvalues are `(1 + e^(2 pi i k / n)) / 2`, so
+    consensus contracts by `cos(pi / n)` a step, slower than the ring's `1/3 + (2/3) cos(2 pi / n)`.
+
+    Examples:
+        >>> graph = OnePeerRing(world_size=4)
+        >>> [graph.in_neighbors(rank, step=0) for rank in range(4)]
+        [[(1, 0.5)], [(2, 0.5)], [(3, 0.5)], [(0, 0.5)]]
+        >>> graph.period
+        1
+    """
+
+    def _matrix(self, step: int) -> np.ndarray:
+        return _circulant(self.world_size, {0: 0.5, 1: 0.5})
 
 
 class Complete(Topology, name="complete"):
