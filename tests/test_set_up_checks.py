@@ -192,12 +192,13 @@ def test_a_busy_master_port_is_one_clear_line(capsys) -> None:
 def test_compression_on_a_time_varying_topology_is_refused_naming_a_static_one(topology: str) -> None:
     """Before, `sign` on `one_peer_exponential` ran and stalled at 4.5-9 % of the start's consensus distance (each
     edge's public copy a period old); only the docs said so."""
-    match = r"time-varying topology.*Use a static topology: topology='exponential'"
+    match = r"time-varying topology.*Use a static topology: topology='one_peer_ring'.*'exponential'"
     with pytest.raises(ValueError, match=match):
         pl.Trainer(strategy=DecentralizedStrategy(topology=topology, compression="sign"), accelerator="cpu", devices=4)
     with pytest.raises(ValueError, match=match):
         SimulatedDecentralizedStrategy(workers=4, topology=topology, compression="sign")
     SimulatedDecentralizedStrategy(workers=4, topology="exponential", compression="sign")
+    SimulatedDecentralizedStrategy(workers=4, topology="one_peer_ring", compression="sign")
 
 
 NOISY_RUN = """
