@@ -236,7 +236,7 @@ def measure_compressed(args: argparse.Namespace) -> list[dict[str, Any]]:
             row: dict[str, Any] = {"n": n, "compression": compression or "none"}
             try:
                 strategy = SimulatedDecentralizedStrategy(
-                    workers=n, topology="one_peer_exponential", vectorize=False, compression=compression
+                    workers=n, topology="one_peer_ring", vectorize=False, compression=compression
                 )
                 run = _fit(strategy, args, "32-true", args.global_batch // n, steps)
                 row.update(

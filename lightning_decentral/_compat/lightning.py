@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning.fabric.wrappers as fabric_wrappers
 from lightning.fabric.strategies.strategy import _BackwardSyncControl as BackwardSyncControl
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.loops.progress import _OptimizationProgress as OptimizationProgress
 from lightning.pytorch.loops.progress import _Progress as Progress
 from lightning.pytorch.loops.progress import _ReadyCompletedTracker as ReadyCompletedTracker
@@ -38,6 +38,7 @@ __all__ = [
     "mark_sigterm_received",
     "replace_sigterm_handling",
     "resume_from_state",
+    "set_device_mesh",
     "set_epochs_begun",
     "set_update_count",
     "update_dataloader",
@@ -71,6 +72,12 @@ PRIVATE_NAMES: list[tuple[str, str, str]] = [
         "lightning.pytorch.trainer.connectors.data_connector",
         "_get_distributed_sampler",
         "the sampler the Trainer gives rank i (its seed, a custom sampler wrapped): a simulated worker i gets the same",
+    ),
+    (
+        "lightning.pytorch.core.module.LightningModule",
+        "_device_mesh",
+        "what a module's device_mesh property reads; it has no setter, and Lightning's ModelParallelStrategy sets "
+        "this field itself before configure_model (sharded replicas give the module their mesh the same way)",
     ),
     (
         "lightning.pytorch.trainer.trainer.Trainer",
@@ -237,6 +244,11 @@ def uses_distributed_sampler(trainer: Trainer) -> bool:
         False
     """
     return trainer._accelerator_connector.use_distributed_sampler
+
+
+def set_device_mesh(module: LightningModule, mesh: Any) -> None:
+    """Give `module` its `device_mesh` (read in `configure_model`), as Lightning's `ModelParallelStrategy` does."""
+    module._device_mesh = mesh
 
 
 def mark_sigterm_received(trainer: Trainer) -> None:

@@ -37,6 +37,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral._compat.lightning import set_device_mesh
 from lightning_decentral.agreement import optimizer_configuration, run_configuration
 from lightning_decentral.common import OnProcesses, backward_may_overlap, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver
@@ -199,7 +200,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         super().setup_environment()
         if self.sharding is not None:
             mesh = self.sharding.mesh or self.sharding.make_mesh(self.root_device.type, self.world_size, self._timeout)
-            self.lightning_module._device_mesh = mesh  # Lightning's own way: the module has no setter
+            set_device_mesh(self.lightning_module, mesh)
 
     @override
     def setup(self, trainer: Trainer) -> None:
