@@ -1,25 +1,31 @@
-"""What every rank must learn together: means, "every rank succeeded", "every rank runs the same configuration".
+"""What every rank must learn together: means, "every rank succeeded", "every rank runs the same configuration"
+([`Ranks`][lightning_decentral.agreement.Ranks]), and what each rank is doing, so that ranks about to run different
+collectives find out at once ([`Activities`][lightning_decentral.agreement.Activities]).
 
-All of it goes through small collectives on the default process group, so every rank takes
-the same decision from the same numbers (no pickled objects travel between ranks).
+All of it goes through small collectives on the default process group (the activities: its key-value store), so
+every rank takes the same decision from the same numbers (no pickled objects travel between ranks).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import secrets
 import time
+import warnings
 from collections.abc import Callable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_decentral._compat import use_count
-from lightning_decentral.failures import PeerFailure
+from lightning_decentral._compat import default_store, use_count
+from lightning_decentral.failures import Abandoned, PeerFailure, peers_answer
 from lightning_decentral.membership.guard import Guard
 from lightning_decentral.options import outer_optimizer_name
+from lightning_decentral.rendezvous import GuardedStore
 from lightning_decentral.replicas import MeanFn, averaged_optimizer_state, group_by_layout, local_tensor
 from lightning_decentral.schedule import RoundsSchedule
 
@@ -495,3 +501,152 @@ def _decode(row: list[int], like: dict[str, int | str]) -> dict[str, int | str]:
             decoded[name] = row[offset]
             offset += 1
     return decoded
+
+
+class Disagreement(RuntimeError):
+    """The ranks were about to run different collectives (a checkpoint load on one, an optimizer step on another):
+    raised at once, naming what each rank does ([`Activities`][lightning_decentral.agreement.Activities])."""
+
+
+class Activities:
+    """What each rank is doing, published out of band in the process group's key-value store, so that ranks about to
+    run different collectives find out at once instead of waiting for each other until the timeout.
+
+    Every rank publishes the same sequence of activities when it runs the same program: `start(what)` when it begins
+    something that needs no agreement (an optimizer step), `agree(what)` before a collective every rank must enter
+    together (a checkpoint save or load, `x̄`). `agree` waits until every rank has published the same activity as its
+    activity number `c`; a rank whose activity `c` is another, or that is past `c` without having passed this
+    agreement, is doing something else: every rank that waits raises
+    [`Disagreement`][lightning_decentral.agreement.Disagreement] naming what each does. A rank that passed it (it saw
+    every rank at `c`) says so under a key of its own, so a slower rank still waiting lets it be past `c`: it may have
+    gone on when no collective follows the agreement, an error raised before the collective, say. A rank
+    that publishes nothing new (it is busy, or blocked in a collective it started earlier) is named after `timeout`
+    seconds with its last activity ([`PeerFailure`][lightning_decentral.failures.PeerFailure]); after `warn_after`
+    seconds `warn` says who it waits for. Its calls to the store run under a
+    [`GuardedStore`][lightning_decentral.rendezvous.GuardedStore] of the same timeout (`start` runs at every step). With
+    a [`Guard`][lightning_decentral.membership.guard.Guard], the wait is one of its operations, ended by a failure it
+    polls; a rank alone agrees with nobody.
+
+    Examples:
+        Two ranks in one process, over an in-memory store: rank 1 loads while rank 0 trains.
+
+        >>> store = dist.HashStore()
+        >>> ranks = [Activities(store, rank, 2, timeout=1.0) for rank in range(2)]
+        >>> ranks[0].start("optimizer step 0")
+        >>> ranks[1].agree("fabric.load('last.ckpt')")
+        Traceback (most recent call last):
+        ...
+        lightning_decentral.agreement.Disagreement: The ranks are not doing the same thing: rank 1 is in fabric.load('last.ckpt') while rank 0 is in optimizer step 0. ...
+    """
+
+    def __init__(
+        self,
+        store: dist.Store | None,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        warn_after: float = 30.0,
+        warn: Callable[[str], None] = lambda message: warnings.warn(message, stacklevel=3),
+        guard: Guard | None = None,
+    ) -> None:
+        self.store = None if store is None else GuardedStore.around(store, timedelta(seconds=timeout))
+        self.rank, self.world_size, self.timeout = rank, world_size, timeout
+        self.warn_after, self.warn = warn_after, warn
+        self.guard = guard
+        self.count = 0  # activities this rank has published
+        self.current = ""
+
+    @classmethod
+    def of_group(cls, ranks: Ranks, timeout: timedelta | None) -> Activities:
+        """Activities of the ranks of the default process group (`ranks`, a [`Ranks`][lightning_decentral.agreement.Ranks],
+        whose guard they share), under keys of their own (one all-gather agrees on them) of the default group's store;
+        published nowhere without a process group, or with one rank."""
+        seconds = (timeout or timedelta(minutes=30)).total_seconds()
+        if not dist.is_initialized() or ranks.world_size == 1:
+            return cls(None, ranks.rank, ranks.world_size, seconds, guard=ranks.guard)
+        tag = int(ranks.gather([secrets.randbits(62)], "Agreeing on where the ranks publish their activities")[0, 0])
+        prefixed = dist.PrefixStore(f"lightning_decentral/activities/{tag}/", default_store())
+        return cls(prefixed, ranks.rank, ranks.world_size, seconds, guard=ranks.guard)
+
+    def start(self, what: str) -> None:
+        """This rank begins `what` (its activity number `count + 1`), which needs no agreement."""
+        self.count += 1
+        self.current = what
+        if self.store is not None:
+            self.store.set(str(self.rank), f"{self.count}|{what}")
+
+    def agree(self, what: str) -> None:
+        """Begin `what`, a collective, once every rank has begun it as the same activity (see the class docstring).
+
+        Call it right before the collective's first exchange, and begin or agree on nothing else until then: a rank
+        that passed may publish its next activity only once every rank has passed (entered that collective)."""
+        self.start(what)
+        if self.guard is None:
+            return self._wait_for_every_rank(what)
+        self.guard.operation(lambda: self._wait_for_every_rank(what))
+
+    def _wait_for_every_rank(self, what: str) -> None:
+        if self.store is None or (self.guard is not None and self.guard.alone):
+            return
+        started = time.monotonic()
+        pause, warned = 0.005, False
+        while True:
+            reason = self.guard.poll() if self.guard is not None else None
+            if reason is not None:
+                raise Abandoned(f"{what} was given up on rank {self.rank}: {reason}.")
+            with peers_answer(f"{what}, reading what the other ranks do,"):
+                seen = self._published()
+            ahead = [r for r, (c, _) in seen.items() if c > self.count]
+            if ahead and any(self._passed(r) == self.count for r in ahead):
+                return self._pass()  # a rank passed this agreement: every rank had begun it
+            elsewhere = {r: w for r, (c, w) in seen.items() if c > self.count or (c == self.count and w != what)}
+            if elsewhere:
+                raise Disagreement(
+                    f"The ranks are not doing the same thing: rank {self.rank} is in {what} while "
+                    + ", ".join(f"rank {r} is in {w}" for r, w in sorted(elsewhere.items()))
+                    + ". It is a collective every rank must run at the same point: call it on every rank (not under "
+                    "`if global_rank == 0`), with the same arguments."
+                )
+            behind = {r: w for r, (c, w) in seen.items() if c < self.count}
+            if not behind:
+                return self._pass()
+            waited = time.monotonic() - started
+            named = ", ".join(f"rank {r} ({w or 'nothing yet'})" for r, w in sorted(behind.items()))
+            if waited > self.timeout:
+                raise PeerFailure(
+                    f"{what} waited {waited:.1f} s (the timeout) on rank {self.rank} for {named} to begin it: those "
+                    "ranks are still busy, blocked in something else, or gone."
+                )
+            if waited > self.warn_after and not warned:
+                warned = True
+                self.warn(
+                    f"Rank {self.rank} has waited {waited:.1f} s in {what} for {named}; it gives up after {self.timeout:.1f} s."
+                )
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
+
+    def _pass(self) -> None:
+        """This rank saw every rank begin its activity `count`: say so before it goes on (see `agree`)."""
+        assert self.store is not None
+        with peers_answer(f"{self.current}, saying it agreed,"):
+            self.store.set(f"{self.rank}/passed", str(self.count))
+
+    def _passed(self, rank: int) -> int:
+        """The activity number of the last agreement `rank` passed (0: none)."""
+        assert self.store is not None
+        key = f"{rank}/passed"
+        with peers_answer(f"{self.current}, reading what the other ranks agreed,"):
+            return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def _published(self) -> dict[int, tuple[int, str]]:
+        """Every other rank's last activity: `rank -> (number, what)` (`(0, "")` before its first)."""
+        assert self.store is not None
+        seen = {}
+        for rank in range(self.world_size):
+            if rank != self.rank:
+                key = str(rank)
+                number, _, what = (
+                    self.store.get(key).decode().partition("|") if self.store.check([key]) else ("0", "", "")
+                )
+                seen[rank] = (int(number), what)
+        return seen

@@ -40,10 +40,10 @@ from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.compression import ChocoStates, check_compressible
+from lightning_decentral.failures import Survival
 from lightning_decentral.gossip import CompressedGossip, Gossip, StaleGossip
 from lightning_decentral.measures import random_state
 from lightning_decentral.membership.guard import Guard
-from lightning_decentral.membership.guard import Surviving as Guarded
 from lightning_decentral.mixing import (
     TRAINER,
     BytesSent,
@@ -112,14 +112,6 @@ class StepRunner(Protocol):
     def mix(self, step: int, rounds: int) -> None: ...
 
 
-class Surviving(Guarded, Protocol):
-    """What the driver asks of the survival of a run on processes (`on_peer_failure="continue"`,
-    [`Survivors`][lightning_decentral.membership.Survivors]) besides what its mixers and guard ask."""
-
-    def begin(self, step: int) -> None:
-        """Before step `step`: make the survivors' group if they mix again from this step on."""
-
-
 AnyMixer = TypeVar("AnyMixer", bound=Mixer)
 
 
@@ -157,7 +149,7 @@ class StepDriver:
         self.watch = Watch(phrasing=phrasing)  # shared with every mixer the driver builds
         self.sent = BytesSent()  # every exchange's bytes, told by the mixers
         self.watch.observers.append(self.sent)
-        self.survival: Surviving | None = None  # on_peer_failure="continue" on processes
+        self.survival: Survival | None = None  # on_peer_failure="continue" on processes
         self.guard = (
             Guard()
         )  # every collective besides the exchange goes through it; its step: the step begun, or the next
@@ -246,7 +238,7 @@ class StepDriver:
         backend: str | None,
         timeout: timedelta,
         on_default_group: bool,
-        survival: Surviving | None = None,
+        survival: Survival | None = None,
         group: Any | None = None,
     ) -> Mixer:
         """This rank's mixer when every worker is a process (every rank calls it together): bounded staleness over

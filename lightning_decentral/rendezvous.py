@@ -22,15 +22,22 @@ A run whose survivors went on without a lost rank (`on_peer_failure="continue"`)
 ([`keep_out`][lightning_decentral.rendezvous.keep_out]): a process started again as it stops at once with
 [`LeftOut`][lightning_decentral.rendezvous.LeftOut] instead of waiting the timeout for a generation that will not
 come.
+
+Calls to the job's store that cannot hang: [`GuardedStore`][lightning_decentral.rendezvous.GuardedStore] raises
+[`StoreLost`][lightning_decentral.rendezvous.StoreLost] when the store does not answer within the timeout or is gone.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import threading
 import time
 import uuid
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
@@ -212,3 +219,119 @@ def _agent_serves(address: str, port: int) -> bool:
         and os.environ.get("MASTER_ADDR") == address
         and os.environ.get("MASTER_PORT") == str(port)
     )
+
+
+class StoreLost(RuntimeError):
+    """The job's store did not answer within the timeout (its host is stopped or unreachable) or is gone (its host
+    died): ranks that agree through it (the survivors of a failure, a stop at one step, what each rank does) cannot,
+    and the run stops."""
+
+
+class GuardedStore:
+    """A client of the job's store whose calls raise [`StoreLost`][lightning_decentral.rendezvous.StoreLost] when the
+    store does not answer within `timeout` seconds or is gone, instead of hanging (a store host that is stopped, not
+    dead, leaves a plain client waiting for ever) or raising torch's error (`DistNetworkError: Connection reset by
+    peer`). Every call to the job's store on a per-step path runs through one (`Activities`, the stop agreement, the
+    survivors' membership).
+
+    The calls run one at a time on a daemon thread; once one has timed out, every later call raises at once. The
+    thread ends with [`close`][lightning_decentral.rendezvous.GuardedStore.close], or when the object is garbage.
+
+    Args:
+        connect: makes the client (a new connection), run under the same watchdog.
+        timeout: seconds a call may take.
+        where: the store's address, for the error.
+
+    Examples:
+        >>> store = GuardedStore.around(dist.HashStore(), timedelta(seconds=5))
+        >>> store.set("k", "v"), store.check(["k"]), store.get("k")
+        (None, True, b'v')
+    """
+
+    def __init__(self, connect: Callable[[], Any], timeout: float, where: str) -> None:
+        self.timeout, self.where = timeout, where
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._lost: str | None = None
+        threading.Thread(target=_serve, args=(self._requests,), daemon=True, name="lightning_decentral-store").start()
+        weakref.finalize(self, self._requests.put, None)  # the thread ends when nobody can call any more
+        self._store = self._call(connect)
+
+    @classmethod
+    def around(cls, store: Any, timeout: timedelta) -> GuardedStore:
+        """`store`, a client of the job's store this process already has (the default group's), under the watchdog."""
+        where = (
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            if "MASTER_PORT" in os.environ
+            else "(in process)"
+        )
+        return cls(lambda: store, timeout.total_seconds(), where)
+
+    def _call(self, call: Callable[..., Any], *args: Any) -> Any:
+        if self._lost is not None:
+            raise StoreLost(self._lost)
+        answer: list[tuple[bool, Any]] = []
+        done = threading.Event()
+        self._requests.put((call, args, answer, done))
+        if not done.wait(self.timeout):
+            self._lost = (
+                f"The job's store at {self.where} did not answer within {self.timeout:.0f} s (its host is stopped or "
+                "unreachable). It is the one process a run cannot lose: the ranks cannot agree without it."
+            )
+            raise StoreLost(self._lost)
+        ok, value = answer[0]
+        if ok:
+            return value
+        if isinstance(value, (dist.DistError, RuntimeError)):
+            self._lost = (
+                f"The job's store at {self.where} is gone ({type(value).__name__}: {str(value).splitlines()[0]}): its "
+                "host died. It is the one process a run cannot lose: the ranks cannot agree without it."
+            )
+            raise StoreLost(self._lost) from value
+        raise value
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key exists (never blocks on a missing key)."""
+        return self._call(self._store.check, keys)
+
+    def get(self, key: str) -> bytes:
+        """The value of `key`, which must exist."""
+        return self._call(self._store.get, key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        """The values of `keys`, which must exist."""
+        return self._call(self._store.multi_get, keys)
+
+    def set(self, key: str, value: str) -> None:
+        """Set `key`."""
+        self._call(self._store.set, key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        """Add to the counter `key` (0 reads it) and return its value."""
+        return self._call(self._store.add, key, amount)
+
+    def compare_set(self, key: str, expected: str, value: str) -> bytes:
+        """Set `key` to `value` if it holds `expected` (`""`: if it does not exist); the value it holds after."""
+        return self._call(self._store.compare_set, key, expected, value)
+
+    def delete_key(self, key: str) -> bool:
+        """Remove `key`; whether it existed."""
+        return self._call(self._store.delete_key, key)
+
+    def close(self) -> None:
+        """Stop the call thread (one stuck in a call stays until the call returns: it is a daemon)."""
+        self._requests.put(None)
+
+
+def _serve(requests: queue.SimpleQueue) -> None:
+    """A `GuardedStore`'s thread: run each call put in `requests` until `None` comes (it holds nothing else, so the
+    store object can be collected)."""
+    while True:
+        request = requests.get()
+        if request is None:
+            return
+        call, args, answer, done = request
+        try:
+            answer.append((True, call(*args)))
+        except BaseException as error:
+            answer.append((False, error))
+        done.set()

@@ -27,13 +27,14 @@ LAYERS = [
     ["compression"],
     ["algorithms"],
     ["topology"],
-    ["failures", "rendezvous"],
+    ["failures", "rendezvous", "timeouts"],
     ["_compat", "_compat.lightning"],  # the private names of torch, and of Lightning: every layer may use them
 ]
 WITHOUT_LIGHTNING = [
     "_compat",
     "failures",
     "rendezvous",
+    "timeouts",
     "data",
     "measures",
     "driver",

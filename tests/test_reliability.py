@@ -361,7 +361,7 @@ def test_a_rank_that_passed_an_agreement_and_went_on_lets_a_slower_rank_pass_it(
 
     import torch.distributed as dist
 
-    from lightning_decentral.failures import Activities
+    from lightning_decentral.agreement import Activities
 
     store = dist.HashStore()
     fast, slow = Activities(store, 0, 2, timeout=5.0), Activities(store, 1, 2, timeout=5.0)
@@ -389,7 +389,8 @@ def test_ranks_that_agree_pass_and_a_rank_that_never_begins_is_named_after_the_t
 
     import torch.distributed as dist
 
-    from lightning_decentral.failures import Activities, PeerFailure
+    from lightning_decentral.agreement import Activities
+    from lightning_decentral.failures import PeerFailure
 
     store, warned = dist.HashStore(), []
     ranks = [Activities(store, rank, 3, timeout=0.5, warn_after=0.2, warn=warned.append) for rank in range(3)]

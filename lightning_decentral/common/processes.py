@@ -21,9 +21,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only,
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_decentral.agreement import Ranks, parameter_deviations
+from lightning_decentral.agreement import Activities, Ranks, parameter_deviations
 from lightning_decentral.driver import StepDriver
-from lightning_decentral.failures import Activities
 from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import Decision, Join, Membership, Survivors
 from lightning_decentral.membership.guard import Guard

@@ -23,17 +23,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral._compat.lightning import BackwardSyncControl
-from lightning_decentral.agreement import run_configuration
+from lightning_decentral.agreement import Activities, run_configuration
 from lightning_decentral.common import OnProcesses, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver, StepRunner
 from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
-from lightning_decentral.failures import DEFAULT_TIMEOUT, Activities, checked_timeout
 from lightning_decentral.measures import random_state
 from lightning_decentral.membership.guard import from_its_value_now
 from lightning_decentral.mixing import FABRIC, Mixer
 from lightning_decentral.options import gossip_options, refuse_sharding, register_strategies, takes_gossip_options
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
 from lightning_decentral.rules import RuleContext, check_one_optimizer
+from lightning_decentral.timeouts import DEFAULT_TIMEOUT, checked_timeout
 
 
 @takes_gossip_options
@@ -325,7 +325,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
 
     def agree(self, what: str) -> None:
         """Right before a collective every rank must enter together: stop at once, naming what each rank does, if
-        another rank does something else ([`Activities`][lightning_decentral.failures.Activities]); a no-op before
+        another rank does something else ([`Activities`][lightning_decentral.agreement.Activities]); a no-op before
         set-up, and in the steps the survivors of a failure take alone (nobody to agree with). Nothing else may be
         agreed or begun before that collective."""
         if self.activities is not None and not self.driver.alone:

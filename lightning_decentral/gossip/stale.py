@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_decentral.failures import DEFAULT_TIMEOUT, PeerFailure, peers_answer
+from lightning_decentral.failures import PeerFailure, peers_answer
 from lightning_decentral.gossip.links import IDLE, Links, message_bytes, payload_layout
 from lightning_decentral.mixing import (
     DelaySchedule,
@@ -36,6 +36,7 @@ from lightning_decentral.mixing import (
     notify_wait,
     raise_if_not_finite,
 )
+from lightning_decentral.timeouts import DEFAULT_TIMEOUT
 from lightning_decentral.topology import Topology
 
 

@@ -17,7 +17,7 @@ again, and a process group of their own. This package does that, Lightning-free,
   pending operation on it fail, here and at the peers), and `Membership.form_group` makes the survivors' default
   process group on a fresh prefix of the store;
 * [`store_client`][lightning_decentral.membership.store_client],
-  [`GuardedStore`][lightning_decentral.failures.GuardedStore] (store calls that cannot hang, from `failures`) and
+  [`GuardedStore`][lightning_decentral.rendezvous.GuardedStore] (store calls that cannot hang, from `rendezvous`) and
   [`store_host`][lightning_decentral.membership.store_host] (whether the store outlives the workers);
 * `report.py`: what a run says about its failures (a line per decision on every survivor, the metrics, the warning
   at the end);

@@ -7,19 +7,9 @@ it."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from lightning_decentral.failures import PeerFailure, Survival, peers_answer
-
-
-class Surviving(Survival, Protocol):
-    """What a [`Guard`][lightning_decentral.membership.guard.Guard] asks of the survival besides what a mixer asks
-    ([`Survivors`][lightning_decentral.membership.Survivors])."""
-
-    @property
-    def alone(self) -> bool:
-        """Between the survivors' agreement and their process group: the default group is this rank's alone."""
-
 
 Result = TypeVar("Result")
 
@@ -52,7 +42,7 @@ class Guard:
     """
 
     def __init__(self) -> None:
-        self.survival: Surviving | None = None
+        self.survival: Survival | None = None
         self.step = 0
         self._depth = 0  # operations running on this thread, one inside the other
 

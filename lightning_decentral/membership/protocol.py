@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from lightning_decentral.failures import Abandoned, GuardedStore, StoreLost, peers_answer
+from lightning_decentral.failures import Abandoned, peers_answer
 from lightning_decentral.membership.beacon import Beacon, gone
 from lightning_decentral.membership.groups import rebuild_world
-from lightning_decentral.rendezvous import keep_out
+from lightning_decentral.rendezvous import GuardedStore, StoreLost, keep_out
 
 HEARTBEAT = 0.1  # seconds between two heartbeats of a rank
 POLL = 0.01  # seconds between two looks at the store while agreeing

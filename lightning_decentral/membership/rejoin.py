@@ -35,9 +35,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_decentral.failures import GuardedStore
 from lightning_decentral.membership.protocol import POLL, Decision, Excluded, Membership
-from lightning_decentral.rendezvous import LeftOut
+from lightning_decentral.rendezvous import GuardedStore, LeftOut
 from lightning_decentral.topology import Topology
 
 CURRENT = "lightning_decentral/current"  # the run in progress, as its lowest-ranked member last published it
@@ -170,7 +169,7 @@ class Joins:
     Examples:
         >>> import torch.distributed as dist
         >>> from datetime import timedelta
-        >>> from lightning_decentral.failures import GuardedStore
+        >>> from lightning_decentral.rendezvous import GuardedStore
         >>> store = GuardedStore.around(dist.HashStore(), timedelta(seconds=5))
         >>> members = [Membership(store, lambda: store, "run", r, 3, silence=5.0, min_workers=1) for r in (0, 1, 2)]
         >>> joins = [Joins(m, margin=lambda: 3) for m in members]

@@ -1,6 +1,6 @@
 """The job's key-value store, which the survivors of a failure agree through: reaching it, and where it lives
 ([`store_host`][lightning_decentral.membership.store_host]). Every call they make to it runs under
-[`GuardedStore`][lightning_decentral.failures.GuardedStore] (calls that cannot hang), as the per-batch calls of the
+[`GuardedStore`][lightning_decentral.rendezvous.GuardedStore] (calls that cannot hang), as the per-batch calls of the
 executors do.
 
 Every launcher of `torch.distributed` has one `TCPStore`, at `MASTER_ADDR:MASTER_PORT`: rank 0's process hosts it
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_decentral.failures import GuardedStore, StoreLost
+from lightning_decentral.rendezvous import GuardedStore, StoreLost
 
 __all__ = ["LAUNCHER_KEY", "GuardedStore", "StoreLost", "store_client", "store_host"]
 

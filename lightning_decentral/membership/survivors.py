@@ -12,12 +12,13 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from lightning_decentral._compat import default_store
-from lightning_decentral.failures import Abandoned, GuardedStore, PeerFailure, peers_answer
+from lightning_decentral.failures import Abandoned, PeerFailure, peers_answer
 from lightning_decentral.membership.groups import alone, poison
 from lightning_decentral.membership.protocol import Decision, Join, Membership
 from lightning_decentral.membership.rejoin import CannotRejoin, Joins, ask, hand_over, publish, source_for
 from lightning_decentral.membership.report import decision_line
 from lightning_decentral.membership.store import store_client, store_host
+from lightning_decentral.rendezvous import GuardedStore
 
 log = logging.getLogger(__name__)  # shown as Lightning's own messages are (membership/report.py)
 

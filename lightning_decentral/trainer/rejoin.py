@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import callback_states, load_callback_states, resume_from_state
-from lightning_decentral.failures import Activities
+from lightning_decentral.agreement import Activities
 from lightning_decentral.membership import Join
 from lightning_decentral.membership.rejoin import source_for, take_over
 

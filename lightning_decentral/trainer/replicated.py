@@ -31,9 +31,8 @@ from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
-from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.agreement import Activities, Ranks, mean_optimizer_state
 from lightning_decentral.common import EvaluatesOnAverage
-from lightning_decentral.failures import Activities
 from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.membership.guard import Guard, from_its_value_now
 from lightning_decentral.replicas import AveragedModel, MeanFn, local_tensor, state_tensors

@@ -9,8 +9,8 @@ with one `check` per step (a round trip to the store, no wait for any rank). Eve
 before `S` and stops before step `S`, all at the same step. `margin` covers how far ranks can be apart
 ([`stop_margin`][lightning_decentral.trainer.stop.stop_margin]), so no rank has started `S` when it is proposed; a rank
 that finds itself past `S` raises instead of stopping elsewhere. The calls run under a
-[`GuardedStore`][lightning_decentral.failures.GuardedStore]: a store that is stopped or gone raises
-[`StoreLost`][lightning_decentral.failures.StoreLost] within the timeout instead of hanging the batch.
+[`GuardedStore`][lightning_decentral.rendezvous.GuardedStore]: a store that is stopped or gone raises
+[`StoreLost`][lightning_decentral.rendezvous.StoreLost] within the timeout instead of hanging the batch.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from collections import deque
 from datetime import timedelta
 from typing import Any
 
-from lightning_decentral.failures import DEFAULT_TIMEOUT, GuardedStore
+from lightning_decentral.rendezvous import GuardedStore
+from lightning_decentral.timeouts import DEFAULT_TIMEOUT
 from lightning_decentral.topology import Topology
 
 KEY_PREFIX = "lightning_decentral/stop"

@@ -41,7 +41,6 @@ from lightning_decentral._compat.lightning import set_device_mesh
 from lightning_decentral.agreement import optimizer_configuration, run_configuration
 from lightning_decentral.common import OnProcesses, backward_may_overlap, enabled_grad_scaler
 from lightning_decentral.driver import Driven, StepDriver
-from lightning_decentral.failures import DEFAULT_TIMEOUT, checked_timeout
 from lightning_decentral.membership import Decision, form_for_save
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
@@ -55,6 +54,7 @@ from lightning_decentral.sharding import (
     local_tensors,
     sharded_optimizer_state,
 )
+from lightning_decentral.timeouts import DEFAULT_TIMEOUT, checked_timeout
 from lightning_decentral.trainer.rejoin import Rejoining
 from lightning_decentral.trainer.replicated import ReplicaStrategy
 from lightning_decentral.trainer.signals import stop_line, stop_together
