@@ -59,7 +59,10 @@ class Ranks:
         group: dist.ProcessGroup | None = None,
         guard: Guard | None = None,
     ) -> None:
-        self.rank, self.world_size, self.device, self.group = rank, world_size, device, group
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.group = group
         self.guard = guard if guard is not None else Guard()
 
     @classmethod
@@ -76,7 +79,8 @@ class Ranks:
 
         def attempt() -> Any:
             if self.group is None and dist.is_available() and dist.is_initialized():
-                self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+                self.rank = dist.get_rank()
+                self.world_size = dist.get_world_size()
             return collective()
 
         return self.guard.run(what, attempt, peers)
@@ -492,7 +496,8 @@ def _encode(value: int | str) -> list[int]:
 
 
 def _decode(row: list[int], like: dict[str, int | str]) -> dict[str, int | str]:
-    decoded, offset = {}, 0
+    decoded = {}
+    offset = 0
     for name, value in like.items():
         if isinstance(value, str):
             decoded[name] = "".join(chr(c) for c in row[offset : offset + _STRING_SLOTS] if c)
@@ -550,8 +555,11 @@ class Activities:
         guard: Guard | None = None,
     ) -> None:
         self.store = None if store is None else GuardedStore.around(store, timedelta(seconds=timeout))
-        self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self.warn_after, self.warn = warn_after, warn
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.warn_after = warn_after
+        self.warn = warn
         self.guard = guard
         self.count = 0  # activities this rank has published
         self.current = ""
@@ -589,7 +597,8 @@ class Activities:
         if self.store is None or (self.guard is not None and self.guard.alone):
             return
         started = time.monotonic()
-        pause, warned = 0.005, False
+        pause = 0.005
+        warned = False
         while True:
             reason = self.guard.poll() if self.guard is not None else None
             if reason is not None:

@@ -142,7 +142,8 @@ def save_with_shards(
     agreed(source is not None)
     content["save_id"] = save_id = int(table[0, 0]) if source is None else same[0]
     checkpoint[META_KEY] = {"save_id": save_id, "world_size": ranks.world_size}
-    during, shard = f"Saving {filepath} at step {step}", shard_path(filepath, ranks.rank, ranks.world_size, save_id)
+    during = f"Saving {filepath} at step {step}"
+    shard = shard_path(filepath, ranks.rank, ranks.world_size, save_id)
 
     def put_shard() -> None:
         if source is None or not atomic_link(source, shard):

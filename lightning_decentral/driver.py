@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import fields
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
@@ -39,7 +38,7 @@ import torch
 from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.compression import ChocoStates, check_compressible
+from lightning_decentral.compression import ChocoStates, Compressor, check_compressible
 from lightning_decentral.failures import Survival
 from lightning_decentral.gossip import CompressedGossip, Gossip, StaleGossip
 from lightning_decentral.measures import random_state
@@ -48,6 +47,7 @@ from lightning_decentral.mixing import (
     TRAINER,
     BytesSent,
     DelayedMixing,
+    DelaySchedule,
     DenseMixer,
     ExchangeObserver,
     Mixer,
@@ -55,11 +55,11 @@ from lightning_decentral.mixing import (
     Watch,
     check_stale_topology,
 )
-from lightning_decentral.options import GossipOptions
+from lightning_decentral.options import GossipOptions, OptimizerFactory
 from lightning_decentral.outer import OuterStep
 from lightning_decentral.replicas import Replica
 from lightning_decentral.rules import RULES, Closure, RuleContext, UpdateRule, check_one_optimizer
-from lightning_decentral.schedule import GossipSchedule, StepPlan
+from lightning_decentral.schedule import GossipSchedule, RoundsSchedule, StepPlan
 from lightning_decentral.topology import Topology, resolve_topology
 
 
@@ -250,7 +250,8 @@ class StepDriver:
         `from_copy` with an outer step). With `survival`, a failed exchange or collective (`guard`) asks it, and each
         step begins with it. With `group` (sharded replicas: the ranks holding this rank's shard of every replica), on
         that group."""
-        options, topology = self.options, self.topology
+        options = self.options
+        topology = self.topology
         self.survival = self.watch.survival = self.guard.survival = survival
         if group is not None:  # staleness and survival are refused with sharded replicas (GossipOptions)
             mixer: Mixer = Gossip(topology, group=group, dtype=options.gossip_dtype, timeout=timeout, watch=self.watch)
@@ -268,7 +269,8 @@ class StepDriver:
         """The mixer of every worker in one process: a [`DenseMixer`][lightning_decentral.mixing.DenseMixer], with
         bounded staleness through [`DelayedMixing`][lightning_decentral.mixing.DelayedMixing]; `mixer.worker(i)` is
         worker `i`'s."""
-        options, topology = self.options, self.topology
+        options = self.options
+        topology = self.topology
         delayed = DelayedMixing(topology, options.staleness, options.delays) if options.staleness else None
         mixer = DenseMixer(
             topology,
@@ -307,7 +309,9 @@ class StepDriver:
         [`OuterStep`][lightning_decentral.outer.OuterStep] with an `outer_optimizer`, else `RULES[options.rule]`."""
         if self.options.compression is not None:
             check_compressible(self.options.compression, replica.mixed)  # what will be sent, before training
-        outer, every, overlap = self.options.outer_optimizer, self.options.gossip_every, self.options.outer_overlap
+        outer = self.options.outer_optimizer
+        every = self.options.gossip_every
+        overlap = self.options.outer_overlap
         if outer is not None:
             return OuterStep(replica, mixer, optimizer, context, outer_optimizer=outer, every=every, overlap=overlap)
         return RULES[self.options.rule](replica, mixer, optimizer, context)
@@ -323,7 +327,8 @@ class StepDriver:
 
     def run(self, runner: StepRunner) -> None:
         """Drive `runner` from now on (the simulation's worker group; `build_rule` calls it for a rule)."""
-        self.runner, self._plan = runner, None
+        self.runner = runner
+        self._plan = None
 
     # -- one step -----------------------------------------------------------------------------
 
@@ -382,7 +387,9 @@ class StepDriver:
         """The run is over: release the rule's hooks, forget its mixers and survival (`rule_state` stays for a save)."""
         if self.runner is not None:
             self.runner.teardown()
-        self.runner, self._plan, self._mixers = None, None, []
+        self.runner = None
+        self._plan = None
+        self._mixers = []
         self.survival = self.watch.survival = self.guard.survival = None
         self.failed = False
 
@@ -514,16 +521,95 @@ class Driven:
         """The random state this rank's training forward draws from."""
         return [random_state(self.root_device)]
 
+    # -- the update-rule arguments, one attribute each (GossipOptions describes each) ---------------------------
 
-def _option(name: str) -> property:
-    return property(lambda self: getattr(self.driver.options, name), doc=f"The `{name}` argument (`GossipOptions`).")
+    @property
+    def combine(self) -> str:
+        """`"awc"` or `"atc"`: whether the exchange of `x(k)` overlaps the step (AWC) or mixes `U(x)` (ATC)."""
+        return self.driver.options.combine
 
+    @property
+    def momentum(self) -> str:
+        """`"local"` (the optimizer's own momentum) or `"decentlam"`."""
+        return self.driver.options.momentum
 
-for _field in fields(GossipOptions):
-    if _field.name != "topology":  # Driven.topology is the bound one
-        setattr(Driven, _field.name, _option(_field.name))
-Driven.bytes_sent = property(
-    lambda self: self.driver.bytes_sent,  # type: ignore[attr-defined]
-    doc="Bytes this process's workers have sent "
-    "([`StepDriver.bytes_sent`][lightning_decentral.driver.StepDriver.bytes_sent]).",
-)
+    @property
+    def gossip_every(self) -> int:
+        """Gossip on the steps with `(k + 1) % gossip_every == 0`; local steps otherwise."""
+        return self.driver.options.gossip_every
+
+    @property
+    def gossip_steps(self) -> RoundsSchedule:
+        """The rounds of `W(k)` per gossip step (a fixed number or a schedule over training)."""
+        return self.driver.options.gossip_steps
+
+    @property
+    def gossip_buffers(self) -> bool:
+        """Whether floating-point buffers (BatchNorm statistics) are mixed too."""
+        return self.driver.options.gossip_buffers
+
+    @property
+    def eval_on(self) -> str:
+        """`"average"`: validate, test and predict on `x̄`; `"local"`: on each worker's own replica."""
+        return self.driver.options.eval_on
+
+    @property
+    def bucket_cap_mb(self) -> float:
+        """DecentLaM's bucket size in MB."""
+        return self.driver.options.bucket_cap_mb
+
+    @property
+    def gossip_dtype(self) -> torch.dtype | None:
+        """The precision point-to-point messages travel in (`None`: the parameters' own)."""
+        return self.driver.options.gossip_dtype
+
+    @property
+    def staleness(self) -> int:
+        """Bounded staleness `s` (0: wait for every neighbour's step `k`)."""
+        return self.driver.options.staleness
+
+    @property
+    def delays(self) -> DelaySchedule | None:
+        """The imposed delays of bounded staleness (`None`: the newest received)."""
+        return self.driver.options.delays
+
+    @property
+    def on_peer_failure(self) -> str:
+        """`"stop"` or `"continue"` (the survivors go on) when a peer fails."""
+        return self.driver.options.on_peer_failure
+
+    @property
+    def min_workers(self) -> int | None:
+        """With `"continue"`, the fewest workers a run goes on with (`None`: half, rounded up)."""
+        return self.driver.options.min_workers
+
+    @property
+    def outer_optimizer(self) -> OptimizerFactory | None:
+        """The outer optimizer of local steps (DiLoCo on `complete`), or `None`."""
+        return self.driver.options.outer_optimizer
+
+    @property
+    def outer_overlap(self) -> bool:
+        """Whether the outer round's exchange travels during the next round's inner steps."""
+        return self.driver.options.outer_overlap
+
+    @property
+    def compression(self) -> Compressor | None:
+        """The compressor of compressed gossip (CHOCO), or `None`: plain gossip."""
+        return self.driver.options.compression
+
+    @property
+    def consensus_step(self) -> float | None:
+        """`γ` of compressed gossip (the value used), `None` without compression."""
+        return self.driver.options.consensus_step
+
+    @property
+    def shard_size(self) -> int:
+        """`s`, the ranks of one replica (sharded replicas; 1: every rank is a replica)."""
+        return self.driver.options.shard_size
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this process's workers have sent
+        ([`StepDriver.bytes_sent`][lightning_decentral.driver.StepDriver.bytes_sent])."""
+        return self.driver.bytes_sent

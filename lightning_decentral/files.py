@@ -172,7 +172,8 @@ def atomic_link(source: str, path: str) -> bool:
     if not all(isinstance(fsspec.core.url_to_fs(str(p))[0], LocalFileSystem) for p in (source, path)):
         return False
     local = fsspec.core.url_to_fs(str(path))[1]
-    partial, directory = temporary_name(local), os.path.dirname(local) or "."
+    partial = temporary_name(local)
+    directory = os.path.dirname(local) or "."
     try:
         os.makedirs(directory, exist_ok=True)
         os.link(fsspec.core.url_to_fs(str(source))[1], partial)
@@ -192,7 +193,8 @@ class _Recorded:
     `RuntimeError` of its zip writer)."""
 
     def __init__(self, file: IO[bytes]) -> None:
-        self.file, self.error = file, None
+        self.file = file
+        self.error = None
 
     def write(self, data: Any) -> int:
         try:

@@ -131,11 +131,14 @@ class GradientBuckets:
 
     def arm(self, step: int, rounds: int, listen: bool) -> None:
         """Prepare step `step` (`rounds` exchanges per bucket); `listen`: post from the gradient hooks."""
-        self._step, self._rounds = step, rounds
+        self._step = step
+        self._rounds = rounds
         self._next = 0
         self.late_gradient = False
         for bucket in self._buckets:
-            bucket.ready, bucket.pending, bucket.posted = 0, None, False
+            bucket.ready = 0
+            bucket.pending = None
+            bucket.posted = False
         self.listening = listen
 
     def on_gradient(self, param: Parameter) -> None:
@@ -219,7 +222,8 @@ def _bucket(flat: _Flat, chunk: list[Parameter], group_of: dict[int, int]) -> _B
     """The contiguous slice of `flat` holding `chunk`, split in runs of one param group."""
     runs: list[list] = []  # [start, end, group], ascending offsets
     for p in sorted(chunk, key=flat.offset):
-        start, group = flat.offset(p), group_of.get(id(p))
+        start = flat.offset(p)
+        group = group_of.get(id(p))
         if runs and runs[-1][2] == group and runs[-1][1] == start:
             runs[-1][1] = start + _numel(p)
         else:

@@ -88,7 +88,8 @@ def rejoin_store(store: dist.Store, token: str) -> dist.Store:
     """A lost rank started again: from now on [`job_store`][lightning_decentral.rendezvous.job_store] is the
     namespace of the generation `token` names (the members', who published it), on `store`."""
     global _current, _token
-    _token, _current = token, dist.PrefixStore(f"{NAMESPACE}/{token}", store)
+    _token = token
+    _current = dist.PrefixStore(f"{NAMESPACE}/{token}", store)
     return _current
 
 
@@ -249,7 +250,8 @@ class GuardedStore:
     """
 
     def __init__(self, connect: Callable[[], Any], timeout: float, where: str) -> None:
-        self.timeout, self.where = timeout, where
+        self.timeout = timeout
+        self.where = where
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._lost: str | None = None
         threading.Thread(target=_serve, args=(self._requests,), daemon=True, name="lightning_decentral-store").start()

@@ -114,7 +114,9 @@ class Replica:
         """A replica over flat buffers that already hold the tensors (`parameters` are views of `flat_parameters`,
         the mixed module `buffers` of `flat_buffers`): nothing is packed or moved."""
         replica = cls.__new__(cls)
-        replica.parameters, replica.flat_parameters, replica.flat_buffers = parameters, flat_parameters, flat_buffers
+        replica.parameters = parameters
+        replica.flat_parameters = flat_parameters
+        replica.flat_buffers = flat_buffers
         replica.buffers = buffers
         return replica
 

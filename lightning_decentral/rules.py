@@ -87,7 +87,9 @@ class UpdateRule:
     def __init__(
         self, replica: Replica, mixer: Mixer, optimizer: Optimizer, context: RuleContext | None = None
     ) -> None:
-        self.replica, self.mixer, self.optimizer = replica, mixer, optimizer
+        self.replica = replica
+        self.mixer = mixer
+        self.optimizer = optimizer
         self.context = context or RuleContext()
         self.plan: StepPlan | None = None  # the step begun and not yet ended
         self._residual: tuple[int, Tensor] | None = None

@@ -197,7 +197,8 @@ class ConsensusControl(StepEnd):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restored on resume, so that a hand-over continues from the same `E`."""
-        self.calibration, self.mean_norm = state_dict["calibration"], state_dict["mean_norm"]
+        self.calibration = state_dict["calibration"]
+        self.mean_norm = state_dict["mean_norm"]
         self._extra_by_epoch = dict(state_dict["extra_by_epoch"])
 
     def run_extra_rounds(self, trainer: Trainer, step: int) -> None:
@@ -211,7 +212,10 @@ class ConsensusControl(StepEnd):
             return
         if self._extra:
             self._mixed_step = self._done_step
-        self._done_step, self._extra, self._rounds, self._capped = step, 0, 0, False
+        self._done_step = step
+        self._extra = 0
+        self._rounds = 0
+        self._capped = False
         strategy = decentralized(trainer)
         if strategy is None:
             return
@@ -247,7 +251,8 @@ class ConsensusControl(StepEnd):
         else:
             extra = min(extra, handover)
         strategy.extra_gossip(step, extra)
-        self._extra, self._rounds = extra, own + extra
+        self._extra = extra
+        self._rounds = own + extra
 
     def _capped_message(
         self, step: int, epoch: int, own: int, bounds: list[float], estimate: float, target: float
@@ -280,7 +285,8 @@ class ConsensusControl(StepEnd):
         self.mean_norm = float(mean_norm)
         if residual is None or self._mixed_step == step - 1:
             return
-        r, xi = float(residual), float(distance)
+        r = float(residual)
+        xi = float(distance)
         if r > 1e-6 * self.mean_norm and math.isfinite(xi):
             self.calibration = xi / r
 
@@ -326,7 +332,8 @@ def contraction_bounds(topology: Topology, step: int, limit: int) -> list[float]
     """
     n = topology.world_size
     deviation = topology.mixing(step) - np.full((n, n), 1.0 / n)  # (W − J)^r = W^r − J
-    power, bounds = np.eye(n) - np.full((n, n), 1.0 / n), []
+    power = np.eye(n) - np.full((n, n), 1.0 / n)
+    bounds = []
     for _ in range(limit + 1):
         bounds.append(float(np.linalg.norm(power, 2)))
         power = deviation @ power

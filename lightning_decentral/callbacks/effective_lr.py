@@ -87,7 +87,8 @@ class EffectiveLearningRate(Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         step = trainer.global_step
         if step != self._step:
-            self._step, self._batches = step, []
+            self._step = step
+            self._batches = []
         strategy = decentralized(trainer)
         if due(step, self.every_n_steps) and strategy is not None:
             states = strategy.worker_random_states()

@@ -44,7 +44,8 @@ def init_default_group(
     ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), as Lightning would make it otherwise, so that
     workers torchrun restarts never meet the keys of the workers they replace. As Lightning: `MASTER_ADDR` and
     `MASTER_PORT` name the job's store (its clients read them), and NCCL's group is destroyed at exit."""
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
+    os.environ["MASTER_ADDR"] = environment.main_address
+    os.environ["MASTER_PORT"] = str(environment.main_port)
     store = connect(environment.main_address, environment.main_port, rank, world_size, timeout)
     log.info(f"Initializing distributed: GLOBAL_RANK: {rank}, MEMBER: {rank + 1}/{world_size}")
     device_id = device if device.type != "cpu" else None
@@ -211,7 +212,8 @@ class OnProcesses:
         environment = self.cluster_environment  # type: ignore[attr-defined]
         assert environment is not None
         if self.rejoins and self.global_rank > 0:  # rank 0 may host the store: it would wait for itself
-            os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = environment.main_address, str(environment.main_port)
+            os.environ["MASTER_ADDR"] = environment.main_address
+            os.environ["MASTER_PORT"] = str(environment.main_port)
             client = store_client(self._timeout)
             refuse_new_rank(client, self.global_rank, self.world_size)
             refuse_after_the_run(client, self.global_rank)

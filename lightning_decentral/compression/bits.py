@@ -46,7 +46,8 @@ def pack_bits(codes: Tensor, bits: int, out: Tensor | None = None) -> Tensor:
     """
     if not 1 <= bits <= 32:
         raise ValueError(f"bits must be in [1, 32], got {bits}.")
-    device, size = codes.device, packed_bytes(len(codes), bits)
+    device = codes.device
+    size = packed_bytes(len(codes), bits)
     out = torch.empty(size, dtype=torch.uint8, device=device) if out is None else out
     if bits == 8:
         return out.copy_(codes)

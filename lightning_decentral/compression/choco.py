@@ -117,7 +117,10 @@ class Choco:
     """
 
     def __init__(self, compressor: Compressor, consensus_step: float, rank: int, from_copy: bool = False) -> None:
-        self.compressor, self.consensus_step, self.rank, self.from_copy = compressor, consensus_step, rank, from_copy
+        self.compressor = compressor
+        self.consensus_step = consensus_step
+        self.rank = rank
+        self.from_copy = from_copy
         self.copies: dict[int, EdgeCopies] = {}
         self._loaded: dict[int, Any] = {}  # saved copies of buffers not exchanged since the load
         self.origins: dict[int, Tensor] = {}  # where new copies of a buffer start (start_copies_at)
@@ -163,7 +166,10 @@ class Choco:
 
     def rebind(self, rank: int) -> None:
         """Be worker `rank` of a new topology, from empty copies (every worker does it together)."""
-        self.rank, self.copies, self._loaded, self.origins = rank, {}, {}, {}
+        self.rank = rank
+        self.copies = {}
+        self._loaded = {}
+        self.origins = {}
 
     def state_dict(self) -> dict[str, Any]:
         """The public copies by buffer key, where new ones start, and `wire_bytes` (tensors and integers: a
@@ -174,7 +180,8 @@ class Choco:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from `state` ([`state_dict`][lightning_decentral.compression.Choco.state_dict]); each buffer's
         copies are restored, on its device, at its first exchange."""
-        self.copies, self._loaded = {}, {int(key): saved for key, saved in state["copies"].items()}
+        self.copies = {}
+        self._loaded = {int(key): saved for key, saved in state["copies"].items()}
         self.origins = {int(key): origin for key, origin in state.get("origins", {}).items()}
         self.wire_bytes = int(state["wire_bytes"])
 
@@ -199,8 +206,14 @@ class ChocoExchange:
         out: Sequence[Tensor] | None = None,
         measure: bool = False,
     ) -> None:
-        self.choco, self.topology, self.step, self.rounds, self.tag = choco, topology, step, rounds, tag
-        self.buffers, self.out, self.measure = list(buffers), None if out is None else list(out), measure
+        self.choco = choco
+        self.topology = topology
+        self.step = step
+        self.rounds = rounds
+        self.tag = tag
+        self.buffers = list(buffers)
+        self.out = None if out is None else list(out)
+        self.measure = measure
         self.copies = [choco.copies_of(tag + index, b) for index, b in enumerate(self.buffers)]
         sizes = [choco.compressor.payload_bytes(c.numel, c.like.dtype) for c in self.copies]
         self._parts = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # (offset, size) in a message
@@ -223,7 +236,8 @@ class ChocoExchange:
         size = sum(size for _, size in self._parts)
         messages = {j: torch.empty(size, dtype=torch.uint8, device=device) for j in peers}
         for index, (x, copies) in enumerate(zip(self.current, self.copies)):
-            seed, (offset, size) = exchange_seed(self.step, round, self.tag + index, choco.rank), self._parts[index]
+            seed = exchange_seed(self.step, round, self.tag + index, choco.rank)
+            (offset, size) = self._parts[index]
             for slot, members in copies.slots_for(peers).items():
                 payload = messages[members[0]][offset : offset + size]
                 encode_update_(choco.compressor, x.reshape(-1), copies.sent[slot], seed, payload, copies.work)
@@ -253,7 +267,8 @@ class ChocoExchange:
     def _combine(self, index: int, copies: EdgeCopies) -> None:
         """`x += γ Δ` for buffer `index` (or its share of `out`), chunk by chunk: `Δ`, its step and its sum into the
         target while the chunk is in cache (the same operations per element as `_combine_whole`)."""
-        terms, gamma = self._terms(copies), self.choco.consensus_step
+        terms = self._terms(copies)
+        gamma = self.choco.consensus_step
         x = self.buffers[index].view(-1)
         direct = self.out is not None and self.rounds == 1 and self.out[index].dtype == copies.like.dtype
         target = self.out[index].view(-1) if self.out is not None else x
@@ -353,7 +368,8 @@ class ChocoStates:
         the copies of the mixer attached before."""
         if not isinstance(mixer, Compressing) or not mixer.chocos:
             return
-        earlier, self._mixer = self.chocos, mixer
+        earlier = self.chocos
+        self._mixer = mixer
         for choco, before in zip(self.chocos, earlier):
             choco.load_state_dict(before.state_dict())
         self._restore()

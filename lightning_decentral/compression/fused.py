@@ -112,7 +112,8 @@ def encode_update_(
     elif isinstance(compressor, (Sign, Quantize)):
         _Dense(compressor, numel, copy, chunk).encode(x, payload)
     elif isinstance(compressor, TopK):
-        k, itemsize = kept(numel, compressor.fraction), copy.dtype.itemsize
+        k = kept(numel, compressor.fraction)
+        itemsize = copy.dtype.itemsize
         magnitude = torch.sub(x, copy, out=work if work is not None else torch.empty_like(copy)).abs_()
         indices = magnitude.topk(k, sorted=False).indices
         aligned = payload.storage_offset() % itemsize == 0  # the values can be written into the payload directly
@@ -147,12 +148,14 @@ def decode_add_(compressor: Compressor, payload: Tensor, copy: Tensor, seed: int
         _Dense(compressor, numel, copy, chunk).decode_add(payload)
         return copy
     if isinstance(compressor, TopK):
-        k, itemsize = kept(numel, compressor.fraction), copy.dtype.itemsize
+        k = kept(numel, compressor.fraction)
+        itemsize = copy.dtype.itemsize
         values = as_dtype(payload[: k * itemsize], copy.dtype)
         indices = unpack_bits(payload[k * itemsize :], k, _index_bits(numel)).long()
     else:
         assert isinstance(compressor, RandomK)
-        values, indices = as_dtype(payload, copy.dtype), compressor.indices(numel, seed, copy.device)
+        values = as_dtype(payload, copy.dtype)
+        indices = compressor.indices(numel, seed, copy.device)
     return copy.index_add_(0, indices, values)
 
 
@@ -161,9 +164,13 @@ class _Dense:
     the payload's layout (`blocks` float32 scales, then the packed codes) and the scratch of one chunk."""
 
     def __init__(self, compressor: Sign | Quantize, numel: int, copy: Tensor, chunk: int | None = None) -> None:
-        self.compressor, self.numel, self.copy, self.dtype = compressor, numel, copy, copy.dtype
+        self.compressor = compressor
+        self.numel = numel
+        self.copy = copy
+        self.dtype = copy.dtype
         self.bits = 1 if isinstance(compressor, Sign) else compressor.bits
-        self.width, self.blocks = _width(numel, compressor.block), _blocks(numel, compressor.block)
+        self.width = _width(numel, compressor.block)
+        self.blocks = _blocks(numel, compressor.block)
         self.chunk = chunk_size(numel, copy.device, math.lcm(self.width, 8), chunk)
         size = min(self.chunk, numel)
         self.values = copy.new_empty(size)  # x − x̂, then the codes, then C(v), of one chunk
@@ -188,7 +195,8 @@ class _Dense:
             tail.mul_(scales[-1])
 
     def encode(self, x: Tensor, payload: Tensor) -> None:
-        compressor, scale_bytes = self.compressor, self.blocks * SCALE.itemsize
+        compressor = self.compressor
+        scale_bytes = self.blocks * SCALE.itemsize
         for start, stop, first, last in self.ranges():
             values = torch.sub(x[start:stop], self.copy[start:stop], out=self.values[: stop - start])
             rows, tail = self.rows(values)
@@ -231,7 +239,8 @@ class _Dense:
             pack_bits(codes[:count], self.bits, out=out[:size])
 
     def decode_add(self, payload: Tensor) -> None:
-        compressor, scale_bytes = self.compressor, self.blocks * SCALE.itemsize
+        compressor = self.compressor
+        scale_bytes = self.blocks * SCALE.itemsize
         scales = as_dtype(payload[:scale_bytes], SCALE).to(self.dtype)
         for start, stop, first, last in self.ranges():
             count = stop - start

@@ -30,7 +30,8 @@ class PrefixedModule:
     (`"net."` for `self.net`). Built by [`under_prefix`][lightning_decentral.fabric.under_prefix]."""
 
     def __init__(self, module: Module, prefix: str) -> None:
-        self.module, self.prefix = module, prefix
+        self.module = module
+        self.prefix = prefix
 
     def state_dict(self) -> dict[str, Any]:
         """The module's state dict, each name prefixed."""

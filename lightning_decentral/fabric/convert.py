@@ -132,7 +132,8 @@ def _read_shards(fabric_path: StrPath, meta: dict[str, int], ranks: Iterable[int
     outside = [rank for rank in wanted if not 0 <= rank < world_size]
     if outside:
         raise ValueError(f"`ranks` {outside} are not ranks of {fabric_path}, which {world_size} ranks saved.")
-    found, problems = {}, {}
+    found = {}
+    problems = {}
     for rank in wanted:
         shard, problem = shards.read_own_shard(fabric_path, meta, rank, world_size)
         if shard is None:

@@ -385,7 +385,10 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         for hook in self._hooks:
             hook.remove()
         self._mixer = self._replica = self._module = self._optimizer = None
-        self._hooks, self._forward_states, self._graph_pending, self.activities = [], [], False, None
+        self._hooks = []
+        self._forward_states = []
+        self._graph_pending = False
+        self.activities = None
         super().teardown()
 
     @classmethod

@@ -159,17 +159,20 @@ class PendingCompressed:
     def __init__(
         self, mixer: CompressedGossip, exchange: ChocoExchange | None, tag: int, event: ExchangeEvent | None
     ) -> None:
-        self._mixer, self._exchange, self._tag, self._event = mixer, exchange, tag, event
+        self._mixer = mixer
+        self._exchange = exchange
+        self._tag = tag
+        self._event = event
         self._observers = list(mixer.observers)
         self.residuals: list[Tensor] | None = None
-        self._round, self._works, self._ranks = 0, None, []
+        self._round = 0
+        self._works = None
+        self._ranks = []
         self._received: dict[int, Tensor] = {}
         if exchange is not None:
             names = mixer.gossip.neighbour_names(exchange.step)
-            self._what, self._peers = (
-                f"The compressed gossip exchange of step {exchange.step}",
-                f"a neighbour ({', '.join(names) or 'none'})",
-            )
+            self._what = f"The compressed gossip exchange of step {exchange.step}"
+            self._peers = f"a neighbour ({', '.join(names) or 'none'})"
             self._post()
         notify_post(self._observers, event)
 

@@ -98,7 +98,8 @@ class Gossip(Watched):
             raise ValueError(
                 f"The survivors' topology has {topology.world_size} ranks, their process group {dist.get_world_size()}."
             )
-        self.topology, self.group = topology, None
+        self.topology = topology
+        self.group = None
         self.rank = dist.get_rank()
         self._global = list(range(topology.world_size))
         self.generation += 1
@@ -215,7 +216,8 @@ class Gossip(Watched):
             dist.destroy_process_group(stage.group)
         for subgroup in self._edge_groups.values():
             dist.destroy_process_group(subgroup)
-        self._stages, self._edge_groups = [], {}
+        self._stages = []
+        self._edge_groups = {}
 
     def neighbour_names(self, step: int) -> list[str]:
         """The global ranks this rank exchanges with at step `step`, as `"rank j"` (`"every rank"` for an all-reduce).
@@ -263,7 +265,9 @@ class Gossip(Watched):
         `None` where a work has several."""
         if self.topology.is_average(step):
             return [dist.all_reduce(b, group=self.group, async_op=True) for b in buffers], []
-        ops, works, peers = [], [], []
+        ops = []
+        works = []
+        peers = []
         for index, buffer in enumerate(buffers):
             sent = self._sent(buffer, tag + index)
             if self._edge_groups:

@@ -73,9 +73,12 @@ class PendingGossip:
         out: Sequence[Tensor] | None = None,
         event: ExchangeEvent | None = None,
     ) -> None:
-        self._gossip, self._generation = gossip, gossip.generation
-        self._step, self._tag = step, tag
-        self._observers, self._event = list(gossip.observers), event
+        self._gossip = gossip
+        self._generation = gossip.generation
+        self._step = step
+        self._tag = tag
+        self._observers = list(gossip.observers)
+        self._event = event
         self._buffers = list(buffers)
         self._out = None if out is None else list(out)
         per_round = gossip.legs(step) if rounds else []
@@ -102,7 +105,8 @@ class PendingGossip:
             if names == ["every rank"]
             else (f"a neighbour ({', '.join(names) or 'none'})")
         )
-        self._works, self._ranks = None, []
+        self._works = None
+        self._ranks = []
         if self._legs:
             self._post(self._legs[0])
         notify_post(self._observers, event)
@@ -164,7 +168,8 @@ class PendingGossip:
             raise failure
         if failure is not None and self._generation == self._gossip.generation:
             survival.survive(self._step, failure)
-        self._works, self.residuals = None, None
+        self._works = None
+        self.residuals = None
         if self._posted is not None:
             for b, posted in zip(self._buffers, self._posted):
                 b.copy_(posted)

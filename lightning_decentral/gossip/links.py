@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-DATA, FINAL = 0, 1
+DATA = 0
+FINAL = 1
 HEADER_BYTES = 32
 IDLE = timedelta(days=7)
 """The op timeout of the links' own group: a link may stay idle this long (validation, checkpoints); the training
@@ -46,7 +47,8 @@ def payload_layout(buffers: Sequence[Tensor]) -> list[tuple[int, int]]:
         >>> payload_layout([torch.zeros(3), torch.zeros(2, dtype=torch.float64)])
         [(32, 12), (48, 16)]
     """
-    layout, offset = [], HEADER_BYTES
+    layout = []
+    offset = HEADER_BYTES
     for buffer in buffers:
         size = buffer.numel() * buffer.element_size()
         layout.append((offset, size))
@@ -90,10 +92,13 @@ class Links:
         message_bytes: int,
         tag: int = 0,
     ) -> None:
-        self.group, self.tag, self.message_bytes = group, tag, message_bytes
+        self.group = group
+        self.tag = tag
+        self.message_bytes = message_bytes
         world = group if group is not None else dist.group.WORLD
         self._global = {r: dist.get_global_rank(world, r) for r in set(sources) | set(destinations)}
-        self.sources, self.destinations = list(sources), list(destinations)
+        self.sources = list(sources)
+        self.destinations = list(destinations)
         self.final: dict[int, int] = {}  # source -> the step of its FINAL (its last step)
         self.errors: dict[int, BaseException] = {}  # peer -> what its thread raised
         self._held: dict[int, dict[int, Tensor]] = {j: {} for j in self.sources}  # source -> step -> message

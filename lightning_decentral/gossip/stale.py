@@ -73,7 +73,10 @@ class StaleGossip(Watched):
         watch: Watch | None = None,
     ) -> None:
         world = group if group is not None else dist.group.WORLD
-        self.topology, self.staleness, self.delays, self.group = topology, staleness, delays, group
+        self.topology = topology
+        self.staleness = staleness
+        self.delays = delays
+        self.group = group
         self.rank = dist.get_rank(world)
         if dist.get_world_size(world) != topology.world_size:
             raise ValueError(
@@ -206,7 +209,10 @@ class PendingStale:
         out: Sequence[Tensor] | None,
         event: ExchangeEvent | None,
     ) -> None:
-        self._gossip, self._buffers, self._step, self._event = gossip, buffers, step, event
+        self._gossip = gossip
+        self._buffers = buffers
+        self._step = step
+        self._event = event
         self._out = None if out is None else list(out)
         self._observers = list(gossip.observers)
         self.residuals: list[Tensor] | None = None
@@ -217,7 +223,8 @@ class PendingStale:
         if self._done:
             return
         started = time.perf_counter()
-        gossip, step = self._gossip, self._step
+        gossip = self._gossip
+        step = self._step
         links = gossip.links
         assert links is not None
         taus = {source: self._arrived(source) for source, _ in gossip.sources}
@@ -247,7 +254,8 @@ class PendingStale:
 
     def _arrived(self, source: int) -> int:
         """The step of `source` to mix, once it is here; a failure or the timeout raises `PeerFailure`."""
-        gossip, step = self._gossip, self._step
+        gossip = self._gossip
+        step = self._step
         links = gossip.links
         assert links is not None
         chosen: list[int | None] = [None]

@@ -48,7 +48,8 @@ from lightning_decentral.membership.rejoin import run_over
 from lightning_decentral.membership.store import LAUNCHER_KEY
 
 NODE_SILENCE = 30.0  # seconds without a beat after which the first node stops waiting for a node's launcher
-_DONE, _ALIVE = "lightning_decentral/launch/done", "lightning_decentral/launch/alive"
+_DONE = "lightning_decentral/launch/done"
+_ALIVE = "lightning_decentral/launch/alive"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -99,12 +99,16 @@ class Membership:
         min_workers: int,
         toward: str | None = None,
     ) -> None:
-        self.store, self._connect = store, connect
-        self.run, self.prefix = run, f"lightning_decentral/{run}"
-        self.first_rank, self.start_size = rank, world_size
+        self.store = store
+        self._connect = connect
+        self.run = run
+        self.prefix = f"lightning_decentral/{run}"
+        self.first_rank = rank
+        self.start_size = world_size
         self.members = list(range(world_size))
         self.generation = 0
-        self.silence, self.min_workers = silence, min_workers
+        self.silence = silence
+        self.min_workers = min_workers
         self.decisions: list[Decision] = []
         self._heard: dict[int, tuple[bytes, float]] = {}  # member -> (its counter, when it last changed, our clock)
         self._listened = 0.0
@@ -290,7 +294,8 @@ class Membership:
         written first) is what every member adopts instead."""
         g = self.generation
         self.store.set(self.key("join", g, self.first_rank), json.dumps({"step": step}))
-        since, decided = time.monotonic(), self.key("decide", g)
+        since = time.monotonic()
+        decided = self.key("decide", g)
         while not self.store.check([decided]):
             proposal = self._proposal(g, since)
             if proposal is not None:
@@ -304,7 +309,8 @@ class Membership:
     def enter(self, generation: int, members: Sequence[int]) -> None:
         """A rank that rejoins: take the members' generation as they published it, to ask to join it and then
         [`adopt`][lightning_decentral.membership.Membership.adopt] their decision."""
-        self.members, self.generation = list(members), generation
+        self.members = list(members)
+        self.generation = generation
 
     def _proposal(self, g: int, since: float) -> dict[str, Any] | None:
         """The decision to propose, once every member of generation `g` has joined or is lost; else `None`."""
@@ -349,7 +355,8 @@ class Membership:
             self._addresses.pop(member, None)
             self._heard[member] = (b"", time.monotonic())  # heard from now on: its new heartbeat counts
         adopted = self.store.add(self.key("adopted", self.generation), 1)
-        self.members, self.generation = list(decision.members), decision.generation
+        self.members = list(decision.members)
+        self.generation = decision.generation
         self.decisions.append(decision)
         keep_out(self.store, self.left_out)  # at once, not at the next heartbeat: a lost rank started now sees it
         if len(self.members) < self.min_workers:

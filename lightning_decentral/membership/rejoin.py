@@ -97,7 +97,8 @@ def source_for(joiner: int, members: Sequence[int], joined: Sequence[int], topol
         >>> source_for(3, [0, 1, 2, 3, 4], [3], Ring(world_size=5))  # ring 0-1-2-3-4-0: 3's neighbours are 2 and 4
         2
     """
-    me, joining = list(members).index(joiner), set(joined)
+    me = list(members).index(joiner)
+    joining = set(joined)
     touches = [
         members[j]
         for j in range(len(members))
@@ -187,7 +188,8 @@ class Joins:
     """
 
     def __init__(self, membership: Membership, margin: Callable[[], int]) -> None:
-        self.membership, self.margin = membership, margin
+        self.membership = membership
+        self.margin = margin
         self.step: int | None = None  # the agreed join step of this generation
         self._generation = membership.generation
         self._looked = -1
@@ -196,7 +198,8 @@ class Joins:
         """Whether the members admit the ranks asking before step `step` (at most one store round trip per step)."""
         m = self.membership
         if self._generation != m.generation:
-            self.step, self._generation = None, m.generation
+            self.step = None
+            self._generation = m.generation
         if self.step is None and step != self._looked and step % LOOK_EVERY == 0:
             self._looked = step
             if m.store.check([m.key("asks", m.generation)]):
@@ -224,7 +227,9 @@ def ask(
     runs, compared with what the members published before it asks
     ([`refuse_other_configuration`][lightning_decentral.membership.rejoin.refuse_other_configuration]). Raises
     `CannotRejoin`."""
-    store, rank, deadline = membership.store, membership.first_rank, time.monotonic() + timeout
+    store = membership.store
+    rank = membership.first_rank
+    deadline = time.monotonic() + timeout
     while True:
         info = _joinable(store, rank, topology)
         if info is None:  # its loss is not decided yet: the members still count it

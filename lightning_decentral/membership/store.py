@@ -29,7 +29,8 @@ def store_client(timeout: timedelta) -> dist.TCPStore:
     it makes the process group): the membership's own connection, outside any generation's namespace
     ([`rendezvous.job_store`][lightning_decentral.rendezvous.job_store] is the default group's), so that it is
     there, and can be reconnected, whatever becomes of the process groups."""
-    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    address = os.environ.get("MASTER_ADDR")
+    port = os.environ.get("MASTER_PORT")
     if not address or not port:
         raise RuntimeError(
             "on_peer_failure='continue' agrees through the job's store at MASTER_ADDR:MASTER_PORT, but they are not "

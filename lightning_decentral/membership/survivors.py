@@ -86,8 +86,13 @@ class Survivors:
         joins: Joins | None = None,
         handover: Callable[[], Any] | None = None,
     ) -> None:
-        self.membership, self.driver, self.backend, self.timeout = membership, driver, backend, timeout
-        self.on_change, self.joins, self.handover = on_change, joins, handover
+        self.membership = membership
+        self.driver = driver
+        self.backend = backend
+        self.timeout = timeout
+        self.on_change = on_change
+        self.joins = joins
+        self.handover = handover
         self.start_topology = driver.topology  # what the members of a join take their graph from
         self.published: dict[str, Any] = {"rejoin": False}  # what publish() says besides the membership
         self.pending: Decision | None = None  # agreed; the survivors' group is not made yet

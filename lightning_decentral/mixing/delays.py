@@ -119,7 +119,9 @@ class DelayedMixing:
     """
 
     def __init__(self, topology: Topology, staleness: int, delays: DelaySchedule | None = None) -> None:
-        self.topology, self.staleness, self.delays = topology, staleness, delays
+        self.topology = topology
+        self.staleness = staleness
+        self.delays = delays
         self._history: dict[object, dict[int, Tensor]] = {}
         self._first: int | None = None
 

@@ -172,7 +172,8 @@ class DenseMixer(Watched):
         if self.chocos:  # each worker compressed its round one when it started
             exchange_in_process([p.exchange for p in order], first=[p.messages for p in order])
             for worker in order:
-                worker.residuals, worker.done = worker.exchange.residuals, True
+                worker.residuals = worker.exchange.residuals
+                worker.done = True
             return
         for index in range(len(order[0].buffers)):
             x = torch.stack([p.buffers[index].detach().reshape(-1) for p in order]).double()
@@ -290,9 +291,15 @@ class _DensePending:
         observers: list[ExchangeObserver],
         event: ExchangeEvent | None,
     ) -> None:
-        self.dense, self.rank, self.buffers, self.step, self.rounds, self.tag = dense, rank, buffers, step, rounds, tag
+        self.dense = dense
+        self.rank = rank
+        self.buffers = buffers
+        self.step = step
+        self.rounds = rounds
+        self.tag = tag
         self.out = None if out is None else list(out)
-        self.observers, self.event = observers, event
+        self.observers = observers
+        self.event = event
         self.residuals: list[Tensor] | None = None
         self.exchange: ChocoExchange | None = None  # compressed gossip: this worker's, and its round-one messages
         self.messages: dict[int, Tensor] = {}

@@ -249,6 +249,7 @@ def notify_post(observers: Sequence[ExchangeObserver], event: ExchangeEvent | No
 def notify_wait(observers: Sequence[ExchangeObserver], event: ExchangeEvent | None, started: float) -> None:
     """Stamp `event.wait_started` and `event.waited` and tell `observers`."""
     if event is not None:
-        event.wait_started, event.waited = started, time.perf_counter()
+        event.wait_started = started
+        event.waited = time.perf_counter()
         for observer in observers:
             observer.on_wait(event)

@@ -114,7 +114,9 @@ class _Mixed:
     def __init__(
         self, residuals: list[Tensor] | None, observers: list[ExchangeObserver], event: ExchangeEvent | None
     ) -> None:
-        self.residuals, self.observers, self.event = residuals, observers, event
+        self.residuals = residuals
+        self.observers = observers
+        self.event = event
         self._reported = False
 
     def wait(self) -> None:

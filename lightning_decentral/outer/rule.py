@@ -93,7 +93,8 @@ class OuterStep(UpdateRule):
         overlap: bool = False,
     ) -> None:
         super().__init__(replica, mixer, optimizer, context)
-        self.every, self.overlap = every, overlap
+        self.every = every
+        self.overlap = overlap
         self.anchor = [torch.nn.Parameter(flat.detach().clone()) for flat in replica.flat_parameters]
         for anchor in self.anchor:
             anchor.grad = torch.zeros_like(anchor)  # Δ̃, written at each outer step
@@ -204,7 +205,8 @@ class OuterStep(UpdateRule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._late = None
         self._anchored = bool(state)
-        self._sent, self._change = [], []
+        self._sent = []
+        self._change = []
         if not state:
             self.outer_optimizer.state.clear()
             return

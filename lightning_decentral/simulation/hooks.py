@@ -56,7 +56,9 @@ class WorkerHooks:
     def __init__(
         self, workers: SimulatedWorkers, losses: Callable[[], list[Tensor]], outputs: Callable[[], list[Any]]
     ) -> None:
-        self.workers, self.losses, self.outputs = workers, losses, outputs
+        self.workers = workers
+        self.losses = losses
+        self.outputs = outputs
         self.installed: list[str] = []
 
     def install(self) -> list[str]:

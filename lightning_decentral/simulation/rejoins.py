@@ -62,7 +62,10 @@ class Comings:
     def __init__(
         self, failures: dict[int, list[int]], rejoins: dict[int, list[int]], start: Topology, make_rule: RuleMaker
     ) -> None:
-        self.failures, self.rejoins, self.start, self.make_rule = failures, rejoins, start, make_rule
+        self.failures = failures
+        self.rejoins = rejoins
+        self.start = start
+        self.make_rule = make_rule
         self._away: list[SimulatedWorker] = []  # the workers lost: what a worker that comes back is made of
         self._step = -1  # the step begun last
 
@@ -93,12 +96,14 @@ class Comings:
         sources = {w: group.workers[group.origins.index(source_for(w, members, back, driver.topology))] for w in back}
         workers = list(group.workers)
         for w in back:
-            vessel, source = self._away.pop(), sources[w]
+            vessel = self._away.pop()
+            source = sources[w]
             vessel.module.load_state_dict(source.module.state_dict())
             vessel.optimizer.load_state_dict(copy.deepcopy(source.optimizer.state_dict()))  # its own buffers
             rule = self.make_rule(vessel.replica, group.mixer.worker(members.index(w)), vessel.optimizer)
             rule.load_state_dict(copy.deepcopy(source.rule.state_dict()))
-            vessel.rule, vessel.origin = rule, w
+            vessel.rule = rule
+            vessel.origin = w
             workers.insert(members.index(w), vessel)
         group.workers = workers
         group.modules = [worker.module for worker in workers]

@@ -191,7 +191,8 @@ class NormsInStatisticsDtype(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if func in self.NORMS:
-            x, statistics = args[0], args[1] if len(args) > 1 else kwargs.get("running_mean")
+            x = args[0]
+            statistics = args[1] if len(args) > 1 else kwargs.get("running_mean")
             if statistics is not None and statistics.dtype != x.dtype:
                 return func(x.to(statistics.dtype), *args[1:], **kwargs).to(x.dtype)
         return func(*args, **kwargs)
@@ -326,7 +327,8 @@ class StackedWorkers(WorkerGroup):
         """The workers of `workers` (kept apart, not stepped yet), stacked, with their optimizer and rule states (a
         resume restored them); `workers` is torn down. `optimizer` is worker 0's."""
         ranks = range(len(workers.modules))
-        states, rule_states = [workers.optimizer_state_of(r) for r in ranks], [workers.rule_state_of(r) for r in ranks]
+        states = [workers.optimizer_state_of(r) for r in ranks]
+        rule_states = [workers.rule_state_of(r) for r in ranks]
         workers.teardown()
         stacked = cls(workers.modules, optimizer, make_rule, mix_buffers, context, mixer, workers.device)
         stacked.load_optimizer_states(states)
@@ -397,7 +399,8 @@ class StackedWorkers(WorkerGroup):
     def _per_element_state(self, of_rows: Callable[[Tensor], Tensor]) -> dict[str, Any]:
         """The optimizer `state_dict` with `of_rows(v)` in place of every per-element state tensor `v` (a row a
         worker)."""
-        state, shapes = self.optimizer.state_dict(), self._parameter_shapes()
+        state = self.optimizer.state_dict()
+        shapes = self._parameter_shapes()
         mapped = {
             key: {name: of_rows(v) if _per_element(name, v, shapes[key]) else v for name, v in values.items()}
             for key, values in state["state"].items()

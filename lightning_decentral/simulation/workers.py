@@ -230,7 +230,10 @@ class SimulatedWorker:
     """One simulated worker: its module, optimizer, flat replica, update rule and torch random state."""
 
     def __init__(self, module: Module, optimizer: Optimizer, replica: Replica, rule: UpdateRule, origin: int) -> None:
-        self.module, self.optimizer, self.replica, self.rule = module, optimizer, replica, rule
+        self.module = module
+        self.optimizer = optimizer
+        self.replica = replica
+        self.rule = rule
         self.origin = origin  # its rank in the first numbering
         self.rng = torch.get_rng_state()  # the generator states it continues from when it runs next
         self.cuda_rng: Tensor | None = None
@@ -272,7 +275,8 @@ class SimulatedWorkers(WorkerGroup):
         keep = [i for i in range(len(self.workers)) if i not in set(lost)]
         dropped = [self.workers[i] for i in range(len(self.workers)) if i not in keep]
         if 0 in lost:
-            head, first = self.workers[0], self.workers[keep[0]]
+            head = self.workers[0]
+            first = self.workers[keep[0]]
             head.module.load_state_dict(first.module.state_dict())
             head.optimizer.load_state_dict(first.optimizer.state_dict())
             head.rule.load_state_dict(first.rule.state_dict())
@@ -280,7 +284,8 @@ class SimulatedWorkers(WorkerGroup):
             if first.cuda_rng is not None:
                 torch.cuda.set_rng_state(first.cuda_rng, self.device)
             head.origin = first.origin
-            dropped[0], keep[0] = first, 0
+            dropped[0] = first
+            keep[0] = 0
         for worker in dropped:
             worker.rule.teardown()
         self.workers = [self.workers[i] for i in keep]
@@ -335,7 +340,8 @@ class SimulatedWorkers(WorkerGroup):
         if rank == 0 or rank >= len(self.workers):  # past the members: a worker away (rejoins=), its data only
             yield
             return
-        worker, cuda = self.workers[rank], self.device.type == "cuda"
+        worker = self.workers[rank]
+        cuda = self.device.type == "cuda"
         own = torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if cuda else None
         torch.set_rng_state(worker.rng)
         if cuda:

@@ -404,7 +404,8 @@ class InducedSubgraph(Topology):
     """
 
     def __init__(self, topology: Topology, members: Sequence[int]) -> None:
-        self.topology, self.members = topology, list(members)
+        self.topology = topology
+        self.members = list(members)
         index = np.asarray(self.members)
         self._matrices = []
         for step in range(topology.period):

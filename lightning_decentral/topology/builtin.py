@@ -232,7 +232,8 @@ class RandomMatching(Topology, name="random_matching"):
             raise ValueError(f"`seed` must be an integer ≥ 0 (every rank the same), got {seed!r}.")
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"`period` must be a positive integer (the distinct matchings), got {period!r}.")
-        self.seed, self._period = seed, period
+        self.seed = seed
+        self._period = period
         super().__init__(world_size)
 
     @property

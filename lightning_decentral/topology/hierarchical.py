@@ -88,7 +88,9 @@ class Hierarchical(Topology, name="hierarchical"):
             isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, (int, np.integer)) or ranks_per_node < 1
         ):
             raise ValueError(f"ranks_per_node must be a positive integer or None, got {ranks_per_node!r}.")
-        self.inner, self.outer, self.ranks_per_node = inner, outer, ranks_per_node
+        self.inner = inner
+        self.outer = outer
+        self.ranks_per_node = ranks_per_node
         self._num_nodes = 1  # the job's layout, used when ranks_per_node is None
         self._left: tuple[list[list[int]], list[Level]] | None = None  # nodes and levels once ranks have left
         self._nodes: list[list[int]] = []
@@ -136,11 +138,14 @@ class Hierarchical(Topology, name="hierarchical"):
             return
         n = world_size
         if self.ranks_per_node is not None:
-            m, source = int(self.ranks_per_node), f"ranks_per_node={self.ranks_per_node}"
+            m = int(self.ranks_per_node)
+            source = f"ranks_per_node={self.ranks_per_node}"
         elif n % self._num_nodes == 0:
-            m, source = n // self._num_nodes, f"num_nodes={self._num_nodes}"
+            m = n // self._num_nodes
+            source = f"num_nodes={self._num_nodes}"
         else:
-            m, source = 0, f"num_nodes={self._num_nodes}"
+            m = 0
+            source = f"num_nodes={self._num_nodes}"
         if m < 1 or n % m:
             divisors = [d for d in range(1, n + 1) if n % d == 0]
             raise ValueError(
@@ -171,7 +176,8 @@ class Hierarchical(Topology, name="hierarchical"):
         new = {old: i for i, old in enumerate(members)}
         levels = []
         for level in self.levels():
-            groups, parts = [], []
+            groups = []
+            parts = []
             for group, part in zip(*level):
                 at = [i for i, r in enumerate(group) if r in new]  # the group's members that are left
                 if len(at) > 1:

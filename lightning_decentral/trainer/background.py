@@ -101,7 +101,8 @@ def background_save(
     the save id, and `write_file(checkpoint)` writing the file on rank 0. A later save of the same step reuses the
     copies of unchanged tensors and, if every rank's shard is unchanged, links it and reuses the means, agreed in the
     all-gather of the save id (`shared`)."""
-    copied, shard = shared.copies.copy(checkpoint), shared.copies.copy(own)
+    copied = shared.copies.copy(checkpoint)
+    shard = shared.copies.copy(own)
     own_states = shard["optimizer_states"]
     means, earlier = shared.queued()
 

@@ -214,7 +214,8 @@ class ResolvesLast:
             link = dangling_last(trainer) if call.arguments.get("ckpt_path") == "last" else None
             if link is not None:
                 call.arguments["ckpt_path"] = link
-                args, kwargs = call.args, call.kwargs
+                args = call.args
+                kwargs = call.kwargs
         return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
 
 

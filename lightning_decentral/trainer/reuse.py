@@ -42,7 +42,8 @@ class _Record:
     __slots__ = ("alias", "version")
 
     def __init__(self, tensor: Tensor) -> None:
-        self.alias, self.version = tensor.detach(), version(tensor)
+        self.alias = tensor.detach()
+        self.version = version(tensor)
 
     def matches(self, tensor: Tensor) -> bool:
         """Whether `tensor` is the recorded data, not written in place since."""
@@ -99,7 +100,8 @@ class ReusedMeans:
         are those of its means remembered, and they are `unchanged`): no all-gather here."""
         scope = _scope(ranks)
         if scope != self._scope:
-            self._kept, self._scope = {}, scope
+            self._kept = {}
+            self._scope = scope
         kept = self._kept.get(label)
         if kept is not None and agreed is None:
             inputs, results = kept
@@ -253,7 +255,9 @@ class StepSaves:
     shards are the writer thread's: forgotten there, after the saves queued before."""
 
     def __init__(self, submit: Callable[[Callable[[], None]], None] | None = None) -> None:
-        self.means, self.copies, self.shards = ReusedMeans(), HostCopies(), StepShards()
+        self.means = ReusedMeans()
+        self.copies = HostCopies()
+        self.shards = StepShards()
         self._submit = submit
         self._queued = False  # a save was given to the writer since the last `forget`
 

@@ -63,7 +63,9 @@ class StopAgreement:
     def __init__(self, store: Any, key: str, margin: int, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         if margin < 1:
             raise ValueError(f"margin must be at least 1, got {margin}.")
-        self.store, self.key, self.margin = GuardedStore.around(store, timeout), key, margin
+        self.store = GuardedStore.around(store, timeout)
+        self.key = key
+        self.margin = margin
         self.requested = False
         self.stop_step: int | None = None
 
@@ -120,7 +122,8 @@ def _eccentricity(receives_from: list[set[int]], start: int) -> int:
     for i, sources in enumerate(receives_from):
         for j in sources:
             sends_to[j].add(i)
-    distance, frontier = {start: 0}, deque([start])
+    distance = {start: 0}
+    frontier = deque([start])
     while frontier:
         node = frontier.popleft()
         for nxt in sends_to[node] - distance.keys():
