@@ -17,10 +17,20 @@ checkpoint file too: shards of another save (an overwritten `last.ckpt`, a crash
 foreign run) are never taken for this one's. A second save of the same step from the same replicas (`last.ckpt`
 after the step's checkpoint) takes the first one's id and links its shards instead of writing them again. Shards hold
 tensors and primitives only and are read with `torch.load(weights_only=True)`.
+
+Besides the entries every shard has (the replica, the optimizer and precision state, the step, the rule it ran, the
+random state), a shard holds what the parts of a run with state registered
+([`StateRegistry`][lightning_decentral.checkpoint.StateRegistry], the driver's `state`): the rule's (`"rule_state"`:
+an outer step's anchor and outer optimizer), compressed gossip's (`"gossip"`: CHOCO's public copies). The checkpoint
+file, the rejoin handover and the simulation's shards are all made by [`make_shard`][lightning_decentral.checkpoint.make_shard]
+from it, and restored by [`StateRegistry.load`][lightning_decentral.checkpoint.StateRegistry.load]. A shard records
+its layout under `"format"` ([`SHARD_FORMAT`][lightning_decentral.checkpoint.SHARD_FORMAT]; a shard without one is
+format 1, written before the registry, with the same entries).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import random
@@ -47,6 +57,91 @@ from lightning_decentral.files import (
 )
 
 META_KEY = "decentralized_shards"  # in the checkpoint file: {"save_id", "world_size"}
+SHARD_FORMAT = 2
+"""The layout of the shards this version writes, recorded in each under `"format"`. 1 (no `"format"` key): before
+the state registry, with the same entries; 2: the registered parts under their keys. A shard of a later format is not
+read (every rank resumes from `x̄`, and the warning names the format)."""
+CORE_KEYS = (
+    "save_id",
+    "rank",
+    "world_size",
+    "format",
+    "state_dict",
+    "strategy",
+    "rng",
+    "optimizer_states",
+    "precision",
+)
+"""The entries of every shard: no registered part may take their keys."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePart:
+    """One registered piece of per-rank state ([`StateRegistry.register`][lightning_decentral.checkpoint.StateRegistry.register])."""
+
+    key: str
+    save: Callable[[int], Any]
+    load: Callable[[list[Any]], None]
+    full_only: bool
+
+
+class StateRegistry:
+    """The per-rank state a run keeps besides its replica, its optimizer and its random state, in one place: each part
+    with state registers `(key, save, load)` once, and every shard, every rejoin handover and every simulated worker's
+    shard holds `save(worker)` under `key` ([`make_shard`][lightning_decentral.checkpoint.make_shard]); a resume or a
+    rank that rejoins calls `load` with every worker's value (`None` where a shard holds none). A new piece of state is
+    one registration (its executors need no change).
+
+    A process is worker 0; the simulation's workers are `0..n-1` in one registry.
+
+    Examples:
+        >>> registry = StateRegistry()
+        >>> counts = [3, 5]
+        >>> registry.register("count", save=lambda worker: {"n": counts[worker]}, load=print)
+        >>> registry.save(worker=1)
+        {'count': {'n': 5}}
+        >>> registry.load([{"count": {"n": 4}}, {}])
+        [{'n': 4}, None]
+    """
+
+    def __init__(self) -> None:
+        self._parts: dict[str, StatePart] = {}
+
+    def register(
+        self, key: str, save: Callable[[int], Any], load: Callable[[list[Any]], None], full_only: bool = False
+    ) -> None:
+        """Keep `save(worker)` under `key` in every shard (a part that returns `None`, `{}` or `[]` has nothing to keep
+        and leaves no entry) and restore it with `load(states)`, every worker's in order. `full_only`: only in a save
+        with the optimizer state, and restored only from one (a weights-only checkpoint leaves the part out)."""
+        if key in CORE_KEYS or key in self._parts:
+            raise ValueError(f"The shard entry {key!r} is taken: register each piece of state under a key of its own.")
+        self._parts[key] = StatePart(key, save, load, full_only)
+
+    @property
+    def keys(self) -> list[str]:
+        """The registered keys, in the order they were registered (and are restored)."""
+        return list(self._parts)
+
+    def save(self, worker: int = 0, full: bool = True) -> dict[str, Any]:
+        """Worker `worker`'s entries (`full=False`: a weights-only save): live, not copied."""
+        saved = {}
+        for part in self._parts.values():
+            if full or not part.full_only:
+                state = part.save(worker)
+                if not _empty(state):
+                    saved[part.key] = state
+        return saved
+
+    def load(self, shards: list[dict[str, Any]], full: bool = True) -> None:
+        """Restore every part from `shards`, one per worker, in order of registration (`full=False`: a load without
+        the optimizer state restores no `full_only` part)."""
+        for part in self._parts.values():
+            if full or not part.full_only:
+                part.load([shard.get(part.key) for shard in shards])
+
+
+def _empty(state: Any) -> bool:
+    return state is None or (isinstance(state, (dict, list)) and not state)
 
 
 class RankGroup(Protocol):
@@ -70,6 +165,7 @@ class ShardProblem(enum.IntEnum):
     MISSING = 3
     OTHER_SAVE = 4
     UNREADABLE = 5
+    NEWER_FORMAT = 6
 
     def describe(self, saved: int | None = None, now: int | None = None) -> str:
         """The problem in words (`saved`, `now`: the world sizes, for `OTHER_WORLD_SIZE`).
@@ -87,6 +183,8 @@ class ShardProblem(enum.IntEnum):
             ShardProblem.MISSING: "the shard is missing",
             ShardProblem.OTHER_SAVE: "the shard belongs to another save (overwritten, or written by another run)",
             ShardProblem.UNREADABLE: "the shard cannot be read",
+            ShardProblem.NEWER_FORMAT: f"the shard is of a later format than {SHARD_FORMAT}, the newest this version of "
+            "lightning-decentral reads (it was written by a newer version: resume with that one)",
         }[self]
 
 
@@ -206,32 +304,27 @@ def make_shard(
     precision: dict[str, Any] | None = None,
     rng: dict[str, Any] | None = None,
     rule: dict[str, str] | None = None,
-    rule_state: dict[str, Any] | None = None,
-    gossip: dict[str, Any] | None = None,
+    parts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A rank's shard: its own `state_dict`, the optimizer step and the update rule it ran (`rule`, e.g.
     `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this process's
-    [`rng_state`][lightning_decentral.checkpoint.rng_state]), the state of its compressed gossip (`gossip`: the public
-    copies, [`ChocoStates.state`][lightning_decentral.compression.ChocoStates.state]), and (unless the checkpoint is
-    weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s, its precision plugin's state and what its
-    update rule carries across steps (`rule_state`,
-    [`UpdateRule.state_dict`][lightning_decentral.rules.UpdateRule.state_dict]: an outer step's anchor and outer
-    optimizer; kept when not empty)."""
+    [`rng_state`][lightning_decentral.checkpoint.rng_state]), what the parts with state registered (`parts`:
+    [`StateRegistry.save`][lightning_decentral.checkpoint.StateRegistry.save], taken at the save), and (unless the
+    checkpoint is weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s and its precision plugin's
+    state. The one function every shard is made by (the files, the rejoin handover, the simulation's)."""
     shard = {
+        "format": SHARD_FORMAT,
         "save_id": save_id,
         "rank": rank,
         "world_size": world_size,
         "state_dict": state_dict,
         "strategy": {"step": step, **(rule or {})},
         "rng": rng if rng is not None else rng_state(),
+        **(parts or {}),
     }
-    if gossip is not None:
-        shard["gossip"] = gossip
     if optimizer_states is not None:
         shard["optimizer_states"] = optimizer_states
         shard["precision"] = precision
-        if rule_state:
-            shard["rule_state"] = rule_state
     return shard
 
 
@@ -312,6 +405,8 @@ def read_own_shard(
         return None, ShardProblem.UNREADABLE
     if (shard.get("save_id"), shard.get("rank")) != (meta["save_id"], rank):
         return None, ShardProblem.OTHER_SAVE
+    if shard.get("format", 1) > SHARD_FORMAT:
+        return None, ShardProblem.NEWER_FORMAT
     adopt(path)  # resumed from: the next save of this process supersedes it
     return shard, ShardProblem.NONE
 

@@ -16,7 +16,9 @@ driver.build_rule(replica, mixer, optimizers, ...)  make_rule: RULES[options.rul
                                                     (or driver.run(workers))
 driver.begin(k)                                     plan = schedule.plan(k, epoch); runner.begin_step(plan)
 driver.optimizer_step(k, run, closure)              run(runner.wrap_closure(closure)); end_step; finish_step
-driver.rule_state(), load_rule_state(state)         a save, a resume: what the rule carries across steps
+driver.state.register(key, save, load)              a piece of per-rank state, kept in every shard and handover
+driver.shard_contents(worker, ...)                  a save, a handover: the shard (checkpoint.make_shard's arguments)
+driver.state.load(shards)                           a resume, a rank that rejoins: every registered part restored
 driver.drain(); driver.teardown()                   at the end of training; when the run is over
 driver.keep(members, first_step, of)                after a failure, a join: W of the members (then rebind_mixers)
 driver.guard.run(what, collective)                  every collective besides the exchange (survived like it)
@@ -38,6 +40,7 @@ import torch
 from torch import Tensor
 
 from lightning_decentral import checkpoint as shards
+from lightning_decentral.checkpoint import StateRegistry
 from lightning_decentral.compression import ChocoStates, Compressor, check_compressible
 from lightning_decentral.failures import Survival
 from lightning_decentral.gossip import CompressedGossip, Gossip, StaleGossip
@@ -112,6 +115,32 @@ class StepRunner(Protocol):
     def mix(self, step: int, rounds: int) -> None: ...
 
 
+class RuleStates(Protocol):
+    """Where the driver reads and restores what its workers' rules carry across steps (the `"rule_state"` part of the
+    [`StateRegistry`][lightning_decentral.checkpoint.StateRegistry]): a process's one rule
+    ([`OneRule`][lightning_decentral.driver.OneRule]), or the simulation's
+    [`WorkerGroup`][lightning_decentral.simulation.WorkerGroup]."""
+
+    def rule_state_of(self, rank: int) -> dict[str, Any]: ...
+
+    def load_rule_states(self, states: list[dict[str, Any]]) -> None: ...
+
+
+class OneRule:
+    """A process's rule as [`RuleStates`][lightning_decentral.driver.RuleStates]: worker 0's."""
+
+    def __init__(self, rule: UpdateRule) -> None:
+        self.rule = rule
+
+    def rule_state_of(self, rank: int) -> dict[str, Any]:
+        """The rule's `state_dict` (a process has one worker)."""
+        return self.rule.state_dict()
+
+    def load_rule_states(self, states: list[dict[str, Any]]) -> None:
+        """The rule continues from `states[0]`."""
+        self.rule.load_state_dict(states[0])
+
+
 AnyMixer = TypeVar("AnyMixer", bound=Mixer)
 
 
@@ -158,7 +187,10 @@ class StepDriver:
         self._mixers: list[Mixer] = []
         self.copies = ChocoStates()  # compressed gossip: the workers' public copies, their bytes, from run to run
         self._plan: StepPlan | None = None  # the step begun and not yet stepped
-        self._rule: UpdateRule | None = None  # what build_rule built (processes)
+        self._rules: RuleStates | None = None  # the rules run() drives, whose state a save keeps (stays after teardown)
+        self.state = StateRegistry()  # the per-rank state of every shard and handover besides replica and optimizer
+        self.state.register("rule_state", self._rule_state_of, self._load_rule_states, full_only=True)
+        self.state.register("gossip", self.copies.state, self._load_copies)
 
     # -- binding ------------------------------------------------------------------------------
 
@@ -298,9 +330,9 @@ class StepDriver:
     ) -> UpdateRule:
         """The rule the options select, over `replica`, `mixer` and the one optimizer; from now on the runner."""
         check_one_optimizer(optimizers, source)
-        self._rule = self.make_rule(replica, mixer, optimizers[0], context)
-        self.run(self._rule)
-        return self._rule
+        rule = self.make_rule(replica, mixer, optimizers[0], context)
+        self.run(rule, OneRule(rule))
+        return rule
 
     def make_rule(
         self, replica: Replica, mixer: Mixer, optimizer: Any, context: RuleContext | None = None
@@ -316,19 +348,55 @@ class StepDriver:
             return OuterStep(replica, mixer, optimizer, context, outer_optimizer=outer, every=every, overlap=overlap)
         return RULES[self.options.rule](replica, mixer, optimizer, context)
 
+    def run(self, runner: StepRunner, rules: RuleStates) -> None:
+        """Drive `runner` from now on, whose rules' state is `rules` (the simulation's worker group is both;
+        `build_rule` calls it for a rule)."""
+        self.runner = runner
+        self._plan = None
+        self._rules = rules
+
+    # -- per-rank state: what every shard and handover holds besides the replica and the optimizer --------------
+
+    def shard_contents(
+        self,
+        worker: int,
+        state_dict: dict[str, Any],
+        step: int,
+        optimizer_states: list[dict[str, Any]] | None = None,
+        precision: dict[str, Any] | None = None,
+        rng: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Worker `worker`'s shard but its save id: the arguments of [`make_shard`][lightning_decentral.checkpoint.make_shard],
+        with the rule the shard records and every registered part (`state.save`; live, not copied). A save without
+        `optimizer_states` is weights-only."""
+        return dict(
+            state_dict=state_dict,
+            step=step,
+            optimizer_states=optimizer_states,
+            precision=precision,
+            rng=rng,
+            rule=self.rule_record(),
+            parts=self.state.save(worker, full=optimizer_states is not None),
+        )
+
     def rule_state(self) -> dict[str, Any]:
         """For this rank's shard: what the rule `build_rule` built carries across steps (`{}` before)."""
-        return self._rule.state_dict() if self._rule is not None else {}
+        return self._rule_state_of(0)
 
     def load_rule_state(self, state: dict[str, Any]) -> None:
         """An exact resume: the rule `build_rule` built continues from its shard's `state`."""
-        if self._rule is not None:
-            self._rule.load_state_dict(state)
+        self._load_rule_states([state])
 
-    def run(self, runner: StepRunner) -> None:
-        """Drive `runner` from now on (the simulation's worker group; `build_rule` calls it for a rule)."""
-        self.runner = runner
-        self._plan = None
+    def _rule_state_of(self, worker: int) -> dict[str, Any]:
+        return self._rules.rule_state_of(worker) if self._rules is not None else {}
+
+    def _load_rule_states(self, states: list[dict[str, Any] | None]) -> None:
+        if self._rules is not None:
+            self._rules.load_rule_states([state or {} for state in states])
+
+    def _load_copies(self, states: list[dict[str, Any] | None]) -> None:
+        for worker, state in enumerate(states):
+            self.copies.load(state, worker)
 
     # -- one step -----------------------------------------------------------------------------
 

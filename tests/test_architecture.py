@@ -1,12 +1,24 @@
 """The architecture's promises that no other test states (docs/architecture.md): the update-rule arguments are
-ordinary members of the executors' shared surface, one per field of `GossipOptions`."""
+ordinary members of the executors' shared surface, one per field of `GossipOptions`; per-rank state is registered
+in one place, and shards written before the registry still resume."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
+from pathlib import Path
+from typing import Any
 
+import pytest
+import torch
+
+from lightning_decentral.checkpoint import META_KEY, SHARD_FORMAT, make_shard, read_shard, shard_path, write_shard
 from lightning_decentral.driver import Driven, StepDriver
 from lightning_decentral.options import GossipOptions
+from tests import simulation_workers as sim
+from tests.helpers import assert_resumed_as_straight
+
+WORLD = 4
 
 
 class _Executor(Driven):
@@ -23,3 +35,71 @@ def test_every_option_is_a_property_of_driven_with_the_options_value() -> None:
         assert isinstance(vars(Driven).get(field.name), property), field.name
         assert getattr(executor, field.name) == getattr(options, field.name), field.name
     assert executor.bytes_sent == 0
+
+
+# -- shards written before the state registry (format 1) still resume ------------------------------------------------
+
+OUTER = {"outer_optimizer": functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True), "gossip_every": 3}
+FORMAT_1_KEYS = {"save_id", "rank", "world_size", "state_dict", "strategy", "rng", "optimizer_states", "precision"}
+
+
+def _format_1(shard: dict[str, Any]) -> dict[str, Any]:
+    """`shard` as `make_shard` wrote it before the registry (main at 941b4d9): no `"format"`; the rule's state under
+    `"rule_state"` when not empty, compressed gossip's under `"gossip"` when there is compressed gossip."""
+    old = {key: shard[key] for key in FORMAT_1_KEYS}
+    for key in ("rule_state", "gossip"):
+        if key in shard:
+            old[key] = shard[key]
+    return old
+
+
+def _rewrite_shards(path: str, workers: int, rewrite: Any) -> None:
+    meta = torch.load(path, weights_only=True)[META_KEY]
+    for worker in range(workers):
+        shard_file = shard_path(path, worker, workers, meta["save_id"])
+        write_shard(rewrite(read_shard(shard_file)), shard_file)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kwargs", [OUTER, {"compression": "sign"}], ids=["outer", "compressed"])
+def test_a_shard_written_before_the_state_registry_resumes_exactly(tmp_path: Path, kwargs: dict[str, Any]) -> None:
+    """A mid-round checkpoint (the outer anchor and momentum, or CHOCO's public copies, in every shard), its shards
+    rewritten in the format before the registry: the resume ends bit for bit where the run without a stop does."""
+    path = str(tmp_path / "old.ckpt")
+    first = sim.resume_simulated(WORLD, save=path, topology="ring", **kwargs)
+    meta = torch.load(path, weights_only=True)[META_KEY]
+    new = read_shard(shard_path(path, 0, WORLD, meta["save_id"]))
+    assert new["format"] == SHARD_FORMAT
+    assert ("rule_state" in new) == ("outer_optimizer" in kwargs) and ("gossip" in new) == ("compression" in kwargs)
+    _rewrite_shards(path, WORLD, _format_1)
+    runs = {
+        "first": first,
+        "straight": sim.resume_simulated(WORLD, topology="ring", **kwargs),
+        "resumed": sim.resume_simulated(WORLD, load=path, topology="ring", **kwargs),
+    }
+    assert_resumed_as_straight(runs)
+
+
+@pytest.mark.slow
+def test_a_shard_of_a_later_format_is_not_read_and_the_warning_names_the_format(tmp_path: Path) -> None:
+    path = str(tmp_path / "later.ckpt")
+    sim.resume_simulated(WORLD, save=path, topology="ring")
+    _rewrite_shards(path, WORLD, lambda shard: {**shard, "format": SHARD_FORMAT + 1})
+    with pytest.warns(UserWarning, match=f"a later format than {SHARD_FORMAT}.*written by a newer version"):
+        sim.resume_simulated(WORLD, load=path, topology="ring")
+
+
+def test_a_piece_of_state_is_one_registration_and_keys_are_not_shared() -> None:
+    driver = StepDriver(GossipOptions(topology="complete"))
+    driver.bind(world_size=2)
+    assert driver.state.keys == ["rule_state", "gossip"]
+    seen: list[Any] = []
+    driver.state.register("mine", save=lambda worker: {"worker": worker}, load=seen.append)
+    contents = driver.shard_contents(1, state_dict={}, step=3, optimizer_states=[{}], precision={})
+    shard = make_shard(7, 1, 2, **contents)
+    assert shard["mine"] == {"worker": 1} and shard["format"] == SHARD_FORMAT
+    driver.state.load([shard])
+    assert seen == [[{"worker": 1}]]
+    for taken in ("mine", "state_dict", "rng"):
+        with pytest.raises(ValueError, match=f"{taken!r} is taken"):
+            driver.state.register(taken, save=lambda worker: None, load=print)

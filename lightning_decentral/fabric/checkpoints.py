@@ -164,18 +164,14 @@ class ShardedCheckpoints:
         converted[STEP_KEY] = self.step
 
         def make_shard(save_id: int) -> dict[str, Any]:
-            return shards.make_shard(
-                save_id,
-                self.global_rank,
-                self.world_size,
+            contents = self.driver.shard_contents(
+                0,
                 state_dict=state[module_key].state_dict(),
                 step=self.step,
                 optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
                 precision=self.precision.state_dict(),
-                rule=self.rule_record(),
-                rule_state=self.rule_state() if optimizer_key is not None else None,
-                gossip=self.driver.copies.state(),
             )
+            return shards.make_shard(save_id, self.global_rank, self.world_size, **contents)
 
         def write_file() -> None:
             if self.is_global_zero:
@@ -223,9 +219,7 @@ class ShardedCheckpoints:
             set_up_first(self._optimizer).load_state_dict(shard["optimizer_states"][0])
         if shard.get("precision"):
             self.precision.load_state_dict(shard["precision"])
-        if optimizer_key is not None:
-            self.load_rule_state(shard.get("rule_state", {}))
-        self.driver.copies.load(shard.get("gossip"))
+        self.driver.state.load([shard], full=optimizer_key is not None)
         if self.driver.options.compression is not None:  # both ends of every edge resume with the same public copies
             self._ranks.check_same_public_copies(self.driver.copies.state() or shard.get("gossip"))
         return remainder

@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.common import EvaluatesOnAverage
+from lightning_decentral.driver import StepDriver
 from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.replicas import AveragedModel
@@ -48,6 +49,7 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
 
     eval_on: str  # "average" (evaluate x̄) or "local" (worker 0's replica): the subclass's
     rule_record: Callable[[], dict[str, str]]  # what the shards record of the update rule: the subclass's
+    driver: StepDriver  # the subclass's: its state registry makes the shards
 
     def __init__(self, workers: int, mixer: DenseMixer, **kwargs: Any) -> None:
         super().__init__(device="cpu", **kwargs)
@@ -181,23 +183,16 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         checkpoint[shards.META_KEY] = {"save_id": save_id, "world_size": workers}
         paths = [shards.shard_path(filepath, i, workers, save_id) for i in range(workers)]
         try:
-            precision = None if "optimizer_states" not in checkpoint else self.precision_plugin.state_dict()
+            full = "optimizer_states" in checkpoint
+            precision = self.precision_plugin.state_dict() if full else None
             step = self.lightning_module.trainer.global_step
-            built = [
-                self._group.shard(
-                    rank,
-                    save_id,
-                    {k: v.detach() for k, v in self._averaged.own_state_dict(module).items()},
-                    step,
-                    precision,
-                    self.rule_record(),
+            built = []
+            for rank, module in enumerate(self._group.modules):
+                own = {k: v.detach() for k, v in self._averaged.own_state_dict(module).items()}
+                contents = self.driver.shard_contents(
+                    rank, step=step, precision=precision, **self._group.own_state(rank, own, full)
                 )
-                for rank, module in enumerate(self._group.modules)
-            ]
-            for rank, shard in enumerate(built):  # compressed gossip: the worker's public copies
-                gossip = self.driver.copies.state(rank)
-                if gossip is not None:
-                    shard["gossip"] = gossip
+                built.append(shards.make_shard(save_id, rank, workers, **contents))
             bad = [
                 rank
                 for rank, shard in enumerate(built)
@@ -258,9 +253,8 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         super().load_optimizer_state_dict(checkpoint)
         resumed, self._resume_shards = self._resume_shards, []
         self._group.restore(resumed, checkpoint["optimizer_states"][0])
-        for rank, shard in enumerate(resumed):
-            self.driver.copies.load(shard.get("gossip"), rank)
         if resumed:
+            self.driver.state.load(resumed)
             shards.resume_rank_state(resumed[0], self.lightning_module.trainer.global_step)
         self._rng_restored = bool(resumed)
 

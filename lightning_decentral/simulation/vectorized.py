@@ -373,19 +373,11 @@ class StackedWorkers(WorkerGroup):
     def gradient_sum(self) -> list[Tensor]:
         return [p.grad.sum(0) if p.grad is not None else torch.zeros_like(p[0]) for p in self.parameters]
 
-    def shard(
-        self,
-        rank: int,
-        save_id: int,
-        state_dict: dict[str, Tensor],
-        step: int,
-        precision: dict | None,
-        rule: dict[str, str],
-    ) -> dict[str, Any]:
-        """Worker `rank`'s shard with copies of its rows: a row is a view of every worker's storage, which
-        `torch.save` would write whole (a shard `n` times too large)."""
+    def own_state(self, rank: int, state_dict: dict[str, Tensor], full: bool) -> dict[str, Any]:
+        """Worker `rank`'s part of its shard with copies of its rows: a row is a view of every worker's storage,
+        which `torch.save` would write whole (a shard `n` times too large)."""
         own = {name: t.clone() for name, t in state_dict.items()}
-        return super().shard(rank, save_id, own, step, precision, rule)
+        return super().own_state(rank, own, full)
 
     def optimizer_state_of(self, rank: int) -> dict[str, Any]:
         """Row `rank` of every per-element state tensor (momentum, Adam's moments), copied; scalars such as `step`
@@ -408,15 +400,13 @@ class StackedWorkers(WorkerGroup):
         return {**state, "state": mapped}
 
     def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
-        """Workers 1..n-1's replicas from their shards; the stacked optimizer and rule states from every worker's
-        shard (or the averaged optimizer state on every row)."""
+        """Workers 1..n-1's replicas from their shards; the stacked optimizer state from every worker's shard (or the
+        averaged optimizer state on every row); the rule's state is the driver's registry's."""
         for module, shard in zip(self.modules[1:], resumed[1:]):
             module.load_state_dict(shard["state_dict"])
         self.load_optimizer_states(
             [shard["optimizer_states"][0] for shard in resumed] or [averaged_optimizer] * len(self.modules)
         )
-        if resumed:
-            self.load_rule_states([shard.get("rule_state", {}) for shard in resumed])
 
     def rule_state_of(self, rank: int) -> dict[str, Any]:
         """Row `rank` of every one-dimensional tensor of the rule's state (one value per element of the stacked flat

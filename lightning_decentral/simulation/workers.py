@@ -190,36 +190,18 @@ class WorkerGroup:
         states = [self.optimizer_state_of(rank) for rank in range(len(self.modules))]
         return averaged_optimizer_state(states, lambda tensors: _means_across(states, tensors))
 
-    def shard(
-        self,
-        rank: int,
-        save_id: int,
-        state_dict: dict[str, Tensor],
-        step: int,
-        precision: dict | None,
-        rule: dict[str, str],
-    ) -> dict[str, Any]:
-        """Worker `rank`'s shard, as rank `rank` of `n` writes it (`precision=None`: a weights-only save; `rule`: the
-        update rule it records, see [`make_shard`][lightning_decentral.checkpoint.make_shard])."""
+    def own_state(self, rank: int, state_dict: dict[str, Tensor], full: bool) -> dict[str, Any]:
+        """Worker `rank`'s part of its shard as rank `rank` of `n` holds it: `state_dict`, its optimizer's state
+        (`full=False`: a weights-only save, none) and its random state ([`shard_contents`][lightning_decentral.driver.StepDriver.shard_contents]'s
+        arguments)."""
         cpu, cuda = self.random_states()[rank]
         # numpy's and Python's generators are the process's, shared by the workers
         rng = {**shards.rng_state(), "torch": cpu, **({"cuda": [cuda]} if cuda is not None else {})}
-        return shards.make_shard(
-            save_id,
-            rank,
-            len(self.modules),
-            state_dict=state_dict,
-            step=step,
-            optimizer_states=None if precision is None else [self.optimizer_state_of(rank)],
-            precision=precision,
-            rng=rng,
-            rule=rule,
-            rule_state=None if precision is None else self.rule_state_of(rank),
-        )
+        return dict(state_dict=state_dict, optimizer_states=[self.optimizer_state_of(rank)] if full else None, rng=rng)
 
     def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
         """Workers 1..n-1 from their shards (replica, optimizer, random state) if `resumed`, else from the
-        averaged optimizer state (worker 0 is restored by Lightning); every worker's rule from its shard."""
+        averaged optimizer state (worker 0 is restored by Lightning); the rules' state is the driver's registry's."""
         raise NotImplementedError
 
 
@@ -381,8 +363,6 @@ class SimulatedWorkers(WorkerGroup):
                 worker.cuda_rng = resumed[i]["rng"]["cuda"][0] if "cuda" in resumed[i]["rng"] else None
             else:
                 worker.optimizer.load_state_dict(averaged_optimizer)
-        if resumed:
-            self.load_rule_states([shard.get("rule_state", {}) for shard in resumed])
 
 
 @contextlib.contextmanager

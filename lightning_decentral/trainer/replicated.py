@@ -382,23 +382,20 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         shard, self._resume_shard = self._resume_shard, None
         if shard is not None:
             shards.resume_rank_state(shard, self.lightning_module.trainer.global_step)
-            self.load_rule_state(shard.get("rule_state", {}))
-            self.driver.copies.load(shard.get("gossip"))
+            self.driver.state.load([shard])
 
     def _shard_parts(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of `checkpoint`, its shard but the save id
-        ([`make_shard`][lightning_decentral.checkpoint.make_shard]): its own replica, optimizer, precision-plugin, step,
-        RNG, rule and gossip state (live: not copied)."""
+        ([`shard_contents`][lightning_decentral.driver.StepDriver.shard_contents]): its own replica, optimizer,
+        precision-plugin, step, RNG state and every registered part (live: not copied)."""
         weights_only = "optimizer_states" not in checkpoint
-        return dict(
+        return self.driver.shard_contents(
+            0,
             state_dict=self._averaged.own_state_dict(self.lightning_module),
-            optimizer_states=None if weights_only else [o.state_dict() for o in self.optimizers],
             step=self.lightning_module.trainer.global_step,
-            rng=shards.rng_state(),
-            rule=self.rule_record(),
+            optimizer_states=None if weights_only else [o.state_dict() for o in self.optimizers],
             precision=None if weights_only else self.precision_plugin.state_dict(),
-            rule_state=None if weights_only else self.rule_state(),
-            gossip=self.driver.copies.state(),
+            rng=shards.rng_state(),
         )
 
     # -- every rank runs the same configuration ----------------------------------------------
