@@ -5,6 +5,7 @@ in one place, and shards written before the registry still resume."""
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ import torch
 
 from lightning_decentral.checkpoint import META_KEY, SHARD_FORMAT, make_shard, read_shard, shard_path, write_shard
 from lightning_decentral.driver import Driven, StepDriver
+from lightning_decentral.membership.rejoin import flatten, unflatten
 from lightning_decentral.options import GossipOptions
 from tests import simulation_workers as sim
 from tests.helpers import assert_resumed_as_straight
@@ -103,3 +105,48 @@ def test_a_piece_of_state_is_one_registration_and_keys_are_not_shared() -> None:
     for taken in ("mine", "state_dict", "rng"):
         with pytest.raises(ValueError, match=f"{taken!r} is taken"):
             driver.state.register(taken, save=lambda worker: None, load=print)
+
+
+# -- the rejoin handover: tensors and plain data, no pickle --------------------------------------------------------
+
+
+def test_the_handover_carries_a_shard_and_the_loops_as_tensors_and_plain_data() -> None:
+    """What a member hands to a rank that rejoins (a shard with its optimizer's int keys, the random state's tuples, a
+    bool tensor, a 0-dim tensor, an infinite float) comes back equal, with its types; anything else is refused."""
+    optimizer = torch.optim.Adam(torch.nn.Linear(3, 2).parameters(), betas=(0.8, 0.9))
+    optimizer.zero_grad()
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    state = {
+        "shard": make_shard(
+            0, 1, 4, {"w": torch.arange(6.0).view(2, 3)}, step=7, optimizer_states=[optimizer.state_dict()]
+        ),
+        "loops": {
+            "fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 1}}, "mask": torch.tensor([True])}
+        },
+        "global_step": 7,
+        "lr_schedulers": [{"base_lrs": [0.1], "last_epoch": -1, "scale": float("inf"), "t": torch.tensor(2.5)}],
+    }
+    description, payload = flatten(state)
+    json.dumps(description)  # plain JSON: nothing pickled
+    assert payload.dtype == torch.uint8
+    _assert_same(unflatten(json.loads(json.dumps(description)), payload), state)
+    with pytest.raises(TypeError, match="tensors and plain data only .* got a object"):
+        flatten({"callback": object()})
+
+
+def _assert_same(a: Any, b: Any) -> None:
+    assert type(a) is type(b), (a, b)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            _assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_same(x, y)
+    else:
+        assert a == b

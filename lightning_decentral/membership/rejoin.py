@@ -29,11 +29,14 @@ rank started again after its run is over
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_decentral.membership.protocol import POLL, Decision, Excluded, Membership
 from lightning_decentral.rendezvous import GuardedStore, LeftOut
@@ -320,12 +323,81 @@ def _wait_a_little(deadline: float, rank: int, what: str) -> None:
 
 
 def hand_over(state: Any, to: int) -> None:
-    """The source: send `state` (a picklable object of tensors) to rank `to` of the current default group."""
-    dist.send_object_list([state], dst=to)
+    """The source: send `state` (tensors and plain data: see [`flatten`][lightning_decentral.membership.rejoin.flatten])
+    to rank `to` of the current default group: its description as JSON, then every tensor's bytes in one buffer. No
+    pickle travels: the rank that rejoins runs no code a peer sent."""
+    description, payload = flatten(state)
+    text = torch.frombuffer(bytearray(json.dumps(description).encode()), dtype=torch.uint8)
+    dist.send(torch.tensor([text.numel(), payload.numel()], dtype=torch.int64), dst=to)
+    dist.send(text, dst=to)
+    dist.send(payload, dst=to)
 
 
 def take_over(source: int) -> Any:
-    """The joiner: what rank `source` of the current default group sends with `hand_over`."""
-    box: list[Any] = [None]
-    dist.recv_object_list(box, src=source)
-    return box[0]
+    """The joiner: what rank `source` of the current default group sends with `hand_over`, rebuilt."""
+    sizes = torch.empty(2, dtype=torch.int64)
+    dist.recv(sizes, src=source)
+    text = torch.empty(int(sizes[0]), dtype=torch.uint8)
+    dist.recv(text, src=source)
+    payload = torch.empty(int(sizes[1]), dtype=torch.uint8)
+    dist.recv(payload, src=source)
+    return unflatten(json.loads(bytes(text.numpy()).decode()), payload)
+
+
+def flatten(state: Any) -> tuple[Any, Tensor]:
+    """`state` as a JSON-able description and one byte buffer of its tensors (on the CPU): what a handover sends.
+
+    Plain data (`None`, `bool`, `int`, `float`, `str`) stays as it is; a list, a tuple and a dict (of any plain keys)
+    become `{"list": [...]}`, `{"tuple": [...]}`, `{"dict": [[key, value], ...]}`; a tensor `{"tensor": [dtype, shape,
+    offset, bytes]}`, its bytes at `offset` of the buffer. Anything else is a `TypeError`.
+
+    Examples:
+        >>> description, payload = flatten({"step": 3, 0: (torch.tensor([1.5, 2.0]), None)})
+        >>> payload.numel(), description["dict"][0]
+        (8, ['step', 3])
+        >>> unflatten(description, payload)
+        {'step': 3, 0: (tensor([1.5000, 2.0000]), None)}
+    """
+    parts: list[Tensor] = []
+    offset = 0
+
+    def describe(value: Any) -> Any:
+        nonlocal offset
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, Tensor):
+            raw = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+            parts.append(raw)
+            offset += raw.numel()
+            return {"tensor": [str(value.dtype).removeprefix("torch."), list(value.shape), offset - raw.numel()]}
+        if isinstance(value, dict):
+            return {"dict": [[describe(key), describe(item)] for key, item in value.items()]}
+        if isinstance(value, tuple):
+            return {"tuple": [describe(item) for item in value]}
+        if isinstance(value, list):
+            return {"list": [describe(item) for item in value]}
+        raise TypeError(
+            f"A rejoin handover carries tensors and plain data only (no pickle travels between ranks), got a "
+            f"{type(value).__name__}: {value!r:.80}"
+        )
+
+    description = describe(state)
+    payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    return description, payload
+
+
+def unflatten(description: Any, payload: Tensor) -> Any:
+    """The state [`flatten`][lightning_decentral.membership.rejoin.flatten] described, its tensors copied out of
+    `payload` (each owns its memory)."""
+    if not isinstance(description, dict):
+        return description
+    ((kind, content),) = description.items()
+    if kind == "tensor":
+        dtype_name, shape, offset = content
+        dtype = getattr(torch, dtype_name)
+        size = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        return payload[offset : offset + size].clone().view(dtype).reshape(shape)
+    if kind == "dict":
+        return {unflatten(key, payload): unflatten(item, payload) for key, item in content}
+    items = [unflatten(item, payload) for item in content]
+    return tuple(items) if kind == "tuple" else items

@@ -2,9 +2,10 @@
 [`membership.rejoin`][lightning_decentral.membership.rejoin]): the state a member hands over, and how the rank that
 rejoins resumes from it as from a checkpoint, over the network.
 
-The state is this rank's shard (replica, optimizer, precision plugin, rule state: DecentLaM's and the outer step's) as
-a save writes it ([`make_shard`][lightning_decentral.checkpoint.make_shard]), the fit loop's state and the learning-rate
-schedulers'. The rank that rejoins loads the replica, and the Trainer restores the rest after the strategy's setup,
+The state is this rank's shard (replica, optimizer, precision plugin, every registered part: the outer step's state,
+CHOCO's public copies) as a save writes it ([`make_shard`][lightning_decentral.checkpoint.make_shard]), the fit loop's
+state and the learning-rate schedulers', sent as tensors and plain data, no pickle
+([`hand_over`][lightning_decentral.membership.rejoin.hand_over]). The rank that rejoins loads the replica, and the Trainer restores the rest after the strategy's setup,
 as for `fit(ckpt_path=...)`: the loops (the step, the epoch, the batch), the optimizer, the schedulers. It keeps its
 own random state and its own data shard; its callbacks take the source's state over (a `ModelCheckpoint`'s directory,
 paths and scores: every rank names each save alike).
