@@ -502,8 +502,10 @@ class StepDriver:
         return {"gossip/bytes_sent": torch.tensor(self.bytes_sent / workers, dtype=torch.float64)}
 
     def rule_record(self) -> dict[str, str]:
-        """What a shard records of the rule ([`rule_record`][lightning_decentral.checkpoint.rule_record])."""
-        return shards.rule_record(self.options.rule, self.topology)
+        """What a shard records of the rule ([`rule_record`][lightning_decentral.checkpoint.rule_record]), and
+        `shard_size` above 1 (sharded replicas resume only under the same one)."""
+        record = shards.rule_record(self.options.rule, self.topology)
+        return {**record, "shard_size": str(self.options.shard_size)} if self.options.shard_size > 1 else record
 
     def _schedule(self) -> GossipSchedule:
         if self.schedule is None:  # an AttributeError: there is no topology yet (so hasattr and Protocol checks say no)

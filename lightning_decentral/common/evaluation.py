@@ -1,5 +1,6 @@
-"""Evaluation on `x̄` and what the rules learn from Lightning's module and precision plugin: shared by the Trainer's
-strategy and the simulation (and, for the grad scaler, Fabric's)."""
+"""Evaluation on `x̄` ([`EvaluationOnAverage`][lightning_decentral.common.EvaluationOnAverage]) and what the rules
+learn from Lightning's module and precision plugin: shared by the Trainer's strategy and the simulation (and, for the
+grad scaler, Fabric's)."""
 
 from __future__ import annotations
 
@@ -12,42 +13,30 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 
-class EvaluatesOnAverage:
-    """Strategy hooks that validate, test and predict on `x̄` when `eval_on == "average"`, restoring every
-    replica exactly afterwards; for a strategy with `eval_on`, `averaged_model()` and an `ExitStack`
-    `_eval_context` (closed on an exception too)."""
+class EvaluationOnAverage:
+    """Validation, test and prediction on `x̄` when `eval_on == "average"`: [`begin`][lightning_decentral.common.EvaluationOnAverage.begin]
+    swaps `x̄` in, [`end`][lightning_decentral.common.EvaluationOnAverage.end] restores every replica exactly. Held by
+    the Trainer's strategy and the simulation, whose `on_validation_start`, `on_test_start` and `on_predict_start`
+    begin it, and whose matching ends and `on_exception` end it.
 
-    eval_on: str
-    _eval_context: contextlib.ExitStack
-    averaged_model: Callable[[], contextlib.AbstractContextManager]
+    Args:
+        eval_on: `"average"` (evaluate `x̄`) or `"local"` (each replica as it is: `begin` does nothing).
+        averaged_model: the strategy's `averaged_model`: a context inside which its module holds `x̄`.
+    """
 
-    def on_validation_start(self) -> None:
-        """Runs when validation starts: swap in `x̄` (`eval_on="average"`)."""
-        self._enter_eval()
+    def __init__(self, eval_on: str, averaged_model: Callable[[], contextlib.AbstractContextManager]) -> None:
+        self.eval_on = eval_on
+        self.averaged_model = averaged_model
+        self._context = contextlib.ExitStack()
 
-    def on_validation_end(self) -> None:
-        """Runs when validation ends: restore every replica."""
-        self._eval_context.close()
-
-    def on_test_start(self) -> None:
-        """Runs when testing starts: swap in `x̄` (`eval_on="average"`)."""
-        self._enter_eval()
-
-    def on_test_end(self) -> None:
-        """Runs when testing ends: restore every replica."""
-        self._eval_context.close()
-
-    def on_predict_start(self) -> None:
-        """Runs when prediction starts: swap in `x̄` (`eval_on="average"`)."""
-        self._enter_eval()
-
-    def on_predict_end(self) -> None:
-        """Runs when prediction ends: restore every replica."""
-        self._eval_context.close()
-
-    def _enter_eval(self) -> None:
+    def begin(self) -> None:
+        """Swap in `x̄` (`eval_on="average"`)."""
         if self.eval_on == "average":
-            self._eval_context.enter_context(self.averaged_model())
+            self._context.enter_context(self.averaged_model())
+
+    def end(self) -> None:
+        """Restore every replica (nothing if none was swapped out)."""
+        self._context.close()
 
 
 def backward_may_overlap(module: LightningModule) -> bool:

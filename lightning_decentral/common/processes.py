@@ -1,8 +1,9 @@
-"""What both executors on processes (the Trainer's and Fabric's `DecentralizedStrategy`) share: the default process
+"""What both executors on processes (the Trainer's and Fabric's `DecentralizedStrategy`) hold: the default process
 group made on this generation's namespace of the job's store
 ([`init_default_group`][lightning_decentral.common.processes.init_default_group]), and
-[`OnProcesses`][lightning_decentral.common.processes.OnProcesses]: the mixer the driver builds for this rank, the
-survivors of a failure (`on_peer_failure="continue"`), the monitors' collectives, the end of the exchange."""
+[`Processes`][lightning_decentral.common.processes.Processes]: the mixer the driver builds for this rank, the
+survivors of a failure (`on_peer_failure="continue"`), a lost rank's way back (`rejoin=True`), what each rank does,
+the end of the exchange."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import os
 import secrets
 import signal
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -18,14 +20,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from torch import Tensor
-from torch.nn import Module
 
-from lightning_decentral.agreement import Activities, Ranks, parameter_deviations
+from lightning_decentral.agreement import Activities, Ranks
 from lightning_decentral.driver import StepDriver
-from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import Decision, Join, Membership, Survivors
-from lightning_decentral.membership.guard import Guard
 from lightning_decentral.membership.rejoin import refuse_after_the_run, refuse_new_rank, run_in_progress
 from lightning_decentral.membership.report import losses, says_losses, survivor_metrics
 from lightning_decentral.membership.store import store_client
@@ -77,93 +75,72 @@ LIGHTNING_LAUNCHER = (
 """The warning at start under Lightning's own launcher with `on_peer_failure="continue"`."""
 
 
-class OnProcesses:
-    """What an executor on processes adds to Lightning's DDP strategy (list it before Lightning's strategy class):
-    this rank's mixer and, with `on_peer_failure="continue"`, its
-    [`Survivors`][lightning_decentral.membership.Survivors]
-    ([`start_gossip`][lightning_decentral.common.processes.OnProcesses.start_gossip],
-    [`end_gossip`][lightning_decentral.common.processes.OnProcesses.end_gossip]); its rank and world size follow the
-    survivors of a failure; the monitors' collectives over the module it trains (`trained_module`)."""
+class Processes:
+    """What an executor on processes (the Trainer's and Fabric's `DecentralizedStrategy`) holds besides Lightning's DDP
+    machinery: the default process group made on this generation's namespace of the job's store
+    ([`make_default_group`][lightning_decentral.common.processes.Processes.make_default_group]); this rank's mixer and,
+    with `on_peer_failure="continue"`, its [`Survivors`][lightning_decentral.membership.Survivors]
+    ([`start_gossip`][lightning_decentral.common.processes.Processes.start_gossip],
+    [`end_gossip`][lightning_decentral.common.processes.Processes.end_gossip]); the rank and world size after a failure
+    or a join ([`rank`][lightning_decentral.common.processes.Processes.rank]); what each rank does (`activities`); and,
+    with `rejoin=True`, a lost rank's way back into the run in progress.
 
-    driver: StepDriver
-    options: GossipOptions
-    root_device: torch.device
-    activities: Activities | None  # what each rank does (None before set-up): the executor's
-    survivors: Survivors | None = None  # on_peer_failure="continue", once the gossip started
-    owns_default_group = False  # this run made the default process group (with its timeout)
-    rejoins = False  # rejoin=True: lost ranks started again rejoin the run in progress
-    joined: Join | None = None  # this process is a lost rank that rejoined, with this decision
-    joining = False  # a rank that rejoins, before its first training batch
-    sharding: Sharding | None = None  # shard_size > 1: replicas of several ranks (the Trainer's strategy only)
-    _timeout: timedelta  # Lightning's DDPStrategy keeps it
+    Args:
+        driver: the executor's driver: it builds the mixer, the survivors rebind it.
+        timeout: the process-group timeout (every collective, exchange and store call).
+        ranks: the executor's collectives over the current world (`Ranks` of its device, through the driver's guard).
+        rejoin: `rejoin=True`: lost ranks started again rejoin the run in progress (the Trainer's only).
+        handover: with `rejoin`, the state this rank hands to a rank that rejoins when it is the source.
+        join_margin: with `rejoin`, more steps than two ranks can be apart (a join step is that far ahead).
+        on_survivors: the executor's own part of a new membership (after a failure or a join), after this object's.
+        sharding: with `shard_size` above 1 (the Trainer's only), the replicas of several ranks: the exchange runs on
+            the group of the ranks holding this rank's shard of every replica.
+    """
 
-    def _configure_launcher(self) -> None:
-        """Runs when the Trainer or Fabric is built, before any process starts: refuse `on_peer_failure="continue"` on
-        a backend it does not run on ([`check_backend`][lightning_decentral.options.GossipOptions.check_backend]: the
-        backend passed, or the device's default), and bind the topology (bad ones fail here)."""
-        device_default = dist.Backend.default_device_backend_map.get(self.root_device.type, "gloo")
-        self.options.check_backend(self.process_group_backend or device_default)  # type: ignore[attr-defined]
-        super()._configure_launcher()  # type: ignore[misc]
-        world_size = self.num_nodes * self.num_processes  # type: ignore[attr-defined]
-        workers = self.sharding.bind(world_size) if self.sharding is not None else world_size  # sharded: the replicas
-        self.driver.bind(workers, self.num_nodes)  # type: ignore[attr-defined]
-
-    @property
-    def trained_module(self) -> Module:
-        """The module this rank trains (its replica)."""
-        raise NotImplementedError
-
-    # -- the monitors' collectives ------------------------------------------------------------------------------
-
-    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
-        """For each trainable parameter `p`: its name, `‖p_i − p̄‖²` on this rank and `‖p̄‖²`.
-
-        0-dim float64 tensors, `p̄ = (1/n) Σ_i p_i` averaged in at least float32. Costs one all-reduce
-        of the parameters; every rank must call it together (`Ξ² = (1/n) Σ_i Σ_p ‖p_i − p̄‖²`).
-        """
-        if self.sharding is not None:  # this rank's shard's part of its replica's term
-            return self.sharding.parameter_deviations(self.replica_ranks, self.trained_module)
-        return parameter_deviations(self._ranks, self.trained_module)
-
-    def gradient_sum(self) -> list[Tensor]:
-        """This rank's gradient of each trainable parameter (zeros where it has none)."""
-        return own_gradients(self.trained_module)
+    def __init__(
+        self,
+        driver: StepDriver,
+        timeout: timedelta,
+        ranks: Callable[[], Ranks],
+        rejoin: bool = False,
+        handover: Callable[[], Any] | None = None,
+        join_margin: Callable[[], int] | None = None,
+        on_survivors: Callable[[Decision], None] = lambda decision: None,
+        sharding: Sharding | None = None,
+    ) -> None:
+        if rejoin and (handover is None or join_margin is None):
+            raise ValueError("rejoin=True needs the state to hand over and the join margin.")
+        self.driver = driver
+        self.timeout = timeout
+        self.ranks = ranks
+        self.rejoins = rejoin
+        self.handover = handover
+        self.join_margin = join_margin
+        self.executor_on_survivors = on_survivors
+        self.survivors: Survivors | None = None  # on_peer_failure="continue", once the gossip started
+        self.owns_default_group = False  # this run made the default process group (with its timeout)
+        self.joined: Join | None = None  # this process is a lost rank that rejoined, with this decision
+        self.joining = False  # a rank that rejoins, before its first training batch
+        self.activities: Activities | None = None  # what each rank does (None before set-up)
+        self.sharding = sharding  # shard_size > 1: replicas of several ranks
 
     @property
-    def _ranks(self) -> Ranks:
-        return Ranks.of_world(self.root_device, self.guard)
-
-    @property
-    def replica_ranks(self) -> Ranks:
-        """The ranks a mean over the replicas runs on: every rank; with sharded replicas, the ranks holding this rank's
-        shard of every replica (its column of the device mesh)."""
-        if self.sharding is not None:
-            return self.sharding.replica_ranks(self.root_device, self.guard)
-        return self._ranks
-
-    # -- every collective goes through the driver's guard ---------------------------------------------------------
-
-    @property
-    def guard(self) -> Guard:
-        """The path every collective of this rank goes through besides the exchange
-        ([`Guard`][lightning_decentral.membership.guard.Guard]): with `on_peer_failure="continue"`, a failure in any of
-        them is survived (a checkpoint save then starts again among the survivors: see the strategies'
-        `save_checkpoint`)."""
-        return self.driver.guard
+    def options(self) -> GossipOptions:
+        """The driver's update-rule arguments."""
+        return self.driver.options
 
     # -- ranks, after a failure ---------------------------------------------------------------------------------
 
-    @property
-    def global_rank(self) -> int:
-        """This rank's rank; after a failure, among the survivors (in the order of their first ranks)."""
+    def rank(self, lightning: int) -> int:
+        """This rank's rank: after a failure or a join, among the members (in the order of their first ranks); before,
+        Lightning's (`lightning`)."""
         regrouped = self._regrouped
-        return regrouped.rank if regrouped is not None else super().global_rank  # type: ignore[misc]
+        return regrouped.rank if regrouped is not None else lightning
 
-    @property
-    def world_size(self) -> int:
-        """The number of ranks; after a failure, of survivors."""
+    def world_size(self, lightning: int) -> int:
+        """The number of ranks: after a failure or a join, of members; before, Lightning's (`lightning`)."""
         regrouped = self._regrouped
-        return regrouped.world_size if regrouped is not None else super().world_size  # type: ignore[misc]
+        return regrouped.world_size if regrouped is not None else lightning
 
     @property
     def _regrouped(self) -> Membership | None:
@@ -172,147 +149,138 @@ class OnProcesses:
             return self.survivors.membership
         return None
 
-    @property
-    def first_rank(self) -> int:
-        """This rank's global rank when the run started (a failure renumbers the survivors)."""
-        return self.survivors.membership.first_rank if self.survivors is not None else self.global_rank
+    def start_size(self, current: int) -> int:
+        """The number of ranks when the run started (a failure or a rejoin changes the world size; `current` without
+        survivors)."""
+        return self.survivors.membership.start_size if self.survivors is not None else current
 
-    @property
-    def start_size(self) -> int:
-        """The number of ranks when the run started (a failure or a rejoin changes `world_size`)."""
-        return self.survivors.membership.start_size if self.survivors is not None else self.world_size
+    def first_rank(self, current: int) -> int:
+        """This rank's global rank when the run started (a failure renumbers the survivors; `current` without them)."""
+        return self.survivors.membership.first_rank if self.survivors is not None else current
 
     @property
     def failures_survived(self) -> list[Decision]:
         """The survivors' decisions of the run so far (or of the last one), one per failure survived."""
         return list(self.survivors.membership.decisions) if self.survivors is not None else []
 
-    @property
-    def start_method(self) -> str:
-        """How Lightning's launcher starts the ranks: `start_method=`, or the registered name's (`"dpsgd_fork"`:
-        `"fork"`); `"popen"` runs the script once per rank."""
-        return self._start_method  # type: ignore[attr-defined]  # Lightning's DDPStrategy keeps it
-
-    @property
-    def launched_by_lightning(self) -> bool:
-        """Whether Lightning's own launcher started this rank (`devices=n` from a script, or a `_spawn`/`_fork`
-        strategy): it ends every process within seconds of one failing, so with it no rank survives a failure. Known
-        on rank 0 (the script's process, whose launcher started the others, or is about to), not always on the others
-        (Lightning starts them with the environment of a process launched by anything else)."""
-        if self.start_method != "popen" or getattr(self.launcher, "procs", None):  # type: ignore[attr-defined]  # the ranks it started
-            return True
-        return not self.cluster_environment.creates_processes_externally  # type: ignore[attr-defined]  # before it starts them
+    def survivor_metrics(self, world_size: int) -> dict[str, float]:
+        """With `on_peer_failure="continue"`: `survivors/workers` (the workers training now) and `survivors/lost` (the
+        workers lost so far), for a logger; else nothing."""
+        if self.survivors is None:
+            return {}
+        return survivor_metrics(self.survivors.start_topology.world_size, world_size)
 
     # -- the process group and the exchange ----------------------------------------------------------------------
 
-    def make_default_group(self) -> None:
-        """Make the default process group, once the executor set its world ranks
-        ([`init_default_group`][lightning_decentral.common.processes.init_default_group])."""
-        backend = self._process_group_backend = self._get_process_group_backend()  # type: ignore[attr-defined]
-        environment = self.cluster_environment  # type: ignore[attr-defined]
-        assert environment is not None
-        if self.rejoins and self.global_rank > 0:  # rank 0 may host the store: it would wait for itself
+    def bind(self, world_size: int, num_nodes: int) -> None:
+        """Before any process starts: bind the driver's topology to the workers (bad ones fail here): the `world_size`
+        ranks, or with sharded replicas the replicas of `shard_size` ranks each."""
+        workers = self.sharding.bind(world_size) if self.sharding is not None else world_size
+        self.driver.bind(workers, num_nodes)
+
+    def check_backend(self, backend: str | None, device: torch.device) -> None:
+        """Before any process starts: refuse `on_peer_failure="continue"` on a backend it does not run on
+        ([`check_backend`][lightning_decentral.options.GossipOptions.check_backend]: `backend`, or `device`'s default)."""
+        device_default = dist.Backend.default_device_backend_map.get(device.type, "gloo")
+        self.options.check_backend(backend or device_default)
+
+    def make_default_group(
+        self, environment: ClusterEnvironment, backend: str, rank: int, world_size: int, device: torch.device
+    ) -> None:
+        """Make the default process group ([`init_default_group`][lightning_decentral.common.processes.init_default_group]);
+        with `rejoin=True`, a lost rank started again sets up alone instead, and rejoins the run in progress once it
+        knows what it runs ([`rejoin`][lightning_decentral.common.processes.Processes.rejoin])."""
+        if self.rejoins and rank > 0:  # rank 0 may host the store: it would wait for itself
             os.environ["MASTER_ADDR"] = environment.main_address
             os.environ["MASTER_PORT"] = str(environment.main_port)
-            client = store_client(self._timeout)
-            refuse_new_rank(client, self.global_rank, self.world_size)
-            refuse_after_the_run(client, self.global_rank)
+            client = store_client(self.timeout)
+            refuse_new_rank(client, rank, world_size)
+            refuse_after_the_run(client, rank)
         try:
-            init_default_group(environment, backend, self.global_rank, self.world_size, self._timeout, self.root_device)
+            init_default_group(environment, backend, rank, world_size, self.timeout, device)
         except LeftOut:
             if not self.rejoins:
                 raise
-            self._will_rejoin()
+            self._will_rejoin(rank)
         self.owns_default_group = True
 
-    def _will_rejoin(self) -> None:
+    def _will_rejoin(self, rank: int) -> None:
         """A lost rank started again: the job's store is the members' namespace from now on, and it sets up alone (no
-        process group yet) until it [`rejoin`][lightning_decentral.common.processes.OnProcesses.rejoin]s, once it
-        knows what it runs (its optimizers included)."""
-        client = store_client(self._timeout)
-        rejoin_store(client, run_in_progress(client, self.global_rank)["token"])
+        process group yet) until it [`rejoin`][lightning_decentral.common.processes.Processes.rejoin]s, once it knows
+        what it runs (its optimizers included)."""
+        client = store_client(self.timeout)
+        rejoin_store(client, run_in_progress(client, rank)["token"])
         self.joining = True  # until its first batch: Lightning's barrier and broadcast stay on this rank
 
-    def rejoin(self, configuration: dict[str, int | str]) -> None:
-        """A lost rank started again, its set-up done
+    def rejoin(self, rank: int, backend: str, configuration: dict[str, int | str]) -> None:
+        """A lost rank started again (`rank`, Lightning's), its set-up done
         ([`Survivors.rejoin`][lightning_decentral.membership.Survivors.rejoin]): refused, naming the field, if
         `configuration` (the fields of the members' check that every rank runs the same configuration and optimizers)
-        differs from the one the members published; else admitted, the default group is the grown members'."""
-        client = store_client(self._timeout)
-        info = run_in_progress(client, self.global_rank)
+        differs from the one the members published; else admitted, the default group is the grown members' (made with
+        `backend`)."""
+        assert self.handover is not None and self.join_margin is not None
+        client = store_client(self.timeout)
+        info = run_in_progress(client, rank)
         self.survivors, self.joined = Survivors.rejoin(
             self.driver,
             info,
-            self.global_rank,
+            rank,
             self.options.min_workers_for(info["start_size"]),
-            self._process_group_backend,  # type: ignore[attr-defined]
-            self._timeout,
+            backend,
+            self.timeout,
             self.on_survivors,
-            self.handover_state,
+            self.handover,
             self.join_margin,
             configuration,
         )
-        rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = self.survivors.membership.rank
 
-    def handover_state(self) -> Any:
-        """What this rank hands to a lost rank that rejoins, when it is the source (`rejoin=True`)."""
-        raise NotImplementedError
-
-    def join_margin(self) -> int:
-        """More steps than two ranks can be apart (a join step is that far ahead of the step it is proposed at)."""
-        raise NotImplementedError
-
-    def start_gossip(self) -> Mixer:
+    def start_gossip(self, device: torch.device, launched_by_lightning: bool) -> Mixer:
         """This rank's mixer, built by the driver (every rank together, on the default group); with
         `on_peer_failure="continue"` first the survivors' membership: agree on a run number, start this rank's
-        heartbeat, and warn if the job's store cannot outlive a worker. If Lightning's own launcher started any rank,
-        warn instead and survive nothing (a failure stops every rank, as with `"stop"`): that launcher ends every
-        process within seconds of one failing."""
+        heartbeat, and warn if the job's store cannot outlive a worker. If Lightning's own launcher started any rank
+        (`launched_by_lightning`), warn instead and survive nothing (a failure stops every rank, as with `"stop"`): that
+        launcher ends every process within seconds of one failing."""
         backend = dist.get_backend()
         if self.options.on_peer_failure == "continue" and not self.joining:
-            self.survivors = self._start_surviving(backend)
-        group = self.sharding.new_replica_group(self._timeout) if self.sharding is not None else None
-        return self.driver.process_mixer(
-            self.root_device, backend, self._timeout, self.owns_default_group, self.survivors, group
-        )
+            self.survivors = self._start_surviving(backend, launched_by_lightning)
+        group = self.sharding.new_replica_group(self.timeout) if self.sharding is not None else None
+        return self.driver.process_mixer(device, backend, self.timeout, self.owns_default_group, self.survivors, group)
 
-    def _start_surviving(self, backend: str) -> Survivors | None:
+    def _start_surviving(self, backend: str, launched_by_lightning: bool) -> Survivors | None:
         self.options.check_backend(backend)  # the process group's, which a user may have made before the strategy
-        agreed = self._ranks.gather(
-            [secrets.randbits(62), int(self.launched_by_lightning)], "Starting the survivors' membership"
-        )
+        ranks = self.ranks()
+        agreed = ranks.gather([secrets.randbits(62), int(launched_by_lightning)], "Starting the survivors' membership")
         if agreed[:, 1].any():  # every rank alike: rank 0 knows
             rank_zero_warn(LIGHTNING_LAUNCHER)
             return None
         run = int(agreed[0, 0])
-        min_workers = self.options.min_workers_for(self.world_size)
-        rejoin = (self.join_margin, job_token() or "") if self.rejoins else None
+        min_workers = self.options.min_workers_for(ranks.world_size)
+        rejoin = (self.join_margin, job_token() or "") if self.rejoins and self.join_margin is not None else None
         survivors, warning = Survivors.start(
-            self.driver, run, min_workers, backend, self._timeout, self.on_survivors, rejoin, self.handover_state
+            self.driver, run, min_workers, backend, self.timeout, self.on_survivors, rejoin, self.handover
         )
         if warning:
             rank_zero_warn(warning)
         return survivors
 
+    def start_activities(self) -> Activities:
+        """Publish what each rank does from now on, among the ranks of the default group (every rank together)."""
+        self.activities = Activities.of_group(self.ranks(), self.timeout)
+        return self.activities
+
     def on_survivors(self, decision: Decision) -> None:
         """After a failure or a join, in the new members' process group (every member together): Lightning's rank-zero
         utilities follow the new rank, and the ranks publish their activities among the members. After a join, each
         member republishes the batch it is in (the join step's) as its first: the rank that rejoins begins that batch
-        as its first, so that both count their later activities alike."""
-        rank_zero_only.rank = self.global_rank
+        as its first, so that both count their later activities alike. Then the executor's own part."""
+        rank_zero_only.rank = self.ranks().rank
         if self.activities is not None:
             current = self.activities.current
-            self.activities = Activities.of_group(self._ranks, self._timeout)
+            self.start_activities()
             if isinstance(decision, Join):
                 self.activities.start(current)
-
-    @property
-    def survivor_metrics(self) -> dict[str, float]:
-        """With `on_peer_failure="continue"`: `survivors/workers` (the workers training now) and `survivors/lost` (the
-        workers lost so far), for a logger; else nothing."""
-        if self.survivors is None:
-            return {}
-        return survivor_metrics(self.survivors.start_topology.world_size, self.world_size)
+        self.executor_on_survivors(decision)
 
     def end_gossip(self, mixer: Any | None, step: int, failed: bool) -> None:
         """The run is over: after a clean run every rank leaves the mixer's groups together (at `step`); after an
@@ -326,5 +294,15 @@ class OnProcesses:
         if self.survivors is not None:
             self.survivors.close()
             lost = losses(self.failures_survived)
-            if lost and says_losses(self.failures_survived, self.first_rank):
+            if lost and says_losses(self.failures_survived, self.survivors.membership.first_rank):
                 log.info(lost)
+
+
+def launched_by_lightning(start_method: str, launcher: Any, environment: ClusterEnvironment) -> bool:
+    """Whether Lightning's own launcher started this rank (`devices=n` from a script, or a `_spawn`/`_fork` strategy):
+    it ends every process within seconds of one failing, so with it no rank survives a failure. Known on rank 0 (the
+    script's process, whose launcher started the others, or is about to), not always on the others (Lightning starts
+    them with the environment of a process launched by anything else)."""
+    if start_method != "popen" or getattr(launcher, "procs", None):  # the ranks it started
+        return True
+    return not environment.creates_processes_externally  # before it starts them

@@ -22,13 +22,16 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import BackwardSyncControl
-from lightning_decentral.agreement import Activities, run_configuration
-from lightning_decentral.common import OnProcesses, enabled_grad_scaler
+from lightning_decentral.agreement import Ranks, mean_optimizer_state, parameter_deviations, run_configuration
+from lightning_decentral.common import Processes, ShardedCheckpoints, enabled_grad_scaler, launched_by_lightning
 from lightning_decentral.driver import Driven, StepDriver, StepRunner
-from lightning_decentral.fabric.checkpoints import ShardedCheckpoints, set_up_first
-from lightning_decentral.measures import random_state
-from lightning_decentral.membership.guard import from_its_value_now
+from lightning_decentral.fabric.checkpoints import STEP_KEY, PrefixedModule, load_every_weight, set_up_first
+from lightning_decentral.files import StrPath, with_atomic_writes
+from lightning_decentral.measures import own_gradients, random_state
+from lightning_decentral.membership import Decision, form_for_save
+from lightning_decentral.membership.guard import Guard, from_its_value_now
 from lightning_decentral.mixing import FABRIC, Mixer
 from lightning_decentral.options import gossip_options, refuse_sharding, register_strategies, takes_gossip_options
 from lightning_decentral.replicas import AveragedModel, Replica, state_tensors
@@ -37,7 +40,7 @@ from lightning_decentral.timeouts import DEFAULT_TIMEOUT, checked_timeout
 
 
 @takes_gossip_options
-class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy):
+class DecentralizedStrategy(Driven, DDPStrategy):
     """Fabric's decentralized data-parallel strategy: each rank keeps its own replica and gossips it.
 
     The update rules and their arguments are those of the Trainer's
@@ -95,6 +98,11 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
             "Fabric's DecentralizedStrategy",
             "its module is set up by fabric.setup, which has no device mesh yet",
         )
+        self.driver = StepDriver(
+            gossip, epoch=self._epoch, phrasing=FABRIC
+        )  # bound to the world size with the launcher
+        self.processes = Processes(self.driver, checked_timeout(timeout), ranks=lambda: self._ranks)
+        self.checkpoints = ShardedCheckpoints(self.driver, lambda: self._ranks)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -102,13 +110,10 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
             checkpoint_io=checkpoint_io,
             precision=precision,
             process_group_backend=process_group_backend,
-            timeout=checked_timeout(timeout),
+            timeout=self.processes.timeout,
             start_method=start_method,
         )
         self._backward_sync_control = _RuleBackwardSync(self._begin_step)
-        self.driver = StepDriver(
-            gossip, epoch=self._epoch, phrasing=FABRIC
-        )  # bound to the world size with the launcher
         self.step = 0  # k: the optimizer steps taken (saved with every checkpoint)
         self.epoch: int | None = None  # the loop's epoch, for a gossip_steps schedule by epoch (set_epoch)
         self._module: Module | None = None
@@ -122,7 +127,6 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         self._hooks: list[Any] = []
         self._forward_states: list[dict[str, Any]] = []  # the random state of each training forward of step k
         self._graph_pending = False  # a training forward ran and its backward has not: the parameters are in use
-        self.activities: Activities | None = None  # what each rank does: ranks that disagree stop at once
 
     # -- the monitoring surface (Driven's, and these) ---------------------------------------------
 
@@ -140,6 +144,59 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
     def trained_module(self) -> Module:
         """The set-up module (this rank's replica); an error before `fabric.setup`."""
         return self.module
+
+    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
+        """For each trainable parameter `p`: its name, `‖p_i − p̄‖²` on this rank and `‖p̄‖²` (0-dim float64, `p̄`
+        averaged in at least float32; one all-reduce: every rank calls it together)."""
+        return parameter_deviations(self._ranks, self.trained_module)
+
+    def gradient_sum(self) -> list[Tensor]:
+        """This rank's gradient of each trainable parameter (zeros where it has none)."""
+        return own_gradients(self.trained_module)
+
+    @property
+    def guard(self) -> Guard:
+        """The path every collective of this rank goes through besides the exchange
+        ([`Guard`][lightning_decentral.membership.guard.Guard]): with `on_peer_failure="continue"`, a failure in any
+        of them is survived (`fabric.save` then starts again among the survivors)."""
+        return self.driver.guard
+
+    @property
+    def _ranks(self) -> Ranks:
+        return Ranks.of_world(self.root_device, self.guard)
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        """This rank's rank; after a failure, among the survivors (in the order of their first ranks)."""
+        return self.processes.rank(super().global_rank)
+
+    @property
+    @override
+    def world_size(self) -> int:
+        """The number of ranks; after a failure, of survivors."""
+        return self.processes.world_size(super().world_size)
+
+    @property
+    def first_rank(self) -> int:
+        """This rank's global rank when the run started (a failure renumbers the survivors)."""
+        return self.processes.first_rank(self.global_rank)
+
+    @property
+    def failures_survived(self) -> list[Decision]:
+        """The survivors' decisions of the run so far (or of the last one), one per failure survived."""
+        return self.processes.failures_survived
+
+    @property
+    def start_method(self) -> str:
+        """How Lightning's launcher starts the ranks: `start_method=`, or the registered name's (`"dpsgd_spawn"`:
+        `"spawn"`); `"popen"` runs the script once per rank."""
+        return self._start_method
+
+    @property
+    def launched_by_lightning(self) -> bool:
+        """Whether Lightning's own launcher started this rank ([`launched_by_lightning`][lightning_decentral.common.launched_by_lightning])."""
+        return launched_by_lightning(self.start_method, self.launcher, self.cluster_environment)
 
     @property
     def grad_scaler(self) -> torch.amp.GradScaler | None:
@@ -190,6 +247,14 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
     # -- set-up -------------------------------------------------------------------------------
 
     @override
+    def _configure_launcher(self) -> None:
+        """Runs when Fabric is built, before any process starts: refuse `on_peer_failure="continue"` on a backend it
+        does not run on, then bind the topology (a bad one fails here)."""
+        self.processes.check_backend(self.process_group_backend, self.root_device)
+        super()._configure_launcher()
+        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)
+
+    @override
     def _setup_distributed(self) -> None:
         """Runs in `fabric.launch()`: make the default process group on this generation's namespace of the job's
         store ([`rendezvous.connect`][lightning_decentral.rendezvous.connect]), so that workers torchrun restarts
@@ -198,7 +263,10 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
             super()._setup_distributed()
             return
         self._set_world_ranks()
-        self.make_default_group()
+        backend = self._process_group_backend = self._get_process_group_backend()
+        self.processes.make_default_group(
+            self.cluster_environment, backend, self.global_rank, self.world_size, self.root_device
+        )
 
     @override
     def setup_module_and_optimizers(
@@ -222,11 +290,10 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
             raise ValueError("DecentralizedStrategy gossips one model: set up one module per Fabric.")
         precision = str(getattr(self.precision, "precision", type(self.precision).__name__))
         self._ranks.check_same_configuration(run_configuration(self, module, precision))
-        self.activities = Activities.of_group(self._ranks, self._timeout)
-        self.activities.start("fabric.setup")
+        self.processes.start_activities().start("fabric.setup")
         self._ranks.broadcast_from_rank_zero(list(state_tensors(module)))
         self._replica = Replica(module, self.gossip_buffers)
-        self._mixer = self.start_gossip()
+        self._mixer = self.processes.start_gossip(self.root_device, self.launched_by_lightning)
         self._module = module
         self._hooks = [module.register_forward_pre_hook(self._before_forward)]
         return module
@@ -328,15 +395,15 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         another rank does something else ([`Activities`][lightning_decentral.agreement.Activities]); a no-op before
         set-up, and in the steps the survivors of a failure take alone (nobody to agree with). Nothing else may be
         agreed or begun before that collective."""
-        if self.activities is not None and not self.driver.alone:
-            self.activities.agree(what)
+        if self.processes.activities is not None and not self.driver.alone:
+            self.processes.activities.agree(what)
 
     def _begin_step(self) -> StepRunner:
         """The rule, with step `k` begun (once per step: the schedule decides it here)."""
         if not self.driver.begun:
             self._forward_states = []  # a new optimizer step
-            if self.activities is not None:
-                self.activities.start(f"optimizer step {self.step}")
+            if self.processes.activities is not None:
+                self.processes.activities.start(f"optimizer step {self.step}")
         return self.driver.begin(self.step)
 
     def _epoch(self) -> int:
@@ -349,6 +416,126 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
                 )
             return 0
         return self.epoch
+
+    # -- fabric.save and fabric.load: x̄ in the file, a shard per rank beside it ------------------------------
+
+    @override
+    def save_checkpoint(
+        self,
+        path: StrPath,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Runs in `fabric.save`, on every rank: the file holds `x̄` and the averaged optimizer state; each
+        rank writes its shard beside it, then rank 0 the file
+        ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]). In the steps the survivors of a failure
+        take alone, they make their process group first ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
+        module_key, optimizer_key = self._keys(state)
+        if module_key is None:
+            return super().save_checkpoint(path, state, storage_options, filter)
+        self.check_outside_the_graph("fabric.save")
+        self.guard.operation(
+            lambda: self._save_sharded(path, state, storage_options, filter, module_key, optimizer_key)
+        )
+        return None
+
+    def _save_sharded(
+        self,
+        path: StrPath,
+        state: dict[str, Any],
+        storage_options: Any,
+        filter: Any,
+        module_key: str,
+        optimizer_key: str | None,
+    ) -> None:
+        """`save_checkpoint` with the module at `state[module_key]`: one operation of the guard (a failure survived
+        during it starts it again: every survivor is in this save, and they make their group first)."""
+        form_for_save(self.processes.survivors)  # in the steps the survivors of a failure take alone: their group first
+        self.agree(f"fabric.save({str(path)!r})")
+        with self.averaged_model(
+            agree=False
+        ):  # agreed above: the averaging's all-reduce is the save's first collective
+            converted = self._convert_stateful_objects_in_state(state, filter=filter or {})
+            converted[module_key] = {
+                k: v.clone() if isinstance(v, Tensor) else v for k, v in converted[module_key].items()
+            }
+        if optimizer_key is not None:
+            converted[optimizer_key] = mean_optimizer_state(self._ranks, converted[optimizer_key])
+        converted[STEP_KEY] = self.step
+
+        def write_file() -> None:
+            if self.is_global_zero:
+                io = with_atomic_writes(self.checkpoint_io)  # unless a CheckpointIO of your own writes it
+                io.save_checkpoint(checkpoint=converted, path=path, storage_options=storage_options)
+
+        contents = self.driver.shard_contents(
+            0,
+            state_dict=state[module_key].state_dict(),
+            step=self.step,
+            optimizer_states=[self._optimizer.state_dict()] if optimizer_key is not None else None,
+            precision=self.precision.state_dict(),
+        )
+        self.checkpoints.save(converted, path, contents, write_file)
+
+    @override
+    def load_checkpoint(
+        self,
+        path: StrPath,
+        state: Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Runs in `fabric.load`, on every rank: restore `x̄` and the averaged optimizer state; then, if every
+        rank finds its shard of the same save at the same world size, its own replica, optimizer, precision
+        and RNG state (exact resume); else rank 0 warns once, saying why. `k` is restored too.
+
+        The model is found in `state` by identity, or as [`under_prefix(model, ...)`][lightning_decentral.fabric.under_prefix];
+        a checkpoint that holds none of its weights is an error naming the keys, before anything is restored."""
+        module_key, optimizer_key = self._keys(state) if isinstance(state, dict) else (None, None)
+        if module_key is not None:
+            self.check_outside_the_graph("fabric.load")
+            self.agree(f"fabric.load({str(path)!r})")
+        remainder = super().load_checkpoint(path, state, strict, weights_only)
+        if module_key is None:
+            return remainder
+        meta = remainder.pop(shards.META_KEY, None)
+        self.step = int(remainder.pop(STEP_KEY, remainder.get("global_step", 0)))
+        shard = self.checkpoints.read(path, meta)
+        if shard is None:
+            return remainder
+        target = state[module_key]
+        if isinstance(target, PrefixedModule):
+            target.load_state_dict(shard["state_dict"], strict=strict)
+        else:
+            self.load_module_state_dict(target, shard["state_dict"], strict=strict)
+        if optimizer_key is not None and "optimizer_states" in shard:
+            set_up_first(self._optimizer).load_state_dict(shard["optimizer_states"][0])
+        if shard.get("precision"):
+            self.precision.load_state_dict(shard["precision"])
+        self.checkpoints.restore(
+            shard, self.step, full=optimizer_key is not None
+        )  # the shard's step must be the file's
+        return remainder
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
+        """Runs in `fabric.load` for a module: its state, or an error naming the keys when the checkpoint holds none
+        of its weights ([`load_every_weight`][lightning_decentral.fabric.checkpoints.load_every_weight])."""
+        load_every_weight(module, state_dict, strict)
+
+    def _keys(self, state: dict[str, Any]) -> tuple[str | None, str | None]:
+        """The keys under which `state` holds this strategy's module (itself, or under a prefix) and optimizer."""
+
+        def found(target: Any) -> str | None:
+            for key, value in state.items():
+                if target is not None and (
+                    value is target or (isinstance(value, PrefixedModule) and value.module is target)
+                ):
+                    return key
+            return None
+
+        return found(self._module), found(self._optimizer)
 
     # -- Fabric's collectives go through the guard (with survivors of a failure, they complete among them) -------
 
@@ -380,7 +567,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         together (after a failed step: abort it, the others may be gone) and release the rule's hooks."""
         failed = self.driver.failed
         self.driver.drain()
-        self.end_gossip(self._mixer, self.step, failed)
+        self.processes.end_gossip(self._mixer, self.step, failed)
         self.driver.teardown()
         for hook in self._hooks:
             hook.remove()
@@ -388,7 +575,7 @@ class DecentralizedStrategy(Driven, OnProcesses, ShardedCheckpoints, DDPStrategy
         self._hooks = []
         self._forward_states = []
         self._graph_pending = False
-        self.activities = None
+        self.processes.activities = None
         super().teardown()
 
     @classmethod

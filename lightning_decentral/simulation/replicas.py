@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,37 +28,34 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
-from lightning_decentral.common import EvaluatesOnAverage
+from lightning_decentral.common import EvaluationOnAverage
 from lightning_decentral.driver import StepDriver
 from lightning_decentral.files import with_atomic_writes
-from lightning_decentral.mixing import DenseMixer
 from lightning_decentral.replicas import AveragedModel
 from lightning_decentral.simulation.data import PerWorker, StackedBatch
 from lightning_decentral.simulation.workers import Logged, SimulatedWorkers
 
 
-class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
+class SimulatedReplicaStrategy(SingleDeviceStrategy):
     """`SingleDeviceStrategy` holding `workers` replicas (see the module docstring); subclasses fill
     `self._group` at set-up and define the update.
 
     Args:
-        workers: the number of simulated workers `n`.
-        mixer: their mixer, bound to `n`.
+        driver: the update rule's driver, bound to the `n` workers: their mixer, the rule the shards record and the
+            state they hold ([`StateRegistry`][lightning_decentral.checkpoint.StateRegistry]), `eval_on`
+            (`"average"`: evaluate `x̄`; `"local"`: worker 0's replica).
         **kwargs: `SingleDeviceStrategy`'s `accelerator`, `checkpoint_io`, `precision_plugin`.
     """
 
-    eval_on: str  # "average" (evaluate x̄) or "local" (worker 0's replica): the subclass's
-    rule_record: Callable[[], dict[str, str]]  # what the shards record of the update rule: the subclass's
-    driver: StepDriver  # the subclass's: its state registry makes the shards
-
-    def __init__(self, workers: int, mixer: DenseMixer, **kwargs: Any) -> None:
+    def __init__(self, driver: StepDriver, **kwargs: Any) -> None:
         super().__init__(device="cpu", **kwargs)
-        self.workers = workers
-        self._mixer = mixer
-        self._group = SimulatedWorkers(mixer, torch.device("cpu"))  # rebuilt on the device at fit
+        self.driver = driver
+        self.workers = driver.num_workers
+        self._mixer = driver.dense_mixer()
+        self._group = SimulatedWorkers(self._mixer, torch.device("cpu"))  # rebuilt on the device at fit
         self._devices: list[torch.device] = []
         self._averaged = AveragedModel()
-        self._eval_context = contextlib.ExitStack()
+        self.evaluation = EvaluationOnAverage(driver.options.eval_on, self.averaged_model)
         self._resume_shards: list[dict[str, Any]] = []  # fit(ckpt_path=...): every worker's shard, until restored
         self._rng_restored = False
 
@@ -158,6 +155,38 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
         if not self._rng_restored:  # resumed from shards: each worker continues its own
             self._group.start_random_states()
 
+    # -- validation, test and predict on x̄ (eval_on="average"), every replica restored afterwards ------------------
+
+    @override
+    def on_validation_start(self) -> None:
+        """Runs when validation starts: swap in `x̄` (`eval_on="average"`)."""
+        self.evaluation.begin()
+
+    @override
+    def on_validation_end(self) -> None:
+        """Runs when validation ends: restore every replica."""
+        self.evaluation.end()
+
+    @override
+    def on_test_start(self) -> None:
+        """Runs when testing starts: swap in `x̄` (`eval_on="average"`)."""
+        self.evaluation.begin()
+
+    @override
+    def on_test_end(self) -> None:
+        """Runs when testing ends: restore every replica."""
+        self.evaluation.end()
+
+    @override
+    def on_predict_start(self) -> None:
+        """Runs when prediction starts: swap in `x̄` (`eval_on="average"`)."""
+        self.evaluation.begin()
+
+    @override
+    def on_predict_end(self) -> None:
+        """Runs when prediction ends: restore every replica."""
+        self.evaluation.end()
+
     # -- checkpoints: x̄ and one shard per worker, as DecentralizedStrategy writes them ------------
 
     @override
@@ -239,7 +268,7 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
             rank_zero_warn(shards.resume_warning(checkpoint_path, problems, meta, self.workers))
             return checkpoint
         self._resume_shards = [shard for shard, _ in found]
-        changed = shards.rule_change_warning(checkpoint_path, self._resume_shards[0], self.rule_record())
+        changed = shards.rule_change_warning(checkpoint_path, self._resume_shards[0], self.driver.rule_record())
         if changed is not None:
             rank_zero_warn(changed)
         return shards.with_shard(
@@ -261,7 +290,7 @@ class SimulatedReplicaStrategy(EvaluatesOnAverage, SingleDeviceStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         """A run stopped with an error: put worker 0's own state back."""
-        self._eval_context.close()
+        self.evaluation.end()
         super().on_exception(exception)
 
 

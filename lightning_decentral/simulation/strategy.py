@@ -138,11 +138,10 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             )
         if not isinstance(vectorize, bool) and vectorize != "auto":
             raise ValueError(f"`vectorize` must be True, False or 'auto', got {vectorize!r}.")
-        self.driver = StepDriver(gossip, epoch=self._epoch, phrasing=SIMULATION)
-        self.driver.bind(workers)
+        driver = StepDriver(gossip, epoch=self._epoch, phrasing=SIMULATION)
+        driver.bind(workers)
         super().__init__(
-            workers,
-            self.driver.dense_mixer(),
+            driver,
             accelerator=accelerator,
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,

@@ -5,71 +5,58 @@ rejoins resumes from it as from a checkpoint, over the network.
 The state is this rank's shard (replica, optimizer, precision plugin, every registered part: the outer step's state,
 CHOCO's public copies) as a save writes it ([`make_shard`][lightning_decentral.checkpoint.make_shard]), the fit loop's
 state and the learning-rate schedulers', sent as tensors and plain data, no pickle
-([`hand_over`][lightning_decentral.membership.rejoin.hand_over]). The rank that rejoins loads the replica, and the Trainer restores the rest after the strategy's setup,
-as for `fit(ckpt_path=...)`: the loops (the step, the epoch, the batch), the optimizer, the schedulers. It keeps its
-own random state and its own data shard; its callbacks take the source's state over (a `ModelCheckpoint`'s directory,
-paths and scores: every rank names each save alike).
+([`hand_over`][lightning_decentral.membership.rejoin.hand_over]). The rank that rejoins loads the replica, and the
+Trainer restores the rest after the strategy's setup, as for `fit(ckpt_path=...)`: the loops (the step, the epoch,
+the batch), the optimizer, the schedulers. It keeps its own random state and its own data shard; its callbacks take
+the source's state over (a `ModelCheckpoint`'s directory, paths and scores: every rank names each save alike).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import callback_states, load_callback_states, resume_from_state
-from lightning_decentral.agreement import Activities
 from lightning_decentral.membership import Join
 from lightning_decentral.membership.rejoin import source_for, take_over
+from lightning_decentral.topology import Topology
 
 
-class Rejoining:
-    """The Trainer's `DecentralizedStrategy`'s side of a rejoin (a mixin: listed before `OnProcesses`)."""
+def handover_state(trainer: Trainer, shard: dict[str, Any]) -> dict[str, Any]:
+    """What a member hands to a rank that rejoins when step `k` begins: its weights-only `shard` (see the module
+    docstring), the fit loop's state as at the end of step `k − 1`, the epoch, the step, the schedulers' and the
+    callbacks' state."""
+    fit_loop = trainer.fit_loop.state_dict()
+    for tracker in fit_loop["epoch_loop.batch_progress"].values():  # as at the end of step k − 1: when step k
+        if isinstance(tracker, dict):  # begins, its batch already counts as ready, and the rank that rejoins
+            tracker["ready"] = tracker["completed"]  # readies it again (else it validates a step early)
+    return {
+        "shard": shard,
+        "loops": {"fit_loop": fit_loop},
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+        "callbacks": callback_states(trainer),
+    }
 
-    joined: Join | None
-    lightning_module: LightningModule
 
-    def handover_state(self) -> dict[str, Any]:
-        """What this member hands to a rank that rejoins (see the module docstring), when step `k` begins."""
-        trainer = self.lightning_module.trainer
-        parts = self._shard_parts({"optimizer_states": None})  # type: ignore[attr-defined]
-        fit_loop = trainer.fit_loop.state_dict()
-        for tracker in fit_loop["epoch_loop.batch_progress"].values():  # as at the end of step k − 1: when step k
-            if isinstance(tracker, dict):  # begins, its batch already counts as ready, and the rank that rejoins
-                tracker["ready"] = tracker["completed"]  # readies it again (else it validates a step early)
-        return {
-            "shard": shards.make_shard(0, self.global_rank, self.world_size, **parts),  # type: ignore[attr-defined]
-            "loops": {"fit_loop": fit_loop},
-            "epoch": trainer.current_epoch,
-            "global_step": trainer.global_step,
-            "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
-            "callbacks": callback_states(trainer),
-        }
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """`fit(ckpt_path=...)` on a rank that rejoins (the same command as the members'): read the file alone, no
-        agreement with the members (theirs is past); the state handed over replaces what it restores."""
-        if not self.joining:  # type: ignore[attr-defined]
-            return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
-        return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[attr-defined]
-
-    def take_over_state(self) -> None:
-        """A rank that rejoins, admitted, in `setup`, paired with the members' collectives after a join: publish its
-        activities, receive the source's state, load the replica, and have the Trainer restore the rest after setup."""
-        decision = self.joined
-        assert decision is not None
-        self.activities = Activities.of_group(self._ranks, self._timeout)  # type: ignore[attr-defined]
-        source = source_for(self.first_rank, decision.members, decision.joined, self.driver.topology)  # type: ignore[attr-defined]
-        state = take_over(decision.members.index(source))
-        shard = {**state.pop("shard"), "rng": shards.rng_state()}  # its own random state, not the source's
-        self.lightning_module.load_state_dict(shard["state_dict"])
-        self._resume_shard = shard
-        precision_key = type(self.precision_plugin).__qualname__  # type: ignore[attr-defined]
-        trainer = self.lightning_module.trainer
-        resume_from_state(trainer, shards.with_shard(state, shard, precision_key))
-        take_over_callbacks(trainer, state["callbacks"])
+def take_over_state(
+    trainer: Trainer, decision: Join, first_rank: int, topology: Topology, precision_key: str
+) -> dict[str, Any]:
+    """A rank that rejoins, admitted, in `setup`, paired with the members' collectives after a join: receive the
+    source's state, load the replica, and have the Trainer restore the rest after setup (the precision plugin's state
+    under `precision_key`). Returns the shard to resume this rank's registered state from (with its own random
+    state, not the source's)."""
+    source = source_for(first_rank, decision.members, decision.joined, topology)
+    state = take_over(decision.members.index(source))
+    shard = {**state.pop("shard"), "rng": shards.rng_state()}
+    trainer.lightning_module.load_state_dict(shard["state_dict"])
+    resume_from_state(trainer, shards.with_shard(state, shard, precision_key))
+    take_over_callbacks(trainer, state["callbacks"])
+    return shard
 
 
 def take_over_callbacks(trainer: Trainer, states: dict[str, dict[str, Any]]) -> None:

@@ -31,8 +31,9 @@ from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
-from lightning_decentral.agreement import Activities, Ranks, mean_optimizer_state
-from lightning_decentral.common import EvaluatesOnAverage
+from lightning_decentral.agreement import Ranks, mean_optimizer_state
+from lightning_decentral.common import EvaluationOnAverage, Processes, ShardedCheckpoints
+from lightning_decentral.driver import StepDriver
 from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.membership.guard import Guard, from_its_value_now
 from lightning_decentral.replicas import AveragedModel, MeanFn, local_tensor, state_tensors
@@ -41,45 +42,62 @@ from lightning_decentral.trainer.resume import RESUME, ResolvesLast, ScriptLaunc
 from lightning_decentral.trainer.reuse import StepSaves
 
 
-class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
+class ReplicaStrategy(DDPStrategy):
     """`DDPStrategy` without the wrapper and the gradient all-reduce: each rank trains its own replica.
 
-    Subclasses define the update (`optimizer_step`), `eval_on` (`"average"` evaluates `x̄`, `"local"` each rank's
-    own replica), `rule_record()` (what the shards record of the update rule), `rule_state()` and
-    `load_rule_state(state)` (what the rule and, `driver.copies`, compressed gossip carry across steps, in the shard),
-    `_configuration()`, the fields every rank must agree on, and `guard`, the
-    [`Guard`][lightning_decentral.membership.guard.Guard] every collective goes through; they call `_start_replicas()`
-    from `configure_ddp`.
+    Subclasses define the update (`optimizer_step`) and `_configuration()`, the fields every rank must agree on; they
+    call `_start_replicas()` from `configure_ddp`.
 
     Args:
+        driver: the update rule's driver: the shards record its rule and hold its registered state
+            ([`StateRegistry`][lightning_decentral.checkpoint.StateRegistry]); every collective goes through its
+            [`Guard`][lightning_decentral.membership.guard.Guard].
+        processes: this rank's process group, survivors and activities
+            ([`Processes`][lightning_decentral.common.Processes]): its rank and world size follow the survivors of a
+            failure.
         resume: `"checkpoint"`: `fit(ckpt_path=...)` resumes from the checkpoint it names; `"newest_complete"`: from
             it if it is complete, else from the newest complete checkpoint in its directory, with one warning
             ([`choose_checkpoint`][lightning_decentral.trainer.resume.choose_checkpoint]).
         **kwargs: `lightning.pytorch.strategies.DDPStrategy`'s arguments.
     """
 
-    eval_on: str
-    rule_record: Callable[[], dict[str, str]]
-    rule_state: Callable[[], dict[str, Any]]
-    load_rule_state: Callable[[dict[str, Any]], None]
-    guard: Guard
-
-    def __init__(self, resume: str = "checkpoint", **kwargs: Any) -> None:
+    def __init__(self, driver: StepDriver, processes: Processes, resume: str = "checkpoint", **kwargs: Any) -> None:
         if resume not in RESUME:
             raise ValueError(f"resume={resume!r} is not one of {RESUME}.")
+        self.driver = driver
+        self.processes = processes
+        self.checkpoints = ShardedCheckpoints(driver, lambda: self._ranks)
         super().__init__(**kwargs)
         self.resume = resume
         self._averaged = AveragedModel()
-        self._eval_context = contextlib.ExitStack()
+        self.evaluation = EvaluationOnAverage(driver.options.eval_on, self.averaged_model)
         self._resume_shard: dict[str, Any] | None = None  # fit(ckpt_path=...): this rank's shard, until restored
         self._failed = False  # an exception ended the run: no collective at teardown
         self.last_save: tuple[int, str] | None = None  # (step, path) of the last checkpoint saved (a stop names it)
         self._checkpoint_agreed = False  # this fit's ranks checked they resume from the same checkpoint
-        self.activities: Activities | None = None  # what each rank does: ranks that disagree stop at once
         self._writer: BackgroundWriter | None = None  # saves in the background (AsyncCheckpointIO), during fit
         self._writer_ranks: Ranks | None = None  # the ranks on the writer's own gloo group
         self._writer_step = -1  # the step of the last save given to the writer
         self._step_saves: StepSaves | None = None  # during fit: what the saves of one step share
+
+    @property
+    def guard(self) -> Guard:
+        """The path every collective of this rank goes through besides the exchange
+        ([`Guard`][lightning_decentral.membership.guard.Guard]): with `on_peer_failure="continue"`, a failure in any
+        of them is survived (a checkpoint save then starts again among the survivors: see `save_checkpoint`)."""
+        return self.driver.guard
+
+    @property
+    @override
+    def global_rank(self) -> int:
+        """This rank's rank; after a failure, among the survivors (in the order of their first ranks)."""
+        return self.processes.rank(super().global_rank)
+
+    @property
+    @override
+    def world_size(self) -> int:
+        """The number of ranks; after a failure, of survivors."""
+        return self.processes.world_size(super().world_size)
 
     @override
     def setup_environment(self) -> None:
@@ -151,7 +169,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._ranks.check_same_configuration(self._configuration())
-        self.activities = Activities.of_group(self._ranks, self._timeout)
+        self.processes.start_activities()
         self.setup_precision_plugin()
 
     def _start_replicas(self) -> None:
@@ -159,7 +177,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         unless resuming."""
         self._agree_on_checkpoint(None)  # a no-op on ranks that already agreed in load_checkpoint
         self._ranks.check_same_configuration(self._configuration())
-        self.activities = Activities.of_group(self._ranks, self._timeout)
+        self.processes.start_activities()
         if self._resume_shard is None:
             self.replica_ranks.broadcast_from_rank_zero([local_tensor(t) for t in state_tensors(self.lightning_module)])
         self._start_saves()
@@ -182,10 +200,38 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
 
     @override
     def on_validation_start(self) -> None:
-        """Runs when validation starts: forget what the saves of the step shared (no memory held meanwhile)."""
+        """Runs when validation starts: forget what the saves of the step shared (no memory held meanwhile); swap in
+        `x̄` (`eval_on="average"`)."""
         if self._step_saves is not None:
             self._step_saves.forget()
-        super().on_validation_start()
+        self.evaluation.begin()
+
+    # -- validation, test and predict on x̄ (eval_on="average"), every replica restored afterwards ------------------
+
+    @override
+    def on_validation_end(self) -> None:
+        """Runs when validation ends: restore every replica."""
+        self.evaluation.end()
+
+    @override
+    def on_test_start(self) -> None:
+        """Runs when testing starts: swap in `x̄` (`eval_on="average"`)."""
+        self.evaluation.begin()
+
+    @override
+    def on_test_end(self) -> None:
+        """Runs when testing ends: restore every replica."""
+        self.evaluation.end()
+
+    @override
+    def on_predict_start(self) -> None:
+        """Runs when prediction starts: swap in `x̄` (`eval_on="average"`)."""
+        self.evaluation.begin()
+
+    @override
+    def on_predict_end(self) -> None:
+        """Runs when prediction ends: restore every replica."""
+        self.evaluation.end()
 
     @override
     def on_train_end(self) -> None:
@@ -199,7 +245,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """Runs when a run stops with an error: no collective may run at teardown."""
         self._failed = True
-        self._eval_context.close()
+        self.evaluation.end()
         super().on_exception(exception)
 
     @override
@@ -270,8 +316,8 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         replica here). A rank that saves alone (`if trainer.is_global_zero: trainer.save_checkpoint(...)`) stops at
         once, naming what the others do."""
         self._finish_earlier_saves()
-        if self.activities is not None:
-            self.activities.agree("a checkpoint save (trainer.save_checkpoint or a checkpoint callback)")
+        if self.processes.activities is not None:
+            self.processes.activities.agree("a checkpoint save (trainer.save_checkpoint or a checkpoint callback)")
         if self._writer is not None:
             return self._averaged.own_state_dict(self.lightning_module)
         return self._averaged.state_dict(
@@ -296,12 +342,10 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
                 background_save(checkpoint, filepath, own, self._writer_ranks, self._step_saves, write_file)
             )
             return
-        parts = self._shard_parts(checkpoint)
-        shards.save_with_shards(
-            self._ranks,
+        self.checkpoints.save(
             checkpoint,
             filepath,
-            make_shard=lambda save_id: shards.make_shard(save_id, self.global_rank, self.world_size, **parts),
+            self._shard_parts(checkpoint),
             write_file=lambda: self._write_file(checkpoint, filepath, storage_options),
             earlier=None if self._step_saves is None else self._step_saves.shards,
         )
@@ -364,13 +408,10 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         )
         if not fitting:
             return checkpoint
-        shard = shards.load_own_shard(self._ranks, checkpoint_path, checkpoint.get(shards.META_KEY), rank_zero_warn)
+        shard = self.checkpoints.read(checkpoint_path, checkpoint.get(shards.META_KEY))
         if shard is None:
             return checkpoint
         self._resume_shard = shard
-        changed = shards.rule_change_warning(checkpoint_path, shard, self.rule_record())
-        if changed is not None:
-            rank_zero_warn(changed)
         return shards.with_shard(checkpoint, shard, precision_key=type(self.precision_plugin).__qualname__)
 
     @override
@@ -381,8 +422,7 @@ class ReplicaStrategy(EvaluatesOnAverage, DDPStrategy):
         super().load_optimizer_state_dict(checkpoint)
         shard, self._resume_shard = self._resume_shard, None
         if shard is not None:
-            shards.resume_rank_state(shard, self.lightning_module.trainer.global_step)
-            self.driver.state.load([shard])
+            self.checkpoints.restore(shard, self.lightning_module.trainer.global_step)
 
     def _shard_parts(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of `checkpoint`, its shard but the save id

@@ -37,10 +37,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import set_device_mesh
-from lightning_decentral.agreement import optimizer_configuration, run_configuration
-from lightning_decentral.common import OnProcesses, backward_may_overlap, enabled_grad_scaler
+from lightning_decentral.agreement import Ranks, optimizer_configuration, parameter_deviations, run_configuration
+from lightning_decentral.common import Processes, backward_may_overlap, enabled_grad_scaler, launched_by_lightning
 from lightning_decentral.driver import Driven, StepDriver
+from lightning_decentral.measures import own_gradients
 from lightning_decentral.membership import Decision, form_for_save
 from lightning_decentral.mixing import Mixer
 from lightning_decentral.options import gossip_options, register_strategies, takes_gossip_options
@@ -55,7 +57,7 @@ from lightning_decentral.sharding import (
     sharded_optimizer_state,
 )
 from lightning_decentral.timeouts import DEFAULT_TIMEOUT, checked_timeout
-from lightning_decentral.trainer.rejoin import Rejoining
+from lightning_decentral.trainer.rejoin import handover_state, take_over_state
 from lightning_decentral.trainer.replicated import ReplicaStrategy
 from lightning_decentral.trainer.signals import stop_line, stop_together
 from lightning_decentral.trainer.stop import StopAgreement, next_key, stop_margin
@@ -64,7 +66,7 @@ log = logging.getLogger(__name__)
 
 
 @takes_gossip_options
-class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
+class DecentralizedStrategy(Driven, ReplicaStrategy):
     """Decentralized data-parallel training: each rank keeps its own replica and gossips it.
 
     Update rules (docs/algorithms.md), with `U` the user's optimizer:
@@ -142,7 +144,21 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
                 "rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue' with "
                 "it."
             )
+        driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
+        sharding = Sharding(gossip.shard_size) if gossip.shard_size > 1 else None
+        processes = Processes(
+            driver,
+            checked_timeout(timeout),
+            ranks=lambda: self._ranks,
+            rejoin=rejoin,
+            handover=self._handover_state,
+            join_margin=self._stop_margin,  # a join step is as far ahead as a stop step
+            on_survivors=self._on_survivors,
+            sharding=sharding,
+        )
         super().__init__(
+            driver,
+            processes,
             resume=resume,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -150,12 +166,10 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
-            timeout=checked_timeout(timeout),
+            timeout=processes.timeout,
             start_method=start_method,
         )
-        self.driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
-        self.rejoins = rejoin
-        self.sharding = Sharding(gossip.shard_size) if gossip.shard_size > 1 else None
+        self.sharding = sharding  # the same object Processes holds
         self._replica: Replica | None = None
         self._mixer: Mixer | None = None
         self._stops: StopAgreement | None = None  # this fit's agreement on a step to stop at after a SIGTERM
@@ -172,12 +186,59 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         """The LightningModule this rank trains (its replica)."""
         return self.lightning_module
 
+    @property
+    @override
+    def replica_ranks(self) -> Ranks:
+        """The ranks a mean over the replicas runs on: every rank; with sharded replicas, the ranks holding this rank's
+        shard of every replica (its column of the device mesh)."""
+        if self.sharding is not None:
+            return self.sharding.replica_ranks(self.root_device, self.guard)
+        return super().replica_ranks
+
+    def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
+        """For each trainable parameter `p`: its name, `‖p_i − p̄‖²` on this rank and `‖p̄‖²` (0-dim float64, `p̄`
+        averaged in at least float32; one all-reduce: every rank calls it together). With sharded replicas, this
+        rank's shard's part of its replica's term."""
+        if self.sharding is not None:
+            return self.sharding.parameter_deviations(self.replica_ranks, self.trained_module)
+        return parameter_deviations(self._ranks, self.trained_module)
+
+    def gradient_sum(self) -> list[Tensor]:
+        """This rank's gradient of each trainable parameter (zeros where it has none)."""
+        return own_gradients(self.trained_module)
+
+    @property
+    def first_rank(self) -> int:
+        """This rank's global rank when the run started (a failure renumbers the survivors)."""
+        return self.processes.first_rank(self.global_rank)
+
+    @property
+    def start_size(self) -> int:
+        """The number of ranks when the run started (a failure or a rejoin changes `world_size`)."""
+        return self.processes.start_size(self.world_size)
+
+    @property
+    def failures_survived(self) -> list[Decision]:
+        """The survivors' decisions of the run so far (or of the last one), one per failure survived."""
+        return self.processes.failures_survived
+
+    @property
+    def start_method(self) -> str:
+        """How Lightning's launcher starts the ranks: `start_method=`, or the registered name's (`"dpsgd_fork"`:
+        `"fork"`); `"popen"` runs the script once per rank."""
+        return self._start_method
+
+    @property
+    def launched_by_lightning(self) -> bool:
+        """Whether Lightning's own launcher started this rank ([`launched_by_lightning`][lightning_decentral.common.launched_by_lightning])."""
+        return launched_by_lightning(self.start_method, self.launcher, self.cluster_environment)
+
     # -- set-up -----------------------------------------------------------------------------
 
     @override
     def _configure_launcher(self) -> None:
         """Runs when the Trainer is built, before any process starts: refuse what the options cannot run with the
-        plugins, then bind the topology (`OnProcesses`)."""
+        plugins and the backend, then bind the topology (a bad one fails here)."""
         if self.options.on_peer_failure == "continue" and isinstance(self.checkpoint_io, AsyncCheckpointIO):
             raise ValueError(
                 "on_peer_failure='continue' does not save in the background (AsyncCheckpointIO): its writer averages "
@@ -190,7 +251,9 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
                 "of a checkpoint is gathered inside each replica, on the training's process groups. Drop the "
                 "AsyncCheckpointIO plugin, or use shard_size=1."
             )
+        self.processes.check_backend(self.process_group_backend, self.root_device)
         super()._configure_launcher()
+        self.processes.bind(self.num_nodes * self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -211,12 +274,12 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
         if trainer.state.fn == TrainerFn.FITTING:
             self.driver.check_length(trainer.max_steps, rank_zero_warn)
-            if self.joining:
+            if self.processes.joining:
                 self._rejoin_the_members()
             else:
                 self._ranks.check_same_optimizers(self.optimizers)
-                if self.survivors is not None and self.rejoins:  # what a rank that rejoins must run too
-                    self.survivors.publish_configuration(self._admission_configuration())
+                if self.processes.survivors is not None and self.processes.rejoins:  # what a rank that rejoins must run
+                    self.processes.survivors.publish_configuration(self._admission_configuration())
             context = RuleContext(
                 bucket_bytes=self.options.bucket_bytes,
                 grad_scaler=enabled_grad_scaler(self.precision_plugin),
@@ -237,7 +300,10 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
             return
         reset_seed()
         self.set_world_ranks()
-        self.make_default_group()
+        backend = self._process_group_backend = self._get_process_group_backend()
+        self.processes.make_default_group(
+            self.cluster_environment, backend, self.global_rank, self.world_size, self.root_device
+        )
 
     @override
     def configure_ddp(self) -> None:
@@ -247,21 +313,26 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         rejoins, once its optimizers exist (`setup`)."""
         if self.sharding is not None:  # FSDP's parameters are replaced by views of the flat buffers: before the rest
             self._replica = self.sharding.replica(self.lightning_module, self.gossip_buffers, rank_zero_info)
-        if not self.joining:
+        if not self.processes.joining:
             self._start_replicas()
         if self.sharding is None:
             self._replica = Replica(self.lightning_module, self.gossip_buffers)
-        if not self.joining:
-            self._mixer = self.start_gossip()
+        if not self.processes.joining:
+            self._mixer = self.processes.start_gossip(self.root_device, self.launched_by_lightning)
 
     def _rejoin_the_members(self) -> None:
         """A lost rank started again, its optimizers built: refused, naming the field, unless it runs the members'
         configuration and optimizers (they never see it then); else admitted, it takes its state over from a member
-        and starts its gossip."""
-        self.rejoin(self._admission_configuration())
-        self.take_over_state()
+        (paired with the members' collectives after the join: its activities first) and starts its gossip."""
+        self.processes.rejoin(self.global_rank, self._process_group_backend, self._admission_configuration())
+        joined = self.processes.joined
+        assert joined is not None
+        self.processes.start_activities()
+        precision_key = type(self.precision_plugin).__qualname__
+        trainer = self.lightning_module.trainer
+        self._resume_shard = take_over_state(trainer, joined, self.first_rank, self.topology, precision_key)
         self._start_saves()
-        self._mixer = self.start_gossip()
+        self._mixer = self.processes.start_gossip(self.root_device, self.launched_by_lightning)
 
     def _admission_configuration(self) -> dict[str, int | str]:
         """What a rank that rejoins must run as the members do: the fields of their check at set-up, the run's and
@@ -277,15 +348,16 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Before each training batch: begin its optimizer step (AWC posts `x(k)` here)."""
         super().on_train_batch_start(batch, batch_idx)
-        self.joining = False
+        self.processes.joining = False
         if batch_idx == 0:
             self._check_replica()
         step = self.lightning_module.trainer.global_step
-        if self.activities is not None:
-            self.activities.start(f"training batch {batch_idx} (optimizer step {step})")
+        if self.processes.activities is not None:
+            self.processes.activities.start(f"training batch {batch_idx} (optimizer step {step})")
         self.driver.begin(step)
-        if self.survivor_metrics:  # on_peer_failure="continue": the workers training, the workers lost
-            self.lightning_module.log_dict(self.survivor_metrics, on_step=True, on_epoch=False)
+        metrics = self.processes.survivor_metrics(self.world_size)
+        if metrics:  # on_peer_failure="continue": the workers training, the workers lost
+            self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -344,7 +416,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     def teardown(self) -> None:
         """After the stage: after a clean fit, leave the gossip groups together (the survivors of a failure first make
         theirs); release the rule's hooks."""
-        self.end_gossip(self._mixer, self.lightning_module.trainer.global_step, self._failed)
+        self.processes.end_gossip(self._mixer, self.lightning_module.trainer.global_step, self._failed)
         self.driver.teardown()
         self._mixer = None  # and its receive buffers
         self._stops = None
@@ -353,40 +425,38 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     def _agree_on_stops(self, trainer: Trainer) -> None:
         """A SIGTERM stops every rank at one step agreed through the store, not through a broadcast per batch."""
         self._stops = StopAgreement(job_store(), next_key(), self._stop_margin(), self._timeout)
-        if self.global_rank == 0 and not self.joining:
+        if self.global_rank == 0 and not self.processes.joining:
             self._stops.forget_earlier_runs()
         stop_together(trainer, self._stops, self._check_replica)
 
-    @override
-    def rule_record(self) -> dict[str, str]:
-        """The update rule and topology the shards record (`Driven`'s), and `shard_size` above 1."""
-        record = super().rule_record()
-        return {**record, "shard_size": str(self.options.shard_size)} if self.sharding is not None else record
-
     def _stop_margin(self) -> int:
+        """The stop margin of the current graph (a join step is as far ahead as a stop step)."""
         return stop_margin(self.topology, self.staleness, self.gossip_every)
 
-    @override
-    def join_margin(self) -> int:
-        """The stop margin of the current graph: a join step is as far ahead as a stop step."""
-        return self._stop_margin()
+    def _handover_state(self) -> dict[str, Any]:
+        """What this member hands to a rank that rejoins when it is the source
+        ([`handover_state`][lightning_decentral.trainer.rejoin.handover_state]): its shard without the optimizer's
+        state, which the loops' restore takes from the handover."""
+        parts = self._shard_parts({"optimizer_states": None})
+        shard = shards.make_shard(0, self.global_rank, self.world_size, **parts)
+        return handover_state(self.lightning_module.trainer, shard)
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         """Lightning's barrier; a rank that rejoins runs none before its first batch (the members are training)."""
-        if not self.joining:
+        if not self.processes.joining:
             super().barrier(*args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Lightning's broadcast; a rank that rejoins keeps its own `obj` before its first batch."""
-        return obj if self.joining else super().broadcast(obj, src)
+        return obj if self.processes.joining else super().broadcast(obj, src)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any | None = "mean") -> Any:
         """Lightning's reduce; a rank that rejoins keeps its own value before its first batch (the length of its data
         Lightning checks)."""
-        return tensor if self.joining else super().reduce(tensor, group, reduce_op)
+        return tensor if self.processes.joining else super().reduce(tensor, group, reduce_op)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -396,12 +466,9 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         super().on_exception(exception)
         if isinstance(exception, SIGTERMException) and self.is_global_zero:
             log.info(stop_line(self.lightning_module.trainer.global_step, self.last_save))
-
-    @override
-    def on_survivors(self, decision: Decision) -> None:
-        """After a failure, in the survivors' process group (every survivor together): besides `OnProcesses`', a
+    def _on_survivors(self, decision: Decision) -> None:
+        """After a failure, in the survivors' process group (every survivor together), after what `Processes` does: a
         SIGTERM stops them at one step of their own graph (its diameter may be longer: the stop margin follows)."""
-        super().on_survivors(decision)
         if self._stops is not None:
             self._stops.margin = self._stop_margin()
 
@@ -410,7 +477,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         """Runs when a checkpoint is saved, on every rank, first: `x̄`'s state dict (`ReplicaStrategy`'s); in the steps
         the survivors of a failure take alone, once they made their process group
         ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
-        form_for_save(self.survivors)
+        form_for_save(self.processes.survivors)
         state = super().lightning_module_state_dict()
         return full_tensors(state) if self.sharding is not None else state
 
@@ -424,7 +491,11 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Runs when a run starts from `ckpt_path` (`ReplicaStrategy`'s); a fit with sharded replicas resumes only from
-        its own shards, saved under the same `shard_size` and world size (their shards are the module's)."""
+        its own shards, saved under the same `shard_size` and world size (their shards are the module's). On a rank
+        that rejoins (the same command as the members'): read the file alone, no agreement with the members (theirs is
+        past); the state handed over replaces what it restores."""
+        if self.processes.joining:
+            return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             check_same_sharding(self.options.shard_size, self.resuming_shard, checkpoint_path)
@@ -472,7 +543,7 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
 
         def among_the_survivors() -> None:
             if self.driver.alone:  # a failure was survived since this save began
-                form_for_save(self.survivors)
+                form_for_save(self.processes.survivors)
                 checkpoint["state_dict"] = self.lightning_module_state_dict()
                 if "optimizer_states" in checkpoint:
                     checkpoint["optimizer_states"] = [self.optimizer_state(o) for o in self.optimizers]
@@ -487,7 +558,9 @@ class DecentralizedStrategy(Driven, Rejoining, OnProcesses, ReplicaStrategy):
         if trainer.state.fn == TrainerFn.FITTING:  # a rank that stops first leaves the others waiting for it
             configuration["max_steps"] = trainer.max_steps
             configuration["max_epochs"] = -1 if trainer.max_epochs is None else trainer.max_epochs
-            configuration["rejoin"] = int(self.rejoins)  # a member without it would never admit a rank that asks
+            configuration["rejoin"] = int(
+                self.processes.rejoins
+            )  # a member without it would never admit a rank that asks
         return configuration
 
     def _epoch(self) -> int:
