@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence, Sized
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -118,11 +118,12 @@ class DirichletSampler(DistributedSampler):
         self._from_group = num_replicas is None and rank is None  # resolved from torch.distributed: checked at use
         num_replicas = num_replicas if num_replicas is not None else (dist.get_world_size() if grouped else 1)
         rank = rank if rank is not None else (dist.get_rank() if grouped else 0)
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
+        samples = len(cast(Sized, dataset))  # DistributedSampler needs a dataset with a length, as this one does
+        super().__init__(cast(Dataset, dataset), num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)
         self.labels = _as_array(labels)
-        if len(self.labels) != len(dataset):  # type: ignore[arg-type]
+        if len(self.labels) != samples:
             raise ValueError(
-                f"`labels` must give the class of each of the {len(dataset)} samples, got {len(self.labels)} labels."  # type: ignore[arg-type]
+                f"`labels` must give the class of each of the {samples} samples, got {len(self.labels)} labels."
             )
         self.alpha = _check_alpha(alpha)
         self.num_samples = len(self.labels) // num_replicas

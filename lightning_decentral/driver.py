@@ -34,7 +34,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -285,17 +285,20 @@ class StepDriver:
         options = self.options
         topology = self.topology
         self.survival = self.watch.survival = self.guard.survival = survival
+        if options.staleness:  # refused with compression
+            return self._built(
+                StaleGossip.on_new_group(topology, options.staleness, options.delays, timeout, self.watch)
+            )
         if group is not None:  # staleness and survival are refused with sharded replicas (GossipOptions)
-            mixer: Mixer = Gossip(topology, group=group, dtype=options.gossip_dtype, timeout=timeout, watch=self.watch)
-        elif options.staleness:
-            mixer = StaleGossip.on_new_group(topology, options.staleness, options.delays, timeout, self.watch)
+            engine = Gossip(topology, group=group, dtype=options.gossip_dtype, timeout=timeout, watch=self.watch)
         elif on_default_group:
-            mixer = Gossip(topology, dtype=options.gossip_dtype, timeout=timeout, watch=self.watch)
+            engine = Gossip(topology, dtype=options.gossip_dtype, timeout=timeout, watch=self.watch)
         else:
-            mixer = Gossip.on_new_group(topology, device, backend, timeout, options.gossip_dtype, self.watch)
-        if options.compression is not None:  # over the engine just built (staleness is refused with compression)
-            mixer = CompressedGossip(mixer, options.compression, options.consensus_step, options.rule == "outer")  # type: ignore[arg-type]
-        return self._built(mixer)
+            engine = Gossip.on_new_group(topology, device, backend, timeout, options.gossip_dtype, self.watch)
+        if options.compression is None:
+            return self._built(engine)
+        compressor = cast(Compressor, options.compression)  # GossipOptions keeps the object a name resolves to
+        return self._built(CompressedGossip(engine, compressor, options.consensus_step, options.rule == "outer"))
 
     def dense_mixer(self) -> DenseMixer:
         """The mixer of every worker in one process: a [`DenseMixer`][lightning_decentral.mixing.DenseMixer], with

@@ -18,7 +18,7 @@ from lightning_decentral.mixing import DelaySchedule
 from lightning_decentral.schedule import RoundsSchedule
 from lightning_decentral.topology import TOPOLOGIES, Hierarchical, Topology, topology_class
 
-TopologyName = Literal[tuple(TOPOLOGIES)]  # type: ignore[valid-type]
+TopologyName = Literal[tuple(TOPOLOGIES)]  # type: ignore[valid-type]  # built from the registry at import: no static list
 """A built-in topology by name."""
 
 TopologyArgument = TopologyName | Topology | list[list[float]] | list[list[list[float]]] | str
@@ -31,7 +31,7 @@ EVAL_ON = ("average", "local")
 MOMENTUM = ("local", "decentlam")
 ON_PEER_FAILURE = ("stop", "continue")
 GOSSIP_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-GossipDtypeName = Literal[tuple(str(d).removeprefix("torch.") for d in GOSSIP_DTYPES)]  # type: ignore[valid-type]
+GossipDtypeName = Literal[tuple(str(d).removeprefix("torch.") for d in GOSSIP_DTYPES)]  # type: ignore[valid-type]  # from GOSSIP_DTYPES: one list
 """`gossip_dtype` by name (`"bfloat16"`, `"float16"`, `"float32"`): what a YAML config or the command line gives."""
 
 OptimizerFactory = Callable[[Iterable], Optimizer]

@@ -27,6 +27,7 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 Series = dict[str, list[tuple[int, float]]]  # metric -> [(step, value)]
 _INSTALL = "pip install 'lightning-decentral[plot]'"
@@ -173,7 +174,7 @@ def _unique(labels: list[str]) -> list[str]:
     return unique
 
 
-def _pyplot():  # type: ignore[no-untyped-def]
+def _pyplot() -> Any:  # matplotlib.pyplot, imported when first needed (an optional dependency)
     try:
         import matplotlib
     except ImportError as exc:

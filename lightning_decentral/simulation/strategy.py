@@ -25,7 +25,7 @@ import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -333,8 +333,8 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         ([`Comings`][lightning_decentral.simulation.rejoins.Comings]); every worker begins the optimizer step."""
         super().on_train_batch_start(batch, batch_idx)
         step = self.lightning_module.trainer.global_step
-        if self.failures:
-            self._comings.at(step, self._group, self.driver)  # type: ignore[union-attr,arg-type]  # the workers apart
+        if self._comings is not None:  # failures=: the workers kept apart (vectorize=True is refused with it)
+            self._comings.at(step, cast(SimulatedWorkers, self._group), self.driver)
         self.driver.begin(step)
 
     @override

@@ -216,7 +216,7 @@ class ResolvesLast:
                 call.arguments["ckpt_path"] = link
                 args = call.args
                 kwargs = call.kwargs
-        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]
+        return super().launch(function, *args, trainer=trainer, **kwargs)  # type: ignore[misc]  # the launcher listed after it
 
 
 class ScriptLauncher(ResolvesLast, SubprocessScriptLauncher):
