@@ -541,7 +541,8 @@ class Activities:
         >>> ranks[1].agree("fabric.load('last.ckpt')")
         Traceback (most recent call last):
         ...
-        lightning_decentral.agreement.Disagreement: The ranks are not doing the same thing: rank 1 is in fabric.load('last.ckpt') while rank 0 is in optimizer step 0. ...
+        lightning_decentral.agreement.Disagreement: The ranks are not doing the same thing: rank 1 is in
+        fabric.load('last.ckpt') while rank 0 is in optimizer step 0. ...
     """
 
     def __init__(
@@ -566,9 +567,9 @@ class Activities:
 
     @classmethod
     def of_group(cls, ranks: Ranks, timeout: timedelta | None) -> Activities:
-        """Activities of the ranks of the default process group (`ranks`, a [`Ranks`][lightning_decentral.agreement.Ranks],
-        whose guard they share), under keys of their own (one all-gather agrees on them) of the default group's store;
-        published nowhere without a process group, or with one rank."""
+        """Activities of the ranks of the default process group (`ranks`, a
+        [`Ranks`][lightning_decentral.agreement.Ranks], whose guard they share), under keys of their own (one all-gather
+        agrees on them) of the default group's store; published nowhere without a process group, or with one rank."""
         seconds = (timeout or timedelta(minutes=30)).total_seconds()
         if not dist.is_initialized() or ranks.world_size == 1:
             return cls(None, ranks.rank, ranks.world_size, seconds, guard=ranks.guard)
@@ -629,7 +630,8 @@ class Activities:
             if waited > self.warn_after and not warned:
                 warned = True
                 self.warn(
-                    f"Rank {self.rank} has waited {waited:.1f} s in {what} for {named}; it gives up after {self.timeout:.1f} s."
+                    f"Rank {self.rank} has waited {waited:.1f} s in {what} for {named}; it gives up after "
+                    f"{self.timeout:.1f} s."
                 )
             time.sleep(pause)
             pause = min(2 * pause, 0.2)

@@ -22,8 +22,9 @@ Besides the entries every shard has (the replica, the optimizer and precision st
 random state), a shard holds what the parts of a run with state registered
 ([`StateRegistry`][lightning_decentral.checkpoint.StateRegistry], the driver's `state`): the rule's (`"rule_state"`:
 an outer step's anchor and outer optimizer), compressed gossip's (`"gossip"`: CHOCO's public copies). The checkpoint
-file, the rejoin handover and the simulation's shards are all made by [`make_shard`][lightning_decentral.checkpoint.make_shard]
-from it, and restored by [`StateRegistry.load`][lightning_decentral.checkpoint.StateRegistry.load]. A shard records
+file, the rejoin handover and the simulation's shards are all made by
+[`make_shard`][lightning_decentral.checkpoint.make_shard] from it, and restored by
+[`StateRegistry.load`][lightning_decentral.checkpoint.StateRegistry.load]. A shard records
 its layout under `"format"` ([`SHARD_FORMAT`][lightning_decentral.checkpoint.SHARD_FORMAT]; a shard without one is
 format 1, written before the registry, with the same entries).
 """
@@ -77,7 +78,8 @@ CORE_KEYS = (
 
 @dataclasses.dataclass(frozen=True)
 class StatePart:
-    """One registered piece of per-rank state ([`StateRegistry.register`][lightning_decentral.checkpoint.StateRegistry.register])."""
+    """One registered piece of per-rank state
+    ([`StateRegistry.register`][lightning_decentral.checkpoint.StateRegistry.register])."""
 
     key: str
     save: Callable[[int], Any]
@@ -183,8 +185,8 @@ class ShardProblem(enum.IntEnum):
             ShardProblem.MISSING: "the shard is missing",
             ShardProblem.OTHER_SAVE: "the shard belongs to another save (overwritten, or written by another run)",
             ShardProblem.UNREADABLE: "the shard cannot be read",
-            ShardProblem.NEWER_FORMAT: f"the shard is of a later format than {SHARD_FORMAT}, the newest this version of "
-            "lightning-decentral reads (it was written by a newer version: resume with that one)",
+            ShardProblem.NEWER_FORMAT: f"the shard is of a later format than {SHARD_FORMAT}, the newest this version "
+            "of lightning-decentral reads (it was written by a newer version: resume with that one)",
         }[self]
 
 

@@ -369,8 +369,9 @@ class StepDriver:
         precision: dict[str, Any] | None = None,
         rng: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Worker `worker`'s shard but its save id: the arguments of [`make_shard`][lightning_decentral.checkpoint.make_shard],
-        with the rule the shard records and every registered part (`state.save`; live, not copied). A save without
+        """Worker `worker`'s shard but its save id: the arguments of
+        [`make_shard`][lightning_decentral.checkpoint.make_shard], with the rule the shard records and every registered
+        part (`state.save`; live, not copied). A save without
         `optimizer_states` is weights-only."""
         return dict(
             state_dict=state_dict,

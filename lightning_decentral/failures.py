@@ -1,5 +1,6 @@
-"""What a rank raises when a peer fails, and the waits a failure ends: [`PeerFailure`][lightning_decentral.failures.PeerFailure]
-(the backend's error as its cause), raised by the collectives ([`agreement`][lightning_decentral.agreement]) and the
+"""What a rank raises when a peer fails, and the waits a failure ends:
+[`PeerFailure`][lightning_decentral.failures.PeerFailure] (the backend's error as its cause), raised by the collectives
+([`agreement`][lightning_decentral.agreement]) and the
 gossip exchange ([`gossip`][lightning_decentral.gossip]) alike. With `on_peer_failure="continue"` an exchange is waited
 for with [`wait_works`][lightning_decentral.failures.wait_works], which a failure announced elsewhere ends
 ([`Abandoned`][lightning_decentral.failures.Abandoned]), and handed to the run's
@@ -34,8 +35,9 @@ class Abandoned(PeerFailure):
 
 class Survival(Protocol):
     """What a mixer, a [`Guard`][lightning_decentral.membership.guard.Guard] and the driver ask when a peer may have
-    failed, with `on_peer_failure="continue"` (the one implementation: [`Survivors`][lightning_decentral.membership.Survivors]).
-    A mixer asks `poll`, `survive` and `form`; the guard also `alone`; the driver `begin`, at every step."""
+    failed, with `on_peer_failure="continue"` (the one implementation:
+    [`Survivors`][lightning_decentral.membership.Survivors]). A mixer asks `poll`, `survive` and `form`; the guard also
+    `alone`; the driver `begin`, at every step."""
 
     def poll(self) -> str | None:
         """Why the exchange in flight should be given up now (a member failed), or `None`."""
@@ -96,16 +98,17 @@ def wait_works(
     peers: str = "a peer",
     ranks: Sequence[int | None] = (),
 ) -> None:
-    """Wait for every `torch.distributed` work of `works`; a failure raises [`PeerFailure`][lightning_decentral.failures.PeerFailure]
-    (`what`, `peers` as for [`peers_answer`][lightning_decentral.failures.peers_answer]; `ranks[i]` is the peer of
-    `works[i]`, if known).
+    """Wait for every `torch.distributed` work of `works`; a failure raises
+    [`PeerFailure`][lightning_decentral.failures.PeerFailure] (`what`, `peers` as for
+    [`peers_answer`][lightning_decentral.failures.peers_answer]; `ranks[i]` is the peer of `works[i]`, if known).
 
     With `poll`, the works are waited for on a thread while this one asks `poll()` every `POLL` seconds (after the
-    first `POLL`: a quick exchange costs no look), and a reason it returns raises [`Abandoned`][lightning_decentral.failures.Abandoned].
-    The thread is needed on gloo: a receive from a dead peer never reports itself completed, and a wait with a
-    timeout closes every connection of the group when it expires; only a plain `wait()` raises the peer's error.
-    A look that raises (the store is gone) is raised only if the works are not complete `LATE` seconds later: the
-    process hosting the store may exit as soon as its own part of the last barrier is done, before this one's.
+    first `POLL`: a quick exchange costs no look), and a reason it returns raises
+    [`Abandoned`][lightning_decentral.failures.Abandoned]. The thread is needed on gloo: a receive from a dead peer
+    never reports itself completed, and a wait with a timeout closes every connection of the group when it expires; only
+    a plain `wait()` raises the peer's error. A look that raises (the store is gone) is raised only if the works are not
+    complete `LATE` seconds later: the process hosting the store may exit as soon as its own part of the last barrier is
+    done, before this one's.
     """
     if poll is None:
         with peers_answer(what, peers):

@@ -43,7 +43,8 @@ def checked_timeout(timeout: Any) -> timedelta:
         )
     if not isinstance(timeout, timedelta):
         raise TypeError(
-            f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=5), got {type(timeout).__name__} {timeout!r}."
+            f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=5), got {type(timeout).__name__} "
+            f"{timeout!r}."
         )
     if timeout <= timedelta(0):
         shown = "timedelta(0)" if not timeout else f"timedelta(seconds={timeout.total_seconds():g})"

@@ -132,7 +132,7 @@ def test_the_handover_carries_a_shard_and_the_loops_as_tensors_and_plain_data() 
     json.dumps(description)  # plain JSON: nothing pickled
     assert payload.dtype == torch.uint8
     _assert_same(unflatten(json.loads(json.dumps(description)), payload), state)
-    with pytest.raises(TypeError, match="tensors and plain data only .* got a object"):
+    with pytest.raises(TypeError, match=r"tensors and plain data only .* got a object"):
         flatten({"callback": object()})
 
 

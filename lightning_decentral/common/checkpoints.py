@@ -1,5 +1,6 @@
 """[`ShardedCheckpoints`][lightning_decentral.common.checkpoints.ShardedCheckpoints]: the shard protocol of a save and
-a resume on processes ([`checkpoint`][lightning_decentral.checkpoint]), held by the Trainer's and Fabric's strategies."""
+a resume on processes ([`checkpoint`][lightning_decentral.checkpoint]), held by the Trainer's and Fabric's
+strategies."""
 
 from __future__ import annotations
 
@@ -36,8 +37,9 @@ class ShardedCheckpoints:
         write_file: Callable[[], None],
         earlier: shards.EarlierShards | None = None,
     ) -> None:
-        """Every rank writes its shard (`contents`: [`shard_contents`][lightning_decentral.driver.StepDriver.shard_contents]),
-        then `write_file` the checkpoint file ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards];
+        """Every rank writes its shard (`contents`:
+        [`shard_contents`][lightning_decentral.driver.StepDriver.shard_contents]), then `write_file` the checkpoint file
+        ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards];
         `earlier`: this rank's shard of an earlier save of the step, to link)."""
         ranks = self.ranks()
 

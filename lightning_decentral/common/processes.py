@@ -180,16 +180,18 @@ class Processes:
 
     def check_backend(self, backend: str | None, device: torch.device) -> None:
         """Before any process starts: refuse `on_peer_failure="continue"` on a backend it does not run on
-        ([`check_backend`][lightning_decentral.options.GossipOptions.check_backend]: `backend`, or `device`'s default)."""
+        ([`check_backend`][lightning_decentral.options.GossipOptions.check_backend]: `backend`, or `device`'s
+        default)."""
         device_default = dist.Backend.default_device_backend_map.get(device.type, "gloo")
         self.options.check_backend(backend or device_default)
 
     def make_default_group(
         self, environment: ClusterEnvironment, backend: str, rank: int, world_size: int, device: torch.device
     ) -> None:
-        """Make the default process group ([`init_default_group`][lightning_decentral.common.processes.init_default_group]);
-        with `rejoin=True`, a lost rank started again sets up alone instead, and rejoins the run in progress once it
-        knows what it runs ([`rejoin`][lightning_decentral.common.processes.Processes.rejoin])."""
+        """Make the default process group
+        ([`init_default_group`][lightning_decentral.common.processes.init_default_group]); with `rejoin=True`, a lost
+        rank started again sets up alone instead, and rejoins the run in progress once it knows what it runs
+        ([`rejoin`][lightning_decentral.common.processes.Processes.rejoin])."""
         if self.rejoins and rank > 0:  # rank 0 may host the store: it would wait for itself
             os.environ["MASTER_ADDR"] = environment.main_address
             os.environ["MASTER_PORT"] = str(environment.main_port)

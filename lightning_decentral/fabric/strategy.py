@@ -195,7 +195,8 @@ class DecentralizedStrategy(Driven, DDPStrategy):
 
     @property
     def launched_by_lightning(self) -> bool:
-        """Whether Lightning's own launcher started this rank ([`launched_by_lightning`][lightning_decentral.common.launched_by_lightning])."""
+        """Whether Lightning's own launcher started this rank
+        ([`launched_by_lightning`][lightning_decentral.common.launched_by_lightning])."""
         return launched_by_lightning(self.start_method, self.launcher, self.cluster_environment)
 
     @property
@@ -430,7 +431,8 @@ class DecentralizedStrategy(Driven, DDPStrategy):
         """Runs in `fabric.save`, on every rank: the file holds `x̄` and the averaged optimizer state; each
         rank writes its shard beside it, then rank 0 the file
         ([`save_with_shards`][lightning_decentral.checkpoint.save_with_shards]). In the steps the survivors of a failure
-        take alone, they make their process group first ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
+        take alone, they make their process group first
+        ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
         module_key, optimizer_key = self._keys(state)
         if module_key is None:
             return super().save_checkpoint(path, state, storage_options, filter)
@@ -490,8 +492,9 @@ class DecentralizedStrategy(Driven, DDPStrategy):
         rank finds its shard of the same save at the same world size, its own replica, optimizer, precision
         and RNG state (exact resume); else rank 0 warns once, saying why. `k` is restored too.
 
-        The model is found in `state` by identity, or as [`under_prefix(model, ...)`][lightning_decentral.fabric.under_prefix];
-        a checkpoint that holds none of its weights is an error naming the keys, before anything is restored."""
+        The model is found in `state` by identity, or as
+        [`under_prefix(model, ...)`][lightning_decentral.fabric.under_prefix]; a checkpoint that holds none of its
+        weights is an error naming the keys, before anything is restored."""
         module_key, optimizer_key = self._keys(state) if isinstance(state, dict) else (None, None)
         if module_key is not None:
             self.check_outside_the_graph("fabric.load")

@@ -192,8 +192,8 @@ class WorkerGroup:
 
     def own_state(self, rank: int, state_dict: dict[str, Tensor], full: bool) -> dict[str, Any]:
         """Worker `rank`'s part of its shard as rank `rank` of `n` holds it: `state_dict`, its optimizer's state
-        (`full=False`: a weights-only save, none) and its random state ([`shard_contents`][lightning_decentral.driver.StepDriver.shard_contents]'s
-        arguments)."""
+        (`full=False`: a weights-only save, none) and its random state: arguments of
+        [`shard_contents`][lightning_decentral.driver.StepDriver.shard_contents]."""
         cpu, cuda = self.random_states()[rank]
         # numpy's and Python's generators are the process's, shared by the workers
         rng = {**shards.rng_state(), "torch": cpu, **({"cuda": [cuda]} if cuda is not None else {})}

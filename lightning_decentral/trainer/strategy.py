@@ -230,7 +230,8 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
 
     @property
     def launched_by_lightning(self) -> bool:
-        """Whether Lightning's own launcher started this rank ([`launched_by_lightning`][lightning_decentral.common.launched_by_lightning])."""
+        """Whether Lightning's own launcher started this rank
+        ([`launched_by_lightning`][lightning_decentral.common.launched_by_lightning])."""
         return launched_by_lightning(self.start_method, self.launcher, self.cluster_environment)
 
     # -- set-up -----------------------------------------------------------------------------
