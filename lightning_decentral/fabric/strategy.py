@@ -101,8 +101,8 @@ class DecentralizedStrategy(Driven, DDPStrategy):
         self.driver = StepDriver(
             gossip, epoch=self._epoch, phrasing=FABRIC
         )  # bound to the world size with the launcher
-        self.processes = Processes(self.driver, checked_timeout(timeout), ranks=lambda: self._ranks)
-        self.checkpoints = ShardedCheckpoints(self.driver, lambda: self._ranks)
+        self.processes = Processes(self.driver, checked_timeout(timeout), ranks=self.ranks)
+        self.checkpoints = ShardedCheckpoints(self.driver, self.ranks)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -148,7 +148,7 @@ class DecentralizedStrategy(Driven, DDPStrategy):
     def parameter_deviations(self) -> list[tuple[str, Tensor, Tensor]]:
         """For each trainable parameter `p`: its name, `‖p_i − p̄‖²` on this rank and `‖p̄‖²` (0-dim float64, `p̄`
         averaged in at least float32; one all-reduce: every rank calls it together)."""
-        return parameter_deviations(self._ranks, self.trained_module)
+        return parameter_deviations(self.ranks(), self.trained_module)
 
     def gradient_sum(self) -> list[Tensor]:
         """This rank's gradient of each trainable parameter (zeros where it has none)."""
@@ -161,8 +161,9 @@ class DecentralizedStrategy(Driven, DDPStrategy):
         of them is survived (`fabric.save` then starts again among the survivors)."""
         return self.driver.guard
 
-    @property
-    def _ranks(self) -> Ranks:
+    def ranks(self) -> Ranks:
+        """This rank's collectives over the current world (the survivors' after a failure), on its device, through
+        the guard."""
         return Ranks.of_world(self.root_device, self.guard)
 
     @property
@@ -235,7 +236,7 @@ class DecentralizedStrategy(Driven, DDPStrategy):
                 self.agree("averaged_model()")
         self._averaging += 1
         try:
-            with self._averaged.swapped_in(module, self._ranks.mean if self.world_size > 1 else None):
+            with self._averaged.swapped_in(module, self.ranks().mean if self.world_size > 1 else None):
                 yield
         finally:
             self._averaging -= 1
@@ -290,9 +291,9 @@ class DecentralizedStrategy(Driven, DDPStrategy):
         if self._module is not None:
             raise ValueError("DecentralizedStrategy gossips one model: set up one module per Fabric.")
         precision = str(getattr(self.precision, "precision", type(self.precision).__name__))
-        self._ranks.check_same_configuration(run_configuration(self, module, precision))
+        self.ranks().check_same_configuration(run_configuration(self, module, precision))
         self.processes.start_activities().start("fabric.setup")
-        self._ranks.broadcast_from_rank_zero(list(state_tensors(module)))
+        self.ranks().broadcast_from_rank_zero(list(state_tensors(module)))
         self._replica = Replica(module, self.gossip_buffers)
         self._mixer = self.processes.start_gossip(self.root_device, self.launched_by_lightning)
         self._module = module
@@ -309,7 +310,7 @@ class DecentralizedStrategy(Driven, DDPStrategy):
             )
         self._context.bucket_bytes = self.options.bucket_bytes
         self._context.grad_scaler = enabled_grad_scaler(self.precision)
-        self._context.any_worker = self._ranks.any
+        self._context.any_worker = self.ranks().any
         self._context.warn = rank_zero_warn
         self.driver.build_rule(set_up_first(self._replica), set_up_first(self._mixer), [optimizer], self._context)
         self._optimizer = optimizer
@@ -463,7 +464,7 @@ class DecentralizedStrategy(Driven, DDPStrategy):
                 k: v.clone() if isinstance(v, Tensor) else v for k, v in converted[module_key].items()
             }
         if optimizer_key is not None:
-            converted[optimizer_key] = mean_optimizer_state(self._ranks, converted[optimizer_key])
+            converted[optimizer_key] = mean_optimizer_state(self.ranks(), converted[optimizer_key])
         converted[STEP_KEY] = self.step
 
         def write_file() -> None:

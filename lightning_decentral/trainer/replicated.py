@@ -66,7 +66,7 @@ class ReplicaStrategy(DDPStrategy):
             raise ValueError(f"resume={resume!r} is not one of {RESUME}.")
         self.driver = driver
         self.processes = processes
-        self.checkpoints = ShardedCheckpoints(driver, lambda: self._ranks)
+        self.checkpoints = ShardedCheckpoints(driver, self.ranks)
         super().__init__(**kwargs)
         self.resume = resume
         self._averaged = AveragedModel()
@@ -111,7 +111,7 @@ class ReplicaStrategy(DDPStrategy):
         with a path runs this from there and a rank without from `configure_ddp`: the two gathers pair up."""
         if not self._checkpoint_agreed:
             self._checkpoint_agreed = True
-            self._ranks.check_same_checkpoint(None if ckpt_path is None else shards.comparable(ckpt_path))
+            self.ranks().check_same_checkpoint(None if ckpt_path is None else shards.comparable(ckpt_path))
 
     @contextlib.contextmanager
     def averaged_model(self) -> Iterator[None]:
@@ -168,7 +168,7 @@ class ReplicaStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        self._ranks.check_same_configuration(self._configuration())
+        self.ranks().check_same_configuration(self._configuration())
         self.processes.start_activities()
         self.setup_precision_plugin()
 
@@ -176,7 +176,7 @@ class ReplicaStrategy(DDPStrategy):
         """Check the checkpoint and the configuration on every rank; start every replica from rank 0's weights
         unless resuming."""
         self._agree_on_checkpoint(None)  # a no-op on ranks that already agreed in load_checkpoint
-        self._ranks.check_same_configuration(self._configuration())
+        self.ranks().check_same_configuration(self._configuration())
         self.processes.start_activities()
         if self._resume_shard is None:
             self.replica_ranks.broadcast_from_rank_zero([local_tensor(t) for t in state_tensors(self.lightning_module)])
@@ -402,7 +402,7 @@ class ReplicaStrategy(DDPStrategy):
         if fitting:
             self._agree_on_checkpoint(checkpoint_path)
             if self.resume == "newest_complete":
-                checkpoint_path = choose_checkpoint(self._ranks, checkpoint_path, rank_zero_warn)
+                checkpoint_path = choose_checkpoint(self.ranks(), checkpoint_path, rank_zero_warn)
         checkpoint = super().load_checkpoint(
             checkpoint_path, weights_only=True if weights_only is None else weights_only
         )
@@ -440,8 +440,9 @@ class ReplicaStrategy(DDPStrategy):
 
     # -- every rank runs the same configuration ----------------------------------------------
 
-    @property
-    def _ranks(self) -> Ranks:
+    def ranks(self) -> Ranks:
+        """This rank's collectives over the current world (the survivors' after a failure), on its device, through
+        the guard."""
         return Ranks.of_world(self.root_device, self.guard)
 
     @property
@@ -454,7 +455,7 @@ class ReplicaStrategy(DDPStrategy):
     def replica_ranks(self) -> Ranks:
         """The ranks a mean over the replicas runs on (every rank; a subclass with sharded replicas: this rank's
         column)."""
-        return self._ranks
+        return self.ranks()
 
     def _configuration(self) -> dict[str, int | str]:
         """What every rank must agree on (`Ranks.check_same_configuration`)."""

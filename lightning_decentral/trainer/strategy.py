@@ -149,7 +149,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         processes = Processes(
             driver,
             checked_timeout(timeout),
-            ranks=lambda: self._ranks,
+            ranks=self.ranks,
             rejoin=rejoin,
             handover=self._handover_state,
             join_margin=self._stop_margin,  # a join step is as far ahead as a stop step
@@ -201,7 +201,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         rank's shard's part of its replica's term."""
         if self.sharding is not None:
             return self.sharding.parameter_deviations(self.replica_ranks, self.trained_module)
-        return parameter_deviations(self._ranks, self.trained_module)
+        return parameter_deviations(self.ranks(), self.trained_module)
 
     def gradient_sum(self) -> list[Tensor]:
         """This rank's gradient of each trainable parameter (zeros where it has none)."""
@@ -278,13 +278,13 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             if self.processes.joining:
                 self._rejoin_the_members()
             else:
-                self._ranks.check_same_optimizers(self.optimizers)
+                self.ranks().check_same_optimizers(self.optimizers)
                 if self.processes.survivors is not None and self.processes.rejoins:  # what a rank that rejoins must run
                     self.processes.survivors.publish_configuration(self._admission_configuration())
             context = RuleContext(
                 bucket_bytes=self.options.bucket_bytes,
                 grad_scaler=enabled_grad_scaler(self.precision_plugin),
-                any_worker=self._ranks.any,
+                any_worker=self.ranks().any,
                 overlap_backward=self.sharding is None and backward_may_overlap(self.lightning_module),
                 warn=rank_zero_warn,
             )
@@ -405,7 +405,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         ([`check_same_public_copies`][lightning_decentral.agreement.Ranks.check_same_public_copies])."""
         super().on_train_start()
         if self.options.compression is not None:
-            self._ranks.check_same_public_copies(self.driver.copies.state())
+            self.ranks().check_same_public_copies(self.driver.copies.state())
 
     @override
     def on_train_end(self) -> None:
