@@ -356,8 +356,8 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         if self.processes.activities is not None:
             self.processes.activities.start(f"training batch {batch_idx} (optimizer step {step})")
         self.driver.begin(step)
-        metrics = self.processes.survivor_metrics(self.world_size)
-        if metrics:  # on_peer_failure="continue": the workers training, the workers lost
+        if self.processes.survivors is not None:  # on_peer_failure="continue": the workers training, the workers lost
+            metrics = self.processes.survivor_metrics(self.world_size)
             self.lightning_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     @override
