@@ -517,9 +517,9 @@ class DecentralizedStrategy(Driven, DDPStrategy):
             set_up_first(self._optimizer).load_state_dict(shard["optimizer_states"][0])
         if shard.get("precision"):
             self.precision.load_state_dict(shard["precision"])
-        self.checkpoints.restore(
-            shard, self.step, full=optimizer_key is not None
-        )  # the shard's step must be the file's
+        self.checkpoints.restore(shard, self.step, full=optimizer_key is not None)  # the step must be the file's
+        if self.driver.options.compression is not None:  # both ends of every edge resume with the same public copies
+            self.ranks().check_same_public_copies(self.driver.copies.state() or shard.get("gossip"))
         return remainder
 
     @override
