@@ -15,8 +15,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 
 class EvaluationOnAverage:
     """Validation, test and prediction on `x̄` when `eval_on == "average"`:
-    [`begin`][lightning_decentral.common.EvaluationOnAverage.begin] swaps `x̄` in,
-    [`end`][lightning_decentral.common.EvaluationOnAverage.end] restores every replica exactly. Held by
+    [`begin`][lightning_decentral.common.evaluation.EvaluationOnAverage.begin] swaps `x̄` in,
+    [`end`][lightning_decentral.common.evaluation.EvaluationOnAverage.end] restores every replica exactly. Held by
     the Trainer's strategy and the simulation, whose `on_validation_start`, `on_test_start` and `on_predict_start`
     begin it, and whose matching ends and `on_exception` end it.
 

@@ -525,7 +525,7 @@ class DecentralizedStrategy(Driven, DDPStrategy):
     @override
     def load_module_state_dict(self, module: Module, state_dict: dict[str, Any], strict: bool = True) -> None:
         """Runs in `fabric.load` for a module: its state, or an error naming the keys when the checkpoint holds none
-        of its weights ([`load_every_weight`][lightning_decentral.fabric.checkpoints.load_every_weight])."""
+        of its weights (`fabric.checkpoints.load_every_weight`)."""
         load_every_weight(module, state_dict, strict)
 
     def _keys(self, state: dict[str, Any]) -> tuple[str | None, str | None]:

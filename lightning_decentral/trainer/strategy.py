@@ -467,6 +467,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         super().on_exception(exception)
         if isinstance(exception, SIGTERMException) and self.is_global_zero:
             log.info(stop_line(self.lightning_module.trainer.global_step, self.last_save))
+
     def _on_survivors(self, decision: Decision) -> None:
         """After a failure, in the survivors' process group (every survivor together), after what `Processes` does: a
         SIGTERM stops them at one step of their own graph (its diameter may be longer: the stop margin follows)."""
