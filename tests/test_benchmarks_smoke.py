@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -188,13 +187,9 @@ def test_outer_overlap_smoke(tmp_path: Path) -> None:
 
 
 def _run_smoke(script: str, *args: str) -> subprocess.CompletedProcess:
-    # without a seed an earlier test's seed_everything left in os.environ: Lightning seeds every DistributedSampler
-    # from PL_GLOBAL_SEED, and simulate.py's bare loop orders the data as seed 0 does
-    environment = {name: value for name, value in os.environ.items() if name != "PL_GLOBAL_SEED"}
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
         cwd=ROOT,
-        env=environment,
         capture_output=True,
         text=True,
         timeout=300,

@@ -65,10 +65,9 @@ def on_processes() -> list[dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_the_simulation_equals_the_processes_and_counts_the_same_bytes(
-    config: Config, on_processes: list[dict[str, Any]], monkeypatch, caplog: pytest.LogCaptureFixture
+    config: Config, on_processes: list[dict[str, Any]], caplog: pytest.LogCaptureFixture
 ) -> None:
     """`vectorize="auto"` keeps the workers apart, saying why (each worker's flat buffers are compressed whole)."""
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     logger = logging.getLogger("lightning.pytorch")  # it does not propagate to the root logger
     logger.addHandler(caplog.handler)
     caplog.set_level(logging.INFO, logger="lightning.pytorch")

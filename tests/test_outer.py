@@ -45,10 +45,7 @@ def on_processes() -> list[dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_simulated_workers_equal_the_ranks(
-    config: Config, vectorize: bool, on_processes: list[dict[str, Any]], monkeypatch
-) -> None:
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+def test_simulated_workers_equal_the_ranks(config: Config, vectorize: bool, on_processes: list[dict[str, Any]]) -> None:
     simulated = sim.fit_simulated(config, WORLD, vectorize=vectorize)
     ranks = torch.stack([r[config.name]["state"] for r in on_processes]).double()
     if config.topology != "complete":

@@ -67,8 +67,7 @@ def on_processes() -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_the_simulation_equals_the_processes(config: Config, on_processes: list[dict[str, Any]], monkeypatch) -> None:
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+def test_the_simulation_equals_the_processes(config: Config, on_processes: list[dict[str, Any]]) -> None:
     simulated = sim.fit_simulated(config, WORLD, vectorize="auto")
     ranks = torch.stack([r[config.name]["state"] for r in on_processes])
     torch.testing.assert_close(torch.stack(simulated["states"]), ranks, atol=1e-9, rtol=0)

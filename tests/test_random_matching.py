@@ -82,8 +82,7 @@ def on_processes() -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [PLAIN, OUTER], ids=lambda c: c.name)
-def test_the_simulation_equals_the_processes(config: Config, on_processes: list[dict[str, Any]], monkeypatch) -> None:
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+def test_the_simulation_equals_the_processes(config: Config, on_processes: list[dict[str, Any]]) -> None:
     simulated = sim.fit_simulated(config, WORLD)
     ranks = torch.stack([r[config.name]["state"] for r in on_processes])
     assert (ranks[0] - ranks[1]).abs().max() > 1e-4

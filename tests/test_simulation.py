@@ -58,10 +58,7 @@ def on_processes() -> list[dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_simulated_workers_equal_the_ranks(
-    config: Config, vectorize: bool, on_processes: list[dict[str, Any]], monkeypatch
-) -> None:
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+def test_simulated_workers_equal_the_ranks(config: Config, vectorize: bool, on_processes: list[dict[str, Any]]) -> None:
     simulated = sim.fit_simulated(config, WORLD, vectorize=vectorize)
     ranks = torch.stack([r[config.name]["state"] for r in on_processes]).double()
     workers = torch.stack(simulated["states"]).double()
@@ -83,12 +80,11 @@ def per_loader_on_processes() -> list[dict[tuple[bool, bool], torch.Tensor]]:
 @pytest.mark.parametrize("vectorize", [False, True], ids=["per_worker", "vectorized"])
 @pytest.mark.parametrize("shuffle, distributed", sim.LOADER_CASES, ids=lambda v: str(v))
 def test_the_simulation_takes_the_data_in_the_processes_order_whatever_the_loader_says(
-    shuffle: bool, distributed: bool, vectorize: bool, per_loader_on_processes: list[Any], monkeypatch
+    shuffle: bool, distributed: bool, vectorize: bool, per_loader_on_processes: list[Any]
 ) -> None:
     """Lightning's processes shuffle a training DataLoader with their DistributedSampler even when it says
     `shuffle=False`; with `use_distributed_sampler=False` each rank iterates the DataLoader as it is. Before, the
     simulation asked the DataLoader whether it shuffles, and a `shuffle=False` run differed from 4 processes."""
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     workers = torch.stack(sim.fit_simulated_with_loader(DATA_ORDER, WORLD, shuffle, distributed, vectorize)).double()
     ranks = torch.stack([r[(shuffle, distributed)] for r in per_loader_on_processes]).double()
     if distributed:
@@ -187,7 +183,6 @@ def test_each_worker_draws_from_its_own_random_state(monkeypatch) -> None:
     """Dropout masks: worker i draws what rank i draws (every rank starts from the same seed)."""
     config = Config("awc_dropout", optimizer=SGD)
     ranks = run_distributed(sim.fit_processes, WORLD, configs=[config], dropout=0.3)
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     simulated = sim.fit_simulated(config, WORLD, dropout=0.3)
     without = sim.fit_simulated(config, WORLD)
     expected = torch.stack([r[config.name]["state"] for r in ranks])
@@ -241,11 +236,10 @@ def test_evaluation_runs_on_the_average_or_on_worker_zero() -> None:
     ],
     ids=["awc", "decentlam", "awc_vectorized"],
 )
-def test_monitors_log_what_they_log_on_processes(config: Config, dropout: float, vectorize: bool, monkeypatch) -> None:
+def test_monitors_log_what_they_log_on_processes(config: Config, dropout: float, vectorize: bool) -> None:
     """ConsensusDistance (per layer), EffectiveLearningRate (with dropout: the forward at x̄ replays each
     worker's random state) and ConsensusControl log, step by step, the values of the 4-process run."""
     ranks = run_distributed(sim.fit_processes_monitored, WORLD, config=config, dropout=dropout)
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     simulated = sim.fit_simulated_monitored(config, WORLD, dropout=dropout, vectorize=vectorize)
     expected = ranks[0]["metrics"]
     assert len(simulated["metrics"]) == len(expected) == config.steps
@@ -412,7 +406,6 @@ def test_the_modules_hooks_run_on_every_worker_as_on_every_rank(monkeypatch) -> 
     before, the per-worker path froze worker 0 only (and workers 1..n-1 took the new rate a step late)."""
     config = Config("hooks", optimizer=SGD, batch_norm=True, steps=6)
     ranks = torch.stack(run_distributed(sim.fit_processes_with_hooks, WORLD, config=config))
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     for vectorize in (False, True):
         workers = torch.stack(sim.fit_simulated_with_hooks(config, WORLD, vectorize))
         torch.testing.assert_close(workers, ranks, atol=1e-5, rtol=0, msg=f"vectorize={vectorize}")
@@ -451,11 +444,10 @@ def lightning_info(caplog: pytest.LogCaptureFixture):
     logger.removeHandler(caplog.handler)
 
 
-def test_vectorize_auto_is_the_default_and_stacks_what_stacking_runs_exactly(lightning_info, monkeypatch) -> None:
+def test_vectorize_auto_is_the_default_and_stacks_what_stacking_runs_exactly(lightning_info) -> None:
     from lightning_decentral import SimulatedDecentralizedStrategy
 
     assert SimulatedDecentralizedStrategy(workers=4).vectorize == "auto"
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     config = Config("auto", optimizer=SGD, scheduler="step")
     auto = sim.fit_simulated(config, WORLD, vectorize="auto")
     (line,) = set(lightning_info())  # one line (Lightning's logger may hand it to the capture twice)
@@ -465,11 +457,10 @@ def test_vectorize_auto_is_the_default_and_stacks_what_stacking_runs_exactly(lig
 
 
 @pytest.mark.slow
-def test_vectorize_auto_decides_when_configure_optimizers_loads_the_data(lightning_info, monkeypatch) -> None:
+def test_vectorize_auto_decides_when_configure_optimizers_loads_the_data(lightning_info) -> None:
     """Before: a schedule over `trainer.estimated_stepping_batches` with `max_epochs` (the digits example's cosine)
     made Lightning load the training data inside `configure_optimizers`, before the workers existed: no info line,
     and the per-worker path without a word."""
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     config = Config("cosine", optimizer=SGD)
     auto = sim.fit_cosine_for_an_epoch(config, WORLD, vectorize="auto")
     (line,) = set(lightning_info())
@@ -480,8 +471,7 @@ def test_vectorize_auto_decides_when_configure_optimizers_loads_the_data(lightni
 
 
 @pytest.mark.parametrize("case", ["dropout", "hook", "optimizer", "item"])
-def test_vectorize_auto_keeps_the_workers_apart_naming_why(case: str, lightning_info, monkeypatch) -> None:
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+def test_vectorize_auto_keeps_the_workers_apart_naming_why(case: str, lightning_info) -> None:
     config = Config("apart", optimizer=SGD, batch_norm=case == "hook", steps=4)
     if case == "dropout":
         auto, apart = (sim.fit_simulated(config, WORLD, dropout=0.2, vectorize=v)["states"] for v in ("auto", False))
@@ -516,12 +506,11 @@ def test_stacking_needs_a_dataloader_with_a_batch_size() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [c for c in CONFIGS if c.batch_norm], ids=lambda c: c.name)
 def test_the_default_path_equals_the_ranks_batch_norm_counts_included(
-    config: Config, on_processes: list[dict[str, Any]], lightning_info, monkeypatch
+    config: Config, on_processes: list[dict[str, Any]], lightning_info
 ) -> None:
     """vectorize="auto" stacks this module after a first-batch trial under torch.vmap. Before, the trial ran on the
     stacked buffers: every worker's BatchNorm counted one batch more (num_batches_tracked = K + 1) and its running
     statistics moved, so the default path equalled neither vectorize=False nor the processes."""
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     auto, stacked, apart = (sim.fit_simulated(config, WORLD, vectorize=v) for v in ("auto", True, False))
     (line,) = set(lightning_info())
     assert "the stacked path" in line, line
@@ -533,14 +522,11 @@ def test_the_default_path_equals_the_ranks_batch_norm_counts_included(
     assert auto["counts"] == apart["counts"] == [r[config.name]["counts"] for r in on_processes] == batches
 
 
-def test_the_trial_leaves_every_random_generator_and_attribute_as_the_per_worker_path_has_them(
-    lightning_info, monkeypatch
-) -> None:
+def test_the_trial_leaves_every_random_generator_and_attribute_as_the_per_worker_path_has_them(lightning_info) -> None:
     """A module that draws from torch's generator when an epoch starts, from Python's and torch's in training_step (its
     noise stops the trial under torch.vmap) and counts its steps. Before, the trial drew from Python's generator and
     counted a step on the last worker, and the workers taken apart started from the random state of the first batch,
     not of the start of training: vectorize="auto" gave another run than vectorize=False."""
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     config = Config("draws", optimizer=SGD, steps=3)
     auto, apart = (sim.fit_simulated(config, WORLD, vectorize=v, module=sim.DrawsAtRandom) for v in ("auto", False))
     (line,) = set(lightning_info())
@@ -550,7 +536,7 @@ def test_the_trial_leaves_every_random_generator_and_attribute_as_the_per_worker
     assert (auto["states"][1] - auto["states"][2]).abs().max() > 1e-4  # the workers' noise differs
 
 
-def test_samples_that_load_at_random_keep_the_workers_apart(lightning_info, monkeypatch) -> None:
+def test_samples_that_load_at_random_keep_the_workers_apart(lightning_info) -> None:
     """Stacked, the process would load every worker's samples from its own random state (one fetch for all): a
     dataset's random transform would differ from the processes' and the per-worker path's. Before, "auto" stacked."""
     from torch.utils.data import DataLoader, TensorDataset
@@ -566,7 +552,6 @@ def test_samples_that_load_at_random_keep_the_workers_apart(lightning_info, monk
     )
     assert torch.equal(torch.get_rng_state(), before)  # the look at the samples draws nothing
     assert stacking_problem(net, optimizer, 2, DataLoader(TensorDataset(*data), batch_size=2)) is None
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     config = Config("jittered", optimizer=SGD, steps=3)
     auto, apart = (
         sim.fit_simulated(config, WORLD, vectorize=v, dataset_class=sim.Jittered)["states"] for v in ("auto", False)
@@ -576,11 +561,10 @@ def test_samples_that_load_at_random_keep_the_workers_apart(lightning_info, monk
     assert all(torch.equal(a, b) for a, b in zip(auto, apart))
 
 
-def test_bf16_mixed_batch_norm_runs_stacked(lightning_info, monkeypatch) -> None:
+def test_bf16_mixed_batch_norm_runs_stacked(lightning_info) -> None:
     """bf16 activations into a BatchNorm with float32 running statistics: under torch.vmap `F.batch_norm` refused them
     (`RuntimeError: expected scalar type BFloat16 but found Float`, on CUDA `Expected running_mean to have type
     BFloat16 but got Float`) at the first step, on vectorize=True and on the default path alike."""
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     config = Config("bf16_batch_norm", optimizer=SGD, batch_norm=True, steps=3)
     runs = {
         v: sim.fit_simulated(config, WORLD, vectorize=v, module=sim.BiasFreeBatchNorm, precision="bf16-mixed")
@@ -596,10 +580,9 @@ def test_bf16_mixed_batch_norm_runs_stacked(lightning_info, monkeypatch) -> None
     assert runs["auto"]["counts"] == runs[False]["counts"] == [[3]] * WORLD
 
 
-def test_the_trial_runs_in_the_runs_precision(lightning_info, monkeypatch) -> None:
+def test_the_trial_runs_in_the_runs_precision(lightning_info) -> None:
     """A training_step that cannot run under torch.vmap only under autocast: the trial ran in full precision and passed,
     and the first stacked step stopped with the vmap error; now the workers are taken apart, as vectorize=False."""
-    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     config = Config("autocast_item", optimizer=SGD, steps=2)
     auto, apart = (
         sim.fit_simulated(config, WORLD, vectorize=v, module=sim.ChecksItsRangeUnderAutocast, precision="bf16-mixed")
