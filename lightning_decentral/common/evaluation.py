@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from lightning.pytorch import LightningModule
@@ -38,6 +38,26 @@ class EvaluationOnAverage:
     def end(self) -> None:
         """Restore every replica (nothing if none was swapped out)."""
         self._context.close()
+
+
+class HoldsEvaluation(Protocol):
+    """A strategy that holds an [`EvaluationOnAverage`][lightning_decentral.common.evaluation.EvaluationOnAverage] as
+    `evaluation`: the Trainer's and the simulation's."""
+
+    evaluation: EvaluationOnAverage
+
+
+def swap_in_average(strategy: HoldsEvaluation) -> None:
+    """Lightning's `on_validation_start`, `on_test_start` and `on_predict_start` of a strategy holding
+    `evaluation`: swap `x̄` into its module (`eval_on="average"`). Defined once and assigned to the hooks of both
+    strategies (their Lightning bases differ, and a base class of this package shared by both would be a mixin)."""
+    strategy.evaluation.begin()
+
+
+def restore_replicas(strategy: HoldsEvaluation) -> None:
+    """Lightning's `on_validation_end`, `on_test_end` and `on_predict_end` of a strategy holding `evaluation`:
+    restore every replica (nothing if none was swapped out)."""
+    strategy.evaluation.end()
 
 
 def backward_may_overlap(module: LightningModule) -> bool:

@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_decentral import checkpoint as shards
 from lightning_decentral.common import EvaluationOnAverage
+from lightning_decentral.common.evaluation import restore_replicas, swap_in_average
 from lightning_decentral.driver import StepDriver
 from lightning_decentral.files import with_atomic_writes
 from lightning_decentral.replicas import AveragedModel
@@ -157,35 +158,8 @@ class SimulatedReplicaStrategy(SingleDeviceStrategy):
 
     # -- validation, test and predict on x̄ (eval_on="average"), every replica restored afterwards ------------------
 
-    @override
-    def on_validation_start(self) -> None:
-        """Runs when validation starts: swap in `x̄` (`eval_on="average"`)."""
-        self.evaluation.begin()
-
-    @override
-    def on_validation_end(self) -> None:
-        """Runs when validation ends: restore every replica."""
-        self.evaluation.end()
-
-    @override
-    def on_test_start(self) -> None:
-        """Runs when testing starts: swap in `x̄` (`eval_on="average"`)."""
-        self.evaluation.begin()
-
-    @override
-    def on_test_end(self) -> None:
-        """Runs when testing ends: restore every replica."""
-        self.evaluation.end()
-
-    @override
-    def on_predict_start(self) -> None:
-        """Runs when prediction starts: swap in `x̄` (`eval_on="average"`)."""
-        self.evaluation.begin()
-
-    @override
-    def on_predict_end(self) -> None:
-        """Runs when prediction ends: restore every replica."""
-        self.evaluation.end()
+    on_validation_start = on_test_start = on_predict_start = swap_in_average
+    on_validation_end = on_test_end = on_predict_end = restore_replicas
 
     # -- checkpoints: x̄ and one shard per worker, as DecentralizedStrategy writes them ------------
 

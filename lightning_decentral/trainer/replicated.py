@@ -33,6 +33,7 @@ from lightning_decentral import checkpoint as shards
 from lightning_decentral._compat.lightning import MultiProcessingLauncher, SubprocessScriptLauncher
 from lightning_decentral.agreement import Ranks, mean_optimizer_state
 from lightning_decentral.common import EvaluationOnAverage, Processes, ShardedCheckpoints
+from lightning_decentral.common.evaluation import restore_replicas, swap_in_average
 from lightning_decentral.driver import StepDriver
 from lightning_decentral.files import StrPath, with_atomic_writes
 from lightning_decentral.membership.guard import Guard, from_its_value_now
@@ -204,34 +205,12 @@ class ReplicaStrategy(DDPStrategy):
         `x̄` (`eval_on="average"`)."""
         if self._step_saves is not None:
             self._step_saves.forget()
-        self.evaluation.begin()
+        swap_in_average(self)
 
     # -- validation, test and predict on x̄ (eval_on="average"), every replica restored afterwards ------------------
 
-    @override
-    def on_validation_end(self) -> None:
-        """Runs when validation ends: restore every replica."""
-        self.evaluation.end()
-
-    @override
-    def on_test_start(self) -> None:
-        """Runs when testing starts: swap in `x̄` (`eval_on="average"`)."""
-        self.evaluation.begin()
-
-    @override
-    def on_test_end(self) -> None:
-        """Runs when testing ends: restore every replica."""
-        self.evaluation.end()
-
-    @override
-    def on_predict_start(self) -> None:
-        """Runs when prediction starts: swap in `x̄` (`eval_on="average"`)."""
-        self.evaluation.begin()
-
-    @override
-    def on_predict_end(self) -> None:
-        """Runs when prediction ends: restore every replica."""
-        self.evaluation.end()
+    on_test_start = on_predict_start = swap_in_average
+    on_validation_end = on_test_end = on_predict_end = restore_replicas
 
     @override
     def on_train_end(self) -> None:
