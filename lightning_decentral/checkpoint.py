@@ -1,4 +1,4 @@
-"""Per-rank checkpoint shards: every replica, its optimizer state, the strategy's state and RNG state.
+"""Per-rank checkpoint shards: every replica, its optimizer state, the strategy's state and random state.
 
 A decentralized run is `n` models. The checkpoint file Lightning writes on rank 0 keeps the average `x̄` (a plain
 LightningModule loads it); next to it, every rank writes its own shard, so that `trainer.fit(ckpt_path=...)`
@@ -18,11 +18,12 @@ foreign run) are never taken for this one's. A second save of the same step from
 after the step's checkpoint) takes the first one's id and links its shards instead of writing them again. Shards hold
 tensors and primitives only and are read with `torch.load(weights_only=True)`.
 
-Besides the entries every shard has (the replica, the optimizer and precision state, the step, the rule it ran, the
-random state), a shard holds what the parts of a run with state registered
+Besides the entries every shard has (the replica, the optimizer and precision state, the step, the rule it ran), a
+shard holds what the parts of a run with state registered
 ([`StateRegistry`][lightning_decentral.checkpoint.StateRegistry], the driver's `state`): the rule's (`"rule_state"`:
-an outer step's anchor and outer optimizer), compressed gossip's (`"gossip"`: CHOCO's public copies). The checkpoint
-file, the rejoin handover and the simulation's shards are all made by
+an outer step's anchor and outer optimizer), compressed gossip's (`"gossip"`: CHOCO's public copies), the workers'
+random state (`"rng"`: [`rng_state`][lightning_decentral.checkpoint.rng_state], what dropout and a shuffling sampler
+draw from). The shard files, the rejoin handover and the simulation's shards are all made by
 [`make_shard`][lightning_decentral.checkpoint.make_shard] from it, and restored by
 [`StateRegistry.load`][lightning_decentral.checkpoint.StateRegistry.load]. A shard records
 its layout under `"format"` ([`SHARD_FORMAT`][lightning_decentral.checkpoint.SHARD_FORMAT]; a shard without one is
@@ -60,8 +61,8 @@ from lightning_decentral.files import (
 META_KEY = "decentralized_shards"  # in the checkpoint file: {"save_id", "world_size"}
 SHARD_FORMAT = 2
 """The layout of the shards this version writes, recorded in each under `"format"`. 1 (no `"format"` key): before
-the state registry, with the same entries; 2: the registered parts under their keys. A shard of a later format is not
-read (every rank resumes from `x̄`, and the warning names the format)."""
+the state registry, with the same entries under the same keys; 2: the registered parts under their keys. A shard of a
+later format is not read (every rank resumes from `x̄`, and the warning names the format)."""
 CORE_KEYS = (
     "save_id",
     "rank",
@@ -69,7 +70,6 @@ CORE_KEYS = (
     "format",
     "state_dict",
     "strategy",
-    "rng",
     "optimizer_states",
     "precision",
 )
@@ -88,7 +88,7 @@ class StatePart:
 
 
 class StateRegistry:
-    """The per-rank state a run keeps besides its replica, its optimizer and its random state, in one place: each part
+    """The per-rank state a run keeps besides its replica and its optimizer, in one place: each part
     with state registers `(key, save, load)` once, and every shard, every rejoin handover and every simulated worker's
     shard holds `save(worker)` under `key` ([`make_shard`][lightning_decentral.checkpoint.make_shard]); a resume or a
     rank that rejoins calls `load` with every worker's value (`None` where a shard holds none). A new piece of state is
@@ -304,14 +304,13 @@ def make_shard(
     step: int,
     optimizer_states: list[dict[str, Any]] | None = None,
     precision: dict[str, Any] | None = None,
-    rng: dict[str, Any] | None = None,
     rule: dict[str, str] | None = None,
     parts: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A rank's shard: its own `state_dict`, the optimizer step and the update rule it ran (`rule`, e.g.
-    `{"rule": "awc", "topology": "Ring(world_size=4)"}`), its RNG state (`rng`, default this process's
-    [`rng_state`][lightning_decentral.checkpoint.rng_state]), what the parts with state registered (`parts`:
-    [`StateRegistry.save`][lightning_decentral.checkpoint.StateRegistry.save], taken at the save), and (unless the
+    `{"rule": "awc", "topology": "Ring(world_size=4)"}`), what the parts with state registered (`parts`:
+    [`StateRegistry.save`][lightning_decentral.checkpoint.StateRegistry.save], taken at the save: the random state
+    among them), and (unless the
     checkpoint is weights-only: `optimizer_states=None`) its optimizers' `state_dict()`s and its precision plugin's
     state. The one function every shard is made by (the files, the rejoin handover, the simulation's)."""
     shard = {
@@ -321,7 +320,6 @@ def make_shard(
         "world_size": world_size,
         "state_dict": state_dict,
         "strategy": {"step": step, **(rule or {})},
-        "rng": rng if rng is not None else rng_state(),
         **(parts or {}),
     }
     if optimizer_states is not None:
@@ -368,12 +366,18 @@ def rule_change_warning(checkpoint_path: StrPath, shard: dict[str, Any], rule: d
     )
 
 
-def resume_rank_state(shard: dict[str, Any], step: int) -> None:
-    """Check that `shard` was saved at optimizer step `step` and restore its RNG state."""
+def check_saved_step(shard: dict[str, Any], step: int) -> None:
+    """Check that `shard` was saved at optimizer step `step` (the loops' step a resume restored).
+
+    Examples:
+        >>> check_saved_step({"strategy": {"step": 3}}, 4)
+        Traceback (most recent call last):
+        ...
+        RuntimeError: The shard was saved at step 3 but the checkpoint's loops are at 4.
+    """
     saved = shard["strategy"]["step"]
     if saved != step:
         raise RuntimeError(f"The shard was saved at step {saved} but the checkpoint's loops are at {step}.")
-    set_rng_state(shard["rng"])
 
 
 def load_own_shard(

@@ -126,6 +126,46 @@ class RuleStates(Protocol):
     def load_rule_states(self, states: list[dict[str, Any]]) -> None: ...
 
 
+RANDOM_STATE = "rng"
+"""The key of the workers' random state in the driver's [`StateRegistry`][lightning_decentral.checkpoint.StateRegistry]
+(and so in every shard, as before the registry)."""
+
+
+class RandomStates(Protocol):
+    """Where the driver reads and restores its workers' random states (the `"rng"` part of the
+    [`StateRegistry`][lightning_decentral.checkpoint.StateRegistry]: what dropout and a shuffling sampler draw from, so
+    the data order): a process's ([`ProcessRandomState`][lightning_decentral.driver.ProcessRandomState]), or the
+    simulation's [`WorkerGroup`][lightning_decentral.simulation.WorkerGroup]. `load_random_states` gets `None` for a
+    worker whose shard holds none (it keeps its own)."""
+
+    def random_state_of(self, worker: int) -> dict[str, Any]: ...
+
+    def load_random_states(self, states: list[dict[str, Any] | None]) -> None: ...
+
+
+class ProcessRandomState:
+    """A process's random state as [`RandomStates`][lightning_decentral.driver.RandomStates]: its global generators
+    (torch, CUDA, numpy, Python: [`rng_state`][lightning_decentral.checkpoint.rng_state]) are worker 0's.
+
+    Examples:
+        >>> process = ProcessRandomState()
+        >>> saved = process.random_state_of(0)
+        >>> drawn = torch.rand(2)
+        >>> process.load_random_states([saved])
+        >>> torch.equal(torch.rand(2), drawn)
+        True
+    """
+
+    def random_state_of(self, worker: int) -> dict[str, Any]:
+        """The process's random state (a process has one worker)."""
+        return shards.rng_state()
+
+    def load_random_states(self, states: list[dict[str, Any] | None]) -> None:
+        """The process continues from `states[0]`; `None`: it keeps its own."""
+        if states[0] is not None:
+            shards.set_rng_state(states[0])
+
+
 class OneRule:
     """A process's rule as [`RuleStates`][lightning_decentral.driver.RuleStates]: worker 0's."""
 
@@ -188,9 +228,11 @@ class StepDriver:
         self.copies = ChocoStates()  # compressed gossip: the workers' public copies, their bytes, from run to run
         self._plan: StepPlan | None = None  # the step begun and not yet stepped
         self._rules: RuleStates | None = None  # the rules run() drives, whose state a save keeps (stays after teardown)
+        self._random: RandomStates = ProcessRandomState()  # whose random states a save keeps: run() may change it
         self.state = StateRegistry()  # the per-rank state of every shard and handover besides replica and optimizer
         self.state.register("rule_state", self._rule_state_of, self._load_rule_states, full_only=True)
         self.state.register("gossip", self.copies.state, self._load_copies)
+        self.state.register(RANDOM_STATE, self._random_state_of, self._load_random_states)
 
     # -- binding ------------------------------------------------------------------------------
 
@@ -351,12 +393,14 @@ class StepDriver:
             return OuterStep(replica, mixer, optimizer, context, outer_optimizer=outer, every=every, overlap=overlap)
         return RULES[self.options.rule](replica, mixer, optimizer, context)
 
-    def run(self, runner: StepRunner, rules: RuleStates) -> None:
-        """Drive `runner` from now on, whose rules' state is `rules` (the simulation's worker group is both;
-        `build_rule` calls it for a rule)."""
+    def run(self, runner: StepRunner, rules: RuleStates, random_states: RandomStates | None = None) -> None:
+        """Drive `runner` from now on, whose rules' state is `rules` and whose workers draw from `random_states`
+        (default: this process's generators; the simulation's worker group is all three; `build_rule` calls it for a
+        rule)."""
         self.runner = runner
         self._plan = None
         self._rules = rules
+        self._random = random_states if random_states is not None else ProcessRandomState()
 
     # -- per-rank state: what every shard and handover holds besides the replica and the optimizer --------------
 
@@ -367,18 +411,16 @@ class StepDriver:
         step: int,
         optimizer_states: list[dict[str, Any]] | None = None,
         precision: dict[str, Any] | None = None,
-        rng: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Worker `worker`'s shard but its save id: the arguments of
         [`make_shard`][lightning_decentral.checkpoint.make_shard], with the rule the shard records and every registered
-        part (`state.save`; live, not copied). A save without
-        `optimizer_states` is weights-only."""
+        part (`state.save`: the rule's state, CHOCO's public copies, the random state; live, not copied). A save
+        without `optimizer_states` is weights-only."""
         return dict(
             state_dict=state_dict,
             step=step,
             optimizer_states=optimizer_states,
             precision=precision,
-            rng=rng,
             rule=self.rule_record(),
             parts=self.state.save(worker, full=optimizer_states is not None),
         )
@@ -401,6 +443,12 @@ class StepDriver:
     def _load_copies(self, states: list[dict[str, Any] | None]) -> None:
         for worker, state in enumerate(states):
             self.copies.load(state, worker)
+
+    def _random_state_of(self, worker: int) -> dict[str, Any]:
+        return self._random.random_state_of(worker)
+
+    def _load_random_states(self, states: list[dict[str, Any] | None]) -> None:
+        self._random.load_random_states(states)
 
     # -- one step -----------------------------------------------------------------------------
 

@@ -6,17 +6,28 @@ from __future__ import annotations
 
 import functools
 import json
+import random
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
-from lightning_decentral.checkpoint import META_KEY, SHARD_FORMAT, make_shard, read_shard, shard_path, write_shard
-from lightning_decentral.driver import Driven, StepDriver
+from lightning_decentral.checkpoint import (
+    META_KEY,
+    SHARD_FORMAT,
+    make_shard,
+    read_shard,
+    rng_state,
+    shard_path,
+    write_shard,
+)
+from lightning_decentral.driver import RANDOM_STATE, Driven, StepDriver
 from lightning_decentral.membership.rejoin import flatten, unflatten
 from lightning_decentral.options import GossipOptions
+from lightning_decentral.trainer.rejoin import taken_over
 from tests import simulation_workers as sim
 from tests.helpers import assert_resumed_as_straight
 
@@ -94,7 +105,7 @@ def test_a_shard_of_a_later_format_is_not_read_and_the_warning_names_the_format(
 def test_a_piece_of_state_is_one_registration_and_keys_are_not_shared() -> None:
     driver = StepDriver(GossipOptions(topology="complete"))
     driver.bind(world_size=2)
-    assert driver.state.keys == ["rule_state", "gossip"]
+    assert driver.state.keys == ["rule_state", "gossip", "rng"]
     seen: list[Any] = []
     driver.state.register("mine", save=lambda worker: {"worker": worker}, load=seen.append)
     contents = driver.shard_contents(1, state_dict={}, step=3, optimizer_states=[{}], precision={})
@@ -105,6 +116,61 @@ def test_a_piece_of_state_is_one_registration_and_keys_are_not_shared() -> None:
     for taken in ("mine", "state_dict", "rng"):
         with pytest.raises(ValueError, match=f"{taken!r} is taken"):
             driver.state.register(taken, save=lambda worker: None, load=print)
+
+
+def _draws() -> list[float]:
+    """What dropout and a shuffling sampler would draw next: torch's, numpy's and Python's generators."""
+    return [*torch.rand(3).tolist(), *np.random.rand(2).tolist(), random.random()]
+
+
+def _seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def _saved(driver: StepDriver, optimizer_states: list[Any] | None = None, worker: int = 0) -> dict[str, Any]:
+    return make_shard(7, worker, 2, **driver.shard_contents(worker, {}, step=3, optimizer_states=optimizer_states))
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full", "weights_only"])
+def test_the_data_order_is_a_registered_part_and_a_resume_draws_what_the_save_would_have(full: bool) -> None:
+    """The random state is the driver's `"rng"` part: in every shard (also weights-only) under the key shards always
+    used, and loading it makes the generators draw, bit for bit, what they drew after the save; a format-1 shard (no
+    `"format"`, the same entry) restores it alike."""
+    driver = StepDriver(GossipOptions(topology="complete"))
+    driver.bind(world_size=2)
+    shard = _saved(driver, [{}] if full else None)
+    assert shard[RANDOM_STATE].keys() >= {"torch", "numpy", "python"}
+    after_save = _draws()
+    for saved in (shard, _format_1({**shard, "optimizer_states": None, "precision": None})):
+        _draws()  # the run goes on, or another run started
+        driver.state.load([saved], full)
+        assert _draws() == after_save
+
+
+def test_the_handover_carries_every_registered_part_and_the_rank_that_rejoins_keeps_its_own_random_state() -> None:
+    """The source's shard, through the handover's wire format, holds every registered part (a part of its own, the
+    random state); the rank that rejoins restores the parts but keeps its own random state (`taken_over`)."""
+    drivers, seen = [], []
+    for _ in range(2):
+        driver = StepDriver(GossipOptions(topology="ring"))
+        driver.bind(world_size=4)
+        driver.state.register("mine", save=lambda worker: {"t": torch.arange(3.0)}, load=seen.append)
+        drivers.append(driver)
+    source, joining = drivers
+    _seed(1)
+    shard = _saved(source, [{}])
+    description, payload = flatten({"shard": shard})
+    received = unflatten(json.loads(json.dumps(description)), payload)["shard"]
+    _assert_same(received[RANDOM_STATE], shard[RANDOM_STATE])
+    assert {"mine", RANDOM_STATE} <= set(received)  # the parts with nothing to keep (no rule, no copies) leave none
+    _seed(2)  # the rank that rejoins: a random state of its own
+    own = _draws()
+    _seed(2)
+    joining.state.load([taken_over(received)])
+    assert _draws() == own
+    assert len(seen) == 1 and torch.equal(seen[0][0]["t"], torch.arange(3.0))
 
 
 # -- the rejoin handover: tensors and plain data, no pickle --------------------------------------------------------
@@ -120,7 +186,13 @@ def test_the_handover_carries_a_shard_and_the_loops_as_tensors_and_plain_data() 
     optimizer.step()
     state = {
         "shard": make_shard(
-            0, 1, 4, {"w": torch.arange(6.0).view(2, 3)}, step=7, optimizer_states=[optimizer.state_dict()]
+            0,
+            1,
+            4,
+            {"w": torch.arange(6.0).view(2, 3)},
+            step=7,
+            optimizer_states=[optimizer.state_dict()],
+            parts={RANDOM_STATE: rng_state()},
         ),
         "loops": {
             "fit_loop": {"state_dict": {}, "epoch_progress": {"total": {"ready": 1}}, "mask": torch.tensor([True])}

@@ -59,7 +59,7 @@ class ShardedCheckpoints:
         return shard
 
     def restore(self, shard: dict[str, Any], step: int, full: bool = True) -> None:
-        """This rank's random state from `shard`, saved at `step` (checked), and every registered part (`full=False`:
-        a load without the optimizer state restores none that needs it)."""
-        shards.resume_rank_state(shard, step)
+        """Every registered part (the random state among them) from `shard`, saved at `step` (checked first;
+        `full=False`: a load without the optimizer state restores none that needs it)."""
+        shards.check_saved_step(shard, step)
         self.driver.state.load([shard], full)

@@ -251,14 +251,15 @@ class SimulatedReplicaStrategy(SingleDeviceStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        """Lightning restores worker 0's optimizer; then every other worker's replica, optimizer and random
-        state from its shard (or the averaged optimizer state), and worker 0's step and random state."""
+        """Lightning restores worker 0's optimizer; then every other worker's replica and optimizer from its shard
+        (or the averaged optimizer state) and, resuming from shards, the step (checked) and every part the driver
+        registered, each worker's from its shard: the random states among them."""
         super().load_optimizer_state_dict(checkpoint)
         resumed, self._resume_shards = self._resume_shards, []
         self._group.restore(resumed, checkpoint["optimizer_states"][0])
         if resumed:
+            shards.check_saved_step(resumed[0], self.lightning_module.trainer.global_step)
             self.driver.state.load(resumed)
-            shards.resume_rank_state(resumed[0], self.lightning_module.trainer.global_step)
         self._rng_restored = bool(resumed)
 
     @override

@@ -230,7 +230,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         else:  # "auto" stacks them, if it can, when it sees the training DataLoader
             self._group = self._workers_apart(modules, context)
             self._undecided = self.vectorize == "auto"
-        self.driver.run(self._group, self._group)
+        self.driver.run(self._group, self._group, self._group)
         if self._early is not None:  # the training data was loaded before the workers existed: they follow it now
             dataloader, loaders = self._early
             if self._undecided:
@@ -318,7 +318,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._group = StackedWorkers.from_workers(
             self._group, optimizer, self.driver.make_rule, self.gossip_buffers, self._context, self._mixer
         )
-        self.driver.run(self._group, self._group)
+        self.driver.run(self._group, self._group, self._group)
         optimizer_name = type(optimizer).__name__
         _say_path(
             f"the stacked path, every worker in one batched call ({optimizer_name} is elementwise, no layer draws "

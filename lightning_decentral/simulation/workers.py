@@ -133,6 +133,18 @@ class WorkerGroup:
         own = (torch.get_rng_state(), torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
         return [own] * len(self.modules)
 
+    def random_state_of(self, rank: int) -> dict[str, Any]:
+        """Worker `rank`'s random state as rank `rank` of `n` would save it
+        ([`rng_state`][lightning_decentral.checkpoint.rng_state]'s entries): its torch generators, and the process's
+        numpy and Python generators, which the workers share."""
+        cpu, cuda = self.random_states()[rank]
+        return {**shards.rng_state(), "torch": cpu, **({"cuda": [cuda]} if cuda is not None else {})}
+
+    def load_random_states(self, states: list[dict[str, Any] | None]) -> None:
+        """The process's generators from worker 0's state (here every worker draws from them); `None`: kept."""
+        if states[0] is not None:
+            shards.set_rng_state(states[0])
+
     # -- what the monitors read ------------------------------------------------------------------
 
     def residual(self, step: int) -> Tensor | None:
@@ -191,17 +203,14 @@ class WorkerGroup:
         return averaged_optimizer_state(states, lambda tensors: _means_across(states, tensors))
 
     def own_state(self, rank: int, state_dict: dict[str, Tensor], full: bool) -> dict[str, Any]:
-        """Worker `rank`'s part of its shard as rank `rank` of `n` holds it: `state_dict`, its optimizer's state
-        (`full=False`: a weights-only save, none) and its random state: arguments of
+        """Worker `rank`'s part of its shard as rank `rank` of `n` holds it: `state_dict` and its optimizer's state
+        (`full=False`: a weights-only save, none): arguments of
         [`shard_contents`][lightning_decentral.driver.StepDriver.shard_contents]."""
-        cpu, cuda = self.random_states()[rank]
-        # numpy's and Python's generators are the process's, shared by the workers
-        rng = {**shards.rng_state(), "torch": cpu, **({"cuda": [cuda]} if cuda is not None else {})}
-        return dict(state_dict=state_dict, optimizer_states=[self.optimizer_state_of(rank)] if full else None, rng=rng)
+        return dict(state_dict=state_dict, optimizer_states=[self.optimizer_state_of(rank)] if full else None)
 
     def restore(self, resumed: list[dict[str, Any]], averaged_optimizer: dict[str, Any]) -> None:
-        """Workers 1..n-1 from their shards (replica, optimizer, random state) if `resumed`, else from the
-        averaged optimizer state (worker 0 is restored by Lightning); the rules' state is the driver's registry's."""
+        """Workers 1..n-1 from their shards (replica, optimizer) if `resumed`, else from the averaged optimizer state
+        (worker 0 is restored by Lightning); the rules' and the random states are the driver's registry's."""
         raise NotImplementedError
 
 
@@ -347,6 +356,14 @@ class SimulatedWorkers(WorkerGroup):
         own = super().random_states()[0]
         return [own] + [(w.rng, w.cuda_rng) for w in self.workers[1:]]
 
+    def load_random_states(self, states: list[dict[str, Any] | None]) -> None:
+        """Worker 0's into the process's generators, every other worker's torch generators into the worker."""
+        super().load_random_states(states)
+        for worker, state in zip(self.workers[1:], states[1:]):
+            if state is not None:
+                worker.rng = state["torch"]
+                worker.cuda_rng = state["cuda"][0] if "cuda" in state else None
+
     def gradient_sum(self) -> list[Tensor]:
         columns = zip(*[[p for p in module.parameters() if p.requires_grad] for module in self.modules])
         return [torch.stack([_grad(p) for p in column]).sum(0) for column in columns]
@@ -359,8 +376,6 @@ class SimulatedWorkers(WorkerGroup):
             if resumed:
                 worker.module.load_state_dict(resumed[i]["state_dict"])
                 worker.optimizer.load_state_dict(resumed[i]["optimizer_states"][0])
-                worker.rng = resumed[i]["rng"]["torch"]
-                worker.cuda_rng = resumed[i]["rng"]["cuda"][0] if "cuda" in resumed[i]["rng"] else None
             else:
                 worker.optimizer.load_state_dict(averaged_optimizer)
 

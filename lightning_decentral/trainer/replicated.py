@@ -396,7 +396,8 @@ class ReplicaStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         """Runs when a checkpoint is restored, last (Lightning restores the optimizers after the model
-        and the loops): the optimizers, then this rank's step and RNG state, if resuming from shards
+        and the loops): the optimizers, then, if resuming from shards, this rank's step (checked) and every part
+        its driver registered, the random state among them
         (after this, nothing draws a random number before the training loop makes its iterator)."""
         super().load_optimizer_state_dict(checkpoint)
         shard, self._resume_shard = self._resume_shard, None
@@ -406,7 +407,7 @@ class ReplicaStrategy(DDPStrategy):
     def _shard_parts(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """This rank's part of `checkpoint`, its shard but the save id
         ([`shard_contents`][lightning_decentral.driver.StepDriver.shard_contents]): its own replica, optimizer,
-        precision-plugin, step, RNG state and every registered part (live: not copied)."""
+        precision-plugin, step and every registered part (the random state among them; live: not copied)."""
         weights_only = "optimizer_states" not in checkpoint
         return self.driver.shard_contents(
             0,
@@ -414,7 +415,6 @@ class ReplicaStrategy(DDPStrategy):
             step=self.lightning_module.trainer.global_step,
             optimizer_states=None if weights_only else [o.state_dict() for o in self.optimizers],
             precision=None if weights_only else self.precision_plugin.state_dict(),
-            rng=shards.rng_state(),
         )
 
     # -- every rank runs the same configuration ----------------------------------------------

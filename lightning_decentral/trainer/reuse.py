@@ -20,6 +20,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 
 from lightning_decentral._compat import version
+from lightning_decentral.driver import RANDOM_STATE
 from lightning_decentral.replicas import MeanFn
 
 
@@ -183,7 +184,7 @@ def _split(shard: dict[str, Any]) -> tuple[list[Tensor], Any]:
         tensors.append(tensor)
         return _Slot(len(tensors) - 1)
 
-    rest = {key: value for key, value in shard.items() if key not in ("save_id", "rng")}
+    rest = {key: value for key, value in shard.items() if key not in ("save_id", RANDOM_STATE)}
     return tensors, apply_to_collection(rest, Tensor, slot)
 
 
@@ -237,12 +238,12 @@ class StepShards:
         save_id, path, records, rest, rng = self._kept
         tensors, now = _split(shard)
         same = now == rest and len(tensors) == len(records) and all(r.matches(t) for r, t in zip(records, tensors))
-        return (save_id, path) if same and _equal(shard["rng"], rng) else None
+        return (save_id, path) if same and _equal(shard[RANDOM_STATE], rng) else None
 
     def remember(self, shard: dict[str, Any], save_id: int, path: str) -> None:
         """Keep `shard`, saved to `path` under `save_id` (in place of the shard kept before)."""
         tensors, rest = _split(shard)
-        self._kept = (save_id, path, [_Record(t) for t in tensors], rest, shard["rng"])
+        self._kept = (save_id, path, [_Record(t) for t in tensors], rest, shard[RANDOM_STATE])
 
     def clear(self) -> None:
         """Forget the shard."""
