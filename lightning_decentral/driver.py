@@ -31,6 +31,7 @@ Lightning-free: a single process drives the same lifecycle over a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -125,6 +126,14 @@ class RuleStates(Protocol):
 
     def load_rule_states(self, states: list[dict[str, Any]]) -> None: ...
 
+
+RECORDED_OPTIONS = ("shard_size",)
+"""The options a shard records beside the rule and the topology (in its `"strategy"` entry,
+[`StepDriver.rule_record`][lightning_decentral.driver.StepDriver.rule_record]), each only where the run does not leave
+it at its default: a run that leaves them all writes the shards it wrote before they were recorded, and a shard without
+one was saved under its default. `shard_size`: sharded replicas resume only under the one they were saved with
+([`check_same_sharding`][lightning_decentral.sharding.check_same_sharding]). An option a resume must match is recorded
+by adding its name here."""
 
 RANDOM_STATE = "rng"
 """The key of the workers' random state in the driver's [`StateRegistry`][lightning_decentral.checkpoint.StateRegistry]
@@ -554,10 +563,16 @@ class StepDriver:
         return {"gossip/bytes_sent": torch.tensor(self.bytes_sent / workers, dtype=torch.float64)}
 
     def rule_record(self) -> dict[str, str]:
-        """What a shard records of the rule ([`rule_record`][lightning_decentral.checkpoint.rule_record]), and
-        `shard_size` above 1 (sharded replicas resume only under the same one)."""
+        """What a shard records of the rule ([`rule_record`][lightning_decentral.checkpoint.rule_record]), and each
+        option of [`RECORDED_OPTIONS`][lightning_decentral.driver.RECORDED_OPTIONS] this run does not leave at its
+        default, as a string."""
         record = shards.rule_record(self.options.rule, self.topology)
-        return {**record, "shard_size": str(self.options.shard_size)} if self.options.shard_size > 1 else record
+        defaults = {field.name: field.default for field in dataclasses.fields(GossipOptions)}
+        for name in RECORDED_OPTIONS:
+            value = getattr(self.options, name)
+            if value != defaults[name]:
+                record[name] = str(value)
+        return record
 
     def _schedule(self) -> GossipSchedule:
         if self.schedule is None:  # an AttributeError: there is no topology yet (so hasattr and Protocol checks say no)

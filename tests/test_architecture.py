@@ -24,7 +24,7 @@ from lightning_decentral.checkpoint import (
     shard_path,
     write_shard,
 )
-from lightning_decentral.driver import RANDOM_STATE, Driven, StepDriver
+from lightning_decentral.driver import RANDOM_STATE, RECORDED_OPTIONS, Driven, StepDriver
 from lightning_decentral.membership.rejoin import flatten, unflatten
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.trainer.rejoin import taken_over
@@ -171,6 +171,21 @@ def test_the_handover_carries_every_registered_part_and_the_rank_that_rejoins_ke
     joining.state.load([taken_over(received)])
     assert _draws() == own
     assert len(seen) == 1 and torch.equal(seen[0][0]["t"], torch.arange(3.0))
+
+
+def test_a_shard_records_the_declared_options_only_where_the_run_changes_them() -> None:
+    """`RECORDED_OPTIONS` (`shard_size`) beside the rule and the topology: left at its default, the record is the one
+    shards held before (so `check_same_sharding` reads a shard without it as `shard_size=1`)."""
+    assert RECORDED_OPTIONS == ("shard_size",)
+    records = []
+    for options in (GossipOptions(topology="ring"), GossipOptions(topology="ring", shard_size=2)):
+        driver = StepDriver(options)
+        driver.bind(world_size=4)
+        records.append(driver.rule_record())
+    assert records == [
+        {"rule": "awc", "topology": "Ring(world_size=4)"},
+        {"rule": "awc", "topology": "Ring(world_size=4)", "shard_size": "2"},
+    ]
 
 
 # -- the rejoin handover: tensors and plain data, no pickle --------------------------------------------------------
