@@ -43,6 +43,7 @@ import math
 import torch
 from torch import Tensor
 
+from lightning_decentral.compression import native
 from lightning_decentral.compression.bits import FOLDED, fold_bytes_, pack_bits, spread_bytes, unpack_bits
 from lightning_decentral.compression.compressors import (
     SCALE,
@@ -110,12 +111,18 @@ def encode_update_(
         payload.copy_(compressor.compress(difference, seed))
         copy.add_(compressor.decompress(payload, numel, copy.dtype, seed))
     elif isinstance(compressor, (Sign, Quantize)):
-        _Dense(compressor, numel, copy, chunk).encode(x, payload)
+        if not native.dense_encode_update_(compressor, x, copy, payload):
+            _Dense(compressor, numel, copy, chunk).encode(x, payload)
     elif isinstance(compressor, TopK):
         k = kept(numel, compressor.fraction)
         itemsize = copy.dtype.itemsize
-        magnitude = torch.sub(x, copy, out=work if work is not None else torch.empty_like(copy)).abs_()
+        work = work if work is not None else torch.empty_like(copy)
+        magnitude = native.abs_difference(x, copy, work)
+        if magnitude is None:
+            magnitude = torch.sub(x, copy, out=work).abs_()
         indices = magnitude.topk(k, sorted=False).indices
+        if native.sparse_encode_update_(x, copy, indices, payload, _index_bits(numel)):
+            return payload
         aligned = payload.storage_offset() % itemsize == 0  # the values can be written into the payload directly
         values = torch.sub(x[indices], copy[indices], out=payload[: k * itemsize].view(copy.dtype) if aligned else None)
         if not aligned:
@@ -125,9 +132,10 @@ def encode_update_(
     else:
         assert isinstance(compressor, RandomK)
         indices = compressor.indices(numel, seed, copy.device)
-        values = torch.sub(x[indices], copy[indices])
-        payload.copy_(values.view(torch.uint8))
-        copy.index_add_(0, indices, values)
+        if not native.sparse_encode_update_(x, copy, indices, payload):
+            values = torch.sub(x[indices], copy[indices])
+            payload.copy_(values.view(torch.uint8))
+            copy.index_add_(0, indices, values)
     return payload
 
 
@@ -145,18 +153,21 @@ def decode_add_(compressor: Compressor, payload: Tensor, copy: Tensor, seed: int
     if not fused(compressor, numel):
         return copy.add_(compressor.decompress(payload, numel, copy.dtype, seed))
     if isinstance(compressor, (Sign, Quantize)):
-        _Dense(compressor, numel, copy, chunk).decode_add(payload)
+        if not native.dense_decode_add_(compressor, payload, copy):
+            _Dense(compressor, numel, copy, chunk).decode_add(payload)
         return copy
+    k = kept(numel, compressor.fraction)
+    itemsize = copy.dtype.itemsize
     if isinstance(compressor, TopK):
-        k = kept(numel, compressor.fraction)
-        itemsize = copy.dtype.itemsize
-        values = as_dtype(payload[: k * itemsize], copy.dtype)
+        if native.sparse_decode_add_(payload, copy, k, index_bits=_index_bits(numel)):
+            return copy
         indices = unpack_bits(payload[k * itemsize :], k, _index_bits(numel)).long()
     else:
         assert isinstance(compressor, RandomK)
-        values = as_dtype(payload, copy.dtype)
         indices = compressor.indices(numel, seed, copy.device)
-    return copy.index_add_(0, indices, values)
+        if native.sparse_decode_add_(payload, copy, k, indices):
+            return copy
+    return copy.index_add_(0, indices, as_dtype(payload[: k * itemsize], copy.dtype))
 
 
 class _Dense:

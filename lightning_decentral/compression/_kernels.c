@@ -1,0 +1,456 @@
+/* The CHOCO arithmetic of the built-in compressors in one or two passes over memory: the C side of
+ * lightning_decentral/compression/native.py, which says why it exists and what it must equal.
+ *
+ * Every function works on raw pointers to contiguous float32 buffers and uint8 payloads that the Python side has
+ * checked, and runs with the GIL released. The floating-point operations are those the torch path applies to each
+ * element, in the same order and in float32, compiled without FMA contraction (-ffp-contract=off) and without
+ * -ffast-math, so each result is the same float bit for bit:
+ *
+ *   Sign       s_b = (Σ |x − x̂| in torch's summation order) / |b|     code = (x − x̂ >= 0)    x̂ += code ? s_b : −s_b
+ *   Quantize   s_b = max |x − x̂| / L,  r = 1 / s_b (0 where s_b <= 0)    code = clamp(rint((x − x̂) · r), −L, L) + L
+ *              x̂ += (code − L) · s_b   (a NaN rounds to the code 0, as torch's float-to-uint8 conversion gives)
+ *   sparse     v = x[i] − x̂[i] at the given indices, written to the payload, x̂[i] += v; the receiver x̂[i] += v
+ *
+ * Codes are packed little-endian, `bits` per code, as bits.py's pack_bits writes them.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* The same code compiled twice, for AVX2 and for the x86-64 baseline, the loader picking one: the operations and their
+ * order are those of the source in both (no FMA: -ffp-contract=off), so the results are too. */
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+#define INLINE static inline __attribute__((always_inline))
+
+/* ---- the bit stream: codes of `bits` bits, code j at bits j·bits … j·bits + bits − 1 ------------------------------ */
+
+typedef struct {
+    uint8_t *p;   /* the next byte to write (or read) */
+    uint64_t acc; /* bits not yet written (or read but not yet consumed), the oldest lowest */
+    int n;        /* how many */
+} stream;
+
+INLINE void put(stream *s, uint64_t code, int bits) { /* bits <= 32 */
+    s->acc |= code << s->n;
+    s->n += bits;
+    while (s->n >= 8) {
+        *s->p++ = (uint8_t)s->acc;
+        s->acc >>= 8;
+        s->n -= 8;
+    }
+}
+
+INLINE void finish(stream *s) { /* the last, partly filled byte (its high bits zero) */
+    if (s->n > 0) *s->p++ = (uint8_t)s->acc;
+    s->acc = 0;
+    s->n = 0;
+}
+
+INLINE uint64_t get(stream *s, int bits) {
+    while (s->n < bits) {
+        s->acc |= (uint64_t)*s->p++ << s->n;
+        s->n += 8;
+    }
+    uint64_t code = s->acc & ((UINT64_C(1) << bits) - 1);
+    s->acc >>= bits;
+    s->n -= bits;
+    return code;
+}
+
+/* `count` one-byte codes into the stream. At a byte boundary, widths of 1, 2, 4 and 8 bits fill whole bytes at once. */
+INLINE void put_codes(stream *s, const uint8_t *codes, int64_t count, int bits) {
+    int64_t j = 0;
+    if (s->n == 0 && 8 % bits == 0) {
+        int per = 8 / bits;
+        int64_t whole = count / per;
+        uint8_t *out = s->p;
+        if (bits == 8) {
+            memcpy(out, codes, (size_t)whole);
+        } else if (bits == 1) {
+            for (int64_t i = 0; i < whole; i++) {
+                uint64_t word;
+                memcpy(&word, codes + 8 * i, 8); /* eight 0/1 bytes, little-endian: byte k's bit at bit 8k */
+                /* bit 8k moves to bit 56 + k: the eight bits gathered in the top byte (no carries: one bit per
+                 * column) */
+                out[i] = (uint8_t)((word * UINT64_C(0x0102040810204080)) >> 56 & 0xFF);
+            }
+        } else if (bits == 4) {
+            for (int64_t i = 0; i < whole; i++) out[i] = (uint8_t)(codes[2 * i] | codes[2 * i + 1] << 4);
+        } else { /* 2 */
+            for (int64_t i = 0; i < whole; i++)
+                out[i] = (uint8_t)(codes[4 * i] | codes[4 * i + 1] << 2 | codes[4 * i + 2] << 4 | codes[4 * i + 3] << 6);
+        }
+        s->p += whole;
+        j = whole * per;
+    }
+    for (; j < count; j++) put(s, codes[j], bits);
+}
+
+INLINE void get_codes(stream *s, uint8_t *codes, int64_t count, int bits) {
+    int64_t j = 0;
+    if (s->n == 0 && 8 % bits == 0) {
+        int per = 8 / bits, mask = (1 << bits) - 1;
+        int64_t whole = count / per;
+        const uint8_t *in = s->p;
+        if (bits == 8) {
+            memcpy(codes, in, (size_t)whole);
+        } else {
+            for (int64_t i = 0; i < whole; i++)
+                for (int k = 0; k < per; k++) codes[per * i + k] = (uint8_t)(in[i] >> (bits * k) & mask);
+        }
+        s->p += whole;
+        j = whole * per;
+    }
+    for (; j < count; j++) codes[j] = (uint8_t)get(s, bits);
+}
+
+/* ---- Sign's block scale: Σ |x − x̂| in the order of torch's CPU sum of a contiguous row ----------------------------
+ *
+ * torch (aten/src/ATen/native/cpu/SumKernel.cpp, cascade_sum) sums a row of m float32 with vectors of `lanes` floats
+ * (16 under AVX-512, 8 under AVX2): the m / lanes whole vectors, read four at a time, go into four accumulators per
+ * level of a four-level cascade (level 0 takes 2^p groups of four vectors, p = max(4, ⌈log2 groups⌉ / 4), then is
+ * added into level 1, and so on); the leftover whole vectors go into accumulator 0, accumulators 1–3 are added into
+ * it; the scalar tail after the last whole vector is summed from zero, then the lanes of accumulator 0 are added to it
+ * in order. A row shorter than a vector is the same with one lane (there is then no tail). Each lane is a scalar
+ * running sum in float32 here, vectorized or not: lanes never mix until the end. */
+
+#define MAX_LANES 16
+
+static int ceil_log2(int64_t x) { /* ⌈log2 x⌉, 1 for x <= 2 (torch's utils::CeilLog2) */
+    if (x <= 2) return 1;
+    int bits = 0;
+    for (uint64_t v = (uint64_t)(x - 1); v; v >>= 1) bits++;
+    return bits;
+}
+
+INLINE void add_abs(float *acc, const float *x, const float *c, int lanes) {
+    for (int l = 0; l < lanes; l++) acc[l] += __builtin_fabsf(x[l] - c[l]);
+}
+
+/* `lanes` a constant where this is inlined (l1_sum): the lane loops then unroll and vectorize. */
+INLINE float l1_sum_lanes(const float *x, const float *c, int64_t m, int lanes) {
+    float acc[4][4][MAX_LANES];
+    for (int level = 0; level < 4; level++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < lanes; l++) acc[level][k][l] = 0;
+    int64_t vectors = m / lanes, groups = vectors / 4;
+    int power = ceil_log2(groups) / 4;
+    if (power < 4) power = 4;
+    int64_t step = (int64_t)1 << power, mask = step - 1, g = 0;
+    while (g + step <= groups) {
+        for (int64_t j = 0; j < step; j++, g++)
+            for (int k = 0; k < 4; k++) add_abs(acc[0][k], x + (4 * g + k) * lanes, c + (4 * g + k) * lanes, lanes);
+        for (int level = 1; level < 4; level++) {
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < lanes; l++) {
+                    acc[level][k][l] += acc[level - 1][k][l];
+                    acc[level - 1][k][l] = 0;
+                }
+            if (g & (mask << (level * power))) break;
+        }
+    }
+    for (; g < groups; g++)
+        for (int k = 0; k < 4; k++) add_abs(acc[0][k], x + (4 * g + k) * lanes, c + (4 * g + k) * lanes, lanes);
+    for (int level = 1; level < 4; level++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < lanes; l++) acc[0][k][l] += acc[level][k][l];
+    for (int64_t v = groups * 4; v < vectors; v++) add_abs(acc[0][0], x + v * lanes, c + v * lanes, lanes);
+    for (int k = 1; k < 4; k++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0;
+    for (int64_t e = vectors * lanes; e < m; e++) total += __builtin_fabsf(x[e] - c[e]);
+    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
+    return total;
+}
+
+INLINE float l1_sum(const float *x, const float *c, int64_t m, int lanes) {
+    if (m < lanes) lanes = 1; /* torch sums a row shorter than a vector one scalar at a time */
+    switch (lanes) {
+    case 16: return l1_sum_lanes(x, c, m, 16);
+    case 8: return l1_sum_lanes(x, c, m, 8);
+    case 4: return l1_sum_lanes(x, c, m, 4);
+    case 1: return l1_sum_lanes(x, c, m, 1);
+    default: return l1_sum_lanes(x, c, m, lanes);
+    }
+}
+
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef int32_t i32x4 __attribute__((vector_size(16)));
+
+INLINE f32x4 load4(const float *p) {
+    f32x4 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE float max_abs(const float *x, const float *c, int64_t m) {
+    /* eight running maxima of |v| >= 0, and whether a NaN was met, in GCC's portable vector types (SSE2 or NEON) */
+    f32x4 top[2] = {{0}, {0}};
+    i32x4 nan = {0};
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8)
+        for (int h = 0; h < 2; h++) {
+            f32x4 a = (f32x4)((i32x4)(load4(x + j + 4 * h) - load4(c + j + 4 * h)) & 0x7FFFFFFF);
+            i32x4 greater = a > top[h];
+            top[h] = (f32x4)(((i32x4)a & greater) | ((i32x4)top[h] & ~greater));
+            nan |= a != a;
+        }
+    float result = 0;
+    int any_nan = 0;
+    for (int l = 0; l < 4; l++) {
+        result = top[0][l] > result ? top[0][l] : result;
+        result = top[1][l] > result ? top[1][l] : result;
+        any_nan |= nan[l];
+    }
+    for (; j < m; j++) {
+        float a = __builtin_fabsf(x[j] - c[j]);
+        result = a > result ? a : result;
+        any_nan |= a != a;
+    }
+    if (any_nan) /* torch's amax propagates a NaN: the first */
+        for (j = 0;; j++)
+            if (x[j] - c[j] != x[j] - c[j]) return __builtin_fabsf(x[j] - c[j]);
+    return result;
+}
+
+/* ---- one block's codes and copy update ---------------------------------------------------------------------------- */
+
+INLINE void sign_block(const float *restrict x, float *restrict c, uint8_t *restrict codes, int64_t m, float scale) {
+    for (int64_t j = 0; j < m; j++) {
+        float v = x[j] - c[j];
+        uint8_t code = v >= 0;
+        codes[j] = code;
+        c[j] = c[j] + (code ? scale : -scale);
+    }
+}
+
+INLINE void quantize_block(const float *restrict x, float *restrict c, uint8_t *restrict codes, int64_t m, float scale,
+                           int levels) {
+    /* code = clamp(rint(v · r), −L, L) + L, computed as rint(clamp(v · r, −L, L)) + L (the same: rint is monotonic
+     * and ±L are integers; a NaN passes the clamp and gives the code 0). rint: adding 1.5 · 2^23 leaves no fraction
+     * bits and rounds ties to even (|y| <= L here); subtracting 1.5 · 2^23 − L then gives the code, exactly. */
+    const float inverse = scale > 0 ? 1.0f / scale : 0.0f, top = (float)levels, shift = 12582912.0f;
+    for (int64_t j = 0; j < m; j++) {
+        float y = (x[j] - c[j]) * inverse;
+        y = -top > y ? -top : y;
+        y = top < y ? top : y;
+        float code = (y + shift) - (shift - top);
+        code = code == code ? code : 0.0f;
+        codes[j] = (uint8_t)(int32_t)code;
+        c[j] = c[j] + (code - top) * scale;
+    }
+}
+
+/* Sign (bits 1) or Quantize(bits) of x − x̂, block by block: scale, codes and copy update while the block is in
+ * cache, the codes packed behind the scales. `codes`: scratch of min(width, numel) bytes. */
+CLONES static void encode_dense(const float *x, float *c, uint8_t *payload, int64_t numel, int64_t width, int bits,
+                                int lanes, uint8_t *codes) {
+    int levels = (1 << (bits - 1)) - 1;
+    int64_t blocks = (numel + width - 1) / width;
+    stream s = {payload + 4 * blocks, 0, 0};
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t start = b * width, m = numel - start < width ? numel - start : width;
+        float scale;
+        if (bits == 1) {
+            scale = l1_sum(x + start, c + start, m, lanes) / (float)m;
+            sign_block(x + start, c + start, codes, m, scale);
+        } else {
+            scale = max_abs(x + start, c + start, m) / (float)levels;
+            quantize_block(x + start, c + start, codes, m, scale, levels);
+        }
+        memcpy(payload + 4 * b, &scale, 4);
+        put_codes(&s, codes, m, bits);
+    }
+    finish(&s);
+}
+
+CLONES static void decode_dense(const uint8_t *payload, float *c, int64_t numel, int64_t width, int bits,
+                                uint8_t *codes) {
+    const float top = (float)((1 << (bits - 1)) - 1);
+    int64_t blocks = (numel + width - 1) / width;
+    stream s = {(uint8_t *)payload + 4 * blocks, 0, 0};
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t start = b * width, m = numel - start < width ? numel - start : width;
+        float scale, *cb = c + start;
+        memcpy(&scale, payload + 4 * b, 4);
+        get_codes(&s, codes, m, bits);
+        if (bits == 1)
+            for (int64_t j = 0; j < m; j++) cb[j] = cb[j] + (codes[j] ? scale : -scale);
+        else
+            for (int64_t j = 0; j < m; j++) cb[j] = cb[j] + ((float)codes[j] - top) * scale;
+    }
+}
+
+/* ---- the entry points ------------------------------------------------------------------------------------------- */
+
+static void *address(PyObject *value) { return PyLong_AsVoidPtr(value); }
+
+static int check_dense(int64_t numel, int64_t width, int bits, int lanes) {
+    if (numel < 1 || width < 1 || bits < 1 || bits > 8 || lanes < 1 || lanes > MAX_LANES) {
+        PyErr_SetString(PyExc_ValueError, "dense: numel, width >= 1, bits in 1..8, lanes in 1..16");
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(dense_encode_doc,
+             "dense_encode(x, copy, payload, numel, width, bits, lanes): Sign (bits=1) or Quantize(bits) of x − x̂ "
+             "in blocks of `width`: the payload (float32 scales, then the packed codes) written, x̂ += C(x − x̂).");
+
+static PyObject *dense_encode(PyObject *self, PyObject *args) {
+    PyObject *xp, *cp, *pp;
+    long long numel, width;
+    int bits, lanes;
+    if (!PyArg_ParseTuple(args, "OOOLLii", &xp, &cp, &pp, &numel, &width, &bits, &lanes)) return NULL;
+    if (!check_dense(numel, width, bits, lanes)) return NULL;
+    const float *x = address(xp);
+    float *c = address(cp);
+    uint8_t *payload = address(pp);
+    if (PyErr_Occurred()) return NULL;
+    uint8_t *codes = malloc((size_t)(width < numel ? width : numel));
+    if (!codes) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS;
+    encode_dense(x, c, payload, numel, width, bits, lanes, codes);
+    Py_END_ALLOW_THREADS;
+    free(codes);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(dense_decode_doc,
+             "dense_decode(payload, copy, numel, width, bits): x̂ += C for the C of a dense_encode payload.");
+
+static PyObject *dense_decode(PyObject *self, PyObject *args) {
+    PyObject *pp, *cp;
+    long long numel, width;
+    int bits;
+    if (!PyArg_ParseTuple(args, "OOLLi", &pp, &cp, &numel, &width, &bits)) return NULL;
+    if (!check_dense(numel, width, bits, 1)) return NULL;
+    const uint8_t *payload = address(pp);
+    float *c = address(cp);
+    if (PyErr_Occurred()) return NULL;
+    uint8_t *codes = malloc((size_t)(width < numel ? width : numel));
+    if (!codes) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS;
+    decode_dense(payload, c, numel, width, bits, codes);
+    Py_END_ALLOW_THREADS;
+    free(codes);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(abs_difference_doc, "abs_difference(x, copy, out, numel): out = |x − x̂|.");
+
+CLONES static void abs_difference_loop(const float *x, const float *c, float *out, int64_t n) {
+    for (int64_t j = 0; j < n; j++) out[j] = __builtin_fabsf(x[j] - c[j]);
+}
+
+static PyObject *abs_difference(PyObject *self, PyObject *args) {
+    PyObject *xp, *cp, *op;
+    long long numel;
+    if (!PyArg_ParseTuple(args, "OOOL", &xp, &cp, &op, &numel)) return NULL;
+    const float *x = address(xp), *c = address(cp);
+    float *out = address(op);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS;
+    abs_difference_loop(x, c, out, numel);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(sparse_encode_doc,
+             "sparse_encode(x, copy, indices, k, values, packed, index_bits): v = x[i] − x̂[i] for the k int64 indices, "
+             "written to `values` (float32 bytes, any alignment), x̂[i] += v; the indices packed into `packed` "
+             "(index_bits each) unless it is 0.");
+
+static PyObject *sparse_encode(PyObject *self, PyObject *args) {
+    PyObject *xp, *cp, *ip, *vp, *kp;
+    long long k;
+    int bits;
+    if (!PyArg_ParseTuple(args, "OOOLOOi", &xp, &cp, &ip, &k, &vp, &kp, &bits)) return NULL;
+    const float *x = address(xp);
+    float *c = address(cp);
+    const int64_t *indices = address(ip);
+    uint8_t *values = address(vp), *packed = address(kp);
+    if (PyErr_Occurred()) return NULL;
+    if (packed && (bits < 1 || bits > 32)) {
+        PyErr_SetString(PyExc_ValueError, "sparse_encode: index_bits in 1..32");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t i = indices[j];
+        float v = x[i] - c[i];
+        memcpy(values + 4 * j, &v, 4);
+        c[i] = c[i] + v;
+    }
+    if (packed) {
+        stream s = {packed, 0, 0};
+        for (int64_t j = 0; j < k; j++) put(&s, (uint64_t)indices[j], bits);
+        finish(&s);
+    }
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(sparse_decode_doc,
+             "sparse_decode(values, copy, numel, k, indices, packed, index_bits): x̂[i] += v for the k float32 values "
+             "(any alignment) at the int64 `indices`, or, where that is 0, at the indices packed in `packed`; a "
+             "packed index out of range raises ValueError (the earlier ones added).");
+
+static PyObject *sparse_decode(PyObject *self, PyObject *args) {
+    PyObject *vp, *cp, *ip, *kp;
+    long long numel, k;
+    int bits;
+    if (!PyArg_ParseTuple(args, "OOLLOOi", &vp, &cp, &numel, &k, &ip, &kp, &bits)) return NULL;
+    const uint8_t *values = address(vp);
+    float *c = address(cp);
+    const int64_t *indices = address(ip);
+    uint8_t *packed = address(kp);
+    if (PyErr_Occurred()) return NULL;
+    if (!indices && (bits < 1 || bits > 32)) {
+        PyErr_SetString(PyExc_ValueError, "sparse_decode: index_bits in 1..32");
+        return NULL;
+    }
+    int64_t bad = -1;
+    Py_BEGIN_ALLOW_THREADS;
+    stream s = {packed, 0, 0};
+    for (int64_t j = 0; j < k; j++) {
+        int64_t i = indices ? indices[j] : (int64_t)get(&s, bits);
+        if (i < 0 || i >= numel) {
+            bad = i;
+            break;
+        }
+        float v;
+        memcpy(&v, values + 4 * j, 4);
+        c[i] = c[i] + v;
+    }
+    Py_END_ALLOW_THREADS;
+    if (bad >= 0 || bad < -1) {
+        PyErr_Format(PyExc_ValueError, "a sparse payload holds the index %lld of a buffer of %lld elements",
+                     (long long)bad, numel);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"dense_encode", dense_encode, METH_VARARGS, dense_encode_doc},
+    {"dense_decode", dense_decode, METH_VARARGS, dense_decode_doc},
+    {"abs_difference", abs_difference, METH_VARARGS, abs_difference_doc},
+    {"sparse_encode", sparse_encode, METH_VARARGS, sparse_encode_doc},
+    {"sparse_decode", sparse_decode, METH_VARARGS, sparse_decode_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_kernels",
+    "The CHOCO arithmetic of the built-in compressors on raw float32 buffers (lightning_decentral.compression.native).",
+    -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__kernels(void) { return PyModule_Create(&module); }

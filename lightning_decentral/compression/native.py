@@ -1,0 +1,192 @@
+"""The CHOCO arithmetic of the built-in compressors as one small C kernel (`_kernels.c`), where it is built and the
+buffers are contiguous float32 on the CPU: what [`fused`][lightning_decentral.compression.fused] calls first.
+
+Per block of a dense compressor ([`Sign`][lightning_decentral.compression.Sign],
+[`Quantize`][lightning_decentral.compression.Quantize]) the kernel reads `x` and `x̂` once for the scale (the block
+is then in L1), and once more to write the codes and `x̂ += C(x − x̂)`, packing the codes behind the scales as it goes:
+two passes over the block, one over memory, no scratch beyond a block's codes. The receiver's `x̂ += C` is one pass.
+The sparse compressors ([`TopK`][lightning_decentral.compression.TopK],
+[`RandomK`][lightning_decentral.compression.RandomK]) gather `x[i] − x̂[i]` into the payload, pack `TopK`'s indices
+and add the values into `x̂` in one loop over the `k` coordinates; `TopK` also gets `|x − x̂|` in one pass. Which
+coordinates stay torch's: `torch.topk` (its order of the indices is part of the payload, and an implementation detail
+of torch) and `RandomK.indices` (torch's generator).
+
+Why C and not torch: the torch path (`fused._Dense`) is already chunked and in place, yet each of its ~10 operations
+is a pass over the chunk with its own dispatch, and `torch.compile` was slower than eager and summed the blocks in
+another order (docs/benchmarks.md, "Compressed exchange against the compute floor"). Why plain C and not a torch
+extension: no torch headers, so it compiles in about a second with any C compiler and builds with `pip install`
+(setup.py: optional, the package installs without it); it is called on `data_ptr()`s. No OpenMP: the step runs one
+thread per worker (the benchmarks' setting), and the exchange's thread runs beside forward and backward: the kernel
+releases the GIL.
+
+Equality with the torch path, bit for bit (tests/test_native_kernel.py): the kernel applies each element's float32
+operations in the torch path's order, compiled without FMA contraction and fast-math. The one reduction whose order
+matters, `Sign`'s `Σ|v|` of a block, follows torch's CPU summation (a cascade of 4 × 4 accumulators of `lanes`-wide
+vectors, aten/src/ATen/native/cpu/SumKernel.cpp); `lanes` depends on the CPU torch dispatches to (16 with AVX-512, 8
+with AVX2), so it is found once by comparing the kernel's scales with torch's on a probe
+([`sum_lanes`][lightning_decentral.compression.native.sum_lanes]): where none matches (another torch, another CPU),
+`Sign` stays on the torch path. `Quantize`'s `max|v|` needs no order. A NaN gives the code torch's conversion gives
+(0).
+
+Off: `LIGHTNING_DECENTRAL_NATIVE=0` in the environment, or
+[`enable(False)`][lightning_decentral.compression.native.enable] (the benchmark's A/B); without the built module
+([`AVAILABLE`][lightning_decentral.compression.native.AVAILABLE] false) every call returns `False` and the torch path
+runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+from lightning_decentral.compression.bits import packed_bytes
+from lightning_decentral.compression.compressors import Quantize, Sign, _width
+
+try:
+    from lightning_decentral.compression import _kernels
+except ImportError:  # not built (no compiler at install, or a source tree without `build_ext --inplace`)
+    _kernels = None
+
+AVAILABLE = _kernels is not None
+"""Whether the C kernel is built and importable here."""
+
+_state = {"enabled": AVAILABLE and os.environ.get("LIGHTNING_DECENTRAL_NATIVE", "1") != "0"}
+
+LANES = (16, 8, 4, 1)
+"""The vector widths (float32 lanes) of torch's CPU sum that `sum_lanes` tries."""
+
+
+def enable(flag: bool) -> bool:
+    """Use the kernel (`True`, where `AVAILABLE`) or the torch path from now on; returns the previous setting.
+
+    Examples:
+        >>> previous = enable(False)
+        >>> enabled()
+        False
+        >>> _ = enable(previous)
+    """
+    previous = _state["enabled"]
+    _state["enabled"] = bool(flag) and AVAILABLE
+    return previous
+
+
+def enabled() -> bool:
+    """Whether the kernel runs where it applies."""
+    return _state["enabled"]
+
+
+def runs_on(*tensors: Tensor) -> bool:
+    """Whether the kernel takes `tensors` (the float buffers of one call): enabled, and each contiguous float32 on the
+    CPU."""
+    return enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+@functools.cache
+def sum_lanes() -> int | None:
+    """The vector width of torch's float32 sum on this CPU, as `Sign`'s scales show it: the first of `LANES` with which
+    the kernel's scales equal `Sign.compress`'s on a probe of several block widths (`None`: none does; `Sign` stays
+    on the torch path)."""
+    if not AVAILABLE:
+        return None
+    generator = torch.Generator().manual_seed(0)
+    probe = torch.randn(30001, generator=generator) * torch.rand(30001, generator=generator).pow(8) * 1e3
+    with torch.inference_mode():  # widths below 32768: torch sums each block on one thread
+        for lanes in LANES:
+            if all(_probe_agrees(Sign(block=width), probe, lanes) for width in (30001, 4099, 1024, 999, 100, 13, 3)):
+                return lanes
+    return None
+
+
+def _probe_agrees(sign: Sign, probe: Tensor, lanes: int) -> bool:
+    numel = probe.numel()
+    expected = sign.compress(probe, 0)
+    copy, payload = torch.zeros_like(probe), torch.empty_like(expected)
+    _kernels.dense_encode(
+        probe.data_ptr(), copy.data_ptr(), payload.data_ptr(), numel, _width(numel, sign.block), 1, lanes
+    )
+    return torch.equal(payload, expected)
+
+
+def _bits(compressor: Sign | Quantize) -> int:
+    return 1 if isinstance(compressor, Sign) else compressor.bits
+
+
+def _dense_applies(compressor: Sign | Quantize, numel: int, *tensors: Tensor) -> bool:
+    return (
+        runs_on(*tensors)
+        and (compressor.block is not None or numel <= 1)
+        and (isinstance(compressor, Quantize) or sum_lanes() is not None)
+    )
+
+
+def dense_encode_update_(compressor: Sign | Quantize, x: Tensor, copy: Tensor, payload: Tensor) -> bool:
+    """`payload <- C(x − x̂)`, `x̂ += C(x − x̂)` for `Sign` or `Quantize` (flat `x` and `x̂ = copy`, a contiguous uint8
+    `payload` of `payload_bytes` bytes at any offset), if the kernel applies; returns whether it ran."""
+    numel = copy.numel()
+    if not (_dense_applies(compressor, numel, x, copy) and _is_bytes(payload)):
+        return False
+    lanes = sum_lanes() or 1
+    width = _width(numel, compressor.block)
+    _kernels.dense_encode(x.data_ptr(), copy.data_ptr(), payload.data_ptr(), numel, width, _bits(compressor), lanes)
+    return True
+
+
+def dense_decode_add_(compressor: Sign | Quantize, payload: Tensor, copy: Tensor) -> bool:
+    """`x̂ += C` for the `C` of a `Sign` or `Quantize` payload, if the kernel applies; returns whether it ran."""
+    numel = copy.numel()
+    if not (_dense_applies(compressor, numel, copy) and _is_bytes(payload)):
+        return False
+    if payload.numel() < compressor.payload_bytes(numel, copy.dtype):
+        raise ValueError(f"A payload of {payload.numel()} bytes is short of {compressor!r}'s message of {numel}.")
+    _kernels.dense_decode(
+        payload.data_ptr(), copy.data_ptr(), numel, _width(numel, compressor.block), _bits(compressor)
+    )
+    return True
+
+
+def abs_difference(x: Tensor, copy: Tensor, out: Tensor) -> Tensor | None:
+    """`out = |x − x̂|` in one pass, if the kernel applies (`None` if not)."""
+    if not runs_on(x, copy, out) or not x.numel() == copy.numel() == out.numel():
+        return None
+    _kernels.abs_difference(x.data_ptr(), copy.data_ptr(), out.data_ptr(), copy.numel())
+    return out
+
+
+def sparse_encode_update_(x: Tensor, copy: Tensor, indices: Tensor, payload: Tensor, index_bits: int = 0) -> bool:
+    """`v = x[i] − x̂[i]` at `indices` (distinct int64) written as float32 to the start of `payload`, `x̂[i] += v`,
+    and (`index_bits > 0`) the indices packed behind the values; if the kernel applies, returns whether it ran."""
+    if not (runs_on(x, copy) and _is_bytes(payload) and indices.dtype == torch.int64 and indices.is_contiguous()):
+        return False
+    k = indices.numel()
+    _check_size(payload, k, index_bits)
+    packed = payload[4 * k :].data_ptr() if index_bits else 0
+    _kernels.sparse_encode(x.data_ptr(), copy.data_ptr(), indices.data_ptr(), k, payload.data_ptr(), packed, index_bits)
+    return True
+
+
+def sparse_decode_add_(
+    payload: Tensor, copy: Tensor, k: int, indices: Tensor | None = None, index_bits: int = 0
+) -> bool:
+    """`x̂[i] += v` for the `k` float32 values at the start of `payload`, at `indices` (int64) or else at the `k`
+    indices packed behind them in `index_bits` bits each, if the kernel applies; returns whether it ran."""
+    if not (runs_on(copy) and _is_bytes(payload)):
+        return False
+    if indices is not None and not (indices.dtype == torch.int64 and indices.is_contiguous()):
+        return False
+    _check_size(payload, k, 0 if indices is not None else index_bits)
+    index_pointer = indices.data_ptr() if indices is not None else 0
+    packed = payload[4 * k :].data_ptr() if indices is None else 0
+    _kernels.sparse_decode(payload.data_ptr(), copy.data_ptr(), copy.numel(), k, index_pointer, packed, index_bits)
+    return True
+
+
+def _check_size(payload: Tensor, k: int, index_bits: int) -> None:
+    if payload.numel() < 4 * k + packed_bytes(k, index_bits):
+        raise ValueError(f"A payload of {payload.numel()} bytes is short of {k} values and {index_bits}-bit indices.")
+
+
+def _is_bytes(payload: Tensor) -> bool:
+    return payload.device.type == "cpu" and payload.dtype == torch.uint8 and payload.is_contiguous()
