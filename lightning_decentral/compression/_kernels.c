@@ -6,7 +6,7 @@
  * element, in the same order and in float32, compiled without FMA contraction (-ffp-contract=off) and without
  * -ffast-math, so each result is the same float bit for bit:
  *
- *   Sign       s_b = (Σ |x − x̂| in torch's summation order) / |b|     code = (x − x̂ >= 0)    x̂ += code ? s_b : −s_b
+ *   Sign       s_b = (Σ |x − x̂| in torch's summation order) / |b|     code = (x − x̂ >= 0)    x̂ += (code ? 1 : −1) · s_b
  *   Quantize   s_b = max |x − x̂| / L,  r = 1 / s_b (0 where s_b <= 0)    code = clamp(rint((x − x̂) · r), −L, L) + L
  *              x̂ += (code − L) · s_b   (a NaN rounds to the code 0, as torch's float-to-uint8 conversion gives)
  *   sparse     v = x[i] − x̂[i] at the given indices, written to the payload, x̂[i] += v; the receiver x̂[i] += v
@@ -221,12 +221,17 @@ INLINE float max_abs(const float *x, const float *c, int64_t m) {
 
 /* ---- one block's codes and copy update ---------------------------------------------------------------------------- */
 
+/* What torch adds for a sign: ±1 · s, which is s itself where s is a NaN (x86 multiplies keep the NaN operand; the
+ * compiler would fold ·(−1) into a negation that flips the NaN's sign bit) */
+INLINE float negative(float scale) { return scale != scale ? scale : -scale; }
+
 INLINE void sign_block(const float *restrict x, float *restrict c, uint8_t *restrict codes, int64_t m, float scale) {
+    const float minus = negative(scale);
     for (int64_t j = 0; j < m; j++) {
         float v = x[j] - c[j];
         uint8_t code = v >= 0;
         codes[j] = code;
-        c[j] = c[j] + (code ? scale : -scale);
+        c[j] = c[j] + (code ? scale : minus);
     }
 }
 
@@ -280,8 +285,9 @@ CLONES static void decode_dense(const uint8_t *payload, float *c, int64_t numel,
         float scale, *cb = c + start;
         memcpy(&scale, payload + 4 * b, 4);
         get_codes(&s, codes, m, bits);
+        const float minus = negative(scale);
         if (bits == 1)
-            for (int64_t j = 0; j < m; j++) cb[j] = cb[j] + (codes[j] ? scale : -scale);
+            for (int64_t j = 0; j < m; j++) cb[j] = cb[j] + (codes[j] ? scale : minus);
         else
             for (int64_t j = 0; j < m; j++) cb[j] = cb[j] + ((float)codes[j] - top) * scale;
     }

@@ -1,0 +1,112 @@
+"""The C kernel of the compressed exchange (``lightning_decentral.compression.native``) against the torch path it
+replaces: the same payload bytes and the same sent and received copies, bit for bit, for every built-in compressor
+on buffers of many sizes (ragged last blocks, a block wider than the buffer, cascades of several levels in ``Sign``'s
+sums), at odd payload offsets, and on the values that test the rules (zeros of both signs, zero blocks, NaN, inf,
+subnormal differences). Skipped where the kernel is not built (``python setup.py build_ext --inplace``)."""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from lightning_decentral.compression import Quantize, RandomK, Sign, TopK, native
+from lightning_decentral.compression.fused import decode_add_, encode_update_
+
+pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason="the C kernel is not built (setup.py build_ext)")
+
+COMPRESSORS = [
+    Sign(),
+    Sign(block=3),
+    Sign(block=100),
+    Sign(block=5000),  # several levels of torch's summation cascade in a block
+    Sign(block=None),
+    *(Quantize(bits) for bits in range(2, 9)),
+    Quantize(4, block=7),
+    Quantize(3, block=1000),
+    TopK(0.01),
+    TopK(0.3),
+    RandomK(0.01),
+    RandomK(0.3, seed=5),
+]
+SIZES = [1, 2, 7, 8, 9, 100, 1023, 1024, 1025, 4099, 20001]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s bytes: equal floats compare as their bits (a NaN equals itself, `+0.0` differs from `−0.0`)."""
+    return t.view(torch.uint8)
+
+
+def _run(compressor, x: torch.Tensor, copy: torch.Tensor, kernel: bool):
+    """One message encoded into a copy of `copy` and decoded into another, on the kernel or the torch path."""
+    previous = native.enable(kernel)
+    try:
+        sent, received = copy.clone(), copy.clone()
+        payload = torch.empty(compressor.payload_bytes(x.numel(), torch.float32) + 1, dtype=torch.uint8)[1:]
+        encode_update_(compressor, x, sent, 11, payload, torch.empty_like(sent))
+        decode_add_(compressor, payload.clone(), received, 11)
+        return payload, sent, received
+    finally:
+        native.enable(previous)
+
+
+def _assert_same(compressor, x: torch.Tensor, copy: torch.Tensor) -> None:
+    kernel, torch_path = _run(compressor, x, copy, True), _run(compressor, x, copy, False)
+    for name, a, b in zip(("payload", "sent copy", "received copy"), kernel, torch_path):
+        assert torch.equal(_bits(a), _bits(b)), (compressor, x.numel(), name)
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=repr)
+def test_kernel_sends_and_keeps_what_the_torch_path_does(compressor) -> None:
+    for numel in SIZES:
+        generator = torch.Generator().manual_seed(numel)
+        scale = torch.rand(numel, generator=generator).pow(6) * 1e3  # magnitudes over nine decades: order shows
+        x = torch.randn(numel, generator=generator) * scale
+        copy = torch.randn(numel, generator=generator)
+        if numel > 5:  # zeros of both signs where x − x̂ is zero
+            x[3], x[4], copy[3], copy[4] = -0.0, 0.0, 0.0, 0.0
+        if numel > 200:  # a block of zeros: a zero scale
+            x[100:200], copy[100:200] = 1.0, 1.0
+        _assert_same(compressor, x, copy)
+
+
+@pytest.mark.parametrize("compressor", [Sign(block=4), Quantize(8, block=4), Quantize(3, block=4)], ids=repr)
+def test_kernel_on_nan_inf_and_subnormal_differences(compressor) -> None:
+    """Blocks of 4 with a NaN, an inf, and differences so small that `1 / s` overflows: the bytes of `compress`, and
+    both copies `x̂ + decompress(payload)` (a NaN's code is 0, as torch's conversion gives). The torch path's sent copy
+    differs here for `Quantize`: it adds the rounded floats, a NaN where the code is 0."""
+    x = torch.tensor([float("nan"), 1.0, -2.0, 0.5, float("inf"), 3.0, -1.0, 0.0, 1e-40, 2e-40, 0.0, -1e-40, 1, 2, 3])
+    payload, sent, received = _run(compressor, x, torch.zeros_like(x), True)
+    expected = compressor.compress(x.clone(), 11)
+    q = compressor.decompress(expected, x.numel(), torch.float32, 11)
+    assert torch.equal(payload, expected)
+    assert torch.equal(_bits(sent), _bits(torch.zeros_like(x) + q))
+    assert torch.equal(_bits(received), _bits(torch.zeros_like(x) + q))
+
+
+def test_kernel_runs_only_where_it_applies() -> None:
+    """Contiguous float32 CPU buffers only: float64, bf16 and strided ones take the torch path (`runs_on`)."""
+    flat = torch.zeros(8)
+    assert native.runs_on(flat, flat)
+    assert not native.runs_on(flat, flat.double())
+    assert not native.runs_on(flat.bfloat16(), flat)
+    assert not native.runs_on(torch.zeros(16)[::2], flat)
+    previous = native.enable(False)
+    assert not native.runs_on(flat, flat) and not native.dense_encode_update_(Sign(), flat, flat.clone(), flat.byte())
+    native.enable(previous)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the probe's lanes are x86's")
+def test_sign_runs_on_the_kernel_here() -> None:
+    """The kernel reproduces torch's summation order on this CPU (else `Sign` would fall back to the torch path)."""
+    assert native.sum_lanes() in native.LANES
+
+
+def test_a_corrupt_sparse_payload_is_refused() -> None:
+    """A `TopK` payload whose packed index is past the buffer: a ValueError, not a write out of bounds."""
+    top, copy = TopK(0.5), torch.zeros(5)
+    payload = top.compress(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), 0)
+    payload[-1] = 0xFF  # the high bit of the last index (3 bits, bits 6–8 of the stream): 4 + its low bits
+    with pytest.raises(ValueError, match="index [4-7] of a buffer of 5"):
+        decode_add_(top, payload, copy, 0)
