@@ -103,10 +103,31 @@ def test_sign_runs_on_the_kernel_here() -> None:
     assert native.sum_lanes() in native.LANES
 
 
+@pytest.mark.parametrize("values", ["normal", "ties", "zeros"])
+@pytest.mark.parametrize(("numel", "k"), [(64, 1), (1000, 15), (20001, 312), (300007, 3000)])
+def test_top_k_selection_is_torch_topks(values: str, numel: int, k: int) -> None:
+    """The kernel's `TopK` selection returns `torch.topk(|x − x̂|, k, sorted=False).indices` in its order, ties
+    (integers drawn from 40 values, or all zeros) and NaNs included."""
+    generator = torch.Generator().manual_seed(numel + k)
+    if values == "normal":
+        x = torch.randn(numel, generator=generator)
+        x[numel // 2] = float("nan")
+    else:
+        x = torch.randint(-20, 20, (numel,), generator=generator).float() * (values == "ties")
+    copy = torch.randint(-3, 3, (numel,), generator=generator).float() * (values == "ties")
+    indices = native.top_k_indices(x, copy, k)
+    assert indices is not None and torch.equal(indices, (x - copy).abs().topk(k, sorted=False).indices)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="checked on x86's torch builds")
+def test_top_k_runs_on_the_kernel_here() -> None:
+    assert native.top_k_matches_torch()
+
+
 def test_a_corrupt_sparse_payload_is_refused() -> None:
     """A `TopK` payload whose packed index is past the buffer: a ValueError, not a write out of bounds."""
     top, copy = TopK(0.5), torch.zeros(5)
     payload = top.compress(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]), 0)
     payload[-1] = 0xFF  # the high bit of the last index (3 bits, bits 6–8 of the stream): 4 + its low bits
-    with pytest.raises(ValueError, match="index [4-7] of a buffer of 5"):
+    with pytest.raises(ValueError, match=r"index [4-7] of a buffer of 5"):
         decode_add_(top, payload, copy, 0)

@@ -293,6 +293,66 @@ CLONES static void decode_dense(const uint8_t *payload, float *c, int64_t numel,
     }
 }
 
+/* ---- TopK's selection: torch.topk(|x − x̂|, k, sorted=False) where k · 64 <= n -----------------------------------
+ *
+ * There torch (aten/src/ATen/native/TopKImpl.h) runs std::partial_sort over the pairs (|v_j|, j) with "a before b
+ * when a is a NaN and b is not, or a > b", and returns the first k in that order: the k largest, descending, ties
+ * in the order the heap leaves them. The heap algorithm below is the one of the C++ standard library torch is built
+ * with (libstdc++, unchanged since the SGI STL): make a heap of the first k pairs, replace its top by each later pair
+ * that goes before it, then sort the heap by popping its top k times. Here the pairs are made as the pass reads x and
+ * x̂ (no n-sized array of pairs), and the heap's values and indices are two arrays. */
+
+typedef struct {
+    float value;
+    int32_t index; /* numel < 2^31 (the Python side checks) */
+} pair;
+
+INLINE int before(float a, float b) { return ((a != a) & (b == b)) | (a > b); }
+
+/* The hole at `hole` of the heap of `len` pairs filled with `fill`: sift the hole down to a leaf along the children
+ * that go after, then the pair up (libstdc++'s __adjust_heap and __push_heap). */
+INLINE void adjust(pair *h, int64_t hole, int64_t len, pair fill) {
+    const int64_t top = hole;
+    int64_t child = hole;
+    while (child < (len - 1) / 2) {
+        child = 2 * (child + 1);
+        child -= before(h[child].value, h[child - 1].value);
+        h[hole] = h[child];
+        hole = child;
+    }
+    if ((len & 1) == 0 && child == (len - 2) / 2) {
+        child = 2 * (child + 1);
+        h[hole] = h[child - 1];
+        hole = child - 1;
+    }
+    int64_t parent = (hole - 1) / 2;
+    while (hole > top && before(h[parent].value, fill.value)) {
+        h[hole] = h[parent];
+        hole = parent;
+        parent = (hole - 1) / 2;
+    }
+    h[hole] = fill;
+}
+
+CLONES static void top_k_select(const float *x, const float *c, int64_t n, int64_t k, pair *h, int64_t *indices) {
+    for (int64_t j = 0; j < k; j++) h[j] = (pair){__builtin_fabsf(x[j] - c[j]), (int32_t)j};
+    if (k >= 2)
+        for (int64_t parent = (k - 2) / 2;; parent--) {
+            adjust(h, parent, k, h[parent]);
+            if (parent == 0) break;
+        }
+    for (int64_t j = k; j < n; j++) {
+        float a = __builtin_fabsf(x[j] - c[j]);
+        if (before(a, h[0].value)) adjust(h, 0, k, (pair){a, (int32_t)j});
+    }
+    for (int64_t last = k - 1; last > 0; last--) {
+        pair fill = h[last];
+        h[last] = h[0];
+        adjust(h, 0, last, fill);
+    }
+    for (int64_t j = 0; j < k; j++) indices[j] = h[j].index;
+}
+
 /* ---- the entry points ------------------------------------------------------------------------------------------- */
 
 static void *address(PyObject *value) { return PyLong_AsVoidPtr(value); }
@@ -444,12 +504,37 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(top_k_doc,
+             "top_k(x, copy, numel, k, indices): the k int64 indices torch.topk(|x − x̂|, k, sorted=False) returns "
+             "where k · 64 <= numel (std::partial_sort's order), written to `indices`.");
+
+static PyObject *top_k(PyObject *self, PyObject *args) {
+    PyObject *xp, *cp, *ip;
+    long long numel, k;
+    if (!PyArg_ParseTuple(args, "OOLLO", &xp, &cp, &numel, &k, &ip)) return NULL;
+    const float *x = address(xp), *c = address(cp);
+    int64_t *indices = address(ip);
+    if (PyErr_Occurred()) return NULL;
+    if (k < 1 || k * 64 > numel || numel > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "top_k: 1 <= k, k * 64 <= numel < 2^31");
+        return NULL;
+    }
+    pair *h = malloc((size_t)k * sizeof(pair));
+    if (!h) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS;
+    top_k_select(x, c, numel, k, h, indices);
+    Py_END_ALLOW_THREADS;
+    free(h);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"dense_encode", dense_encode, METH_VARARGS, dense_encode_doc},
     {"dense_decode", dense_decode, METH_VARARGS, dense_decode_doc},
     {"abs_difference", abs_difference, METH_VARARGS, abs_difference_doc},
     {"sparse_encode", sparse_encode, METH_VARARGS, sparse_encode_doc},
     {"sparse_decode", sparse_decode, METH_VARARGS, sparse_decode_doc},
+    {"top_k", top_k, METH_VARARGS, top_k_doc},
     {NULL, NULL, 0, NULL},
 };
 

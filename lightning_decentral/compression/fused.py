@@ -116,11 +116,13 @@ def encode_update_(
     elif isinstance(compressor, TopK):
         k = kept(numel, compressor.fraction)
         itemsize = copy.dtype.itemsize
-        work = work if work is not None else torch.empty_like(copy)
-        magnitude = native.abs_difference(x, copy, work)
-        if magnitude is None:
-            magnitude = torch.sub(x, copy, out=work).abs_()
-        indices = magnitude.topk(k, sorted=False).indices
+        indices = native.top_k_indices(x, copy, k)
+        if indices is None:
+            work = work if work is not None else torch.empty_like(copy)
+            magnitude = native.abs_difference(x, copy, work)
+            if magnitude is None:
+                magnitude = torch.sub(x, copy, out=work).abs_()
+            indices = magnitude.topk(k, sorted=False).indices
         if native.sparse_encode_update_(x, copy, indices, payload, _index_bits(numel)):
             return payload
         aligned = payload.storage_offset() % itemsize == 0  # the values can be written into the payload directly

@@ -7,9 +7,11 @@ is then in L1), and once more to write the codes and `x̂ += C(x − x̂)`, pack
 two passes over the block, one over memory, no scratch beyond a block's codes. The receiver's `x̂ += C` is one pass.
 The sparse compressors ([`TopK`][lightning_decentral.compression.TopK],
 [`RandomK`][lightning_decentral.compression.RandomK]) gather `x[i] − x̂[i]` into the payload, pack `TopK`'s indices
-and add the values into `x̂` in one loop over the `k` coordinates; `TopK` also gets `|x − x̂|` in one pass. Which
-coordinates stay torch's: `torch.topk` (its order of the indices is part of the payload, and an implementation detail
-of torch) and `RandomK.indices` (torch's generator).
+and add the values into `x̂` in one loop over the `k` coordinates. `TopK`'s selection is `torch.topk`'s, replayed:
+where `k · 64 <= numel` (the default `top_k:0.01`) torch runs `std::partial_sort` over the pairs `(|v_j|, j)`, and
+the kernel runs the same heap algorithm while it reads `x` and `x̂` once, so the indices come out in the same order
+(ties included: the order is part of the payload); elsewhere `torch.topk` selects, on `|x − x̂|` made in one pass.
+`RandomK.indices` stay torch's (its generator).
 
 Why C and not torch: the torch path (`fused._Dense`) is already chunked and in place, yet each of its ~10 operations
 is a pass over the chunk with its own dispatch, and `torch.compile` was slower than eager and summed the blocks in
@@ -25,7 +27,9 @@ matters, `Sign`'s `Σ|v|` of a block, follows torch's CPU summation (a cascade o
 vectors, aten/src/ATen/native/cpu/SumKernel.cpp); `lanes` depends on the CPU torch dispatches to (16 with AVX-512, 8
 with AVX2), so it is found once by comparing the kernel's scales with torch's on a probe
 ([`sum_lanes`][lightning_decentral.compression.native.sum_lanes]): where none matches (another torch, another CPU),
-`Sign` stays on the torch path. `Quantize`'s `max|v|` needs no order. A NaN gives the code torch's conversion gives
+`Sign` stays on the torch path; likewise `TopK`'s selection is checked against `torch.topk` once
+([`top_k_matches_torch`][lightning_decentral.compression.native.top_k_matches_torch]). `Quantize`'s `max|v|` needs no
+order. A NaN gives the code torch's conversion gives
 (0).
 
 Off: `LIGHTNING_DECENTRAL_NATIVE=0` in the environment, or
@@ -153,6 +157,35 @@ def abs_difference(x: Tensor, copy: Tensor, out: Tensor) -> Tensor | None:
         return None
     _kernels.abs_difference(x.data_ptr(), copy.data_ptr(), out.data_ptr(), copy.numel())
     return out
+
+
+@functools.cache
+def top_k_matches_torch() -> bool:
+    """Whether the kernel's selection returns `torch.topk`'s indices, in its order, on a probe with many ties, a NaN and
+    several `k` (else `TopK` selects with `torch.topk`)."""
+    if not AVAILABLE:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    for numel, k in ((100000, 1562), (4099, 64), (64, 1)):
+        x = torch.randint(-30, 30, (numel,), generator=generator).float()
+        x[numel // 3] = float("nan")
+        copy, indices = torch.randn(numel, generator=generator).round(), torch.empty(k, dtype=torch.int64)
+        _kernels.top_k(x.data_ptr(), copy.data_ptr(), numel, k, indices.data_ptr())
+        if not torch.equal(indices, (x - copy).abs().topk(k, sorted=False).indices):
+            return False
+    return True
+
+
+def top_k_indices(x: Tensor, copy: Tensor, k: int) -> Tensor | None:
+    """`torch.topk(|x − x̂|, k, sorted=False).indices`, the same indices in the same order, in one pass over `x` and
+    `x̂` and a heap of `k` pairs, where `k · 64 <= numel < 2^31` (there torch runs `std::partial_sort`, whose heap the
+    kernel replays) and the kernel applies (`None` if not)."""
+    numel = copy.numel()
+    if not (runs_on(x, copy) and 1 <= k and k * 64 <= numel < 2**31 and top_k_matches_torch()):
+        return None
+    indices = torch.empty(k, dtype=torch.int64)
+    _kernels.top_k(x.data_ptr(), copy.data_ptr(), numel, k, indices.data_ptr())
+    return indices
 
 
 def sparse_encode_update_(x: Tensor, copy: Tensor, indices: Tensor, payload: Tensor, index_bits: int = 0) -> bool:
