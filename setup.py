@@ -23,6 +23,7 @@ class BuildExt(build_ext):
     def build_extensions(self) -> None:
         for extension in self.extensions:
             extension.extra_compile_args = FLAGS.get(self.compiler.compiler_type, [])
+            extension.libraries = ["m"] if self.compiler.compiler_type != "msvc" else []  # fmaf
         super().build_extensions()
 
 

@@ -6,13 +6,24 @@ subnormal differences). Skipped where the kernel is not built (``python setup.py
 
 from __future__ import annotations
 
+import itertools
 import platform
 
 import pytest
 import torch
 
-from lightning_decentral.compression import Quantize, RandomK, Sign, TopK, native
+from lightning_decentral.compression import (
+    Choco,
+    ChocoExchange,
+    Quantize,
+    RandomK,
+    Sign,
+    TopK,
+    exchange_in_process,
+    native,
+)
 from lightning_decentral.compression.fused import decode_add_, encode_update_
+from lightning_decentral.topology import OnePeerExponential, Ring
 
 pytestmark = pytest.mark.skipif(not native.AVAILABLE, reason="the C kernel is not built (setup.py build_ext)")
 
@@ -122,6 +133,60 @@ def test_top_k_selection_is_torch_topks(values: str, numel: int, k: int) -> None
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="checked on x86's torch builds")
 def test_top_k_runs_on_the_kernel_here() -> None:
     assert native.top_k_matches_torch()
+
+
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_combine_is_torch_arithmetic(count: int, add: bool) -> None:
+    """`γ Σ w_i t_i` written or added: torch's `mul`, `add_(alpha=)`, `mul_(γ)` and write or `add_`, bit for bit, on
+    sizes around the kernel's tiles and torch's vectors, with `γ = 1` (no multiply) and another."""
+    for numel, gamma in itertools.product([1, 7, 1023, 1025, 4099], [1.0, 0.37]):
+        generator = torch.Generator().manual_seed(numel * count)
+        terms = [(torch.randn(numel, generator=generator), w) for w in (0.5, -1 / 3, 0.25, -0.125, 1e-3)[:count]]
+        target = torch.randn(numel, generator=generator)
+        expected = torch.mul(terms[0][0], terms[0][1])
+        for term, weight in terms[1:]:
+            expected.add_(term, alpha=weight)
+        if gamma != 1:
+            expected.mul_(gamma)
+        expected = target + expected if add else expected
+        assert native.combine_(target, terms, gamma, add) and torch.equal(target, expected), (numel, gamma)
+
+
+@pytest.mark.parametrize("compression", [Sign(), Quantize(4), TopK(0.01), RandomK(0.05)], ids=repr)
+@pytest.mark.parametrize("topology", [Ring(world_size=4), OnePeerExponential(world_size=4)], ids=repr)
+@pytest.mark.parametrize(("rounds", "awc"), [(1, False), (1, True), (2, True)])
+def test_exchanges_on_the_kernel_equal_the_torch_paths(compression, topology, rounds: int, awc: bool) -> None:
+    """Four steps of whole exchanges between four workers, three buffers: the buffers, the corrections, every public
+    copy and the bytes sent are the same bit for bit with the kernel and without."""
+    runs = []
+    for kernel in (True, False):
+        previous = native.enable(kernel)
+        workers = [Choco(compression, 0.7, rank) for rank in range(4)]
+        generator = torch.Generator().manual_seed(0)
+        x = [[torch.randn(size, generator=generator) for size in (7000, 37, 2051)] for _ in range(4)]
+        out = [[torch.zeros_like(b) for b in buffers] for buffers in x]
+        for step in range(4):
+            exchange_in_process(
+                [
+                    ChocoExchange(w, topology, x[i], step, rounds, out=out[i] if awc else None)
+                    for i, w in enumerate(workers)
+                ]
+            )
+        native.enable(previous)
+        copies = [w.state_dict()["copies"] for w in workers]
+        flat = [c for worker in copies for key in sorted(worker) for c in worker[key]["sent"]]
+        flat += [
+            worker[key]["received"][p]
+            for worker in copies
+            for key in sorted(worker)
+            for p in sorted(worker[key]["received"])
+        ]
+        runs.append(([b for buffers in x + out for b in buffers], flat, [w.wire_bytes for w in workers]))
+    (buffers, copies, wire), (buffers_, copies_, wire_) = runs
+    assert wire == wire_
+    assert all(torch.equal(a, b) for a, b in zip(buffers, buffers_))
+    assert len(copies) == len(copies_) and all(torch.equal(a, b) for a, b in zip(copies, copies_))
 
 
 def test_a_corrupt_sparse_payload_is_refused() -> None:

@@ -17,14 +17,17 @@
 #include <Python.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <math.h>
 #include <string.h>
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 /* The same code compiled twice, for AVX2 and for the x86-64 baseline, the loader picking one: the operations and their
  * order are those of the source in both (no FMA: -ffp-contract=off), so the results are too. */
 #define CLONES __attribute__((target_clones("avx2", "default")))
+#define CLONES_FMA __attribute__((target_clones("arch=x86-64-v3", "default"))) /* AVX2 and FMA */
 #else
 #define CLONES
+#define CLONES_FMA
 #endif
 #define INLINE static inline __attribute__((always_inline))
 
@@ -353,6 +356,34 @@ CLONES static void top_k_select(const float *x, const float *c, int64_t n, int64
     for (int64_t j = 0; j < k; j++) indices[j] = h[j].index;
 }
 
+/* ---- the combine: γ Δ = γ (w_0 t_0 + w_1 t_1 + …), written to or added into the target --------------------------
+ *
+ * As torch computes it with `mul(t_0, w_0)`, then `add_(t_i, alpha=w_i)` (a fused multiply-add where torch's vector
+ * kernels use one: AVX2, AVX-512, NEON; native.py checks that it matches) and `mul_(γ)`, in tiles that stay in L1. */
+
+#define TILE 1024
+
+CLONES_FMA static void combine_loop(float *target, const float *const *terms, const float *weights, int count,
+                                    float gamma, int scaled, int add, int64_t n) {
+    float change[TILE];
+    for (int64_t start = 0; start < n; start += TILE) {
+        int64_t m = n - start < TILE ? n - start : TILE;
+        const float *first = terms[0] + start;
+        for (int64_t j = 0; j < m; j++) change[j] = first[j] * weights[0];
+        for (int i = 1; i < count; i++) {
+            const float *term = terms[i] + start, weight = weights[i];
+            for (int64_t j = 0; j < m; j++) change[j] = fmaf(term[j], weight, change[j]);
+        }
+        if (scaled)
+            for (int64_t j = 0; j < m; j++) change[j] = change[j] * gamma;
+        float *out = target + start;
+        if (add)
+            for (int64_t j = 0; j < m; j++) out[j] = out[j] + change[j];
+        else
+            memcpy(out, change, (size_t)m * sizeof(float));
+    }
+}
+
 /* ---- the entry points ------------------------------------------------------------------------------------------- */
 
 static void *address(PyObject *value) { return PyLong_AsVoidPtr(value); }
@@ -528,6 +559,39 @@ static PyObject *top_k(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(combine_doc,
+             "combine(target, terms, weights, gamma, add, numel): target = (or += where `add`) γ Σ_i w_i t_i over "
+             "the float32 buffers `terms` (addresses), γ applied unless it is 1.");
+
+#define MAX_TERMS 64
+
+static PyObject *combine(PyObject *self, PyObject *args) {
+    PyObject *tp, *term_list, *weight_list;
+    double gamma;
+    int add;
+    long long numel;
+    if (!PyArg_ParseTuple(args, "OO!O!dpL", &tp, &PyList_Type, &term_list, &PyList_Type, &weight_list, &gamma, &add,
+                          &numel))
+        return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(term_list);
+    if (count < 1 || count > MAX_TERMS || PyList_GET_SIZE(weight_list) != count) {
+        PyErr_SetString(PyExc_ValueError, "combine: 1 to 64 terms, one weight each");
+        return NULL;
+    }
+    const float *terms[MAX_TERMS];
+    float weights[MAX_TERMS];
+    for (Py_ssize_t i = 0; i < count; i++) {
+        terms[i] = address(PyList_GET_ITEM(term_list, i));
+        weights[i] = (float)PyFloat_AsDouble(PyList_GET_ITEM(weight_list, i));
+    }
+    float *target = address(tp);
+    if (PyErr_Occurred()) return NULL;
+    Py_BEGIN_ALLOW_THREADS;
+    combine_loop(target, terms, weights, (int)count, (float)gamma, gamma != 1.0, add, numel);
+    Py_END_ALLOW_THREADS;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"dense_encode", dense_encode, METH_VARARGS, dense_encode_doc},
     {"dense_decode", dense_decode, METH_VARARGS, dense_decode_doc},
@@ -535,6 +599,7 @@ static PyMethodDef methods[] = {
     {"sparse_encode", sparse_encode, METH_VARARGS, sparse_encode_doc},
     {"sparse_decode", sparse_decode, METH_VARARGS, sparse_decode_doc},
     {"top_k", top_k, METH_VARARGS, top_k_doc},
+    {"combine", combine, METH_VARARGS, combine_doc},
     {NULL, NULL, 0, NULL},
 };
 

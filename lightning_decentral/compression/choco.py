@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from lightning_decentral.compression import native
 from lightning_decentral.compression.compressors import Compressor, RandomK, TopK
 from lightning_decentral.compression.fused import chunk_size, decode_add_, encode_update_
 from lightning_decentral.topology import Topology
@@ -272,6 +273,8 @@ class ChocoExchange:
         x = self.buffers[index].view(-1)
         direct = self.out is not None and self.rounds == 1 and self.out[index].dtype == copies.like.dtype
         target = self.out[index].view(-1) if self.out is not None else x
+        if native.combine_(target, terms, gamma, add=not (self.out is not None and self.rounds == 1)):
+            return
         step = chunk_size(copies.numel, copies.like.device, 1)
         for start in range(0, copies.numel, step):
             stop = min(start + step, copies.numel)

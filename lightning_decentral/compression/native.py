@@ -188,6 +188,36 @@ def top_k_indices(x: Tensor, copy: Tensor, k: int) -> Tensor | None:
     return indices
 
 
+@functools.cache
+def combine_matches_torch() -> bool:
+    """Whether the kernel's `γ Σ_i w_i t_i` equals torch's `mul`, `add_(alpha=)`, `mul_` on a probe (torch's vector
+    `add` with `alpha` is a fused multiply-add where the CPU has one, as the kernel's; else the torch path combines)."""
+    if not AVAILABLE:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    terms = [torch.randn(4099, generator=generator) for _ in range(3)]
+    weights, gamma = [0.3, -0.7, 0.1 / 3], 0.37
+    expected = torch.mul(terms[0], weights[0])
+    for term, weight in zip(terms[1:], weights[1:]):
+        expected.add_(term, alpha=weight)
+    expected.mul_(gamma)
+    out = torch.empty_like(expected)
+    _kernels.combine(out.data_ptr(), [t.data_ptr() for t in terms], weights, gamma, False, out.numel())
+    return torch.equal(out, expected)
+
+
+def combine_(target: Tensor, terms: list[tuple[Tensor, float]], gamma: float, add: bool) -> bool:
+    """`target = γ Σ_i w_i t_i` (`add`: `target += …`) over the flat `(t_i, w_i)` of `terms`, in one pass, bit for
+    bit `torch.mul(t_0, w_0)`, `.add_(t_i, alpha=w_i)`, `.mul_(γ)` (unless `γ = 1`) and the write or `add_`, where
+    the kernel applies; returns whether it ran."""
+    tensors = [target, *(t for t, _ in terms)]
+    if not (runs_on(*tensors) and all(t.numel() == target.numel() for t in tensors) and combine_matches_torch()):
+        return False
+    pointers, weights = [t.data_ptr() for t, _ in terms], [float(w) for _, w in terms]
+    _kernels.combine(target.data_ptr(), pointers, weights, float(gamma), add, target.numel())
+    return True
+
+
 def sparse_encode_update_(x: Tensor, copy: Tensor, indices: Tensor, payload: Tensor, index_bits: int = 0) -> bool:
     """`v = x[i] − x̂[i]` at `indices` (distinct int64) written as float32 to the start of `payload`, `x̂[i] += v`,
     and (`index_bits > 0`) the indices packed behind the values; if the kernel applies, returns whether it ran."""
