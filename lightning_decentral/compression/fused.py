@@ -33,7 +33,10 @@ A compressor of another type (a [`Compressor`][lightning_decentral.compression.C
 The fusing is done with chunked torch operations writing into preallocated scratch (`out=`, in-place), not
 `torch.compile`: compiling the sign path took ~20 s per buffer size on this project's CPU machine, ran slower than
 the eager operations, and reduced the block norms in another order (scales that differ in the last bit: not the
-reference's bytes).
+reference's bytes). Where the C kernel is built and the buffers are contiguous float32 on the CPU, each call here
+first hands its work to it ([`native`][lightning_decentral.compression.native]: one pass over memory per block, the
+same bytes and copies bit for bit); these torch operations run everywhere else (CUDA, float64 copies, bf16 models,
+no kernel) and are what the kernel is tested against.
 """
 
 from __future__ import annotations
