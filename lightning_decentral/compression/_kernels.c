@@ -344,7 +344,21 @@ CLONES static void top_k_select(const float *x, const float *c, int64_t n, int64
             adjust(h, parent, k, h[parent]);
             if (parent == 0) break;
         }
-    for (int64_t j = k; j < n; j++) {
+    int64_t j = k;
+    for (; j + 8 <= n; j += 8) { /* most pairs go after the top: eight tested at once, in order only if one may not */
+        const f32x4 threshold = (f32x4){0} + h[0].value;
+        const f32x4 a = (f32x4)((i32x4)(load4(x + j) - load4(c + j)) & 0x7FFFFFFF);
+        const f32x4 b = (f32x4)((i32x4)(load4(x + j + 4) - load4(c + j + 4)) & 0x7FFFFFFF);
+        i32x4 after = (a <= threshold) & (b <= threshold); /* false for a NaN, which goes before */
+        uint64_t halves[2];
+        memcpy(halves, &after, sizeof halves);
+        if ((halves[0] & halves[1]) != UINT64_MAX)
+            for (int l = 0; l < 8; l++) {
+                float a = __builtin_fabsf(x[j + l] - c[j + l]);
+                if (before(a, h[0].value)) adjust(h, 0, k, (pair){a, (int32_t)(j + l)});
+            }
+    }
+    for (; j < n; j++) {
         float a = __builtin_fabsf(x[j] - c[j]);
         if (before(a, h[0].value)) adjust(h, 0, k, (pair){a, (int32_t)j});
     }
