@@ -11,26 +11,30 @@ and add the values into `x̂` in one loop over the `k` coordinates. `TopK`'s sel
 where `k · 64 <= numel` (the default `top_k:0.01`) torch runs `std::partial_sort` over the pairs `(|v_j|, j)`, and
 the kernel runs the same heap algorithm while it reads `x` and `x̂` once, so the indices come out in the same order
 (ties included: the order is part of the payload); elsewhere `torch.topk` selects, on `|x − x̂|` made in one pass.
-`RandomK.indices` stay torch's (its generator).
+`RandomK.indices` stay torch's (its generator). The combine of `ChocoExchange`, `γ Σ_i w_i t_i` written to or
+added into its target, is one pass over tiles of 1024 elements
+([`combine_`][lightning_decentral.compression.native.combine_]).
 
 Why C and not torch: the torch path (`fused._Dense`) is already chunked and in place, yet each of its ~10 operations
 is a pass over the chunk with its own dispatch, and `torch.compile` was slower than eager and summed the blocks in
 another order (docs/benchmarks.md, "Compressed exchange against the compute floor"). Why plain C and not a torch
 extension: no torch headers, so it compiles in about a second with any C compiler and builds with `pip install`
-(setup.py: optional, the package installs without it); it is called on `data_ptr()`s. No OpenMP: the step runs one
-thread per worker (the benchmarks' setting), and the exchange's thread runs beside forward and backward: the kernel
-releases the GIL.
+(setup.py: optional, the package installs without it); it is called on `data_ptr()`s. No `-march=native`: GCC's
+`target_clones` builds the loops for AVX2 and for the x86-64 baseline, the loader picking one. No OpenMP: the step
+runs one thread per worker (the benchmarks' setting), and the exchange's thread runs beside forward and backward: the
+kernel releases the GIL.
 
 Equality with the torch path, bit for bit (tests/test_native_kernel.py): the kernel applies each element's float32
-operations in the torch path's order, compiled without FMA contraction and fast-math. The one reduction whose order
-matters, `Sign`'s `Σ|v|` of a block, follows torch's CPU summation (a cascade of 4 × 4 accumulators of `lanes`-wide
-vectors, aten/src/ATen/native/cpu/SumKernel.cpp); `lanes` depends on the CPU torch dispatches to (16 with AVX-512, 8
-with AVX2), so it is found once by comparing the kernel's scales with torch's on a probe
-([`sum_lanes`][lightning_decentral.compression.native.sum_lanes]): where none matches (another torch, another CPU),
-`Sign` stays on the torch path; likewise `TopK`'s selection is checked against `torch.topk` once
-([`top_k_matches_torch`][lightning_decentral.compression.native.top_k_matches_torch]). `Quantize`'s `max|v|` needs no
-order. A NaN gives the code torch's conversion gives
-(0).
+operations in the torch path's order, compiled without FMA contraction and fast-math. Three results depend on how
+torch computes, and each is checked once against torch, the torch path running where it differs: `Sign`'s `Σ|v|` of
+a block follows torch's CPU summation (a cascade of 4 × 4 accumulators of `lanes`-wide vectors,
+aten/src/ATen/native/cpu/SumKernel.cpp; `lanes` found on a probe,
+[`sum_lanes`][lightning_decentral.compression.native.sum_lanes]: 8 on this project's x86 machine under every
+`ATEN_CPU_CAPABILITY`); `TopK`'s heap
+([`top_k_matches_torch`][lightning_decentral.compression.native.top_k_matches_torch]); and the combine's
+`add_(alpha=)`, a fused multiply-add in torch's vector kernels
+([`combine_matches_torch`][lightning_decentral.compression.native.combine_matches_torch]). `Quantize`'s `max|v|`
+needs no order. A NaN gives the code torch's conversion gives (0).
 
 Off: `LIGHTNING_DECENTRAL_NATIVE=0` in the environment, or
 [`enable(False)`][lightning_decentral.compression.native.enable] (the benchmark's A/B); without the built module
