@@ -189,6 +189,19 @@ def test_exchanges_on_the_kernel_equal_the_torch_paths(compression, topology, ro
     assert len(copies) == len(copies_) and all(torch.equal(a, b) for a, b in zip(copies, copies_))
 
 
+def test_buffers_of_other_sizes_are_refused() -> None:
+    """The kernel never reads or writes past a buffer: a short payload or an `x` of another size is a ValueError."""
+    sign, x, copy = Sign(), torch.zeros(100), torch.zeros(100)
+    with pytest.raises(ValueError, match="a payload of 17 bytes, got 16"):
+        native.dense_encode_update_(sign, x, copy, torch.empty(16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="of 99 elements into a copy of 100"):
+        native.dense_encode_update_(sign, x[:99], copy, torch.empty(17, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="got 16"):
+        native.dense_decode_add_(sign, torch.zeros(16, dtype=torch.uint8), copy)
+    with pytest.raises(ValueError, match="short of 3 values"):
+        native.sparse_encode_update_(x, copy, torch.arange(3), torch.empty(11, dtype=torch.uint8))
+
+
 def test_a_corrupt_sparse_payload_is_refused() -> None:
     """A `TopK` payload whose packed index is past the buffer: a ValueError, not a write out of bounds."""
     top, copy = TopK(0.5), torch.zeros(5)

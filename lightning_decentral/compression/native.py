@@ -136,6 +136,7 @@ def dense_encode_update_(compressor: Sign | Quantize, x: Tensor, copy: Tensor, p
     numel = copy.numel()
     if not (_dense_applies(compressor, numel, x, copy) and _is_bytes(payload)):
         return False
+    _check_sizes(compressor, x, copy, payload)
     lanes = sum_lanes() or 1
     width = _width(numel, compressor.block)
     _kernels.dense_encode(x.data_ptr(), copy.data_ptr(), payload.data_ptr(), numel, width, _bits(compressor), lanes)
@@ -147,8 +148,7 @@ def dense_decode_add_(compressor: Sign | Quantize, payload: Tensor, copy: Tensor
     numel = copy.numel()
     if not (_dense_applies(compressor, numel, copy) and _is_bytes(payload)):
         return False
-    if payload.numel() < compressor.payload_bytes(numel, copy.dtype):
-        raise ValueError(f"A payload of {payload.numel()} bytes is short of {compressor!r}'s message of {numel}.")
+    _check_sizes(compressor, copy, copy, payload)
     _kernels.dense_decode(
         payload.data_ptr(), copy.data_ptr(), numel, _width(numel, compressor.block), _bits(compressor)
     )
@@ -228,6 +228,8 @@ def sparse_encode_update_(x: Tensor, copy: Tensor, indices: Tensor, payload: Ten
     if not (runs_on(x, copy) and _is_bytes(payload) and indices.dtype == torch.int64 and indices.is_contiguous()):
         return False
     k = indices.numel()
+    if x.numel() != copy.numel():
+        raise ValueError(f"x has {x.numel()} elements, its public copy {copy.numel()}.")
     _check_size(payload, k, index_bits)
     packed = payload[4 * k :].data_ptr() if index_bits else 0
     _kernels.sparse_encode(x.data_ptr(), copy.data_ptr(), indices.data_ptr(), k, payload.data_ptr(), packed, index_bits)
@@ -248,6 +250,16 @@ def sparse_decode_add_(
     packed = payload[4 * k :].data_ptr() if indices is None else 0
     _kernels.sparse_decode(payload.data_ptr(), copy.data_ptr(), copy.numel(), k, index_pointer, packed, index_bits)
     return True
+
+
+def _check_sizes(compressor: Sign | Quantize, x: Tensor, copy: Tensor, payload: Tensor) -> None:
+    """Refuse buffers the kernel would read or write past: `x` and `x̂` of one size, a payload of the message's."""
+    numel, size = copy.numel(), compressor.payload_bytes(copy.numel(), copy.dtype)
+    if x.numel() != numel or payload.numel() < size:
+        raise ValueError(
+            f"{compressor!r} of {x.numel()} elements into a copy of {numel}: a payload of {size} bytes, "
+            f"got {payload.numel()}."
+        )
 
 
 def _check_size(payload: Tensor, k: int, index_bits: int) -> None:
