@@ -269,12 +269,31 @@ class Sharding:
         deviations = parameter_deviations(ranks, module)
         if not deviations:
             return deviations
-        norms = torch.stack([m for _, _, m in deviations])
-        ranks.guard.run(
-            "Summing the norm of x̄ over a replica's shards",
-            lambda: dist.all_reduce(norms, group=self._mesh().get_group(MESH_DIMS[1])),
-        )
+        norms = self.sum_over_shards(ranks, torch.stack([m for _, _, m in deviations]), "the norm of x̄")
         return [(name, d, norm) for (name, d, _), norm in zip(deviations, norms)]
+
+    def effective_ratio(self, ranks: Ranks, local: list[Tensor], at_mean: list[Tensor]) -> tuple[Tensor, Tensor]:
+        """`(α_e / γ, ‖η_d‖)` over the replicas (docs/monitoring.md) from this rank's shards of its replica's gradients
+        at `x_g` (`local`) and at `x̄` (`at_mean`): the mean over the replicas on this rank's column (`ranks`), then
+        the inner products `⟨ḡ_loc, g(x̄)⟩`, `‖g(x̄)‖²`, `‖ḡ_loc − g(x̄)‖²` summed over the replica's shards; equal on
+        every rank, and to the unsharded run's."""
+        dtype = torch.promote_types(local[0].dtype, torch.float32)
+        both = torch.cat([local_tensor(g).reshape(-1).to(ranks.device, dtype) for g in local + at_mean])
+        (mean,) = ranks.mean([both], "Averaging the gradients over the replicas (effective learning rate)")
+        local_mean, mean_grad = mean.double().split(both.numel() // 2)
+        difference = local_mean - mean_grad
+        products = torch.stack([local_mean @ mean_grad, mean_grad @ mean_grad, difference @ difference])
+        products = self.sum_over_shards(ranks, products, "the gradients' inner products")
+        return products[0] / products[1], products[2].sqrt()
+
+    def sum_over_shards(self, ranks: Ranks, tensor: Tensor, what: str) -> Tensor:
+        """`tensor` summed over this rank's replica (its row of the mesh: the sum over its shards), in place, through
+        `ranks`' guard (`what` names it if a rank fails meanwhile)."""
+        ranks.guard.run(
+            f"Summing {what} over a replica's shards",
+            lambda: dist.all_reduce(tensor, group=self._mesh().get_group(MESH_DIMS[1])),
+        )
+        return tensor
 
     def _layout(self) -> ReplicaLayout:
         if self.layout is None:

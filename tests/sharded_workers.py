@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_decentral import DecentralizedStrategy
+from lightning_decentral.callbacks import EffectiveLearningRate
 from lightning_decentral.compression import Sign
 from lightning_decentral.measures import consensus_distance
 from tests.workers import trainer_for
@@ -133,6 +134,33 @@ def fit_configs(
                 (t.to_local() if isinstance(t, DTensor) else t).numel() for t in optimizer_state if t.dim() > 0
             ),
         }
+    return out
+
+
+EFFECTIVE = ("lr/effective", "lr/effective_ratio", "noise/decentralized")
+
+
+class Logged(Callback):
+    """The values `EffectiveLearningRate` logged, at each optimizer step."""
+
+    def __init__(self) -> None:
+        self.rows: list[list[float]] = []
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        self.rows.append([float(trainer.callback_metrics[key]) for key in EFFECTIVE])
+
+
+def fit_effective_lr(rank: int, world_size: int, shard_size: int, union: int = 1, steps: int = 4) -> dict[str, Any]:
+    """AWC and DecentLaM with `EffectiveLearningRate` at every step, as `fit_configs` runs them: what it logged at each
+    step and the whole parameters at the end."""
+    out: dict[str, Any] = {}
+    for name in ("awc", "decentlam"):
+        model, logged = Tiny(), Logged()
+        strategy = DecentralizedStrategy(shard_size=shard_size, **CONFIGS[name])
+        callbacks = [EffectiveLearningRate(every_n_steps=1), logged]
+        trainer = trainer_for(world_size, strategy, max_steps=steps, callbacks=callbacks)
+        trainer.fit(model, train_dataloaders=loader(rank, steps, union))
+        out[name] = {"logged": torch.tensor(logged.rows, dtype=torch.float64), "parameters": full_parameters(model)}
     return out
 
 

@@ -10,7 +10,6 @@ import torch
 from lightning.pytorch import Trainer
 
 from lightning_decentral import DecentralizedStrategy, SimulatedDecentralizedStrategy
-from lightning_decentral.callbacks import EffectiveLearningRate
 from lightning_decentral.fabric import DecentralizedStrategy as FabricStrategy
 from lightning_decentral.options import GossipOptions
 from lightning_decentral.sharding import ReplicaLayout, check_same_sharding
@@ -41,14 +40,6 @@ def test_a_world_size_shard_size_does_not_divide_is_refused_when_the_trainer_is_
     with pytest.raises(ValueError, match="not a multiple of it"):
         Trainer(strategy=DecentralizedStrategy(shard_size=3), accelerator="cpu", devices=4)
     assert ReplicaLayout.of(8, 2).column(1) == [1, 3, 5, 7]
-
-
-def test_the_effective_learning_rate_is_refused_with_sharded_replicas():
-    trainer = Trainer(
-        strategy=DecentralizedStrategy(shard_size=2), accelerator="cpu", devices=4, callbacks=[EffectiveLearningRate()]
-    )
-    with pytest.raises(ValueError, match="remove the callback"):
-        trainer.callbacks[0].setup(trainer, sharded_workers.Tiny(), "fit")
 
 
 def test_the_simulation_and_fabric_refuse_shard_size():
@@ -88,6 +79,23 @@ def test_a_sharded_run_equals_unsharded_workers_on_the_union_of_a_replicas_batch
         if name != "outer":  # the outer step of the last step (6 = 2 · 3) averages every replica: equal
             spread = max((w["parameters"] - reference[0]["parameters"]).abs().max().item() for w in reference)
             assert spread > 1e-3, f"{name}: the replicas should differ, or the test shows nothing"
+
+
+@pytest.mark.slow
+def test_the_effective_learning_rate_over_sharded_replicas_equals_the_unsharded_runs():
+    """EffectiveLearningRate at every step, 4 replicas of 2 ranks against 4 unsharded workers on the union of a
+    replica's batches: the same α_e, α_e / γ and ‖η_d‖ on every rank, and the training it measured left as it was."""
+    sharded = run_distributed(sharded_workers.fit_effective_lr, world_size=8, timeout=240, shard_size=2)
+    workers = run_distributed(sharded_workers.fit_effective_lr, world_size=4, timeout=240, shard_size=1, union=2)
+    for name in ("awc", "decentlam"):
+        reference = workers[0][name]["logged"]
+        for rank, run in enumerate(sharded):
+            torch.testing.assert_close(run[name]["logged"], reference, rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(
+                run[name]["parameters"], workers[rank // 2][name]["parameters"], rtol=0, atol=1e-6
+            )
+        ratio, noise = reference[1:, 1], reference[1:, 2]  # step 0: every replica is x̄, α_e = γ
+        assert (noise > 1e-4).all() and ((ratio - 1).abs() > 1e-6).all(), f"{name}: the replicas should differ"
 
 
 @pytest.mark.slow

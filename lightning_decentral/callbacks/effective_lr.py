@@ -45,6 +45,12 @@ class EffectiveLearningRate(Callback):
       state and the states of the module's torchmetrics are put back exactly, and `self.log` calls made
       by that second `training_step` are dropped: training continues bit for bit as without the callback.
 
+    With sharded replicas (`shard_size > 1`: docs/sharded.md) the workers are the replicas: `g_g` is replica `g`'s
+    gradient, which FSDP averaged over its ranks' batches, and `∇L(x̄; ξ_g)` comes from a plain backward at `x̄` (the
+    shards of `x̄` swapped in; FSDP reduce-scatters it over the replica as in training), the step's own gradients set
+    aside meanwhile and put back after; the means run over the replicas on each shard, the inner products are summed
+    over the shards. The values equal the unsharded run's with each replica's batches as one.
+
     Cost at a measured step: one more forward and backward per micro-batch, and three model-sized
     all-reduces (`x̄`, then both gradients at once). Needs automatic optimization. Under any other
     strategy the replicas are one model, so `α_e = γ`, the ratio 1 and the noise 0 are logged with no
@@ -68,13 +74,6 @@ class EffectiveLearningRate(Callback):
         self._batches: list[tuple[Any, int, dict[str, Any]]] = []  # the measured step's micro-batches
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        strategy = decentralized(trainer)
-        if strategy is not None and getattr(strategy, "shard_size", 1) > 1:
-            raise ValueError(
-                "EffectiveLearningRate differentiates training_step at x̄ with torch.autograd.grad, which cannot reach "
-                "parameters FSDP sharded (its forward runs on gathered copies, outside their graph): remove the "
-                "callback with shard_size > 1 (ConsensusDistance measures sharded replicas)."
-            )
         if stage == "fit" and not pl_module.automatic_optimization:
             raise ValueError(
                 "EffectiveLearningRate re-runs `training_step` at the averaged weights, which needs automatic "
@@ -118,6 +117,11 @@ class EffectiveLearningRate(Callback):
         assert strategy is not None
         params = [p for p in pl_module.parameters() if p.requires_grad]
         local = strategy.gradient_sum()  # Σ_i g_i over this process's workers
+        sharding = getattr(strategy, "sharding", None)
+        if sharding is not None:  # sharded replicas: the replica's gradients, this rank's shards of them
+            with _untouched(pl_module, strategy.root_device), strategy.averaged_model(), _gradients_set_aside(params):
+                at_mean = _sharded_gradients(trainer, pl_module, params, batches)
+            return sharding.effective_ratio(strategy.replica_ranks, local, at_mean)
         with _untouched(pl_module, strategy.root_device), strategy.averaged_model():
             at_mean = _gradients(trainer, pl_module, params, batches)
         return effective_ratio(strategy, local, at_mean)
@@ -128,8 +132,40 @@ def _gradients(
 ) -> list[Tensor]:
     """`Σ_m ∇(L(x; ξ_m) / accumulate_grad_batches)` at the current parameters, over the step's micro-batches."""
     grads = [torch.zeros_like(p) for p in params]
+    scale = _loss_scale(trainer)
+    for loss in _scaled_losses(trainer, pl_module, batches, scale):
+        parts = torch.autograd.grad(loss, params, allow_unused=True)
+        for total, part in zip(grads, parts):
+            if part is not None:
+                total.add_(part, alpha=1.0 / scale)
+    return grads
+
+
+def _sharded_gradients(
+    trainer: Trainer, pl_module: LightningModule, params: list[Tensor], batches: list[tuple[Any, int, dict]]
+) -> list[Tensor]:
+    """As [`_gradients`][lightning_decentral.callbacks.effective_lr._gradients] for a module FSDP sharded, whose
+    forward runs on gathered copies that `torch.autograd.grad` cannot differentiate the parameters through: a plain
+    backward of each micro-batch (every rank of the replica together), after which FSDP has reduce-scattered (averaged)
+    them over the replica into `p.grad`, and this rank's shards of the replica's gradient are read from there (the
+    caller set the step's own gradients aside: `p.grad` starts empty)."""
+    scale = _loss_scale(trainer)
+    for loss in _scaled_losses(trainer, pl_module, batches, scale):
+        loss.backward()
+    return [p.grad.detach() / scale if p.grad is not None else torch.zeros_like(p) for p in params]
+
+
+def _loss_scale(trainer: Trainer) -> float:
+    """The grad scaler's scale under fp16 mixed precision (the gradients are unscaled by it after), else 1."""
     scaler = getattr(trainer.precision_plugin, "scaler", None)
-    scale = float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+    return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else 1.0
+
+
+def _scaled_losses(
+    trainer: Trainer, pl_module: LightningModule, batches: list[tuple[Any, int, dict]], scale: float
+) -> Iterator[Tensor]:
+    """`L(x; ξ_m) · scale / accumulate_grad_batches` of each of the step's micro-batches `ξ_m` with a loss, each
+    from the random state its training forward started from."""
     pass_index = is_param_in_hook_signature(pl_module.training_step, "batch_idx", min_args=2)
     for batch, batch_idx, state in batches:
         set_random_state(state)
@@ -138,11 +174,20 @@ def _gradients(
         loss = output["loss"] if isinstance(output, dict) else output
         if loss is None:  # the user skipped this batch: it did not contribute to g_i either
             continue
-        parts = torch.autograd.grad(loss * (scale / trainer.accumulate_grad_batches), params, allow_unused=True)
-        for total, part in zip(grads, parts):
-            if part is not None:
-                total.add_(part, alpha=1.0 / scale)
-    return grads
+        yield loss * (scale / trainer.accumulate_grad_batches)
+
+
+@contextlib.contextmanager
+def _gradients_set_aside(params: list[Tensor]) -> Iterator[None]:
+    """Inside: every parameter's `grad` is empty. After: each holds the very gradient tensor it held before."""
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in zip(params, saved):
+            p.grad = grad
 
 
 @contextlib.contextmanager
