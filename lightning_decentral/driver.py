@@ -281,10 +281,14 @@ class StepDriver:
         topology = (of or schedule.topology).for_members(members)
         self.schedule = GossipSchedule(topology, schedule.gossip_every, schedule.rounds_per_gossip, first_step)
 
-    def rebind_mixers(self) -> None:
-        """Every mixer the driver built mixes with the current topology from now on."""
+    def rebind_mixers(self, group: Any | None = None) -> None:
+        """Every mixer the driver built mixes with the current topology from now on (on processes: on `group`, a
+        sharded replica's column, else on the default group)."""
         for mixer in self._mixers:
-            mixer.rebind(self.topology)
+            if group is None:
+                mixer.rebind(self.topology)
+            else:
+                mixer.rebind(self.topology, group)
 
     @property
     def mixers(self) -> list[Mixer]:

@@ -194,7 +194,8 @@ class GossipOptions:
 
     def _check_sharding(self) -> None:
         """`shard_size` is an integer ≥ 1; above 1 the rule runs across replicas of `shard_size` ranks, which every rank
-        of a replica must reach at the same step and which fail together."""
+        of a replica must reach at the same step and which fail together (with `on_peer_failure="continue"` a replica
+        that loses a rank leaves whole)."""
         _check_positive_int("shard_size", self.shard_size, "1 = every rank is a replica")
         if self.shard_size == 1:
             return
@@ -204,12 +205,6 @@ class GossipOptions:
                 f"staleness={self.staleness} (FSDP's collectives inside a replica keep its ranks at one step, and the "
                 "stale exchange's own group spans every rank)",
                 "use staleness=0",
-            ),
-            (
-                self.on_peer_failure != "stop",
-                f"on_peer_failure={self.on_peer_failure!r} (a replica is lost with any of its ranks, and FSDP's "
-                "process group inside it cannot be rebuilt without it)",
-                "use on_peer_failure='stop' (a restart resumes from the newest complete checkpoint)",
             ),
             (
                 isinstance(t := self.topology, Hierarchical) or (isinstance(t, str) and TOPOLOGIES[t] is Hierarchical),

@@ -193,6 +193,8 @@ class Sharding:
         self.shard_size = shard_size
         self.layout: ReplicaLayout | None = None
         self.mesh: DeviceMesh | None = None
+        self.row: dist.ProcessGroup | None = None  # this rank's replica: FSDP shards it over this group
+        self.column: dist.ProcessGroup | None = None  # this rank's column: the means over the replicas
 
     def bind(self, world_size: int) -> int:
         """The replicas of `world_size` ranks (the topology's workers); `ValueError` naming the fix if `shard_size`
@@ -207,9 +209,9 @@ class Sharding:
         rank = dist.get_rank()
         columns = [dist.new_group(layout.column(shard), timeout=timeout) for shard in range(layout.shard_size)]
         rows = [dist.new_group(layout.row(g), timeout=timeout) for g in range(layout.replicas)]
-        groups = [columns[layout.shard_of(rank)], rows[layout.replica_of(rank)]]
+        self.column, self.row = columns[layout.shard_of(rank)], rows[layout.replica_of(rank)]
         ranks = torch.arange(world_size).view(layout.replicas, layout.shard_size)
-        self.mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=MESH_DIMS)
+        self.mesh = DeviceMesh.from_group([self.column, self.row], device_type, mesh=ranks, mesh_dim_names=MESH_DIMS)
         return self.mesh
 
     def new_replica_group(self, timeout: timedelta) -> dist.ProcessGroup:
@@ -219,11 +221,28 @@ class Sharding:
         groups = [dist.new_group(layout.column(shard), timeout=timeout) for shard in range(layout.shard_size)]
         return groups[layout.shard_of(dist.get_rank())]
 
+    def regroup(self, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+        """After a failure, once the survivors made their default group of `world_size` ranks (every survivor
+        together; whole replicas survive, in order, so rank `g·s + l` of it holds shard `l` of the `g`-th surviving
+        replica): the layout over them, a new group of this rank's column for the means over the replicas, and
+        another for the exchange (returned). The replica's own group, FSDP's, stays: none of its ranks was lost.
+
+        The device mesh keeps the groups of the start, gone with the old default group: after a failure, what
+        resolves its groups by name (`DeviceMesh.get_group`, DTensor's own collectives such as `full_tensor` or
+        `clip_grad_norm_` on sharded gradients) must not run; this object's collectives use `row` and `column`."""
+        layout = self.layout = ReplicaLayout.of(world_size, self.shard_size)
+        columns = [dist.new_group(layout.column(shard), timeout=timeout) for shard in range(layout.shard_size)]
+        self.column = columns[layout.shard_of(dist.get_rank())]
+        return self.new_replica_group(timeout)
+
     def replica_ranks(self, device: torch.device, guard: Guard | None = None) -> Ranks:
         """[`Ranks`][lightning_decentral.agreement.Ranks] over this rank's column: a mean there is the mean over the
-        replicas of this rank's shards."""
-        mesh = self._mesh()
-        return Ranks(mesh.get_local_rank(MESH_DIMS[0]), mesh.size(0), device, mesh.get_group(MESH_DIMS[0]), guard)
+        replicas of this rank's shards. In the steps the survivors of a failure take alone (`guard.alone`), this
+        rank's replica alone, on the default group of this rank alone."""
+        if guard is not None and guard.alone:
+            return Ranks(0, 1, device, None, guard)
+        column = self._group(self.column)
+        return Ranks(dist.get_rank(column), dist.get_world_size(column), device, column, guard)
 
     def shard_root(self, module: Module, info: Callable[[str], None]) -> None:
         """Shard `module` on the mesh's `"shard"` dimension for a `configure_model` that did not: each of its direct
@@ -253,6 +272,11 @@ class Sharding:
         `ValueError` naming the fix if it cannot be packed."""
         check_sharded(module, self._mesh(), lambda m: self.shard_root(m, info))
         return ShardedReplica(module, mix_buffers)
+
+    def full_tensors(self, state: dict[str, Any]) -> dict[str, Any]:
+        """`state` with every `DTensor` whole ([`full_tensors`][lightning_decentral.sharding.full_tensors] over this
+        rank's replica)."""
+        return full_tensors(state, self._group(self.row))
 
     def sharded_state(self, module: Module, state: dict[str, Any], info: Callable[[str], None]) -> dict[str, Any]:
         """A shard's `state` dict (local tensors) as `module`'s state dict: each entry of a sharded parameter a
@@ -291,7 +315,7 @@ class Sharding:
         `ranks`' guard (`what` names it if a rank fails meanwhile)."""
         ranks.guard.run(
             f"Summing {what} over a replica's shards",
-            lambda: dist.all_reduce(tensor, group=self._mesh().get_group(MESH_DIMS[1])),
+            lambda: dist.all_reduce(tensor, group=self._group(self.row)),
         )
         return tensor
 
@@ -299,6 +323,11 @@ class Sharding:
         if self.layout is None:
             raise RuntimeError("The layout is bound to the world size when the Trainer is created.")
         return self.layout
+
+    def _group(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+        if group is None:
+            raise RuntimeError("The replicas' groups are made with the device mesh, before configure_model.")
+        return group
 
     def _mesh(self) -> DeviceMesh:
         if self.mesh is None:
@@ -377,22 +406,30 @@ def check_same_sharding(shard_size: int, shard: dict[str, Any] | None, checkpoin
         )
 
 
-def full_tensors(state: dict[str, Any]) -> dict[str, Any]:
+def full_tensors(state: dict[str, Any], row: dist.ProcessGroup | None = None) -> dict[str, Any]:
     """`state` (a state dict) with every `DTensor` gathered whole (a collective in each replica), plain tensors that
     load into the unsharded module: what a checkpoint file holds. The optimizer states' per-parameter tensors too.
+    With `row` (the replica's group, [`Sharding.row`][lightning_decentral.sharding.Sharding]), a `DTensor` sharded on
+    dimension 0 is the concatenation of its ranks' local shards, all-gathered there (it needs no group the device mesh
+    names: the survivors of a failure gather so); else, and for any other placement, `DTensor.full_tensor()`.
 
     Examples:
         >>> full_tensors({"w": torch.ones(2), "step": 3})
         {'w': tensor([1., 1.]), 'step': 3}
     """
-    return {name: _full(value) for name, value in state.items()}
+    return {name: _full(value, row) for name, value in state.items()}
 
 
-def _full(value: Any) -> Any:
+def _full(value: Any, row: dist.ProcessGroup | None) -> Any:
     if isinstance(value, DTensor):
-        return value.full_tensor()
+        if row is None or value.placements != (Shard(0),):
+            return value.full_tensor()
+        local = value.to_local().contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(row))]
+        dist.all_gather(parts, local, group=row)
+        return torch.cat(parts)
     if isinstance(value, dict):
-        return {key: _full(v) for key, v in value.items()}
+        return {key: _full(v, row) for key, v in value.items()}
     if isinstance(value, list):
-        return [_full(v) for v in value]
+        return [_full(v, row) for v in value]
     return value

@@ -4,8 +4,12 @@ with unsharded workers whose batch is the union of a replica's `s` batches."""
 from __future__ import annotations
 
 import functools
+import os
+import signal
+from datetime import timedelta
 from typing import Any
 
+import networkx as nx
 import torch
 from lightning.pytorch import Callback, LightningModule
 from torch import nn
@@ -107,6 +111,12 @@ def full_parameters(module: nn.Module) -> torch.Tensor:
 def fit_own_mesh(rank: int, world_size: int) -> None:
     trainer = trainer_for(world_size, DecentralizedStrategy(shard_size=2), max_steps=1)
     trainer.fit(Tiny(shard="own_mesh"), train_dataloaders=loader(rank, 1))
+
+
+def fit_clipped(rank: int, world_size: int, algorithm: str) -> None:
+    strategy = DecentralizedStrategy(shard_size=2, on_peer_failure="continue")
+    trainer = trainer_for(world_size, strategy, max_steps=1, gradient_clip_val=1.0, gradient_clip_algorithm=algorithm)
+    trainer.fit(Tiny(), train_dataloaders=loader(rank, 1))
 
 
 def fit_configs(
@@ -249,3 +259,48 @@ def fail_on_rank(rank: int, world_size: int, bad: int, timeout_s: float) -> None
     strategy = DecentralizedStrategy(shard_size=2, timeout=timedelta(seconds=timeout_s))
     trainer = trainer_for(world_size, strategy, max_steps=6)
     trainer.fit(FailsOnRank(bad), train_dataloaders=loader(rank, 6))
+
+
+SURVIVAL_GRAPH = nx.Graph([(2, 0), (2, 1), (2, 3), (0, 1), (1, 3)])
+"""Replica (or worker) 2 neighbours every other one: every survivor gives up the exchange of the step it dies at. The
+survivors 0 - 1 - 3 form a path, whose Metropolis-Hastings weights keep their replicas apart."""
+
+
+class DiesAt(Tiny):
+    """Rank `dies` (of the start) kills itself (`SIGKILL`) when optimizer step `at` starts."""
+
+    def __init__(self, dies: int, at: int) -> None:
+        super().__init__()
+        self.dies, self.at = dies, at
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.strategy.first_rank == self.dies and self.global_step == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def survive(
+    rank: int, world_size: int, shard_size: int, dies: int, at: int, steps: int, union: int = 1
+) -> dict[str, Any] | str:
+    """ATC on `SURVIVAL_GRAPH` with `on_peer_failure="continue"`; rank `dies` is killed when step `at` starts. A
+    survivor's whole parameters, decisions, world size and steps; a rank that stops, its error (type and message)."""
+    strategy = DecentralizedStrategy(
+        shard_size=shard_size,
+        topology=SURVIVAL_GRAPH,
+        combine="atc",
+        on_peer_failure="continue",
+        timeout=timedelta(seconds=30),
+    )
+    model = DiesAt(dies, at)
+    trainer = trainer_for(world_size, strategy, max_steps=steps)
+    try:
+        trainer.fit(model, train_dataloaders=loader(rank, steps, union))
+    except RuntimeError as error:
+        return f"{type(error).__name__}: {error}"
+    parameters = dict(model.named_parameters())
+    whole = strategy.sharding.full_tensors(parameters) if strategy.sharding is not None else parameters
+    return {
+        "parameters": torch.cat([p.detach().reshape(-1) for p in whole.values()]),
+        "decisions": [d.__dict__ for d in strategy.failures_survived],
+        "world_size": trainer.world_size,
+        "global_step": trainer.global_step,
+    }

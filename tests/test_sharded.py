@@ -21,7 +21,6 @@ from tests.helpers import run_distributed, start_processes
     ("options", "fix"),
     [
         (dict(staleness=1), "use staleness=0"),
-        (dict(on_peer_failure="continue"), "use on_peer_failure='stop'"),
         (dict(topology="hierarchical"), "use a flat topology"),
     ],
 )
@@ -29,6 +28,11 @@ def test_what_does_not_compose_is_refused_naming_the_fix(options, fix):
     with pytest.raises(ValueError, match=fix):
         GossipOptions(shard_size=2, **options)
     GossipOptions(shard_size=1, **options)  # unsharded: as before
+
+
+def test_rejoin_is_refused_with_sharded_replicas_naming_why_and_the_fix():
+    with pytest.raises(ValueError, match=r"come back as 2 ranks at once.*Use rejoin=False"):
+        DecentralizedStrategy(shard_size=2, on_peer_failure="continue", rejoin=True)
 
 
 def test_shard_size_is_a_positive_integer():
@@ -99,6 +103,13 @@ def test_the_effective_learning_rate_over_sharded_replicas_equals_the_unsharded_
 
 
 @pytest.mark.slow
+def test_clipping_by_norm_is_refused_with_sharded_replicas_that_survive_failures():
+    with pytest.raises(RuntimeError, match="Clip by value"):
+        run_distributed(sharded_workers.fit_clipped, world_size=2, timeout=120, algorithm="norm")
+    run_distributed(sharded_workers.fit_clipped, world_size=2, timeout=120, algorithm="value")
+
+
+@pytest.mark.slow
 def test_a_module_sharded_on_another_mesh_is_refused_naming_the_fix():
     with pytest.raises(RuntimeError, match=r"device_mesh\['shard'\]"):
         run_distributed(sharded_workers.fit_own_mesh, world_size=2, timeout=120)
@@ -139,3 +150,51 @@ def test_a_rank_that_fails_stops_every_rank_within_the_timeout(tmp_path):
         assert status == "error", f"rank {rank} finished"
         if rank == 1:
             assert "fails on purpose" in value
+
+
+@pytest.mark.slow
+def test_a_replica_that_loses_a_rank_leaves_whole_and_the_others_go_on_as_unsharded_survivors(tmp_path):
+    """on_peer_failure="continue", ATC, 4 replicas of 2 ranks: rank 5 (shard 1 of replica 2) is killed when step 3 of
+    8 starts. Its replica's other rank, 4, stops with ReplicaLost naming rank 5; replicas 0, 1 and 3 agree on step 3,
+    keep their FSDP groups and go on as 6 ranks over their own graph, and end where 4 unsharded workers on the union of
+    a replica's batches end when worker 2 is killed at the same step."""
+    kwargs = dict(at=3, steps=8)
+    sharded = _every_rank_exits(sharded_workers.survive, 8, tmp_path / "sharded", shard_size=2, dies=5, **kwargs)
+    workers = _every_rank_exits(
+        sharded_workers.survive, 4, tmp_path / "workers", shard_size=1, union=2, dies=2, **kwargs
+    )
+    assert [code for code, _ in sharded] == [0, 0, 0, 0, 0, -9, 0, 0]
+    assert [code for code, _ in workers] == [0, 0, -9, 0]
+    stopped = sharded[4][1]
+    assert stopped.startswith("ReplicaLost: Rank 4 stops: its replica (ranks 4 to 5) lost rank 5 after step 3"), stopped
+    decision = {"generation": 1, "members": (0, 1, 2, 3, 6, 7), "survivors": (0, 1, 2, 3, 6, 7), "lost": (4, 5)}
+    reference = {0: workers[0][1], 1: workers[1][1], 3: workers[3][1]}
+    for rank in (0, 1, 2, 3, 6, 7):
+        run = sharded[rank][1]
+        assert [{**d, "step": None} for d in run["decisions"]] == [{**decision, "step": None}], run["decisions"]
+        assert run["decisions"][0]["step"] == reference[0]["decisions"][0]["step"] == 3
+        assert (run["world_size"], run["global_step"]) == (6, 8)
+        torch.testing.assert_close(run["parameters"], reference[rank // 2]["parameters"], rtol=0, atol=1e-6)
+    spread = (reference[0]["parameters"] - reference[1]["parameters"]).abs().max()
+    assert spread > 1e-3, "the survivors should differ, or the test shows nothing"
+
+
+def _every_rank_exits(fn, world_size, out, **kwargs):
+    """Each rank's exit code and result; a rank's death does not end the others, every process is bounded."""
+    out.mkdir()
+    procs = start_processes(fn, world_size, str(out), **kwargs)
+    deadline = time.monotonic() + 240
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} still running"
+    results = []
+    for rank, p in enumerate(procs):
+        path = out / f"{rank}.pkl"
+        status, value = pickle.loads(path.read_bytes()) if path.exists() else ("ok", None)
+        assert status == "ok", value
+        results.append((p.exitcode, value))
+    return results

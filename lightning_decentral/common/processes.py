@@ -14,7 +14,7 @@ import secrets
 import signal
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_only,
 
 from lightning_decentral.agreement import Activities, Ranks
 from lightning_decentral.driver import StepDriver
+from lightning_decentral.failures import PeerFailure
 from lightning_decentral.membership import Decision, Join, Membership, Survivors
 from lightning_decentral.membership.rejoin import refuse_after_the_run, refuse_new_rank, run_in_progress
 from lightning_decentral.membership.report import losses, says_losses, survivor_metrics
@@ -33,6 +34,7 @@ from lightning_decentral.rendezvous import LeftOut, connect, job_token, rejoin_s
 from lightning_decentral.sharding import Sharding
 
 log = logging.getLogger(__name__)
+Result = TypeVar("Result")
 
 
 def init_default_group(
@@ -168,7 +170,8 @@ class Processes:
         workers lost so far), for a logger; else nothing."""
         if self.survivors is None:
             return {}
-        return survivor_metrics(self.survivors.start_topology.world_size, world_size)
+        shard_size = self.sharding.shard_size if self.sharding is not None else 1
+        return survivor_metrics(self.survivors.start_topology.world_size, world_size // shard_size)
 
     # -- the process group and the exchange ----------------------------------------------------------------------
 
@@ -257,14 +260,46 @@ class Processes:
             rank_zero_warn(LIGHTNING_LAUNCHER)
             return None
         run = int(agreed[0, 0])
-        min_workers = self.options.min_workers_for(ranks.world_size)
         rejoin = (self.join_margin, job_token() or "") if self.rejoins and self.join_margin is not None else None
+        sharding = self.sharding  # a worker is a replica of shard_size ranks, lost whole, mixing on its columns
+        shard_size = sharding.shard_size if sharding is not None else 1
+        exchange_group = (
+            (lambda: sharding.regroup(dist.get_world_size(), self.timeout)) if sharding is not None else None
+        )
         survivors, warning = Survivors.start(
-            self.driver, run, min_workers, backend, self.timeout, self.on_survivors, rejoin, self.handover
+            self.driver,
+            run,
+            self.options.min_workers_for(ranks.world_size // shard_size),
+            backend,
+            self.timeout,
+            self.on_survivors,
+            rejoin,
+            self.handover,
+            shard_size,
+            exchange_group,
         )
         if warning:
             rank_zero_warn(warning)
         return survivors
+
+    def in_replica(self, step: int, body: Callable[[], Result]) -> Result:
+        """`body()`: this rank's forward or backward at optimizer step `step`, in which FSDP's collectives run inside
+        its replica (sharded replicas). With `on_peer_failure="continue"`, a backend error there (a rank of the
+        replica died: gloo's `Connection closed by peer`, or the timeout) has the survivors agree first: a replica
+        goes on only whole, so they leave this one out and this rank stops with
+        [`ReplicaLost`][lightning_decentral.membership.ReplicaLost], naming the rank its replica lost. If they keep
+        it (the error was no peer's), the error is raised as it is."""
+        survivors = self.survivors
+        if self.sharding is None or survivors is None:
+            return body()
+        try:
+            return body()
+        except RuntimeError as error:
+            if isinstance(error, PeerFailure) or survivors.alone:
+                raise
+            failure = PeerFailure(f"FSDP's collectives inside this rank's replica failed at step {step}: {error}")
+            survivors.survive(step, failure)  # raises ReplicaLost when a rank of this replica is lost
+            raise
 
     def start_activities(self) -> Activities:
         """Publish what each rank does from now on, among the ranks of the default group (every rank together)."""

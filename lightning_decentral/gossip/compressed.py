@@ -94,10 +94,10 @@ class CompressedGossip(Watched):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.choco.load_state_dict(state)
 
-    def rebind(self, topology: Topology) -> None:
+    def rebind(self, topology: Topology, group: dist.ProcessGroup | None = None) -> None:
         """[`Gossip.rebind`][lightning_decentral.gossip.Gossip.rebind]; every public copy is forgotten (every rank
         rebinds together, so both ends of every edge start again from zero)."""
-        self.gossip.rebind(topology)
+        self.gossip.rebind(topology, group)
         self.choco.rebind(self.gossip.rank)
         self._receive = {}
 

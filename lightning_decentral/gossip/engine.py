@@ -71,9 +71,7 @@ class Gossip(Watched):
                 f"The topology is bound to {topology.world_size} ranks but the process group has "
                 f"{size}; bind it to the group's size."
             )
-        world = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(world)
-        self._global = [dist.get_global_rank(world, r) for r in range(size)]  # P2P ops take global ranks
+        world = self._on(group)
         self._receive: dict[tuple[int, int], Tensor] = {}
         self._wire: dict[int, Tensor] = {}  # low precision: q per buffer index (tag + b)
         self._scratch: dict[tuple[torch.device, torch.dtype], Tensor] = {}
@@ -90,20 +88,26 @@ class Gossip(Watched):
         if self.transport == "broadcast":
             self._edge_groups = _pair_groups(self.topology, self._global, self.rank, self.group, self._timeout)
 
-    def rebind(self, topology: Topology) -> None:
-        """Mix with `topology` from now on, on the default process group: the survivors of a failure, after they
-        replaced it by theirs (every survivor calls it together). The subgroups of the old group are gone with it;
-        exchanges of the old generation still in flight are discarded when waited for."""
-        if dist.get_world_size() != topology.world_size:
-            raise ValueError(
-                f"The survivors' topology has {topology.world_size} ranks, their process group {dist.get_world_size()}."
-            )
+    def _on(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+        """Talk on `group` (`None`: the default group): this rank's rank in it and the global rank of each of its
+        ranks (P2P ops take global ranks); returns the group."""
+        world = group if group is not None else dist.group.WORLD
+        self.group = group
+        self.rank = dist.get_rank(world)
+        self._global = [dist.get_global_rank(world, r) for r in range(dist.get_world_size(world))]
+        return world
+
+    def rebind(self, topology: Topology, group: dist.ProcessGroup | None = None) -> None:
+        """Mix with `topology` from now on, on `group` of the survivors' default process group (`None`: that group
+        itself): the survivors of a failure, after they replaced the default group by theirs (every survivor calls it
+        together; sharded replicas pass the survivors' group of this rank's mesh column). The subgroups of the old
+        group are gone with it; exchanges of the old generation still in flight are discarded when waited for."""
+        size = dist.get_world_size(group)
+        if size != topology.world_size:
+            raise ValueError(f"The survivors' topology has {topology.world_size} ranks, their process group {size}.")
         self.topology = topology
-        self.group = None
-        self.rank = dist.get_rank()
-        self._global = list(range(topology.world_size))
         self.generation += 1
-        self._subgroups(dist.group.WORLD)
+        self._subgroups(self._on(group))
 
     def groups(self) -> list[dist.ProcessGroup]:
         """The process groups the engine talks on besides the default one (its own, and its subgroups)."""

@@ -32,7 +32,7 @@ exchange, take local steps up to it, and mix from the next step on with the topo
 """
 
 from lightning_decentral.membership.groups import poison, rebuild_world
-from lightning_decentral.membership.protocol import Decision, Excluded, Join, Membership, TooFewWorkers
+from lightning_decentral.membership.protocol import Decision, Excluded, Join, Membership, ReplicaLost, TooFewWorkers
 from lightning_decentral.membership.store import LAUNCHER_KEY, GuardedStore, StoreLost, store_client, store_host
 from lightning_decentral.membership.survivors import Survivors, form_for_save
 
@@ -43,6 +43,7 @@ __all__ = [
     "GuardedStore",
     "Join",
     "Membership",
+    "ReplicaLost",
     "StoreLost",
     "Survivors",
     "TooFewWorkers",

@@ -27,6 +27,11 @@ class Excluded(RuntimeError):
     or silent past the timeout)."""
 
 
+class ReplicaLost(Excluded):
+    """With sharded replicas: a rank of this rank's replica failed, and a replica goes on only whole (FSDP's process
+    group inside it cannot be rebuilt without that rank), so the other replicas went on without this one."""
+
+
 class TooFewWorkers(RuntimeError):
     """Fewer workers survive than `min_workers`: the run stops on every survivor."""
 
@@ -86,6 +91,10 @@ class Membership:
         min_workers: below this many survivors, [`agree`][lightning_decentral.membership.Membership.agree] raises
             [`TooFewWorkers`][lightning_decentral.membership.TooFewWorkers] on every survivor.
         toward: the store's host: the beacon's address is this machine's on the route to it.
+        replica_size: the ranks of one worker (sharded replicas: ranks `g·s … g·s+s−1` of the start hold worker
+            `g`), which survive or are lost together: a member whose replica lost a rank is not waited for and is
+            left out of the decision (it stops with [`ReplicaLost`][lightning_decentral.membership.ReplicaLost]);
+            `min_workers` counts replicas.
     """
 
     def __init__(
@@ -98,8 +107,10 @@ class Membership:
         silence: float,
         min_workers: int,
         toward: str | None = None,
+        replica_size: int = 1,
     ) -> None:
         self.store = store
+        self.replica_size = replica_size
         self._connect = connect
         self.run = run
         self.prefix = f"lightning_decentral/{run}"
@@ -327,14 +338,32 @@ class Membership:
             return broken and self.silent_for(member) > CONFIRM
 
         missing = [m for m in self.members if m not in joined]
-        if not all(lost(m) for m in missing):
+        failed = [m for m in missing if lost(m)]
+        broken_replicas = {self.replica_of(m) for m in failed}
+        if any(m not in failed and self.replica_of(m) not in broken_replicas for m in missing):
             return None
-        return {"members": sorted(joined), "lost": missing, "step": max(joined.values())}
+        out = [m for m in self.members if self.replica_of(m) in broken_replicas]  # a replica is lost whole
+        members = [m for m in sorted(joined) if m not in out]
+        proposal = {"members": members, "lost": out, "step": max(joined[m] for m in members) if members else 0}
+        return {**proposal, "failed": failed} if self.replica_size > 1 else proposal
+
+    def replica_of(self, member: int) -> int:
+        """The worker (replica) member `member` (a rank of the start) holds a part of."""
+        return member // self.replica_size
 
     def adopt(self, decided: dict[str, Any]) -> Decision:
         """Take up the decision written for this generation (a dict as the store holds it): the next generation's
         members. Raises `Excluded` if this rank is not one of them, `TooFewWorkers` if fewer than `min_workers` are."""
         if self.first_rank not in decided["members"]:
+            mates = [m for m in decided.get("failed", ()) if self.replica_of(m) == self.replica_of(self.first_rank)]
+            if mates and self.first_rank not in mates:
+                first = self.replica_of(self.first_rank) * self.replica_size
+                raise ReplicaLost(
+                    f"Rank {self.first_rank} stops: its replica (ranks {first} to {first + self.replica_size - 1}) "
+                    f"lost rank {mates[0]} after step {decided['step']}, and a replica goes on only whole (FSDP's "
+                    "process group inside it cannot be rebuilt without that rank). The other replicas go on without "
+                    "it; resume the whole run from a checkpoint to train it again."
+                ) from None
             raise Excluded(
                 f"The other ranks went on without rank {self.first_rank} after step {decided['step']}: it did not join "
                 f"their agreement in time (silent for more than {CONFIRM} s after a connection to it broke, or for "
@@ -359,7 +388,7 @@ class Membership:
         self.generation = decision.generation
         self.decisions.append(decision)
         keep_out(self.store, self.left_out)  # at once, not at the next heartbeat: a lost rank started now sees it
-        if len(self.members) < self.min_workers:
+        if len(self.members) // self.replica_size < self.min_workers:
             # the run ends here: let every survivor read the decision before any leaves (one may host the store, and
             # it leaves only once every survivor has read it: a store gone meanwhile means they all have)
             since = time.monotonic()
@@ -370,9 +399,10 @@ class Membership:
                 except StoreLost:
                     break
             raise TooFewWorkers(
-                f"Only {len(self.members)} workers are left after step {decision.step} (ranks {list(decision.members)} "
-                f"of the start; lost: {list(decision.lost)}), fewer than min_workers={self.min_workers}: the run stops "
-                "on every survivor. Lower min_workers to go on with fewer, or resume from the last checkpoint."
+                f"Only {len(self.members) // self.replica_size} workers are left after step {decision.step} (ranks "
+                f"{list(decision.members)} of the start; lost: {list(decision.lost)}), fewer than "
+                f"min_workers={self.min_workers}: the run stops on every survivor. Lower min_workers to go on with "
+                "fewer, or resume from the last checkpoint."
             ) from None  # the failure this rank saw first adds nothing: one traceback
         return decision
 

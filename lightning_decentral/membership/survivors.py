@@ -29,7 +29,7 @@ class Keeper(Protocol):
 
     def keep(self, members: Any, first_step: int, of: Any = None) -> None: ...
 
-    def rebind_mixers(self) -> None: ...
+    def rebind_mixers(self, group: Any = None) -> None: ...
 
     @property
     def mixers(self) -> list[Any]: ...
@@ -74,6 +74,9 @@ class Survivors:
         on_change: called with each decision, once the survivors' group exists.
         joins: with `rejoin=True`, the members' watch for ranks asking to rejoin.
         handover: the state a source hands to a rank that rejoins (the executor's: replica, optimizer, loop).
+        exchange_group: with sharded replicas (the membership's `replica_size` above 1, whole replicas survive), once
+            the survivors' group exists (every survivor together): the group of this rank's mesh column among them,
+            which the mixers are rebound on (`None`: they mix on the survivors' group itself).
     """
 
     def __init__(
@@ -85,8 +88,10 @@ class Survivors:
         on_change: Callable[[Decision], None] = lambda decision: None,
         joins: Joins | None = None,
         handover: Callable[[], Any] | None = None,
+        exchange_group: Callable[[], Any] | None = None,
     ) -> None:
         self.membership = membership
+        self.exchange_group = exchange_group
         self.driver = driver
         self.backend = backend
         self.timeout = timeout
@@ -112,17 +117,23 @@ class Survivors:
         on_change: Callable[[Decision], None],
         rejoin: tuple[Callable[[], int], str] | None = None,
         handover: Callable[[], Any] | None = None,
+        replica_size: int = 1,
+        exchange_group: Callable[[], Any] | None = None,
     ) -> tuple[Survivors, str]:
         """This rank's survivors of run `run` (a number the same on every rank and new to the store), its heartbeat
         beating; and, if the job's store cannot outlive a worker, why (a warning for the executor to give). With
         `rejoin` (the join margin, the job's token: [`job_token`][lightning_decentral.rendezvous.job_token]), lost
-        ranks started again may rejoin: what they need is published, and every step looks for them."""
+        ranks started again may rejoin: what they need is published, and every step looks for them. With
+        `replica_size` above 1 (sharded replicas), a worker is that many ranks, lost or kept together, and
+        `min_workers` counts them; `exchange_group` as for the class."""
         store = cls._store(timeout)
         outlives, words = store_host(store)
-        membership = cls._membership(store, f"{run:x}", dist.get_rank(), dist.get_world_size(), min_workers, timeout)
+        membership = cls._membership(
+            store, f"{run:x}", dist.get_rank(), dist.get_world_size(), min_workers, timeout, replica_size
+        )
         membership.start()
         joins = Joins(membership, rejoin[0]) if rejoin is not None else None
-        survivors = cls(membership, driver, backend, timeout, on_change, joins, handover)
+        survivors = cls(membership, driver, backend, timeout, on_change, joins, handover, exchange_group)
         survivors.published = {"rejoin": True, "token": rejoin[1]} if rejoin is not None else {"rejoin": False}
         publish(store, membership, **survivors.published)
         warning = (
@@ -182,7 +193,13 @@ class Survivors:
 
     @staticmethod
     def _membership(
-        store: GuardedStore, run: str, rank: int, size: int, min_workers: int, timeout: timedelta
+        store: GuardedStore,
+        run: str,
+        rank: int,
+        size: int,
+        min_workers: int,
+        timeout: timedelta,
+        replica_size: int = 1,
     ) -> Membership:
         return Membership(
             store,
@@ -193,6 +210,7 @@ class Survivors:
             silence=timeout.total_seconds(),
             min_workers=min_workers,
             toward=os.environ.get("MASTER_ADDR"),
+            replica_size=replica_size,
         )
 
     @property
@@ -226,7 +244,8 @@ class Survivors:
         decision = self.membership.agree(
             step, reason, broken, any_broken=not broken and not isinstance(failure, Abandoned)
         )
-        self.driver.keep(decision.survivors, decision.step + 1)
+        size = self.membership.replica_size  # whole replicas survive: each one's first rank stands for it
+        self.driver.keep([position // size for position in decision.survivors[::size]], decision.step + 1)
         log.warning(decision_line(decision, self.membership.first_rank, self.driver.topology))  # on every survivor
         alone(self.backend, self.timeout)
         self.pending = decision
@@ -265,7 +284,7 @@ class Survivors:
                 self._agree(decision.step + 1, failure)
                 continue
             self.pending = None
-            self.driver.rebind_mixers()
+            self.driver.rebind_mixers(self.exchange_group() if self.exchange_group is not None else None)
             self.on_change(decision)
             if self.pending is not None:  # a failure in on_change was survived: its decision replaced this one, and
                 return  # its group is made when its step begins (nobody is handed this decision's state)

@@ -52,7 +52,6 @@ from lightning_decentral.rules import RuleContext
 from lightning_decentral.sharding import (
     Sharding,
     check_same_sharding,
-    full_tensors,
     local_tensors,
     sharded_optimizer_state,
 )
@@ -143,6 +142,13 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             raise ValueError(
                 "rejoin=True lets a lost rank rejoin the survivors of a failure: pass on_peer_failure='continue' with "
                 "it."
+            )
+        if rejoin and gossip.shard_size > 1:
+            raise ValueError(
+                f"rejoin=True with shard_size={gossip.shard_size}: a lost replica would have to come back as "
+                f"{gossip.shard_size} ranks at once, into a new FSDP process group of its own, while the members train "
+                "on, which is not built. Use rejoin=False: on_peer_failure='continue' lets the other replicas go on "
+                "without it, and a restart from the newest complete checkpoint trains every replica again."
             )
         driver = StepDriver(gossip, epoch=self._epoch)  # bound to the world size with the launcher
         sharding = Sharding(gossip.shard_size) if gossip.shard_size > 1 else None
@@ -270,6 +276,8 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
     def setup(self, trainer: Trainer) -> None:
         """Runs before fit, validate, test or predict: the replicas, then (fitting) the update rule and the stop
         agreement that replaces Lightning's per-batch SIGTERM broadcast."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_clipping(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.world_size > 1:
             self._agree_on_stops(trainer)  # before this fit's first collective
         super().setup(trainer)  # fitting: calls configure_ddp, then builds the optimizers
@@ -290,6 +298,19 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
             )
             assert self._replica is not None and self._mixer is not None
             self.driver.build_rule(self._replica, self._mixer, self.optimizers, context)
+
+    def _check_clipping(self, trainer: Trainer) -> None:
+        """Sharded replicas surviving failures: refuse clipping by norm, whose norm DTensor reduces on the device
+        mesh's groups by name, which are gone once the survivors regroup
+        ([`Sharding.regroup`][lightning_decentral.sharding.Sharding.regroup])."""
+        norm = trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value"
+        if self.sharding is not None and self.options.on_peer_failure == "continue" and norm:
+            raise ValueError(
+                f"gradient_clip_val={trainer.gradient_clip_val} clips by the norm of the sharded gradients, which "
+                "DTensor sums on the device mesh's process groups; with shard_size > 1 and on_peer_failure='continue' "
+                "those are gone once the survivors of a failure regroup. Clip by value "
+                "(gradient_clip_algorithm='value'), or use on_peer_failure='stop'."
+            )
 
     @override
     def setup_distributed(self) -> None:
@@ -362,10 +383,24 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The module's `training_step`; `gossip/bytes_sent` (this rank's bytes so far) is logged too."""
-        output = super().training_step(*args, **kwargs)
+        """The module's `training_step`; `gossip/bytes_sent` (this rank's bytes so far) is logged too. With sharded
+        replicas surviving failures, a rank of this replica lost in its forward stops this rank
+        ([`in_replica`][lightning_decentral.common.processes.Processes.in_replica])."""
+        step = self.lightning_module.trainer.global_step
+        output = self.processes.in_replica(
+            step, lambda: super(DecentralizedStrategy, self).training_step(*args, **kwargs)
+        )
         self.lightning_module.log_dict(self.driver.bytes_metrics(), on_step=True, on_epoch=False)
         return output
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward; with sharded replicas surviving failures, a rank of this replica lost in it stops this
+        rank ([`in_replica`][lightning_decentral.common.processes.Processes.in_replica])."""
+        step = self.lightning_module.trainer.global_step
+        return self.processes.in_replica(
+            step, lambda: super(DecentralizedStrategy, self).backward(closure_loss, optimizer, *args, **kwargs)
+        )
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -481,14 +516,14 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         ([`form_for_save`][lightning_decentral.membership.form_for_save])."""
         form_for_save(self.processes.survivors)
         state = super().lightning_module_state_dict()
-        return full_tensors(state) if self.sharding is not None else state
+        return self.sharding.full_tensors(state) if self.sharding is not None else state
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """Runs when a checkpoint is saved, on every rank: the optimizer state averaged over the replicas
         (`ReplicaStrategy`'s); with sharded replicas gathered whole, as the checkpoint file holds it."""
         state = super().optimizer_state(optimizer)
-        return full_tensors(state) if self.sharding is not None else state
+        return self.sharding.full_tensors(state) if self.sharding is not None else state
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
