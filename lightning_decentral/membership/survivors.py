@@ -280,11 +280,12 @@ class Survivors:
             decision = self.pending
             try:
                 self.membership.form_group(self.backend, self.timeout)
+                group = self._exchange_group()
             except PeerFailure as failure:
                 self._agree(decision.step + 1, failure)
                 continue
             self.pending = None
-            self.driver.rebind_mixers(self.exchange_group() if self.exchange_group is not None else None)
+            self.driver.rebind_mixers(group)
             self.on_change(decision)
             if self.pending is not None:  # a failure in on_change was survived: its decision replaced this one, and
                 return  # its group is made when its step begins (nobody is handed this decision's state)
@@ -294,6 +295,13 @@ class Survivors:
             except PeerFailure as failure:  # the rank that rejoins failed before it took the state over: a failure
                 self._agree(decision.step + 1, failure)  # survived, whose group is made when its step begins
                 return
+
+    def _exchange_group(self) -> Any:
+        """The group the mixers are rebound on (`exchange_group`'s, made by every survivor together), or `None`."""
+        if self.exchange_group is None:
+            return None
+        with peers_answer("Making the survivors' groups of the replicas' mesh columns", "a survivor"):
+            return self.exchange_group()
 
     def _hand_over(self, decision: Decision) -> None:
         """This member is the source of a rank that rejoins with `decision`: hand it this rank's state."""
