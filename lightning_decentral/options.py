@@ -128,8 +128,8 @@ class GossipOptions:
             "Compressed gossip"). Kept as the value used.
         shard_size: `s`, the ranks of one replica (the Trainer's strategy only): `n = r·s` ranks form `r` replicas of
             `s` consecutive ranks, FSDP2 shards each replica over its ranks and the rule runs across the `r` replicas
-            on the local shards (docs/sharded.md). 1: every rank is a replica. Not with `staleness`,
-            `on_peer_failure="continue"` or a `Hierarchical` topology.
+            on the local shards (docs/sharded.md). 1: every rank is a replica. Not with `staleness` or a
+            `Hierarchical` topology; with `on_peer_failure="continue"` a replica that loses a rank leaves whole.
 
     Examples:
         >>> options = GossipOptions(combine="atc", gossip_steps={"epoch": {0: 4, 5: 1}}, gossip_dtype="bfloat16")
