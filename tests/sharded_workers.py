@@ -279,10 +279,11 @@ class DiesAt(Tiny):
 
 
 def survive(
-    rank: int, world_size: int, shard_size: int, dies: int, at: int, steps: int, union: int = 1
+    rank: int, world_size: int, shard_size: int, dies: int, at: int, steps: int, save_to: str, union: int = 1
 ) -> dict[str, Any] | str:
-    """ATC on `SURVIVAL_GRAPH` with `on_peer_failure="continue"`; rank `dies` is killed when step `at` starts. A
-    survivor's whole parameters, decisions, world size and steps; a rank that stops, its error (type and message)."""
+    """ATC on `SURVIVAL_GRAPH` with `on_peer_failure="continue"`; rank `dies` is killed when step `at` starts; the
+    survivors then measure the consensus distance and save a checkpoint to `save_to`. A survivor's whole parameters,
+    decisions, world size, steps and consensus distance; a rank that stops, its error (type and message)."""
     strategy = DecentralizedStrategy(
         shard_size=shard_size,
         topology=SURVIVAL_GRAPH,
@@ -298,9 +299,12 @@ def survive(
         return f"{type(error).__name__}: {error}"
     parameters = dict(model.named_parameters())
     whole = strategy.sharding.full_tensors(parameters) if strategy.sharding is not None else parameters
+    consensus = consensus_distance(strategy)["distance"]
+    trainer.save_checkpoint(save_to)
     return {
         "parameters": torch.cat([p.detach().reshape(-1) for p in whole.values()]),
         "decisions": [d.__dict__ for d in strategy.failures_survived],
         "world_size": trainer.world_size,
         "global_step": trainer.global_step,
+        "consensus": consensus,
     }

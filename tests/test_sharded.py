@@ -157,11 +157,22 @@ def test_a_replica_that_loses_a_rank_leaves_whole_and_the_others_go_on_as_unshar
     """on_peer_failure="continue", ATC, 4 replicas of 2 ranks: rank 5 (shard 1 of replica 2) is killed when step 3 of
     8 starts. Its replica's other rank, 4, stops with ReplicaLost naming rank 5; replicas 0, 1 and 3 agree on step 3,
     keep their FSDP groups and go on as 6 ranks over their own graph, and end where 4 unsharded workers on the union of
-    a replica's batches end when worker 2 is killed at the same step."""
+    a replica's batches end when worker 2 is killed at the same step: the same replicas, consensus distance, and x̄ in
+    the checkpoint they save after it."""
+    files = {name: str(tmp_path / f"{name}.ckpt") for name in ("sharded", "workers")}
     kwargs = dict(at=3, steps=8)
-    sharded = _every_rank_exits(sharded_workers.survive, 8, tmp_path / "sharded", shard_size=2, dies=5, **kwargs)
+    sharded = _every_rank_exits(
+        sharded_workers.survive, 8, tmp_path / "sharded", shard_size=2, dies=5, save_to=files["sharded"], **kwargs
+    )
     workers = _every_rank_exits(
-        sharded_workers.survive, 4, tmp_path / "workers", shard_size=1, union=2, dies=2, **kwargs
+        sharded_workers.survive,
+        4,
+        tmp_path / "workers",
+        shard_size=1,
+        union=2,
+        dies=2,
+        save_to=files["workers"],
+        **kwargs,
     )
     assert [code for code, _ in sharded] == [0, 0, 0, 0, 0, -9, 0, 0]
     assert [code for code, _ in workers] == [0, 0, -9, 0]
@@ -175,6 +186,11 @@ def test_a_replica_that_loses_a_rank_leaves_whole_and_the_others_go_on_as_unshar
         assert run["decisions"][0]["step"] == reference[0]["decisions"][0]["step"] == 3
         assert (run["world_size"], run["global_step"]) == (6, 8)
         torch.testing.assert_close(run["parameters"], reference[rank // 2]["parameters"], rtol=0, atol=1e-6)
+        torch.testing.assert_close(run["consensus"], reference[0]["consensus"], rtol=1e-5, atol=1e-8)
+    x_bar = torch.stack([reference[r]["parameters"] for r in (0, 1, 3)]).mean(0)
+    for path in files.values():  # the file's state_dict: x̄ of the surviving replicas, whole
+        state = torch.load(path, weights_only=True)["state_dict"]
+        torch.testing.assert_close(torch.cat([t.reshape(-1) for t in state.values()]), x_bar, rtol=0, atol=1e-6)
     spread = (reference[0]["parameters"] - reference[1]["parameters"]).abs().max()
     assert spread > 1e-3, "the survivors should differ, or the test shows nothing"
 
