@@ -279,15 +279,23 @@ class DiesAt(Tiny):
 
 
 def survive(
-    rank: int, world_size: int, shard_size: int, dies: int, at: int, steps: int, save_to: str, union: int = 1
+    rank: int,
+    world_size: int,
+    shard_size: int,
+    dies: int,
+    at: int,
+    steps: int,
+    save_to: str,
+    union: int = 1,
+    combine: str = "atc",
 ) -> dict[str, Any] | str:
-    """ATC on `SURVIVAL_GRAPH` with `on_peer_failure="continue"`; rank `dies` is killed when step `at` starts; the
+    """`combine` on `SURVIVAL_GRAPH` with `on_peer_failure="continue"`; rank `dies` is killed when step `at` starts; the
     survivors then measure the consensus distance and save a checkpoint to `save_to`. A survivor's whole parameters,
     decisions, world size, steps and consensus distance; a rank that stops, its error (type and message)."""
     strategy = DecentralizedStrategy(
         shard_size=shard_size,
         topology=SURVIVAL_GRAPH,
-        combine="atc",
+        combine=combine,
         on_peer_failure="continue",
         timeout=timedelta(seconds=30),
     )

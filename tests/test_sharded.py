@@ -195,6 +195,31 @@ def test_a_replica_that_loses_a_rank_leaves_whole_and_the_others_go_on_as_unshar
     assert spread > 1e-3, "the survivors should differ, or the test shows nothing"
 
 
+@pytest.mark.slow
+def test_with_awc_the_ranks_of_a_replica_that_complete_different_exchanges_are_not_left_behind(tmp_path):
+    """AWC posts x(3) before the forward, so the lost replica's rank 4 sends its shard of x(3) before it stops: the
+    mesh column of rank 4 may complete exchange 3 while the other fails it. A rank of column 0 then runs on into step
+    4's forward and waits there, in FSDP's collective, for its replica's rank of column 1, which is in the agreement:
+    the agreement takes it to be in step 4 (it does not wait past the timeout for it and lose its replica). Every
+    healthy replica stays, all agree on one step, finish the 8 steps as 6 ranks, and save x̄ of their replicas."""
+    path = str(tmp_path / "awc.ckpt")
+    runs = _every_rank_exits(
+        sharded_workers.survive, 8, tmp_path / "out", shard_size=2, dies=5, at=3, steps=8, save_to=path, combine="awc"
+    )
+    assert [code for code, _ in runs] == [0, 0, 0, 0, 0, -9, 0, 0]
+    assert runs[4][1].startswith("ReplicaLost: Rank 4 stops: its replica (ranks 4 to 5) lost rank 5 after step"), runs[
+        4
+    ]
+    survivors = [runs[rank][1] for rank in (0, 1, 2, 3, 6, 7)]
+    decisions = survivors[0]["decisions"]
+    assert len(decisions) == 1 and decisions[0]["members"] == (0, 1, 2, 3, 6, 7) and decisions[0]["step"] in (3, 4)
+    for run in survivors:
+        assert run["decisions"] == decisions and (run["world_size"], run["global_step"]) == (6, 8)
+    x_bar = torch.stack([run["parameters"] for run in survivors[::2]]).mean(0)
+    state = torch.load(path, weights_only=True)["state_dict"]
+    torch.testing.assert_close(torch.cat([t.reshape(-1) for t in state.values()]), x_bar, rtol=0, atol=1e-6)
+
+
 def _every_rank_exits(fn, world_size, out, **kwargs):
     """Each rank's exit code and result; a rank's death does not end the others, every process is bounded."""
     out.mkdir()

@@ -20,6 +20,7 @@ from lightning_decentral.rendezvous import GuardedStore, StoreLost, keep_out
 HEARTBEAT = 0.1  # seconds between two heartbeats of a rank
 POLL = 0.01  # seconds between two looks at the store while agreeing
 CONFIRM = 0.5  # seconds of silence that make a member lost once a connection to it broke
+IN_NEXT_STEP = 2.0  # seconds after which a rank of a replica that joined, not lost, is taken to be in the next step
 
 
 class Excluded(RuntimeError):
@@ -340,12 +341,28 @@ class Membership:
         missing = [m for m in self.members if m not in joined]
         failed = [m for m in missing if lost(m)]
         broken_replicas = {self.replica_of(m) for m in failed}
+        if self.replica_size > 1 and waited > IN_NEXT_STEP:
+            joined.update(self._in_next_step(joined, [m for m in missing if self.replica_of(m) not in broken_replicas]))
+            missing = [m for m in missing if m not in joined]
         if any(m not in failed and self.replica_of(m) not in broken_replicas for m in missing):
             return None
         out = [m for m in self.members if self.replica_of(m) in broken_replicas]  # a replica is lost whole
         members = [m for m in sorted(joined) if m not in out]
         proposal = {"members": members, "lost": out, "step": max(joined[m] for m in members) if members else 0}
         return {**proposal, "failed": failed} if self.replica_size > 1 else proposal
+
+    def _in_next_step(self, joined: dict[int, int], missing: list[int]) -> dict[int, int]:
+        """The members of `missing` (alive) a rank of whose replica joined (`joined`: member -> step), each with the
+        step after the largest its replica joined with: a rank that joined with step `k` has run step `k`'s forward
+        and backward, whose FSDP collectives its replica's other ranks ran too, so they are in step `k` or `k + 1`;
+        one that has not joined is most likely blocked in a collective of step `k + 1` with the rank that joined
+        (the replica's ranks may complete different exchanges of a step), and will join once the agreed step lets
+        that rank go on. Agreeing on `k + 1` covers both."""
+        steps: dict[int, int] = {}
+        for member, step in joined.items():
+            replica = self.replica_of(member)
+            steps[replica] = max(step, steps.get(replica, step))
+        return {m: steps[self.replica_of(m)] + 1 for m in missing if self.replica_of(m) in steps}
 
     def replica_of(self, member: int) -> int:
         """The worker (replica) member `member` (a rank of the start) holds a part of."""
