@@ -22,6 +22,7 @@ from lightning_decentral.membership import (
     Excluded,
     GuardedStore,
     Membership,
+    ReplicaLost,
     StoreLost,
     TooFewWorkers,
     store_host,
@@ -43,12 +44,16 @@ def connect() -> Callable[[], dist.TCPStore]:
 
 
 def _members(
-    connect: Callable, n: int, silence: float = 5.0, min_workers: int = 1, start: bool = True
+    connect: Callable, n: int, silence: float = 5.0, min_workers: int = 1, start: bool = True, replica_size: int = 1
 ) -> list[Membership]:
     members = []
     for rank in range(n):
         store = GuardedStore(connect, timeout=10.0, where="test")
-        members.append(Membership(store, connect, "run", rank, n, silence=silence, min_workers=min_workers))
+        members.append(
+            Membership(
+                store, connect, "run", rank, n, silence=silence, min_workers=min_workers, replica_size=replica_size
+            )
+        )
         if start:
             members[-1].start()
     _MADE.extend(members)
@@ -207,6 +212,32 @@ def test_a_silent_member_is_lost_and_stops_when_it_comes_back(connect: Callable)
     assert {d.members for d in out.values()} == {(0, 1)}
     with pytest.raises(Excluded, match="went on without rank 2 after step 4"):
         members[2].agree(4, "woke up")
+
+
+def test_a_replica_that_lost_a_rank_is_lost_whole_without_waiting_for_its_other_rank(connect: Callable) -> None:
+    """Replicas of 2 ranks: rank 3 dies; ranks 0, 1, 4 and 5 agree at once (the silence is five minutes), without
+    waiting for rank 2, alive but never joining (in FSDP's collective with rank 3); when it does, it stops with
+    ReplicaLost naming rank 3."""
+    members = _members(connect, 6, silence=300.0, replica_size=2)
+    members[3].close()
+    out = _in_threads({r: lambda r=r: members[r].agree(7, "announced") for r in (0, 1, 4, 5)})
+    expected = Decision(generation=1, members=(0, 1, 4, 5), survivors=(0, 1, 4, 5), lost=(2, 3), step=7)
+    assert out == {r: expected for r in (0, 1, 4, 5)}
+    with pytest.raises(ReplicaLost, match=r"Rank 2 stops: its replica \(ranks 2 to 3\) lost rank 3 after step 7"):
+        members[2].agree(7, "Connection closed by peer")
+
+
+@pytest.mark.slow
+def test_a_rank_of_a_replica_that_joined_and_stays_silent_is_taken_to_be_in_the_next_step(connect: Callable) -> None:
+    """Replicas of 2 ranks, rank 5 dead: ranks 1, 2 and 3 join with step 3, rank 0 (alive, blocked in its replica's
+    collective of step 4 with rank 1) does not join. After IN_NEXT_STEP they agree on step 4, rank 0 among the members
+    (not lost after the silence, which would lose replica 0), and rank 0 adopts the same decision when it joins."""
+    members = _members(connect, 6, silence=60.0, replica_size=2)
+    members[5].close()
+    out = _in_threads({r: lambda r=r: members[r].agree(3, "announced") for r in (1, 2, 3)})
+    expected = Decision(generation=1, members=(0, 1, 2, 3), survivors=(0, 1, 2, 3), lost=(4, 5), step=4)
+    assert out == {r: expected for r in (1, 2, 3)}
+    assert members[0].agree(4, "announced") == expected
 
 
 def test_below_min_workers_every_survivor_stops_alike(connect: Callable) -> None:

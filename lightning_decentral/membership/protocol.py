@@ -20,7 +20,7 @@ from lightning_decentral.rendezvous import GuardedStore, StoreLost, keep_out
 HEARTBEAT = 0.1  # seconds between two heartbeats of a rank
 POLL = 0.01  # seconds between two looks at the store while agreeing
 CONFIRM = 0.5  # seconds of silence that make a member lost once a connection to it broke
-IN_NEXT_STEP = 2.0  # seconds after which a rank of a replica that joined, not lost, is taken to be in the next step
+IN_NEXT_STEP = 5.0  # seconds (at most half the silence) after which a rank of a replica that joined is in its next step
 
 
 class Excluded(RuntimeError):
@@ -341,7 +341,7 @@ class Membership:
         missing = [m for m in self.members if m not in joined]
         failed = [m for m in missing if lost(m)]
         broken_replicas = {self.replica_of(m) for m in failed}
-        if self.replica_size > 1 and waited > IN_NEXT_STEP:
+        if self.replica_size > 1 and waited > min(IN_NEXT_STEP, self.silence / 2):
             joined.update(self._in_next_step(joined, [m for m in missing if self.replica_of(m) not in broken_replicas]))
             missing = [m for m in missing if m not in joined]
         if any(m not in failed and self.replica_of(m) not in broken_replicas for m in missing):
