@@ -54,7 +54,7 @@ from lightning_decentral.compression.bits import packed_bytes
 from lightning_decentral.compression.compressors import Quantize, Sign, _width
 
 try:
-    from lightning_decentral.compression import _kernels
+    import lightning_decentral.compression._kernels as _kernels
 except ImportError:  # not built (no compiler at install, or a source tree without `build_ext --inplace`)
     _kernels = None
 
