@@ -363,6 +363,8 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
       message's size and what each end adds to its public copies.
     - `consensus_step`: CHOCO's `γ`, how far each rank moves towards its neighbours' copies (`x̄` drifts if it
       differs).
+    - `compression_overlap`: which thread runs the compressed exchange (the same messages in the same order either
+      way; compared so that the ranks of one run time their steps alike and the record of a run is one setting).
 
     Of the executors' own arguments, the Trainer's strategy adds `rejoin` (a member without it never admits a rank
     that asks) with `max_steps` and `max_epochs`; `timeout`, `resume` and the start method change neither what travels
@@ -397,6 +399,7 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
         "outer_overlap": int(options.outer_overlap),
         "compression": schedule_name(options.compression),
         "consensus_step": "" if options.consensus_step is None else _exact(options.consensus_step),
+        "compression_overlap": int(options.compression_overlap),
         "shard_size": options.shard_size,
         "precision": precision,
         "trainable parameters (elements)": sum(p.numel() for p in params),

@@ -353,7 +353,11 @@ class StepDriver:
         if options.compression is None:
             return self._built(engine)
         compressor = cast(Compressor, options.compression)  # GossipOptions keeps the object a name resolves to
-        return self._built(CompressedGossip(engine, compressor, options.consensus_step, options.rule == "outer"))
+        return self._built(
+            CompressedGossip(
+                engine, compressor, options.consensus_step, options.rule == "outer", options.compression_overlap
+            )
+        )
 
     def dense_mixer(self) -> DenseMixer:
         """The mixer of every worker in one process: a [`DenseMixer`][lightning_decentral.mixing.DenseMixer], with
@@ -743,6 +747,11 @@ class Driven:
     def consensus_step(self) -> float | None:
         """`γ` of compressed gossip (the value used), `None` without compression."""
         return self.driver.options.consensus_step
+
+    @property
+    def compression_overlap(self) -> bool:
+        """Whether a compressed exchange runs on the mixer's helper thread between its start and its wait."""
+        return self.driver.options.compression_overlap
 
     @property
     def shard_size(self) -> int:

@@ -126,6 +126,12 @@ class GossipOptions:
         consensus_step: `γ` of compressed gossip, in `(0, 1]`; `None`: the compressor's `consensus_step` (sign, int8,
             int4: 1; int2, int3: 0.3; `top_k:f`: `3f`; `random_k:f`: `f`; measured in docs/benchmarks.md,
             "Compressed gossip"). Kept as the value used.
+        compression_overlap: with `compression`, on processes and CPU buffers, run each exchange's CHOCO arithmetic
+            (encode, messages, decode, correction) on a helper thread of the mixer between its start and its wait:
+            under AWC the exchange of `x(k)` then overlaps forward and backward as the uncompressed one does, where
+            a core is free (docs/algorithms.md, "Compressed gossip (CHOCO)"). The same bytes and results either way;
+            `False` runs it on the training thread (the encode before the forward pass, the decode after backward).
+            Ignored without compression, in the simulation and on CUDA (the current stream, the training thread).
         shard_size: `s`, the ranks of one replica (the Trainer's strategy only): `n = r·s` ranks form `r` replicas of
             `s` consecutive ranks, FSDP2 shards each replica over its ranks and the rule runs across the `r` replicas
             on the local shards (docs/sharded.md). 1: every rank is a replica. Not with `staleness` or a
@@ -170,6 +176,7 @@ class GossipOptions:
     outer_overlap: bool = False
     compression: str | Compressor | None = None
     consensus_step: float | None = None
+    compression_overlap: bool = True
     shard_size: int = 1
 
     def __post_init__(self) -> None:
@@ -297,7 +304,10 @@ class GossipOptions:
 
     def _check_compression(self) -> None:
         """`compression` resolves to a compressor (or `None`); `consensus_step` is in `(0, 1]`, and only with one; they
-        run with AWC and ATC, synchronous, in the compressor's own format, while every rank lives."""
+        run with AWC and ATC, synchronous, in the compressor's own format, while every rank lives;
+        `compression_overlap` is a bool."""
+        if not isinstance(self.compression_overlap, bool):
+            raise ValueError(f"`compression_overlap` must be True or False, got {self.compression_overlap!r}.")
         compressor = resolve_compression(self.compression)  # raises naming the choices
         object.__setattr__(self, "compression", compressor)
         step = self.consensus_step

@@ -48,32 +48,43 @@ class Bytes(ExchangeObserver):
         self.sent += event.bytes_sent
 
 
-def compressed_runs(rank: int, world_size: int, cases: list[tuple[str, str, int, int]]) -> dict[tuple, Any]:
-    """For each `(topology, compression, steps, rounds)`: `drive` this rank's buffers, and the same run saved halfway
-    and resumed on a new mixer from its `state_dict`."""
+def _mixer(topology: str, compression: str, world_size: int, overlap: bool) -> CompressedGossip:
+    engine = Gossip(resolve_topology(topology, world_size))
+    return CompressedGossip(engine, resolve_compression(compression), overlap=overlap)
+
+
+def compressed_runs(
+    rank: int, world_size: int, cases: list[tuple[str, str, int, int]], overlaps: Sequence[bool] = (True,)
+) -> dict[tuple, Any]:
+    """For each `(topology, compression, steps, rounds)` and each `overlap` of `overlaps` (the exchanges on the mixer's
+    helper thread, or on this one), under the key `case + (overlap,)`: `drive` this rank's buffers, and the same run
+    saved halfway and resumed on a new mixer from its `state_dict`."""
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         results = {}
         for case in cases:
             topology, compression, steps, rounds = case
-            mixer = CompressedGossip(Gossip(resolve_topology(topology, world_size)), resolve_compression(compression))
-            count = Bytes()
-            mixer.observers.append(count)
-            buffers = worker_buffers(rank)
-            drive([mixer], [buffers], range(steps), rounds)
-            halfway = CompressedGossip(Gossip(resolve_topology(topology, world_size)), resolve_compression(compression))
-            resumed = worker_buffers(rank)
-            drive([halfway], [resumed], range(steps // 2), rounds)
-            again = CompressedGossip(Gossip(resolve_topology(topology, world_size)), resolve_compression(compression))
-            again.load_state_dict(halfway.state_dict())
-            drive([again], [resumed], range(steps // 2, steps), rounds)
-            results[case] = {
-                "buffers": buffers,
-                "resumed": resumed,
-                "wire_bytes": mixer.wire_bytes,
-                "resumed_wire_bytes": again.wire_bytes,
-                "announced": count.sent,
-            }
+            for overlap in overlaps:
+                mixer = _mixer(topology, compression, world_size, overlap)
+                count = Bytes()
+                mixer.observers.append(count)
+                buffers = worker_buffers(rank)
+                drive([mixer], [buffers], range(steps), rounds)
+                halfway = _mixer(topology, compression, world_size, overlap)
+                resumed = worker_buffers(rank)
+                drive([halfway], [resumed], range(steps // 2), rounds)
+                again = _mixer(topology, compression, world_size, overlap)
+                again.load_state_dict(halfway.state_dict())
+                drive([again], [resumed], range(steps // 2, steps), rounds)
+                for used in (mixer, halfway, again):
+                    used.close()  # the helper thread ends (joined)
+                results[(*case, overlap)] = {
+                    "buffers": buffers,
+                    "resumed": resumed,
+                    "wire_bytes": mixer.wire_bytes,
+                    "resumed_wire_bytes": again.wire_bytes,
+                    "announced": count.sent,
+                }
         return results
     finally:
         dist.destroy_process_group()

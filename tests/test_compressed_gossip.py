@@ -1,14 +1,19 @@
 """Compressed gossip (CHOCO, a public copy per edge) in one process: the rules over a compressing ``DenseMixer``
 against the float64 dense reference (``tests/choco_reference.py``), the consensus it reaches (and what compressing
-the models themselves reaches), and a resume from its state."""
+the models themselves reaches), a resume from its state, and a peer's failure on the mixer's helper thread raised on
+the training thread."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
 
 from lightning_decentral.compression import Sign, resolve_compression
-from lightning_decentral.mixing import DenseMixer, ExchangeEvent, ExchangeObserver
+from lightning_decentral.failures import PeerFailure
+from lightning_decentral.gossip import CompressedGossip
+from lightning_decentral.mixing import DenseMixer, ExchangeEvent, ExchangeObserver, Watch
 from lightning_decentral.topology import resolve_topology
 from tests import reference
 from tests.dense_executor import DenseExecutor
@@ -133,3 +138,58 @@ def test_a_resumed_mixer_continues_bit_for_bit_and_counts_its_bytes() -> None:
     per_message = compressor.payload_bytes(100, torch.float32)
     assert [c.wire_bytes for c in resumed.chocos] == [c.wire_bytes for c in through.chocos] == [7 * per_message] * n
     assert count.sent == n * 7 * per_message  # one out-neighbour per step
+
+
+class _FailedWork:
+    """A receive whose peer is gone: gloo's `wait()` raises."""
+
+    def wait(self) -> None:
+        raise RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+
+
+class _BrokenEngine:
+    """What `CompressedGossip` asks of its `Gossip` engine (rank 0 of a ring of 4), with a transport that fails as gloo
+    does when a peer is gone, when the messages are posted (`at="post"`) or waited for (`at="wait"`); it records the
+    thread of each post."""
+
+    def __init__(self, at: str) -> None:
+        self.topology = resolve_topology("ring", N)
+        self.rank = 0
+        self.watch = Watch()
+        self.at = at
+        self.threads: list[str] = []
+
+    def neighbour_names(self, step: int) -> list[str]:
+        return ["rank 1", "rank 3"]
+
+    def post_messages(self, sends: dict, receives: dict, tag: int = 0) -> tuple[list, list]:
+        self.threads.append(threading.current_thread().name)
+        if self.at == "post":
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:4242")
+        return [_FailedWork()], [1]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("at", ["post", "wait"])
+def test_a_failure_on_the_helper_thread_is_raised_by_wait_on_the_training_thread(at: str) -> None:
+    """With `compression_overlap` the exchange runs on the mixer's helper thread: a peer's failure there is raised by
+    `wait()` on the training thread, the same `PeerFailure` (message and cause) the training thread raises without it
+    (there, from `start` when the post fails); the helper thread ends when the mixer closes."""
+    x, out = torch.randn(100), torch.empty(100)
+    serial_engine, threaded_engine = _BrokenEngine(at), _BrokenEngine(at)
+    serial = CompressedGossip(serial_engine, Sign(), overlap=False)
+    with pytest.raises(PeerFailure) as expected:
+        serial.start([x], step=3, out=[out]).wait()
+    threaded = CompressedGossip(threaded_engine, Sign(), overlap=True)
+    pending = threaded.start([x], step=3, out=[out])  # nothing raised here: the exchange runs on the helper thread
+    with pytest.raises(PeerFailure) as raised:
+        pending.wait()
+    assert str(raised.value) == str(expected.value)
+    assert str(raised.value).startswith("The compressed gossip exchange of step 3 failed on this rank: a neighbour")
+    assert str(raised.value.__cause__) == str(expected.value.__cause__) == "Connection closed by peer [127.0.0.1]:4242"
+    assert serial_engine.threads == [threading.current_thread().name]
+    assert threaded_engine.threads == ["lightning_decentral-compressed-0"]
+    threaded.close()
+    assert "lightning_decentral-compressed-0" not in [t.name for t in threading.enumerate()]

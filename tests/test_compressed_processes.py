@@ -1,5 +1,6 @@
-"""Compressed gossip on 4 gloo processes: each rank equals the ``DenseMixer`` (one process, the same arithmetic),
-a resume from the mixer's state continues bit for bit, and the bytes counted are the bytes the loopback carried."""
+"""Compressed gossip on 4 gloo processes: each rank equals the ``DenseMixer`` (one process, the same arithmetic), with
+the exchanges on the mixer's helper thread and on the calling thread alike (bit for bit between the two), a resume from
+the mixer's state continues bit for bit, and the bytes counted are the bytes the loopback carried."""
 
 from __future__ import annotations
 
@@ -29,11 +30,14 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[tuple, Any]]:
-    return run_distributed(compression_workers.compressed_runs, WORLD, cases=CASES)
+    return run_distributed(compression_workers.compressed_runs, WORLD, cases=CASES, overlaps=(False, True))
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["training-thread", "helper-thread"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-rounds{c[3]}")
-def test_processes_equal_the_dense_mixer_and_resume_bit_for_bit(runs: list[dict[tuple, Any]], case: tuple) -> None:
+def test_processes_equal_the_dense_mixer_and_resume_bit_for_bit(
+    runs: list[dict[tuple, Any]], case: tuple, overlap: bool
+) -> None:
     topology, compression, steps, rounds = case
     mixer = DenseMixer(resolve_topology(topology, WORLD), compression=resolve_compression(compression))
     count = Bytes()
@@ -41,16 +45,29 @@ def test_processes_equal_the_dense_mixer_and_resume_bit_for_bit(runs: list[dict[
     buffers = [worker_buffers(rank) for rank in range(WORLD)]
     drive([mixer.worker(i) for i in range(WORLD)], buffers, range(steps), rounds)
     for rank, run in enumerate(runs):
-        got = run[case]
+        got = run[(*case, overlap)]
         for ours, theirs in zip(got["buffers"], buffers[rank]):
             torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
         for resumed, straight in zip(got["resumed"], got["buffers"]):
             assert torch.equal(resumed, straight)
         assert got["wire_bytes"] == got["resumed_wire_bytes"] == got["announced"] == mixer.chocos[rank].wire_bytes > 0
-    assert count.sent == sum(run[case]["announced"] for run in runs)
+    assert count.sent == sum(run[(*case, overlap)]["announced"] for run in runs)
     start = torch.stack([torch.cat(worker_buffers(rank)) for rank in range(WORLD)])
-    final = torch.stack([torch.cat(run[case]["buffers"]) for run in runs])
+    final = torch.stack([torch.cat(run[(*case, overlap)]["buffers"]) for run in runs])
     torch.testing.assert_close(final.mean(0), start.mean(0), atol=1e-5, rtol=0)  # x̄ kept
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-rounds{c[3]}")
+def test_the_helper_thread_gives_the_training_threads_results_bit_for_bit(
+    runs: list[dict[tuple, Any]], case: tuple
+) -> None:
+    """`compression_overlap`: the exchanges run on the mixer's helper thread or on the calling thread, with the same
+    arithmetic in the same order: every buffer, resumed buffer and byte count is equal, not close."""
+    for run in runs:
+        threaded, serial = run[(*case, True)], run[(*case, False)]
+        for key in ("buffers", "resumed"):
+            assert all(torch.equal(a, b) for a, b in zip(threaded[key], serial[key]))
+        assert threaded["wire_bytes"] == serial["wire_bytes"] and threaded["announced"] == serial["announced"]
 
 
 def test_bytes_counted_are_the_bytes_on_the_loopback() -> None:

@@ -48,9 +48,9 @@ class DecentralizedStrategy(Driven, DDPStrategy):
     [`GossipOptions`][lightning_decentral.options.GossipOptions], which describes each: `topology`, `combine`,
     `momentum`, `gossip_every`, `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`, `gossip_dtype`,
     `staleness`, `delays`, `on_peer_failure`, `min_workers`, `outer_optimizer`, `outer_overlap`, `compression`,
-    `consensus_step`, `shard_size`; `rejoin=True` and `shard_size` above 1 are the Trainer's only); the others
-    (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`, `precision`, `process_group_backend`,
-    `timeout`, `start_method`) are
+    `consensus_step`, `compression_overlap`, `shard_size`; `rejoin=True` and `shard_size` above 1 are the Trainer's
+    only); the others (`accelerator`, `parallel_devices`, `cluster_environment`, `checkpoint_io`, `precision`,
+    `process_group_backend`, `timeout`, `start_method`) are
     `lightning.fabric.strategies.DDPStrategy`'s (`timeout`, 5 minutes unless given, bounds every exchange: a dead or
     silent rank ends the others within it, and ranks that call different collectives, `fabric.load` on one and a step on
     another, stop at once); any other name is a `TypeError`. `eval_on` decides what

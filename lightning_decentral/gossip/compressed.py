@@ -1,11 +1,26 @@
 """[`CompressedGossip`][lightning_decentral.gossip.CompressedGossip]: CHOCO gossip between processes, the messages of
 [`Choco`][lightning_decentral.compression.Choco] over a [`Gossip`][lightning_decentral.gossip.Gossip] engine's
-point-to-point transport."""
+point-to-point transport.
+
+With `overlap` (`DecentralizedStrategy(compression_overlap=True)`, the default) an exchange of CPU buffers runs on
+the mixer's [`ExchangeThread`][lightning_decentral.gossip.compressed.ExchangeThread], one helper thread started at
+the first exchange and joined when the mixer leaves, closes or aborts: `start` checks the buffers and counts the bytes
+on the calling (training) thread and hands the rest over; the helper thread runs every round, the encode
+(`x − x̂`, scale, codes, packing, the sent copy's update), the messages' post and wait, and the decode (the received
+copies, `γ Δ` into the buffers or `out`); `wait` blocks until it is done and raises what it raised. Under AWC the
+exchange of `x(k)` is started before the forward pass and waited for after backward, so all of its arithmetic runs
+while the training thread computes forward and backward. Exchanges run one after the other in the order they were
+started, the same on every rank. On CUDA buffers the exchange stays on the calling thread and the current stream
+(the messages travel on NCCL, whose calls every rank must issue in one order with the training thread's collectives).
+"""
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -38,6 +53,8 @@ class CompressedGossip(Watched):
         consensus_step: `γ` (`None`: the compressor's `consensus_step`).
         from_copy: end each round from this rank's own public copy ([`Choco`][lightning_decentral.compression.Choco]'s
             `from_copy`: the outer step's mixing).
+        overlap: run each exchange of CPU buffers on the mixer's helper thread, between `start` and `wait` (the module
+            docstring); the same messages and results either way.
 
     Examples:
         Inside a process group (every rank runs this, with the same `k`):
@@ -49,12 +66,18 @@ class CompressedGossip(Watched):
     """
 
     def __init__(
-        self, gossip: Gossip, compression: Compressor, consensus_step: float | None = None, from_copy: bool = False
+        self,
+        gossip: Gossip,
+        compression: Compressor,
+        consensus_step: float | None = None,
+        from_copy: bool = False,
+        overlap: bool = True,
     ) -> None:
         self.gossip = gossip
         step = compression.consensus_step if consensus_step is None else consensus_step
         self.choco = Choco(compression, step, gossip.rank, from_copy)
         self.watch = gossip.watch
+        self.thread = ExchangeThread(f"lightning_decentral-compressed-{gossip.rank}") if overlap else None
         self._receive: dict[tuple[int, int], Tensor] = {}  # (tag, peer) -> a message's worth of bytes
 
     @property
@@ -84,33 +107,53 @@ class CompressedGossip(Watched):
     def start_copies_at(self, buffers: Sequence[Tensor], tag: int = 0) -> None:
         """New public copies start at `buffers`
         ([`Choco.start_copies_at`][lightning_decentral.compression.Choco.start_copies_at])."""
+        self.settle()
         self.choco.start_copies_at(buffers, tag)
 
     def state_dict(self) -> dict[str, Any]:
         """The public copies and the byte count
-        ([`Choco.state_dict`][lightning_decentral.compression.Choco.state_dict])."""
+        ([`Choco.state_dict`][lightning_decentral.compression.Choco.state_dict]), once the exchanges started so far
+        are done."""
+        self.settle()
         return self.choco.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.settle()
         self.choco.load_state_dict(state)
 
     def rebind(self, topology: Topology, group: dist.ProcessGroup | None = None) -> None:
         """[`Gossip.rebind`][lightning_decentral.gossip.Gossip.rebind]; every public copy is forgotten (every rank
         rebinds together, so both ends of every edge start again from zero)."""
+        self.settle()
         self.gossip.rebind(topology, group)
         self.choco.rebind(self.gossip.rank)
         self._receive = {}
+
+    def settle(self) -> None:
+        """Block until every exchange started so far is done on the helper thread (their errors stay for `wait`)."""
+        if self.thread is not None:
+            self.thread.settle()
 
     def groups(self) -> list[dist.ProcessGroup]:
         return self.gossip.groups()
 
     def leave(self, step: int = 0) -> None:
+        """End the helper thread (every exchange was waited for), then
+        [`Gossip.leave`][lightning_decentral.gossip.Gossip.leave]."""
+        if self.thread is not None:
+            self.thread.stop()
         self.gossip.leave(step)
 
     def abort(self) -> None:
+        """After a failure: end the helper thread, waiting `ABORT_LIMIT` seconds at most for an exchange it still runs
+        (its messages complete, fail, or reach the timeout), then the engine's `abort`."""
+        if self.thread is not None:
+            self.thread.stop(ABORT_LIMIT)
         self.gossip.abort()
 
     def close(self) -> None:
+        if self.thread is not None:
+            self.thread.stop()
         self.gossip.close()
 
     def start(
@@ -153,8 +196,9 @@ class CompressedGossip(Watched):
 
 
 class PendingCompressed:
-    """A [`CompressedGossip`][lightning_decentral.gossip.CompressedGossip] exchange in flight: round one is posted;
-    `wait()` finishes it, and runs the other rounds one after the other."""
+    """A [`CompressedGossip`][lightning_decentral.gossip.CompressedGossip] exchange in flight: every round runs on the
+    mixer's helper thread (overlap, CPU buffers), or round one is posted and `wait()` finishes it and runs the other
+    rounds one after the other."""
 
     def __init__(
         self, mixer: CompressedGossip, exchange: ChocoExchange | None, tag: int, event: ExchangeEvent | None
@@ -169,11 +213,16 @@ class PendingCompressed:
         self._works = None
         self._ranks = []
         self._received: dict[int, Tensor] = {}
+        self._job: Future | None = None
         if exchange is not None:
             names = mixer.gossip.neighbour_names(exchange.step)
             self._what = f"The compressed gossip exchange of step {exchange.step}"
             self._peers = f"a neighbour ({', '.join(names) or 'none'})"
-            self._post()
+            on_cpu = all(b.device.type == "cpu" for b in exchange.buffers)
+            if mixer.thread is not None and on_cpu:
+                self._job = mixer.thread.run(self._run)
+            else:
+                self._post()
         notify_post(self._observers, event)
 
     def _post(self) -> None:
@@ -183,9 +232,13 @@ class PendingCompressed:
         with peers_answer(self._what, self._peers):
             self._works, self._ranks = self._mixer.gossip.post_messages(messages, self._received, self._tag)
 
-    def wait(self) -> None:
-        """Block until the buffers (or `out`) hold the exchange's result."""
-        started = time.perf_counter()
+    def _run(self) -> None:
+        """The whole exchange (on the helper thread)."""
+        self._post()
+        self._finish()
+
+    def _finish(self) -> None:
+        """Wait for the round in flight, decode it, and run the rounds left."""
         while self._works is not None:
             assert self._exchange is not None
             wait_works(self._works, None, self._what, self._peers, self._ranks)
@@ -196,5 +249,79 @@ class PendingCompressed:
                 self._post()
             else:
                 self.residuals = self._exchange.residuals
+
+    def wait(self) -> None:
+        """Block until the buffers (or `out`) hold the exchange's result; raise what the helper thread raised."""
+        started = time.perf_counter()
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()
+        else:
+            self._finish()
         notify_wait(self._observers, self._event, started)
         self._event = None  # reported once
+
+
+ABORT_LIMIT = 5.0
+"""Seconds `CompressedGossip.abort` waits for an exchange still running on the helper thread."""
+
+
+class ExchangeThread:
+    """One helper thread that runs jobs (a mixer's exchanges) one at a time, in the order they were handed over.
+
+    Started at the first job, ended by `stop`. A job runs with the torch thread count the handing thread had (the same
+    arithmetic, so the same results); what it raises is raised by its `Future.result()`, on the thread that waits.
+    It is a daemon thread: a process whose training thread failed is never held at exit by an exchange left running.
+
+    Examples:
+        >>> thread = ExchangeThread("example")
+        >>> order = []
+        >>> jobs = [thread.run(lambda i=i: order.append(i)) for i in range(3)]
+        >>> failed = thread.run(lambda: 1 / 0)
+        >>> [job.result() for job in jobs], order
+        ([None, None, None], [0, 1, 2])
+        >>> failed.result()
+        Traceback (most recent call last):
+        ...
+        ZeroDivisionError: division by zero
+        >>> thread.stop()
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], Future, int] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def run(self, job: Callable[[], None]) -> Future:
+        """Hand `job` over: it runs after every job handed over before it."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, daemon=True, name=self.name)
+            self._thread.start()
+        future: Future = Future()
+        self._jobs.put((job, future, torch.get_num_threads()))
+        return future
+
+    def settle(self) -> None:
+        """Block until every job handed over so far has run (what they raised stays in their futures)."""
+        if self._thread is not None:
+            self.run(lambda: None).result()
+
+    def stop(self, limit: float | None = None) -> None:
+        """End the thread once the jobs handed over have run, waiting at most `limit` seconds (`None`: until then)."""
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread.join(limit)
+            self._thread = None
+
+    def _serve(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, future, threads = item
+            if torch.get_num_threads() != threads:
+                torch.set_num_threads(threads)
+            future.set_running_or_notify_cancel()
+            try:
+                job()
+            except BaseException as error:
+                future.set_exception(error)
+            else:
+                future.set_result(None)

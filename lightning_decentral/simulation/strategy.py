@@ -81,8 +81,9 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
             (what the workers exchange is rounded as the processes would send it), `staleness` and `delays` (the
             processes under the same `delays` give the same replicas; `None`: `τ = k`), `outer_optimizer` and
             `outer_overlap` (not `outer_overlap` with `failures`), `compression` and `consensus_step` (the workers kept
-            apart, without `failures`). `on_peer_failure` must stay `"stop"` and `min_workers` is only checked
-            against `workers`: a lost worker is `failures=`; `shard_size` must stay 1 (the workers are whole models).
+            apart, without `failures`; `compression_overlap` changes nothing here: one thread runs every worker).
+            `on_peer_failure` must stay `"stop"` and `min_workers` is only checked against `workers`: a lost worker is
+            `failures=`; `shard_size` must stay 1 (the workers are whole models).
         vectorize: `"auto"` (the default): stack the workers when stacking gives the per-worker result (an
             elementwise optimizer, no dropout layer, no hook that sees one worker's batch or gradients, a DataLoader
             with a `batch_size`; see [`stacking_problem`][lightning_decentral.simulation.vectorized.stacking_problem]),

@@ -82,7 +82,7 @@ class DecentralizedStrategy(Driven, ReplicaStrategy):
         **options: the update-rule arguments, keyword only: `topology`, `combine`, `momentum`, `gossip_every`,
             `gossip_steps`, `gossip_buffers`, `eval_on`, `bucket_cap_mb`, `gossip_dtype`, `staleness`, `delays`,
             `on_peer_failure`, `min_workers`, `outer_optimizer`, `outer_overlap`, `compression`, `consensus_step`,
-            `shard_size` (replicas of several ranks, FSDP2 inside: docs/sharded.md)
+            `compression_overlap`, `shard_size` (replicas of several ranks, FSDP2 inside: docs/sharded.md)
             ([`GossipOptions`][lightning_decentral.options.GossipOptions] describes each;
             `tests/test_options_docs.py` checks this list against it); a misspelled name is a `TypeError`.
         resume: what `fit(ckpt_path=...)` resumes from: `"checkpoint"`, the checkpoint it names (`"last"` as Lightning
