@@ -189,9 +189,11 @@ class _KilledOnRank(Regression):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def killed_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[str, Any]:
+def killed_peer(rank: int, world_size: int, stamp: str, timeout: float, **options: Any) -> dict[str, Any]:
+    """Rank 1 kills itself when step 2 starts; `options`: more of the strategy's arguments."""
     model = _KilledOnRank(1, 2, stamp, seed=init_seed(rank), **MOMENTUM_SGD)
-    trainer = trainer_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=timeout)), max_steps=2 * K)
+    strategy = DecentralizedStrategy(timeout=timedelta(seconds=timeout), **options)
+    trainer = trainer_for(world_size, strategy, max_steps=2 * K)
     try:
         trainer.fit(model, loader(rank, K * BATCH, BATCH))
         failure = "no error"
@@ -407,10 +409,12 @@ class _StoppedOnRank(Regression):
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def hung_peer(rank: int, world_size: int, stamp: str, timeout: float) -> dict[str, Any]:
-    """Rank 1 hangs after its second step: the other ranks stop with the library's error."""
+def hung_peer(rank: int, world_size: int, stamp: str, timeout: float, **options: Any) -> dict[str, Any]:
+    """Rank 1 hangs after its second step: the other ranks stop with the library's error. `options`: more of the
+    strategy's arguments."""
     model = _StoppedOnRank(1, 2, stamp, seed=init_seed(rank), **MOMENTUM_SGD)
-    trainer = trainer_for(world_size, DecentralizedStrategy(timeout=timedelta(seconds=timeout)), max_steps=4 * K)
+    strategy = DecentralizedStrategy(timeout=timedelta(seconds=timeout), **options)
+    trainer = trainer_for(world_size, strategy, max_steps=4 * K)
     try:
         trainer.fit(model, loader(rank, 4 * K * BATCH, BATCH))
         return {"error": "no error", "stopped_at": time.monotonic()}

@@ -184,6 +184,24 @@ def test_a_killed_rank_stops_the_others_with_a_clear_error(tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False], ids=["helper-thread", "training-thread"])
+def test_a_killed_rank_stops_the_others_with_a_clear_error_under_compression(tmp_path: Path, overlap: bool) -> None:
+    """`compression="sign"`: with `compression_overlap` the survivor's exchange fails on the mixer's helper thread,
+    and the training thread raises the error the exchange raises on it without the helper."""
+    stamp = tmp_path / "killed_at"
+    timeout = 20.0
+    options = {"compression": "sign", "compression_overlap": overlap}
+    survivor, killed = _run_until_every_rank_exits(
+        workers.killed_peer, 2, bound=240, stamp=str(stamp), timeout=timeout, **options
+    )
+    assert killed is None
+    status, result = survivor
+    assert status == "ok", result
+    assert result["failure"].startswith("The compressed gossip exchange of step 2 failed on this rank: a neighbour")
+    assert result["stopped_at"] - float(stamp.read_text()) < timeout
+
+
+@pytest.mark.slow
 def test_ranks_given_different_ckpt_paths_all_stop_naming_it(tmp_path: Path) -> None:
     """Lightning reads a checkpoint only on the ranks given one: without the check at `setup_environment` the
     shard protocol's all-gather met another collective on the other rank (gloo aborts, or a hang)."""
@@ -328,6 +346,28 @@ def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None
         assert r["error"].startswith("PeerFailure: The gossip exchange of step 2 failed on this rank"), (rank, r)
         assert r["cause"].startswith("RuntimeError: ")  # gloo's own error, under the library's
         assert r["stopped_at"] - float(stamp.read_text()) < timeout + 5  # not 2 x timeout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False], ids=["helper-thread", "training-thread"])
+def test_a_hung_rank_stops_the_others_within_the_timeout_under_compression(tmp_path: Path, overlap: bool) -> None:
+    """As above with `compression="sign"`: the exchange after the broadcast's timeout fails at once, on the helper
+    thread with `compression_overlap` (raised by the training thread's wait) as on the training thread without it."""
+    timeout, stamp = 8.0, tmp_path / "stopped_at"
+    options = {"compression": "sign", "compression_overlap": overlap}
+    with tempfile.TemporaryDirectory() as out:
+        procs = start_processes(workers.hung_peer, 2, out, stamp=str(stamp), timeout=timeout, **options)
+        try:
+            procs[0].join(120)
+        finally:
+            for p in procs:
+                p.kill()
+                p.join()
+        status, r = pickle.loads((Path(out) / "0.pkl").read_bytes())
+    assert status == "ok", r
+    assert r["error"].startswith("PeerFailure: The compressed gossip exchange of step 2 failed on this rank"), r
+    assert r["cause"].startswith("RuntimeError: ")
+    assert r["stopped_at"] - float(stamp.read_text()) < timeout + 5
 
 
 @pytest.mark.slow
