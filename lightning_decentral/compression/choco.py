@@ -105,8 +105,7 @@ class Choco:
     """One worker's CHOCO gossip: its compressor `C`, consensus step `γ` and the public copies of each flat buffer
     it exchanges (by key: `tag + index`, as [`Gossip`][lightning_decentral.gossip.Gossip] numbers them).
 
-    `wire_bytes` counts every byte of the messages of the exchanges this worker has begun (all rounds of an exchange
-    when it begins: [`ChocoExchange`][lightning_decentral.compression.ChocoExchange]).
+    `wire_bytes` counts every byte of the messages this worker has handed to its transport.
 
     Args:
         compressor: `C`.
@@ -195,8 +194,6 @@ class ChocoExchange:
 
     Without `out` the buffers end as `x + Σ_r γ Δ_r`; with `out` they are only read and `out` ends as that minus `x`
     (adapt-with-combine's correction). `residuals` (with `measure`): `‖Δ_0‖²` per buffer, `Δ` the update before `γ`.
-    The bytes of every round's messages are added to `choco.wire_bytes` when the exchange is made; `outgoing` and
-    `incoming` touch only this exchange's copies, so they may run on another thread than the one that made it.
     """
 
     def __init__(
@@ -222,8 +219,6 @@ class ChocoExchange:
         sizes = [choco.compressor.payload_bytes(c.numel, c.like.dtype) for c in self.copies]
         self._parts = [(sum(sizes[:i]), size) for i, size in enumerate(sizes)]  # (offset, size) in a message
         self.residuals: list[Tensor] | None = None
-        # every round's messages counted now, on the thread that begins the exchange (its rounds may run on another)
-        choco.wire_bytes += rounds * choco.bytes_sent(self.buffers, topology, step)
         if self.out is not None and rounds > 1:  # later rounds compress x + the corrections so far
             for o, b in zip(self.out, self.buffers):
                 o.copy_(b)
@@ -233,9 +228,16 @@ class ChocoExchange:
         """What this round compresses: the buffers, or (with `out`, several rounds) the copy in `out`."""
         return self.out if self.out is not None and self.rounds > 1 else self.buffers
 
-    def outgoing(self, round: int) -> dict[int, Tensor]:
+    @property
+    def round_bytes(self) -> int:
+        """The bytes of one round's messages, every out-neighbour's."""
+        return self.choco.bytes_sent(self.buffers, self.topology, self.step)
+
+    def outgoing(self, round: int, count: bool = True) -> dict[int, Tensor]:
         """Compress for every out-neighbour of `W(step)` (once per shared copy), update the sent copies, and return
-        each out-neighbour's message: the payloads of the buffers, concatenated (written in place: no copy of them)."""
+        each out-neighbour's message: the payloads of the buffers, concatenated (written in place: no copy of them).
+        `count`: add the messages' bytes to `choco.wire_bytes` (`False`: the transport counts them, `round_bytes`, on
+        a thread of its choosing; the rest touches only this exchange's copies)."""
         choco = self.choco
         peers = [j for j, _ in self.topology.out_neighbors(choco.rank, self.step)]
         device = self.copies[0].like.device if self.copies else torch.device("cpu")
@@ -249,6 +251,8 @@ class ChocoExchange:
                 encode_update_(choco.compressor, x.reshape(-1), copies.sent[slot], seed, payload, copies.work)
                 for peer in members[1:]:
                     messages[peer][offset : offset + size].copy_(payload)
+        if count:
+            choco.wire_bytes += sum(m.numel() for m in messages.values())
         return messages
 
     def incoming(self, round: int, messages: Mapping[int, Tensor]) -> None:

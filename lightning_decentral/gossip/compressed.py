@@ -214,12 +214,15 @@ class PendingCompressed:
         self._ranks = []
         self._received: dict[int, Tensor] = {}
         self._job: Future | None = None
+        on_cpu = exchange is not None and all(b.device.type == "cpu" for b in exchange.buffers)
+        self._threaded = mixer.thread is not None and on_cpu  # CUDA buffers: this thread and the current stream
         if exchange is not None:
             names = mixer.gossip.neighbour_names(exchange.step)
             self._what = f"The compressed gossip exchange of step {exchange.step}"
             self._peers = f"a neighbour ({', '.join(names) or 'none'})"
-            on_cpu = all(b.device.type == "cpu" for b in exchange.buffers)
-            if mixer.thread is not None and on_cpu:
+            if self._threaded:
+                assert mixer.thread is not None
+                mixer.choco.wire_bytes += exchange.round_bytes  # round one counted now, as without the thread
                 self._job = mixer.thread.run(self._run)
             else:
                 self._post()
@@ -227,7 +230,8 @@ class PendingCompressed:
 
     def _post(self) -> None:
         assert self._exchange is not None
-        messages = self._exchange.outgoing(self._round)
+        # the bytes are counted on the training thread: what it logs mid-step does not depend on the helper's progress
+        messages = self._exchange.outgoing(self._round, count=not self._threaded)
         self._received = self._mixer.receive_buffers(self._exchange, self._tag)
         with peers_answer(self._what, self._peers):
             self._works, self._ranks = self._mixer.gossip.post_messages(messages, self._received, self._tag)
@@ -256,6 +260,8 @@ class PendingCompressed:
         job, self._job = self._job, None
         if job is not None:
             job.result()
+            assert self._exchange is not None
+            self._mixer.choco.wire_bytes += (self._exchange.rounds - 1) * self._exchange.round_bytes  # the later rounds
         else:
             self._finish()
         notify_wait(self._observers, self._event, started)
