@@ -345,9 +345,9 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
     [`options`][lightning_decentral.options.GossipOptions]), its bound topology, the precision and the model's
     trainable layout. Strings up to 64 characters, digests of what does not fit.
 
-    Every field of `GossipOptions` changes what travels between the ranks, how it is combined, or which collectives
-    run, so each is compared (a rank that differs would meet another message size, another exchange or another
-    collective: a gloo abort, a hang, or replicas that drift apart in silence):
+    Every field of `GossipOptions` but `compression_overlap` changes what travels between the ranks, how it is
+    combined, or which collectives run, so each is compared (a rank that differs would meet another message size,
+    another exchange or another collective: a gloo abort, a hang, or replicas that drift apart in silence):
 
     - `topology`: who exchanges with whom and with which weights (its `repr` and the digest of `W(0..period-1)`).
     - `combine`, `momentum`: the update rule (which tensors travel, and when: AWC posts `x(k)`, DecentLaM `z`).
@@ -363,8 +363,8 @@ def run_configuration(strategy: Any, module: torch.nn.Module, precision: str) ->
       message's size and what each end adds to its public copies.
     - `consensus_step`: CHOCO's `γ`, how far each rank moves towards its neighbours' copies (`x̄` drifts if it
       differs).
-    - `compression_overlap`: which thread runs the compressed exchange (the same messages in the same order either
-      way; compared so that the ranks of one run time their steps alike and the record of a run is one setting).
+    - `compression_overlap`: which thread runs the compressed exchange; the only field that changes no message (the
+      same bytes in the same order either way), compared all the same so that a run has one setting to report.
 
     Of the executors' own arguments, the Trainer's strategy adds `rejoin` (a member without it never admits a rank
     that asks) with `max_steps` and `max_epochs`; `timeout`, `resume` and the start method change neither what travels

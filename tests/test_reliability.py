@@ -231,7 +231,7 @@ def test_ranks_with_different_compression_or_consensus_step_stop_at_setup() -> N
     """Ranks started with `sign` and `int8` ended in a gloo abort ("Received data size doesn't match") on one rank and a
     `PeerFailure` on the other, `sign` against none in "a neighbour died", another `top_k` fraction likewise, and
     `consensus_step` 1.0 against 0.5 trained to the end while `x̄` drifted: each now stops every rank at setup, naming
-    the field, both values and the fix."""
+    the field, both values and the fix (`compression_overlap` too, which changes no message: one setting per run)."""
     expected = {
         "compression": "rank 1 has compression='Quantize(bits=8, block=1024, consensus_step=1.0)' where rank 0 has "
         "'Sign(block=1024, consensus_step=1.0)'",
@@ -239,6 +239,7 @@ def test_ranks_with_different_compression_or_consensus_step_stop_at_setup() -> N
         "compression parameters": "rank 1 has compression='TopK(fraction=0.2, consensus_step=0.6)' where rank 0 has "
         "'TopK(fraction=0.1, consensus_step=0.3)'",
         "consensus_step": "rank 1 has consensus_step='0.5' where rank 0 has '1.0'",
+        "compression_overlap": "rank 1 has compression_overlap=0 where rank 0 has 1",
     }
     for r in run_distributed(workers.option_disagreement, 2, timeout=240):
         for name, difference in expected.items():
