@@ -47,6 +47,9 @@ order rotated from repeat to repeat:
 * ``decent_dp``: Decent-DP (``pip install decent-dp``; not a dependency of this project), its
   ``DecentralizedDataParallel`` with ``topology="one-peer-exp"`` around the same MLP, in a plain loop of its own (it
   steps the optimizer in its backward hooks, so it cannot run under a Lightning ``Trainer``); step-time job only.
+* **the exchange on the training thread**: the time the training thread spends inside the exchanges' ``start`` and
+  ``wait`` in a step (``ExchangeEvent``), the median over the measured steps, the median rank's: with
+  ``compression_overlap`` the CHOCO arithmetic leaves it for the mixer's helper thread (a line under the table).
 * **bytes on the wire**: each host's ``eth0`` transmit counter (``/proc/net/dev`` inside its namespace) at the end of
   every step; per rank and step, the growth over the measured steps (everything the rank sent: gradients or models,
   gloo's own messages, TCP/IP headers).
@@ -162,16 +165,37 @@ def _step_time_job(method: str, config: dict[str, Any], rank: int, world_size: i
     loader = make_loader(rank, widths, config["batch_size"], total)
     if method == "decent_dp":
         return _decent_dp_steps(widths, loader)
+    from lightning_decentral import DecentralizedStrategy
+    from lightning_decentral.mixing import ExchangeEvent, ExchangeObserver
+
     clock, sent = StepClock(), []
+    calls: list[tuple[int, float]] = []  # (step, seconds the training thread spent inside an exchange's start or wait)
+
+    class Calls(ExchangeObserver):
+        def on_post(self, event: ExchangeEvent) -> None:
+            calls.append((event.step, event.posted - event.post_started))
+
+        def on_wait(self, event: ExchangeEvent) -> None:
+            assert event.waited is not None and event.wait_started is not None
+            calls.append((event.step, event.waited - event.wait_started))
 
     class Sent(pl.Callback):
+        def on_fit_start(self, trainer: Any, module: Any) -> None:
+            if isinstance(trainer.strategy, DecentralizedStrategy):
+                trainer.strategy.observe(Calls())
+
         def on_train_batch_end(self, *args: Any) -> None:
             sent.append(sent_bytes())
 
     trainer = make_trainer(method, world_size, total, [clock, Sent()], use_distributed_sampler=False)
     module = MLP(widths, lr=0.01, momentum=0.9)
     trainer.fit(module, train_dataloaders=loader)
-    return {"ends": clock.ends, "sent": sent}
+    per_step: dict[int, float] = {}
+    for step, seconds in calls:
+        if step >= config["warmup"]:
+            per_step[step] = per_step.get(step, 0.0) + seconds
+    inside = statistics.median(per_step.values()) if per_step else 0.0
+    return {"ends": clock.ends, "sent": sent, "exchange_calls_s": inside}
 
 
 def _decent_dp_steps(widths: tuple[int, ...], loader: Any) -> dict[str, Any]:
@@ -282,6 +306,7 @@ def summarize(profile: dict[str, Any], methods: list[str], config: dict[str, Any
                 harness.quantile(pooled, 0.75),
             )
             row["step_repeat_medians_s"] = [statistics.median(by[("steps", m, r)]["step_s"]) for r in repeats]
+            row["exchange_calls_s"] = [by[("steps", m, r)].get("exchange_calls_s", 0.0) for r in repeats]
         if ("loss", m, 0) in by:
             row["loss_s"] = [by[("loss", m, r)]["time_to_loss_s"] for r in repeats]
             row["loss_steps"] = [by[("loss", m, r)]["steps_to_loss"] for r in repeats]
@@ -340,6 +365,17 @@ def render(profile: dict[str, Any], rows: list[dict[str, Any]], config: dict[str
             + f"{statistics.median(steps) if steps else 'n/a'} | {ratio(r.get('loss_ratio'))} | "
             + (f"{statistics.median(r['final_loss']):.3f} |" if "final_loss" in r else "n/a |")
         )
+    calls = [
+        f"{r['method']} {1e3 * statistics.median(r['exchange_calls_s']):.1f} ms"
+        for r in rows
+        if any(r.get("exchange_calls_s", []))
+    ]
+    if calls:
+        lines += [
+            "",
+            "The training thread inside the exchanges' `start` and `wait` in a step (median over steps, ranks "
+            "and repeats): " + "; ".join(calls) + ".",
+        ]
     return "\n".join(lines)
 
 
@@ -464,6 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                         **job,
                         "step_s": harness.step_times(per_rank, args.warmup),
                         "sent_per_step": statistics.fmean(sent),
+                        "exchange_calls_s": statistics.median(r.get("exchange_calls_s", 0.0) for r in per_rank),
                     }
                 else:
                     seconds, steps = time_to_loss(per_rank, args.threshold, args.smooth)

@@ -130,8 +130,10 @@ class GossipOptions:
             (encode, messages, decode, correction) on a helper thread of the mixer between its start and its wait:
             under AWC the exchange of `x(k)` then overlaps forward and backward as the uncompressed one does, where
             a core is free (docs/algorithms.md, "Compressed gossip (CHOCO)"). The same bytes and results either way;
-            `False` runs it on the training thread (the encode before the forward pass, the decode after backward).
-            Ignored without compression, in the simulation and on CUDA (the current stream, the training thread).
+            `False` (the default) runs it on the training thread (the encode before the forward pass, the decode after
+            backward): on the 2 shared CPU cores it was measured on, the helper thread did not shorten a step
+            (docs/benchmarks.md, "Overlap: what runs where"). Ignored without compression, in the simulation and on
+            CUDA (the current stream, the training thread).
         shard_size: `s`, the ranks of one replica (the Trainer's strategy only): `n = r·s` ranks form `r` replicas of
             `s` consecutive ranks, FSDP2 shards each replica over its ranks and the rule runs across the `r` replicas
             on the local shards (docs/sharded.md). 1: every rank is a replica. Not with `staleness` or a
@@ -176,7 +178,7 @@ class GossipOptions:
     outer_overlap: bool = False
     compression: str | Compressor | None = None
     consensus_step: float | None = None
-    compression_overlap: bool = True
+    compression_overlap: bool = False
     shard_size: int = 1
 
     def __post_init__(self) -> None:

@@ -122,6 +122,7 @@ class Config:
     outer_overlap: bool = False
     compression: Any = None  # compressed gossip (CHOCO): a name or a Compressor
     consensus_step: float | None = None  # its γ (None: the compressor's default)
+    compression_overlap: bool = False  # its exchanges on the mixer's helper thread (processes)
 
     @property
     def samples(self) -> int:
@@ -149,7 +150,11 @@ class Config:
         if self.outer is not None:
             extra.update(outer_optimizer=self.outer_optimizer(), outer_overlap=self.outer_overlap)
         if self.compression is not None:
-            extra.update(compression=self.compression, consensus_step=self.consensus_step)
+            extra.update(
+                compression=self.compression,
+                consensus_step=self.consensus_step,
+                compression_overlap=self.compression_overlap,
+            )
         return {
             **extra,
             "topology": Hierarchical(*self.hierarchy) if self.topology == "hierarchical" else self.topology,

@@ -247,7 +247,7 @@ OPTION_DISAGREEMENTS = {
     "compression against none": ({"compression": "sign"}, {}),
     "compression parameters": ({"compression": "top_k:0.1"}, {"compression": "top_k:0.2"}),
     "consensus_step": ({"compression": "int8", "consensus_step": 1.0}, {"compression": "int8", "consensus_step": 0.5}),
-    "compression_overlap": ({"compression": "sign"}, {"compression": "sign", "compression_overlap": False}),
+    "compression_overlap": ({"compression": "sign", "compression_overlap": True}, {"compression": "sign"}),
 }
 """Options rank 0 and rank 1 start with, by the field they differ in (`option_disagreement`)."""
 

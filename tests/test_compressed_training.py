@@ -45,6 +45,18 @@ CONFIGS = [
         consensus_step=0.3,
         dtype=F64,
     ),
+    # compression_overlap: the exchanges on each mixer's helper thread (processes; the simulation has one thread)
+    Config("awc_ring_sign_helper_thread", optimizer=SGD, compression="sign", compression_overlap=True, dtype=F64),
+    Config(
+        "awc_exponential_random_k_rounds2_helper_thread",
+        topology="exponential",
+        optimizer=SGD,
+        compression="random_k:0.3",
+        gossip_steps=2,
+        consensus_step=0.3,
+        compression_overlap=True,
+        dtype=F64,
+    ),
 ]
 
 
@@ -127,9 +139,14 @@ def resumed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     kwargs = {"compression": Sign(block=8), "topology": "ring"}  # issue 38: a time-varying one is refused
     proc_ckpt, sim_ckpt = str(root / "proc.ckpt"), str(root / "sim.ckpt")
     run_distributed(sim.resume_processes, WORLD, save=proc_ckpt, **kwargs)
+    helper_ckpt, helper = str(root / "helper.ckpt"), {"compression_overlap": True}
+    run_distributed(sim.resume_processes, WORLD, save=helper_ckpt, **kwargs, **helper)
     out: dict[str, Any] = {
         "proc_straight": run_distributed(sim.resume_processes, WORLD, **kwargs),
         "proc_resumed": run_distributed(sim.resume_processes, WORLD, load=proc_ckpt, **kwargs),
+        # saved with the exchanges on the helper thread and resumed on the training thread, and the other way round
+        "proc_saved_on_helper": run_distributed(sim.resume_processes, WORLD, load=helper_ckpt, **kwargs),
+        "proc_resumed_on_helper": run_distributed(sim.resume_processes, WORLD, load=proc_ckpt, **kwargs, **helper),
         "sim_first": sim.resume_simulated(WORLD, save=sim_ckpt, **kwargs),
         "sim_straight": sim.resume_simulated(WORLD, **kwargs),
         "sim_resumed": sim.resume_simulated(WORLD, load=sim_ckpt, **kwargs),
@@ -143,6 +160,15 @@ def test_a_resume_continues_bit_for_bit_on_processes_and_in_the_simulation(resum
     assert (resumed["sim_first"][0] - resumed["sim_straight"][0]).abs().max() > 1e-3  # the second epoch moved
     for straight, again in [("proc_straight", "proc_resumed"), ("sim_straight", "sim_resumed")]:
         for worker, (a, b) in enumerate(zip(resumed[again], resumed[straight])):
+            assert torch.equal(a, b), f"{again}, worker {worker}"
+
+
+@pytest.mark.slow
+def test_a_resume_is_bit_for_bit_across_compression_overlap(resumed: dict[str, Any]) -> None:
+    """A checkpoint saved with the exchanges on the mixer's helper thread resumes on the training thread, and the other
+    way round, to the replicas of the straight run, bit for bit."""
+    for again in ("proc_saved_on_helper", "proc_resumed_on_helper"):
+        for worker, (a, b) in enumerate(zip(resumed[again], resumed["proc_straight"])):
             assert torch.equal(a, b), f"{again}, worker {worker}"
 
 

@@ -2,7 +2,7 @@
 [`Choco`][lightning_decentral.compression.Choco] over a [`Gossip`][lightning_decentral.gossip.Gossip] engine's
 point-to-point transport.
 
-With `overlap` (`DecentralizedStrategy(compression_overlap=True)`, the default) an exchange of CPU buffers runs on
+With `overlap` (`DecentralizedStrategy(compression_overlap=True)`) an exchange of CPU buffers runs on
 the mixer's [`ExchangeThread`][lightning_decentral.gossip.compressed.ExchangeThread], one helper thread started at
 the first exchange and joined when the mixer leaves, closes or aborts: `start` checks the buffers and counts the bytes
 on the calling (training) thread and hands the rest over; the helper thread runs every round, the encode
@@ -71,7 +71,7 @@ class CompressedGossip(Watched):
         compression: Compressor,
         consensus_step: float | None = None,
         from_copy: bool = False,
-        overlap: bool = True,
+        overlap: bool = False,
     ) -> None:
         self.gossip = gossip
         step = compression.consensus_step if consensus_step is None else consensus_step
