@@ -44,10 +44,23 @@ CONFIGS = [
     ),
     Config("diloco_sign", topology="complete", compression="sign", gossip_every=3, steps=9, **OUTER),
     Config("outer_ring_int4_overlap", compression="int4", outer_overlap=True, gossip_every=2, steps=9, **OUTER),
+    Config(  # the round's exchange on the mixer's helper thread during the next round's inner steps (processes)
+        "outer_ring_int4_overlap_helper_thread",
+        compression="int4",
+        outer_overlap=True,
+        compression_overlap=True,
+        gossip_every=2,
+        steps=9,
+        **OUTER,
+    ),
 ]
 
 
-@pytest.mark.parametrize("config", slow_cases(CONFIGS, {"outer_exponential_top_k_batch_norm"}), ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "config",
+    slow_cases(CONFIGS, {"outer_exponential_top_k_batch_norm", "outer_ring_int4_overlap_helper_thread"}),
+    ids=lambda c: c.name,
+)
 def test_the_simulation_is_the_dense_reference(config: Config) -> None:
     simulated = sim.fit_simulated_on_rank_data(config, WORLD)
     expected = outer_reference.decentralized(config, WORLD)
