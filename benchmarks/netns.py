@@ -38,9 +38,9 @@ order rotated from repeat to repeat:
   gradients travel in one bucket (``bucket_cap_mb=1024``): with DDP's default 25 MB buckets gloo aborted the job
   ("Received data size doesn't match expected size. Is there a distributed collective mismatch"; the hook issues
   each bucket's next all-reduce from the previous one's callback, an order that may differ between ranks).
-* ``one_peer_sign_serial``: ``one_peer_sign`` with ``compression_overlap=False``: the CHOCO arithmetic on the
-  training thread (encode before the forward pass, decode after backward) instead of the mixer's helper thread during
-  them; list both in one run for the A/B (the repeats rotate the order).
+* ``one_peer_sign_overlap``: ``one_peer_sign`` with ``compression_overlap=True``: the CHOCO arithmetic on the mixer's
+  helper thread during forward and backward instead of the training thread (the encode before the forward pass, the
+  decode after backward); list both in one run for the A/B (the repeats rotate the order).
 * ``no_exchange``: the floor, ``DecentralizedStrategy(topology="ring")`` (static: any ``gossip_every`` is allowed)
   with ``gossip_every`` beyond the run: the strategy's own step with every step local, nothing sent. Each method's
   ``overhead`` is its step over the floor's in the same repeat, minus 1 (the time it adds to the computation).
@@ -90,7 +90,7 @@ METHODS = {
     "decentlam_one_peer": ("decentlam", "one_peer_exponential", "decentlam", None),
     # compression keeps a public copy per edge and refuses a time-varying graph: one peer a step on a static ring
     "one_peer_sign": ("dpsgd awc, sign", "one_peer_ring", "local", "sign"),
-    "one_peer_sign_serial": ("dpsgd awc, sign, compression_overlap=False", "one_peer_ring", "local", "sign"),
+    "one_peer_sign_overlap": ("dpsgd awc, sign, compression_overlap=True", "one_peer_ring", "local", "sign"),
     "one_peer_int4": ("dpsgd awc, int4", "one_peer_ring", "local", "int4"),
     "one_peer_top_k": ("dpsgd awc, top_k:0.01", "one_peer_ring", "local", "top_k:0.01"),
     "ddp_powersgd": ("ddp + PowerSGD (rank 4)", "all-reduce (rank-4 factors of the gradients)", None, None),
@@ -99,7 +99,7 @@ METHODS = {
 POWERSGD_RANK = 4
 POWERSGD_BUCKET_MB = 1024  # one bucket (see the module's docstring)
 STEPS_ONLY = ("decent_dp",)  # methods without a time-to-loss job
-SERIAL = ("one_peer_sign_serial",)  # compression_overlap=False: the CHOCO arithmetic on the training thread
+OVERLAP = ("one_peer_sign_overlap",)  # compression_overlap=True: the CHOCO arithmetic on the mixer's helper thread
 DEFAULT_METHODS = "ddp,ring,one_peer_exponential,decentlam"
 
 
@@ -115,7 +115,7 @@ def make_strategy(method: str, max_steps: int) -> Any:
         return DDPStrategy(bucket_cap_mb=POWERSGD_BUCKET_MB)
     if topology is None:
         return "ddp"
-    overlap = {"compression_overlap": False} if method in SERIAL else {}
+    overlap = {"compression_overlap": True} if method in OVERLAP else {}
     return DecentralizedStrategy(topology=topology, momentum=momentum, compression=compression, **overlap)
 
 
