@@ -186,7 +186,8 @@ def _modules() -> dict[Path, ModuleType]:
     found = {}
     for info in pkgutil.walk_packages(lightning_decentral.__path__, "lightning_decentral."):
         module = importlib.import_module(info.name)
-        found[Path(module.__file__)] = module
+        if module.__file__.endswith(".py"):  # not the compiled kernel (compression/_kernels.c: no Python names)
+            found[Path(module.__file__)] = module
     return found
 
 
