@@ -2,9 +2,9 @@
 emulated network of ``netns.py``: 4 hosts of 2 ranks, the ranks of a host on its own fast path, hosts joined by
 shaped links. Root on Linux.
 
-    python benchmarks/sharded.py                                   # profiles 1gbit and 100mbit, 500 steps, H = 50
+    python benchmarks/sharded.py                                   # profiles 100mbit and 1gbit, 500 steps, H = 50
     python benchmarks/sharded.py --smoke                           # 100mbit, a few steps, a tiny model
-    python benchmarks/sharded.py --profiles 100mbit --steps 100 --every 20 --out t.md --out t.json
+    python benchmarks/sharded.py --profiles 100mbit --steps 100 --every 20 --extend sharded_diloco=2 --out t.json
 
 The model is a byte-level language model with ``outer.py``'s blocks (``--width``, ``--layers``: a few million
 parameters), its data the standard library's own source as bytes, AdamW inside every method. Each block and the model's
@@ -12,15 +12,20 @@ root are sharded with FSDP2 over a host's 2 ranks in ``configure_model``. The me
 
 * ``hsdp``: Lightning's ``ModelParallelStrategy`` with FSDP2 on a 2-D mesh ``(replicate, shard)``: HSDP, the gradients
   reduce-scattered in a host and all-reduced between hosts every step;
+* ``sharded_no_exchange``: the floor, ``DecentralizedStrategy(shard_size=2, topology="ring")`` with a ``gossip_every``
+  longer than the run: FSDP2's all-gathers and reduce-scatters in a host, nothing sent between hosts (as
+  ``netns.py``'s ``no_exchange``): no method that reaches across hosts can step faster;
 * ``sharded_one_peer``: ``DecentralizedStrategy(shard_size=2, topology="one_peer_exponential")``, AWC every step;
 * ``sharded_one_peer_sign``: the same with ``compression="sign"``, on the static ``one_peer_ring`` (compression refuses
   a time-varying graph; one peer a step all the same);
 * ``sharded_diloco``: ``shard_size=2, topology="complete", gossip_every=H`` with DiLoCo's outer Nesterov step.
 
-Measured per rank: the bytes of its parameters and optimizer state (its local shards), the median time of a training
-step after ``--warmup``, and every ``H`` steps the validation loss (of ``x̄`` for the decentralized methods; mean
-cross-entropy in nats per byte over ``--val-windows`` held-out windows) against the training time so far (validation's
-own time left out). Every ratio is against ``hsdp`` in the same run (same processes, network and load).
+Every method trains ``--steps`` steps, those named in ``--extend`` (``method=factor``) that many times as many, to see
+when they reach HSDP's loss at step ``--steps``. Measured per rank: the bytes of its parameters and optimizer state
+(its local shards), the median time of a training step after ``--warmup``, and every ``H`` steps the validation loss
+(of ``x̄`` for the decentralized methods; mean cross-entropy in nats per byte over ``--val-windows`` held-out windows)
+against the training time so far (validation's own time left out). Every ratio is against ``hsdp`` and the floor in the
+same run (same processes, network and load).
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ import outer
 import torch
 from torch import nn
 
-METHODS = ("hsdp", "sharded_one_peer", "sharded_one_peer_sign", "sharded_diloco")
+METHODS = ("hsdp", "sharded_no_exchange", "sharded_one_peer", "sharded_one_peer_sign", "sharded_diloco")
+FLOOR = "sharded_no_exchange"
 SHARD = 2  # ranks per host: one replica per host
 GOALS = (
     "per-rank params + optimizer state <= 1.1/s of unsharded; 100 Mbit/s: sharded one-peer + sign step <= 0.3x HSDP's; "
@@ -103,7 +109,12 @@ class ShardedLM(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01)
 
 
-def make_strategy(method: str, every: int, world_size: int) -> Any:
+def method_steps(method: str, config: dict[str, Any]) -> int:
+    """``--steps``, times the method's ``--extend`` factor (1 if it has none)."""
+    return round(config["extend"].get(method, 1.0) * config["steps"])
+
+
+def make_strategy(method: str, every: int, world_size: int, steps: int) -> Any:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_decentral import DecentralizedStrategy
@@ -116,6 +127,8 @@ def make_strategy(method: str, every: int, world_size: int) -> Any:
     }
     if method == "hsdp":
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
+    if method == FLOOR:  # (k + 1) % gossip_every is never 0 in the run: every step local, nothing sent between hosts
+        return DecentralizedStrategy(shard_size=SHARD, topology="ring", gossip_every=steps + 1)
     return DecentralizedStrategy(shard_size=SHARD, **options[method])
 
 
@@ -163,9 +176,10 @@ def _job(method: str, config: dict[str, Any], data: dict[str, Any], world_size: 
     pl.seed_everything(0, verbose=False)
     model = ShardedLM(config["context"], config["width"], config["layers"], hsdp=method == "hsdp")
     clock = Clock()
+    steps = method_steps(method, config)
     trainer = quiet_trainer(
-        make_strategy(method, config["every"], world_size),
-        config["steps"],
+        make_strategy(method, config["every"], world_size, steps),
+        steps,
         [clock],
         num_nodes=world_size // SHARD,
         devices=SHARD,
@@ -176,8 +190,8 @@ def _job(method: str, config: dict[str, Any], data: dict[str, Any], world_size: 
     train = DataLoader(TensorDataset(data["train"]), batch_size=config["batch"], shuffle=True, drop_last=True)
     val = DataLoader(TensorDataset(data["val"]), batch_size=config["batch"])
     trainer.fit(model, train, val)
-    steps = clock.steps[config["warmup"] :] or clock.steps
-    return {"held": clock.held, "step_median": statistics.median(steps), "points": clock.points}
+    timed = clock.steps[config["warmup"] :] or clock.steps
+    return {"held": clock.held, "step_median": statistics.median(timed), "points": clock.points}
 
 
 def work(spec: dict[str, Any], data: dict[str, Any], rank: int) -> list[dict[str, Any]]:
@@ -188,9 +202,10 @@ def work(spec: dict[str, Any], data: dict[str, Any], rank: int) -> list[dict[str
     return [{"method": m, **_job(m, spec["config"], data, world_size)} for m in spec["methods"]]
 
 
-def summarize(per_rank: list[list[dict[str, Any]]], unsharded_bytes: int) -> list[dict[str, Any]]:
+def summarize(per_rank: list[list[dict[str, Any]]], unsharded_bytes: int, steps: int) -> list[dict[str, Any]]:
     """Per method: the most any rank holds, the slowest rank's median step, the curve (loss of rank 0: every rank
-    logs the same synchronized value), each against ``hsdp``'s."""
+    logs the same synchronized value; the slowest rank's time), each against ``hsdp``'s and the floor's; the loss at
+    step ``steps`` (the same tokens for every method) and when HSDP's loss there is first reached."""
     rows = []
     for i, first in enumerate(per_rank[0]):
         runs = [r[i] for r in per_rank]
@@ -207,40 +222,70 @@ def summarize(per_rank: list[list[dict[str, Any]]], unsharded_bytes: int) -> lis
             }
         )
     base = next(r for r in rows if r["method"] == "hsdp")
-    target = base["points"][-1]["loss"] if base["points"] else None
+    floor = next((r for r in rows if r["method"] == FLOOR), None)
+    target = next((p["loss"] for p in base["points"] if p["step"] == steps), None)
     for row in rows:
         row["step_vs_hsdp"] = row["step_seconds"] / base["step_seconds"]
-        reached = [p["seconds"] for p in row["points"] if target is not None and p["loss"] <= target]
-        row["seconds_to_hsdp_final_loss"] = reached[0] if reached else None
-        row["final_loss"] = row["points"][-1]["loss"] if row["points"] else None
+        row["step_vs_floor"] = None if floor is None else row["step_seconds"] / floor["step_seconds"]
+        row["loss_at_steps"] = next((p["loss"] for p in row["points"] if p["step"] == steps), None)
+        reached = [p for p in row["points"] if target is not None and p["loss"] <= target]
+        row["to_hsdp_loss"] = {"seconds": reached[0]["seconds"], "step": reached[0]["step"]} if reached else None
+        row["steps_run"] = row["points"][-1]["step"] if row["points"] else 0
     return rows
 
 
 def render(profile: str, rows: list[dict[str, Any]], config: dict[str, Any], command: str, load: str) -> str:
+    def fixed(value: float | None, digits: int) -> str:
+        return "–" if value is None else f"{value:.{digits}f}"
+
+    steps = config["steps"]
     lines = [
-        f"Profile {profile}; {config['parameters']:,} parameters; {config['steps']} steps, H = {config['every']}; "
-        f"load before: {load}. Command: `{command}`",
+        f"Profile {profile}; {config['parameters']:,} parameters; {steps} steps (times {config['extend']}), "
+        f"H = {config['every']}; load: {load}. Command: `{command}`",
         "",
-        "| method | params + optimizer state per rank (MB) | vs unsharded | step (s, median) | vs HSDP "
-        "| final val loss | s to HSDP's final loss |",
-        "|---|---|---|---|---|---|---|",
+        "| method | params + optimizer state per rank (MB) | vs unsharded | step (s, median) | vs HSDP | vs floor "
+        f"| val loss at {steps} | time to HSDP's loss at {steps} (s, step) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        reached = row["seconds_to_hsdp_final_loss"]
+        reached = row["to_hsdp_loss"]
         lines.append(
             f"| {row['method']} | {row['held_bytes'] / 1e6:.2f} | {row['held_vs_unsharded']:.3f} | "
-            f"{row['step_seconds']:.3f} | {row['step_vs_hsdp']:.2f} | "
-            f"{row['final_loss']:.3f} | {'not reached' if reached is None else f'{reached:.1f}'} |"
+            f"{row['step_seconds']:.3f} | {row['step_vs_hsdp']:.2f} | {fixed(row['step_vs_floor'], 2)} | "
+            f"{fixed(row['loss_at_steps'], 3)} | "
+            + (
+                f"not in {row['steps_run']} steps"
+                if reached is None
+                else f"{reached['seconds']:.1f} ({reached['step']})"
+            )
+            + " |"
         )
+    curve_steps = sorted({p["step"] for row in rows for p in row["points"]})
+    lines += [
+        "",
+        "| step | " + " | ".join(row["method"] for row in rows) + " |",
+        "|---|" + "---|" * len(rows),
+    ]
+    for step in curve_steps:
+        cells = []
+        for row in rows:
+            point = next((p for p in row["points"] if p["step"] == step), None)
+            cells.append("" if point is None else f"{point['loss']:.3f} @ {point['seconds']:.0f} s")
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--profiles", default="1gbit,100mbit")
+    parser.add_argument("--profiles", default="100mbit,1gbit")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--every", type=int, default=50, help="H: DiLoCo's round, and how often the loss is measured")
+    parser.add_argument(
+        "--extend",
+        default="",
+        help="comma-separated method=factor: those methods train factor times --steps (to reach HSDP's loss there)",
+    )
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -252,6 +297,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", action="append", default=[])
     args = parser.parse_args(argv)
+    try:
+        args.extend = {m: float(f) for m, f in (pair.split("=") for pair in args.extend.split(",") if pair)}
+    except ValueError:
+        parser.error(f"--extend takes method=factor pairs, such as sharded_diloco=1.6, not {args.extend!r}")
+    unknown = [m for m in [*args.methods.split(","), *args.extend] if m not in METHODS]
+    if unknown or "hsdp" not in args.methods.split(","):
+        parser.error(f"unknown methods {unknown} (choose from {', '.join(METHODS)}; hsdp is every ratio's base)")
     if args.smoke:
         args.profiles, args.steps, args.every, args.warmup, args.width, args.layers = "100mbit", 6, 3, 1, 32, 1
     return args
@@ -274,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     command = harness.command_line("benchmarks/sharded.py", argv)
     tables, results = [], []
     for name in args.profiles.split(","):
-        load = open("/proc/loadavg").read().strip()
+        before = open("/proc/loadavg").read().strip()
         with harness.EmulatedNetwork(4, harness.PROFILES[name]) as network:
             per_rank = harness.run_ranks(
                 functools.partial(work, spec, data),
@@ -283,12 +335,12 @@ def main(argv: list[str] | None = None) -> int:
                 network=network,
                 ranks_per_host=SHARD,
             )
-        rows = summarize(per_rank, unsharded_bytes)
+        load = f"{before} before, {open('/proc/loadavg').read().strip()} after"
+        rows = summarize(per_rank, unsharded_bytes, args.steps)
         results.append({"profile": name, "load": load, "rows": rows, "shaping": network.shaping})
         tables.append(render(name, rows, config, command, load))
-    table = "\n\n".join(tables)
-    print(table)
-    harness.write_outputs(args.out, {"goals": GOALS, "config": config, "profiles": results}, table)
+        print(tables[-1], flush=True)  # and written after every profile: a later one may run past the budget
+        harness.write_outputs(args.out, {"goals": GOALS, "config": config, "profiles": results}, "\n\n".join(tables))
     return 0
 
 

@@ -322,10 +322,10 @@ def test_outer_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_sharded_smoke(tmp_path: Path) -> None:
-    """Issue 37's jobs on the emulated network (4 hosts of 2 ranks): HSDP and the three sharded methods train, every
-    rank holds half of the parameters and optimizer state, and each logs the loss every H = 3 steps."""
+    """Issue 37's jobs on the emulated network (4 hosts of 2 ranks): HSDP, the floor and the three sharded methods
+    train, every rank holds half of the parameters and optimizer state, and each logs the loss every H = 3 steps."""
     profile = _emulated_profile(tmp_path, "sharded.py")
     rows = {row["method"]: row for row in profile["rows"]}
-    assert set(rows) == {"hsdp", "sharded_one_peer", "sharded_one_peer_sign", "sharded_diloco"}
+    assert set(rows) == {"hsdp", "sharded_no_exchange", "sharded_one_peer", "sharded_one_peer_sign", "sharded_diloco"}
     assert all(row["held_vs_unsharded"] == pytest.approx(0.5) for row in rows.values())
     assert all([p["step"] for p in row["points"]] == [3, 6] and row["step_seconds"] > 0 for row in rows.values())
