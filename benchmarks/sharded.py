@@ -36,6 +36,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import harness
@@ -194,12 +195,23 @@ def _job(method: str, config: dict[str, Any], data: dict[str, Any], world_size: 
     return {"held": clock.held, "step_median": statistics.median(timed), "points": clock.points}
 
 
-def work(spec: dict[str, Any], data: dict[str, Any], rank: int) -> list[dict[str, Any]]:
-    """One rank: every method in order, alternating as the spec lists them."""
+Job = Callable[[dict[str, Any], dict[str, Any], int, int], dict[str, Any]]
+
+
+def work(spec: dict[str, Any], data: dict[str, Any], rank: int, jobs: dict[str, Job] | None = None) -> list[dict]:
+    """One rank: every method in order, alternating as the spec lists them; ``jobs`` runs methods from outside this
+    file (``jobs[m](spec, data, rank, world_size)`` returns what ``_job`` does)."""
     harness.use_threads(spec["config"]["threads"])
     harness.quiet()
     world_size = int(os.environ["WORLD_SIZE"])
-    return [{"method": m, **_job(m, spec["config"], data, world_size)} for m in spec["methods"]]
+    jobs = jobs or {}
+    return [
+        {
+            "method": m,
+            **(jobs[m](spec, data, rank, world_size) if m in jobs else _job(m, spec["config"], data, world_size)),
+        }
+        for m in spec["methods"]
+    ]
 
 
 def summarize(per_rank: list[list[dict[str, Any]]], unsharded_bytes: int, steps: int) -> list[dict[str, Any]]:
@@ -275,10 +287,10 @@ def render(profile: str, rows: list[dict[str, Any]], config: dict[str, Any], com
     return "\n".join(lines)
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse(argv: list[str] | None, methods: tuple[str, ...] = METHODS, doc: str | None = __doc__) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profiles", default="100mbit,1gbit")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--methods", default=",".join(methods))
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--every", type=int, default=50, help="H: DiLoCo's round, and how often the loss is measured")
     parser.add_argument(
@@ -301,16 +313,20 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.extend = {m: float(f) for m, f in (pair.split("=") for pair in args.extend.split(",") if pair)}
     except ValueError:
         parser.error(f"--extend takes method=factor pairs, such as sharded_diloco=1.6, not {args.extend!r}")
-    unknown = [m for m in [*args.methods.split(","), *args.extend] if m not in METHODS]
+    unknown = [m for m in [*args.methods.split(","), *args.extend] if m not in methods]
     if unknown or "hsdp" not in args.methods.split(","):
-        parser.error(f"unknown methods {unknown} (choose from {', '.join(METHODS)}; hsdp is every ratio's base)")
+        parser.error(f"unknown methods {unknown} (choose from {', '.join(methods)}; hsdp is every ratio's base)")
     if args.smoke:
         args.profiles, args.steps, args.every, args.warmup, args.width, args.layers = "100mbit", 6, 3, 1, 32, 1
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
+def main(
+    argv: list[str] | None = None, jobs: dict[str, Job] | None = None, script: str = __file__, doc: str | None = __doc__
+) -> int:
+    """Every profile: the methods (``METHODS`` and ``jobs``' own) in the same 8 processes, a table, the results."""
+    jobs = jobs or {}
+    args = parse(argv, METHODS + tuple(jobs), doc)
     permitted, why = harness.netns_permitted()
     if not permitted:
         print(f"needs network namespaces (root on Linux): {why}", file=sys.stderr)
@@ -322,14 +338,14 @@ def main(argv: list[str] | None = None) -> int:
     parameters = sum(p.numel() for p in model.parameters())
     unsharded_bytes = 3 * parameters * 4  # float32 parameters and AdamW's two moments
     config = {**vars(args), "parameters": parameters, "threads": args.threads}
-    spec = {"config": config, "methods": args.methods.split(",")}
-    command = harness.command_line("benchmarks/sharded.py", argv)
+    command = harness.command_line(f"benchmarks/{os.path.basename(script)}", argv)
     tables, results = [], []
     for name in args.profiles.split(","):
         before = open("/proc/loadavg").read().strip()
         with harness.EmulatedNetwork(4, harness.PROFILES[name]) as network:
+            spec = {"config": config, "methods": args.methods.split(","), "addresses": network.addresses}
             per_rank = harness.run_ranks(
-                functools.partial(work, spec, data),
+                functools.partial(work, spec, data, jobs=jobs),
                 4 * SHARD,
                 timeout=args.timeout,
                 network=network,
