@@ -324,7 +324,8 @@ def parse(argv: list[str] | None, methods: tuple[str, ...] = METHODS, doc: str |
 def main(
     argv: list[str] | None = None, jobs: dict[str, Job] | None = None, script: str = __file__, doc: str | None = __doc__
 ) -> int:
-    """Every profile: the methods (``METHODS`` and ``jobs``' own) in the same 8 processes, a table, the results."""
+    """Every profile: each method (``METHODS`` and ``jobs``' own) in 8 fresh processes on the same emulated network, one
+    after another (a method that fails, say diverges, is reported and the others still run), a table, the results."""
     jobs = jobs or {}
     args = parse(argv, METHODS + tuple(jobs), doc)
     permitted, why = harness.netns_permitted()
@@ -342,19 +343,31 @@ def main(
     tables, results = [], []
     for name in args.profiles.split(","):
         before = open("/proc/loadavg").read().strip()
+        per_rank: list[list[dict[str, Any]]] = [[] for _ in range(4 * SHARD)]
+        failed = {}
         with harness.EmulatedNetwork(4, harness.PROFILES[name]) as network:
-            spec = {"config": config, "methods": args.methods.split(","), "addresses": network.addresses}
-            per_rank = harness.run_ranks(
-                functools.partial(work, spec, data, jobs=jobs),
-                4 * SHARD,
-                timeout=args.timeout,
-                network=network,
-                ranks_per_host=SHARD,
-            )
+            for method in args.methods.split(","):
+                spec = {"config": config, "methods": [method], "addresses": network.addresses}
+                try:
+                    ranks = harness.run_ranks(
+                        functools.partial(work, spec, data, jobs=jobs),
+                        4 * SHARD,
+                        timeout=args.timeout,
+                        network=network,
+                        ranks_per_host=SHARD,
+                    )
+                except RuntimeError as error:
+                    failed[method] = str(error).strip().splitlines()[-1]
+                    print(f"{name}, {method} failed: {failed[method]}", file=sys.stderr, flush=True)
+                    continue
+                for mine, (result,) in zip(per_rank, ranks):
+                    mine.append(result)
         load = f"{before} before, {open('/proc/loadavg').read().strip()} after"
         rows = summarize(per_rank, unsharded_bytes, args.steps)
-        results.append({"profile": name, "load": load, "rows": rows, "shaping": network.shaping})
-        tables.append(render(name, rows, config, command, load))
+        results.append({"profile": name, "load": load, "rows": rows, "failed": failed, "shaping": network.shaping})
+        tables.append(
+            render(name, rows, config, command, load) + "".join(f"\n\n{m} failed: {e}" for m, e in failed.items())
+        )
         print(tables[-1], flush=True)  # and written after every profile: a later one may run past the budget
         harness.write_outputs(args.out, {"goals": GOALS, "config": config, "profiles": results}, "\n\n".join(tables))
     return 0
