@@ -25,7 +25,7 @@ when they reach HSDP's loss at step ``--steps``. Measured per rank: the bytes of
 (its local shards), the median time of a training step after ``--warmup``, and every ``H`` steps the validation loss
 (of ``x̄`` for the decentralized methods; mean cross-entropy in nats per byte over ``--val-windows`` held-out windows)
 against the training time so far (validation's own time left out). Every ratio is against ``hsdp`` and the floor in the
-same run (same processes, network and load).
+same run (each method in 8 fresh processes, one after another, on the same network).
 """
 
 from __future__ import annotations

@@ -7,15 +7,16 @@ how) and this repository on ``PYTHONPATH``; as root on Linux.
         --profiles 100mbit --methods hsdp,sharded_diloco,torchft_diloco --steps 200 --every 50 --width 192 --layers 4
     ... benchmarks/torchft_sharded.py --smoke
 
-The options are ``sharded.py``'s, with one more method, ``torchft_diloco``, run in the same 8 processes after the
-others (ratios against ``hsdp`` in the same run). Each host is one replica group of 2 ranks: the model is
-``sharded.py``'s, seeded the same, its blocks and root sharded with FSDP2 over the host's two ranks (a 2-D mesh over
-the 8 ranks' process group, its ``shard`` dimension: the group's own "world"); each rank runs a ``torchft.Manager``
-(group rank 0 or 1 of a group of 2, ``ProcessGroupGloo`` across the groups: rank ``j`` of every host all-reduces its
-shard ``j`` of the pseudo-gradient), host 0 also the lighthouse; ``DiLoCo`` wraps the same inner AdamW and outer
-Nesterov SGD with ``sync_every = H``, around a plain loop over the sampler Lightning would give the rank. The replicas
-start from the same seeded weights with ``init_sync=False`` (as in ``torchft_diloco.py``). Every ``H`` steps, right
-after the outer step, both ranks of a host evaluate the model on all validation windows (training time excludes it).
+The options are ``sharded.py``'s, with one more method, ``torchft_diloco``, run as the others are (8 fresh processes on
+the same emulated network, after them: ratios against ``hsdp`` in the same run). Each host is one replica group of 2
+ranks: the model is ``sharded.py``'s, seeded the same, its blocks and root sharded with FSDP2 over the host's two ranks
+(a 2-D mesh over the 8 ranks' process group, its ``shard`` dimension: the group's own "world"); each rank runs a
+``torchft.Manager`` (group rank 0 or 1 of a group of 2, ``ProcessGroupGloo`` across the groups: rank ``j`` of every host
+all-reduces its shard ``j`` of the pseudo-gradient), host 0 also the lighthouse; ``DiLoCo`` wraps the same inner AdamW
+and outer Nesterov SGD with ``sync_every = H``, around a plain loop over the sampler Lightning would give the rank. The
+replicas start from the same seeded weights with ``init_sync=False`` (as in ``torchft_diloco.py``). Every ``H`` steps,
+right after the outer step, both ranks of a host evaluate the model on all validation windows (training time excludes
+it).
 """
 
 from __future__ import annotations
