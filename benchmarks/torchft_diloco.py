@@ -28,6 +28,7 @@ import itertools
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
@@ -41,9 +42,46 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 LIGHTHOUSE_PORT, STORE_PORT, MANAGER_PORT = 29510, 29520, 29530
 
 
+def make_manager(model: torch.nn.Module, addresses: list[str], host: int, group_rank: int, group_size: int, hosts: int):
+    """A ``torchft.Manager`` for rank ``group_rank`` of the replica group of ``group_size`` ranks on host ``host`` (of
+    ``hosts``): gloo across the groups, the lighthouse on host 0, the replicas starting from the same seeded weights
+    (``init_sync=False``), 120 s for every wait."""
+    from torchft import Manager, ProcessGroupGloo
+
+    wait = timedelta(seconds=120)
+    return Manager(
+        pg=ProcessGroupGloo(timeout=wait),
+        min_replica_size=hosts,
+        use_async_quorum=False,
+        init_sync=False,
+        load_state_dict=lambda state: model.load_state_dict(state["model"]),
+        state_dict=lambda: {"model": model.state_dict()},
+        replica_id=f"host{host}",
+        store_addr=addresses[host],
+        store_port=STORE_PORT,
+        rank=group_rank,
+        world_size=group_size,
+        lighthouse_addr=f"http://{addresses[0]}:{LIGHTHOUSE_PORT}",
+        hostname=addresses[host],
+        port=MANAGER_PORT,
+        timeout=wait,
+        quorum_timeout=wait,
+        connect_timeout=wait,
+    )
+
+
+def epochs(train: torch.Tensor, batch: int, replicas: int, rank: int) -> Iterator[Any]:
+    """Batches of ``train`` for ``rank`` of ``replicas``, epoch after epoch, reshuffled as Lightning's sampler is."""
+    dataset = TensorDataset(train)
+    sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset, batch_size=batch, drop_last=True, sampler=sampler)
+    for epoch in itertools.count():
+        sampler.set_epoch(epoch)
+        yield from loader
+
+
 def _torchft(config: dict[str, Any], data: dict[str, Any], addresses: list[str], rank: int) -> dict[str, Any]:
     """One replica group (one process) on host ``rank``: DiLoCo's loop, a curve point every ``H`` steps."""
-    from torchft import Manager, ProcessGroupGloo
     from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo
 
@@ -53,38 +91,9 @@ def _torchft(config: dict[str, Any], data: dict[str, Any], addresses: list[str],
     torch.manual_seed(0)
     model = outer.ByteGPT(config["context"], config["width"], config["layers"])
     inner = model.configure_optimizers()  # outer.py's AdamW
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
-        min_replica_size=n,
-        use_async_quorum=False,
-        init_sync=False,
-        load_state_dict=lambda state: model.load_state_dict(state["model"]),
-        state_dict=lambda: {"model": model.state_dict()},
-        replica_id=f"host{rank}",
-        store_addr=addresses[rank],
-        store_port=STORE_PORT,
-        rank=0,
-        world_size=1,
-        lighthouse_addr=f"http://{addresses[0]}:{LIGHTHOUSE_PORT}",
-        hostname=addresses[rank],
-        port=MANAGER_PORT,
-        timeout=timedelta(seconds=120),
-        quorum_timeout=timedelta(seconds=120),
-        connect_timeout=timedelta(seconds=120),
-    )
-    train = TensorDataset(data["train"])
-    loader = DataLoader(
-        train,
-        batch_size=config["batch"],
-        drop_last=True,
-        sampler=DistributedSampler(train, num_replicas=n, rank=rank, shuffle=True, seed=0),
-    )
+    manager = make_manager(model, addresses, host=rank, group_rank=0, group_size=1, hosts=n)
+    batches = epochs(data["train"], config["batch"], n, rank)
     total = round(config["extend"] * config["steps"])
-
-    def batches() -> Any:  # epoch after epoch, reshuffled as Lightning's sampler is
-        for epoch in itertools.count():
-            loader.sampler.set_epoch(epoch)
-            yield from loader
 
     points, paused = [], 0.0
     received0, sent0 = harness.interface_bytes(harness.EmulatedNetwork.interface)
@@ -98,7 +107,7 @@ def _torchft(config: dict[str, Any], data: dict[str, Any], addresses: list[str],
         backup_device=torch.device("cpu"),
         pin_memory=False,
     ):
-        for step, batch in enumerate(batches(), start=1):
+        for step, batch in enumerate(batches, start=1):
             loss = model.loss(batch)
             inner.zero_grad()
             loss.backward()

@@ -21,28 +21,23 @@ it).
 
 from __future__ import annotations
 
-import itertools
 import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import harness
 import lightning.pytorch as pl
 import sharded
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-LIGHTHOUSE_PORT, STORE_PORT, MANAGER_PORT = 29510, 29520, 29530
+from torchft_diloco import LIGHTHOUSE_PORT, STORE_PORT, epochs, make_manager
 
 
 def torchft_diloco(spec: dict[str, Any], data: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """One rank of one replica group (host ``rank // 2``): DiLoCo's loop over an FSDP2-sharded model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torchft import Manager, ProcessGroupGloo
     from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo
 
@@ -64,39 +59,10 @@ def torchft_diloco(spec: dict[str, Any], data: dict[str, Any], rank: int, world_
     fully_shard(model, mesh=mesh)
     inner = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01)  # ShardedLM's
     outer_optimizer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)  # sharded.py's
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
-        min_replica_size=hosts,
-        use_async_quorum=False,
-        init_sync=False,
-        load_state_dict=lambda state: model.load_state_dict(state["model"]),
-        state_dict=lambda: {"model": model.state_dict()},
-        replica_id=f"host{host}",
-        store_addr=addresses[host],
-        store_port=STORE_PORT,
-        rank=group_rank,
-        world_size=sharded.SHARD,
-        lighthouse_addr=f"http://{addresses[0]}:{LIGHTHOUSE_PORT}",
-        hostname=addresses[host],
-        port=MANAGER_PORT,
-        timeout=timedelta(seconds=120),
-        quorum_timeout=timedelta(seconds=120),
-        connect_timeout=timedelta(seconds=120),
-    )
-    train = TensorDataset(data["train"])
-    loader = DataLoader(
-        train,
-        batch_size=config["batch"],
-        drop_last=True,
-        sampler=DistributedSampler(train, num_replicas=world_size, rank=rank, shuffle=True, seed=0),
-    )
+    manager = make_manager(model, addresses, host, group_rank, group_size=sharded.SHARD, hosts=hosts)
+    batches = epochs(data["train"], config["batch"], world_size, rank)
     val = data["val"].split(config["batch"])
     total, every = sharded.method_steps("torchft_diloco", config), config["every"]
-
-    def batches() -> Any:  # epoch after epoch, reshuffled as Lightning's sampler is
-        for epoch in itertools.count():
-            loader.sampler.set_epoch(epoch)
-            yield from loader
 
     def loss(window: torch.Tensor) -> torch.Tensor:
         logits = model(window[:, :-1])
@@ -106,7 +72,7 @@ def torchft_diloco(spec: dict[str, Any], data: dict[str, Any], rank: int, world_
     with DiLoCo(
         manager, [model], inner, outer_optimizer, sync_every=every, backup_device=torch.device("cpu"), pin_memory=False
     ):
-        for step, (window,) in enumerate(batches(), start=1):
+        for step, (window,) in enumerate(batches, start=1):
             started = time.perf_counter()
             inner.zero_grad()
             loss(window).backward()

@@ -333,15 +333,7 @@ def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None
     """Rank 1 of 2 stops (SIGSTOP) after step 2. Lightning's broadcast at the next batch times out first and swallows
     its error; the exchange that follows must fail at once, not wait a second timeout."""
     timeout, stamp = 8.0, tmp_path / "stopped_at"
-    with tempfile.TemporaryDirectory() as out:
-        procs = start_processes(workers.hung_peer, 2, out, stamp=str(stamp), timeout=timeout)
-        try:
-            procs[0].join(120)
-        finally:
-            for p in procs:
-                p.kill()
-                p.join()
-        results = {0: pickle.loads((Path(out) / "0.pkl").read_bytes())}
+    results = {0: _with_a_hung_rank(stamp, timeout)}
     for rank, (status, r) in results.items():
         assert status == "ok", r
         assert r["error"].startswith("PeerFailure: The gossip exchange of step 2 failed on this rank"), (rank, r)
@@ -349,13 +341,9 @@ def test_a_hung_rank_stops_the_others_within_the_timeout(tmp_path: Path) -> None
         assert r["stopped_at"] - float(stamp.read_text()) < timeout + 5  # not 2 x timeout
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("overlap", [True, False], ids=["helper-thread", "training-thread"])
-def test_a_hung_rank_stops_the_others_within_the_timeout_under_compression(tmp_path: Path, overlap: bool) -> None:
-    """As above with `compression="sign"`: the exchange after the broadcast's timeout fails at once, on the helper
-    thread with `compression_overlap` (raised by the training thread's wait) as on the training thread without it."""
-    timeout, stamp = 8.0, tmp_path / "stopped_at"
-    options = {"compression": "sign", "compression_overlap": overlap}
+def _with_a_hung_rank(stamp: Path, timeout: float, **options: Any) -> tuple[str, Any]:
+    """Rank 0's result of `workers.hung_peer` on 2 ranks (rank 1 stopped by SIGSTOP after step 2), every process
+    bounded and killed at the end."""
     with tempfile.TemporaryDirectory() as out:
         procs = start_processes(workers.hung_peer, 2, out, stamp=str(stamp), timeout=timeout, **options)
         try:
@@ -364,7 +352,16 @@ def test_a_hung_rank_stops_the_others_within_the_timeout_under_compression(tmp_p
             for p in procs:
                 p.kill()
                 p.join()
-        status, r = pickle.loads((Path(out) / "0.pkl").read_bytes())
+        return pickle.loads((Path(out) / "0.pkl").read_bytes())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [True, False], ids=["helper-thread", "training-thread"])
+def test_a_hung_rank_stops_the_others_within_the_timeout_under_compression(tmp_path: Path, overlap: bool) -> None:
+    """As above with `compression="sign"`: the exchange after the broadcast's timeout fails at once, on the helper
+    thread with `compression_overlap` (raised by the training thread's wait) as on the training thread without it."""
+    timeout, stamp = 8.0, tmp_path / "stopped_at"
+    status, r = _with_a_hung_rank(stamp, timeout, compression="sign", compression_overlap=overlap)
     assert status == "ok", r
     assert r["error"].startswith("PeerFailure: The compressed gossip exchange of step 2 failed on this rank"), r
     assert r["cause"].startswith("RuntimeError: ")
