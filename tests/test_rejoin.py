@@ -34,17 +34,36 @@ def _kill_rejoin(tmp_path: Path, world_size: int, dead: int, die_at: int, hold_a
     """`world_size` ranks, `dead` killed when step `die_at` starts; once the others decided to go on (they then wait at
     the start of step `hold_at`), `dead` is started again with the same command, and the others are released once it
     asks to rejoin. Every process's result (or error), by rank: the first `world_size` then the one started again."""
-    port = free_port()
     run = dict(root=str(tmp_path), steps=steps, hold_at=hold_at, **strategy)
-    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
-        procs = start_processes(workers.survive_or_error, world_size, out, port=port, deaths={dead: die_at}, **run)
+    members = [r for r in range(world_size) if r != dead]
+    return _start_again(tmp_path, workers.survive_or_error, world_size, dead, {dead: die_at}, {}, members, True, run)
+
+
+def _start_again(
+    tmp_path: Path,
+    worker,
+    world_size: int,
+    again: int,
+    deaths: dict[int, int],
+    restart: dict,
+    members: list[int],
+    restarted_result: bool,
+    run: dict,
+):
+    """`world_size` ranks of `worker` (`deaths`: rank -> the step it is killed at); once the survivors decided to go on
+    (they wait at `run["hold_at"]`), rank `again` started again (with `restart` added to its arguments), and the
+    survivors released once it asks to rejoin (or it is gone), every process bounded. The results of `members`, and
+    of the rank started again if `restarted_result`, by rank."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as later:
+        procs = start_processes(worker, world_size, out, port=port, deaths=deaths, **run)
         restarted = None
         try:
             deadline = time.monotonic() + BOUND
             _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
-            restarted = start_rank(workers.survive_or_error, dead, world_size, port, again, deaths={}, **run)
+            restarted = start_rank(worker, again, world_size, port, later, deaths={}, **run, **restart)
             store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-            _wait_for(lambda: asking(store) == [dead] or not restarted.is_alive(), deadline)
+            _wait_for(lambda: asking(store) == [again] or not restarted.is_alive(), deadline)
             (tmp_path / "released").touch()
             for p in [*procs, restarted]:
                 p.join(max(0.0, deadline - time.monotonic()))
@@ -52,8 +71,9 @@ def _kill_rejoin(tmp_path: Path, world_size: int, dead: int, die_at: int, hold_a
             for p in [*procs, restarted]:
                 if p is not None and p.is_alive():
                     p.kill()
-        results = {r: pickle.loads((Path(out) / f"{r}.pkl").read_bytes())[1] for r in range(world_size) if r != dead}
-        results[dead] = pickle.loads((Path(again) / f"{dead}.pkl").read_bytes())[1]
+        results = {r: pickle.loads((Path(out) / f"{r}.pkl").read_bytes())[1] for r in members}
+        if restarted_result:
+            results[again] = pickle.loads((Path(later) / f"{again}.pkl").read_bytes())[1]
     return results
 
 
@@ -133,26 +153,8 @@ def test_a_fault_plan_that_kills_two_of_three_and_one_rank_started_again(tmp_pat
     same plan). It checked the plan's ranks against the members' world size (2) and raised once admitted, and the lone
     survivor then died with an IndexError. Now it checks them against the run's start, rejoins, and both end at step
     30 as 2 ranks."""
-    port = free_port()
     run = dict(root=str(tmp_path), steps=30, hold_at=11, rejoin=True, min_workers=1, fault_plan={8: [1, 2]})
-    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
-        procs = start_processes(workers.survive_or_traceback, 3, out, port=port, deaths={}, **run)
-        restarted = None
-        try:
-            deadline = time.monotonic() + BOUND
-            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
-            restarted = start_rank(workers.survive_or_traceback, 1, 3, port, again, deaths={}, **run)
-            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-            _wait_for(lambda: asking(store) == [1] or not restarted.is_alive(), deadline)
-            (tmp_path / "released").touch()
-            for p in [*procs, restarted]:
-                p.join(max(0.0, deadline - time.monotonic()))
-        finally:
-            for p in [*procs, restarted]:
-                if p is not None and p.is_alive():
-                    p.kill()
-        results = [pickle.loads((Path(out) / "0.pkl").read_bytes())[1]]
-        results.append(pickle.loads((Path(again) / "1.pkl").read_bytes())[1])
+    results = list(_start_again(tmp_path, workers.survive_or_traceback, 3, 1, {}, {}, [0], True, run).values())
     for r in results:
         assert isinstance(r, dict), r
         assert (r["world_size"], r["global_step"]) == (2, 30), r
@@ -165,27 +167,11 @@ def test_a_rank_that_dies_once_admitted_leaves_the_members_going_on(tmp_path: Pa
     """3 ranks, rank 2 killed at step 3 and started again; admitted at step 20, it dies before it takes the state
     over. Its source's hand-over fails: the members survive it as a failure (that decision replaces the join), and end
     at step 30 as 2, instead of stopping with gloo's error."""
-    port = free_port()
     run = dict(root=str(tmp_path), steps=30, hold_at=11, rejoin=True)
-    with tempfile.TemporaryDirectory() as out, tempfile.TemporaryDirectory() as again:
-        procs = start_processes(workers.survive_or_traceback, 3, out, port=port, deaths={2: 3}, **run)
-        restarted = None
-        try:
-            deadline = time.monotonic() + BOUND
-            _wait_for(lambda: (tmp_path / "decided").exists(), deadline)
-            restarted = start_rank(
-                workers.survive_or_traceback, 2, 3, port, again, deaths={}, dies_in="take over", **run
-            )
-            store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30))
-            _wait_for(lambda: asking(store) == [2] or not restarted.is_alive(), deadline)
-            (tmp_path / "released").touch()
-            for p in [*procs, restarted]:
-                p.join(max(0.0, deadline - time.monotonic()))
-        finally:
-            for p in [*procs, restarted]:
-                if p is not None and p.is_alive():
-                    p.kill()
-        results = [pickle.loads((Path(out) / f"{rank}.pkl").read_bytes())[1] for rank in (0, 1)]
+    dies = {"dies_in": "take over"}
+    results = list(
+        _start_again(tmp_path, workers.survive_or_traceback, 3, 2, {2: 3}, dies, [0, 1], False, run).values()
+    )
     assert (tmp_path / "killed-2").exists()
     for r in results:
         assert isinstance(r, dict), r
