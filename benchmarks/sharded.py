@@ -123,7 +123,7 @@ def make_strategy(method: str, every: int, world_size: int, steps: int) -> Any:
     nesterov = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     options = {
         "sharded_one_peer": dict(topology="one_peer_exponential"),
-        "sharded_one_peer_sign": dict(topology="one_peer_ring", compression="sign"),  # static: compression's copies
+        "sharded_one_peer_sign": dict(topology="one_peer_ring", compression="sign", consensus_step=0.5),
         "sharded_diloco": dict(topology="complete", gossip_every=every, outer_optimizer=nesterov),
     }
     if method == "hsdp":

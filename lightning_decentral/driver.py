@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar, cast
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -88,6 +90,33 @@ def check_compressed_topology(topology: Topology, compression: Any) -> None:
         "consensus stalls (sign on one_peer_exponential with 4 workers: at 4.5-9 % of its start). Use a static "
         "topology: topology='one_peer_ring' (one peer a step, as one_peer_exponential), 'exponential' (its edges at "
         "every step) or 'ring'; or compression=None."
+    )
+
+
+def check_consensus_step(topology: Topology, consensus_step: float | None, warn: Callable[[str], None]) -> None:
+    """Warn if compressed gossip takes a consensus step `γ > 1/2` over a `W` that is not symmetric: CHOCO's
+    convergence is proven for a symmetric `W`, and on the directed `one_peer_ring` `sign` at its default `γ = 1`
+    diverged where `γ = 1/2` trained like the undirected ring (docs/benchmarks.md, "Sharded replicas on the emulated
+    network").
+
+    Examples:
+        >>> from lightning_decentral.topology import OnePeerRing, Ring
+        >>> check_consensus_step(Ring(world_size=4), 1.0, print)
+        >>> check_consensus_step(OnePeerRing(world_size=4), 0.5, print)
+        >>> check_consensus_step(OnePeerRing(world_size=4), 1.0, print)
+        compressed gossip with consensus_step=1 on OnePeerRing(world_size=4), whose W is not symmetric: ...
+    """
+    if consensus_step is None or consensus_step <= 0.5:
+        return
+    matrix = topology.mixing(0)
+    if np.allclose(matrix, matrix.T):
+        return
+    warn(
+        f"compressed gossip with consensus_step={consensus_step:g} on {topology!r}, whose W is not symmetric: "
+        "CHOCO's consensus step is proven for a symmetric W, and sign at consensus_step=1 on the directed "
+        "one_peer_ring diverged in docs/benchmarks.md (a language model: loss 2.2 to 900 in 175 steps) where "
+        "consensus_step=0.5 trained as well as the ring. Pass consensus_step=0.5 (or less), or use a symmetric "
+        "topology such as topology='ring'."
     )
 
 
@@ -245,12 +274,13 @@ class StepDriver:
 
     # -- binding ------------------------------------------------------------------------------
 
-    def bind(self, world_size: int, num_nodes: int = 1) -> None:
+    def bind(self, world_size: int, num_nodes: int = 1, warn: Callable[[str], None] = warnings.warn) -> None:
         """Bind the topology to `world_size` workers on `num_nodes` nodes and build the schedule (a topology that
-        does not fit raises here, before any process starts)."""
+        does not fit raises here, before any process starts; one that may not converge `warn`s)."""
         topology = resolve_topology(self.options.topology, world_size, num_nodes)
         check_stale_topology(topology, self.options.staleness)
         check_compressed_topology(topology, self.options.compression)
+        check_consensus_step(topology, self.options.consensus_step, warn)
         self.schedule = GossipSchedule(topology, self.options.gossip_every, self.options.gossip_steps)
         self.options.min_workers_for(world_size)  # more than the world raises here
 

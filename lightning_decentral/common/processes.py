@@ -179,7 +179,7 @@ class Processes:
         """Before any process starts: bind the driver's topology to the workers (bad ones fail here): the `world_size`
         ranks, or with sharded replicas the replicas of `shard_size` ranks each."""
         workers = self.sharding.bind(world_size) if self.sharding is not None else world_size
-        self.driver.bind(workers, num_nodes)
+        self.driver.bind(workers, num_nodes, rank_zero_warn)
 
     def check_backend(self, backend: str | None, device: torch.device) -> None:
         """Before any process starts: refuse `on_peer_failure="continue"` on a backend it does not run on

@@ -254,7 +254,7 @@ class DecentralizedStrategy(Driven, DDPStrategy):
         does not run on, then bind the topology (a bad one fails here)."""
         self.processes.check_backend(self.process_group_backend, self.root_device)
         super()._configure_launcher()
-        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes)
+        self.driver.bind(self.num_nodes * self.num_processes, self.num_nodes, rank_zero_warn)
 
     @override
     def _setup_distributed(self) -> None:

@@ -140,7 +140,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         if not isinstance(vectorize, bool) and vectorize != "auto":
             raise ValueError(f"`vectorize` must be True, False or 'auto', got {vectorize!r}.")
         driver = StepDriver(gossip, epoch=self._epoch, phrasing=SIMULATION)
-        driver.bind(workers)
+        driver.bind(workers, warn=rank_zero_warn)
         super().__init__(
             driver,
             accelerator=accelerator,
@@ -190,7 +190,7 @@ class SimulatedDecentralizedStrategy(Driven, SimulatedReplicaStrategy):
         self._rng_restored = False
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self.driver.bind(self.workers)  # a fit starts with every worker
+        self.driver.bind(self.workers, warn=rank_zero_warn)  # a fit starts with every worker
         self._mixer = self.driver.dense_mixer()  # and, under staleness, from its first step k₀, as on processes
         module = self.lightning_module
         if not module.automatic_optimization:
