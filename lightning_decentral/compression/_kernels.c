@@ -303,14 +303,29 @@ CLONES static void decode_dense(const uint8_t *payload, float *c, int64_t numel,
  * in the order the heap leaves them. The heap algorithm below is the one of the C++ standard library torch is built
  * with (libstdc++, unchanged since the SGI STL): make a heap of the first k pairs, replace its top by each later pair
  * that goes before it, then sort the heap by popping its top k times. Here the pairs are made as the pass reads x and
- * x̂ (no n-sized array of pairs), and the heap's values and indices are two arrays. */
+ * x̂ (no n-sized array of pairs).
+ *
+ * Which tied pairs come first is the heap's doing, and it depends on every pair the heap ever held (about
+ * k · ln(n / k) of them), not on the values alone: a selection by value (a radix select of the k-th largest, then a
+ * sort of the k) gives torch's order only where the k selected magnitudes are distinct and none outside equals the
+ * smallest of them, and a float32 difference of a few million elements has hundreds of equal magnitudes among its
+ * largest 1 % (docs/benchmarks.md, "The arithmetic, before and after"). So the heap is replayed, on integer keys: the
+ * bits of |v| (sign cleared) order the non-negative floats as their values do, and every NaN takes the one key
+ * NAN_KEY above +inf's, so that "a before b" is key(a) > key(b), one integer comparison. */
 
 typedef struct {
-    float value;
+    uint32_t key;
     int32_t index; /* numel < 2^31 (the Python side checks) */
 } pair;
 
-INLINE int before(float a, float b) { return ((a != a) & (b == b)) | (a > b); }
+#define NAN_KEY 0x7F800001u /* the smallest NaN's bits: above every other magnitude, one key for all NaNs */
+
+INLINE uint32_t magnitude_key(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits &= 0x7FFFFFFFu;
+    return bits < NAN_KEY ? bits : NAN_KEY;
+}
 
 /* The hole at `hole` of the heap of `len` pairs filled with `fill`: sift the hole down to a leaf along the children
  * that go after, then the pair up (libstdc++'s __adjust_heap and __push_heap). */
@@ -319,7 +334,7 @@ INLINE void adjust(pair *h, int64_t hole, int64_t len, pair fill) {
     int64_t child = hole;
     while (child < (len - 1) / 2) {
         child = 2 * (child + 1);
-        child -= before(h[child].value, h[child - 1].value);
+        child -= h[child].key > h[child - 1].key;
         h[hole] = h[child];
         hole = child;
     }
@@ -329,7 +344,7 @@ INLINE void adjust(pair *h, int64_t hole, int64_t len, pair fill) {
         hole = child - 1;
     }
     int64_t parent = (hole - 1) / 2;
-    while (hole > top && before(h[parent].value, fill.value)) {
+    while (hole > top && h[parent].key > fill.key) {
         h[hole] = h[parent];
         hole = parent;
         parent = (hole - 1) / 2;
@@ -338,7 +353,7 @@ INLINE void adjust(pair *h, int64_t hole, int64_t len, pair fill) {
 }
 
 CLONES static void top_k_select(const float *x, const float *c, int64_t n, int64_t k, pair *h, int64_t *indices) {
-    for (int64_t j = 0; j < k; j++) h[j] = (pair){__builtin_fabsf(x[j] - c[j]), (int32_t)j};
+    for (int64_t j = 0; j < k; j++) h[j] = (pair){magnitude_key(x[j] - c[j]), (int32_t)j};
     if (k >= 2)
         for (int64_t parent = (k - 2) / 2;; parent--) {
             adjust(h, parent, k, h[parent]);
@@ -346,21 +361,22 @@ CLONES static void top_k_select(const float *x, const float *c, int64_t n, int64
         }
     int64_t j = k;
     for (; j + 8 <= n; j += 8) { /* most pairs go after the top: eight tested at once, in order only if one may not */
-        const f32x4 threshold = (f32x4){0} + h[0].value;
-        const f32x4 a = (f32x4)((i32x4)(load4(x + j) - load4(c + j)) & 0x7FFFFFFF);
-        const f32x4 b = (f32x4)((i32x4)(load4(x + j + 4) - load4(c + j + 4)) & 0x7FFFFFFF);
-        i32x4 after = (a <= threshold) & (b <= threshold); /* false for a NaN, which goes before */
+        /* the raw bits of |v| (a NaN's not made NAN_KEY) exceed the top's key wherever the key does */
+        const i32x4 top = (i32x4){0} + (int32_t)h[0].key;
+        const i32x4 a = (i32x4)(load4(x + j) - load4(c + j)) & 0x7FFFFFFF;
+        const i32x4 b = (i32x4)(load4(x + j + 4) - load4(c + j + 4)) & 0x7FFFFFFF;
+        i32x4 above = (a > top) | (b > top);
         uint64_t halves[2];
-        memcpy(halves, &after, sizeof halves);
-        if ((halves[0] & halves[1]) != UINT64_MAX)
+        memcpy(halves, &above, sizeof halves);
+        if (halves[0] | halves[1])
             for (int l = 0; l < 8; l++) {
-                float a = __builtin_fabsf(x[j + l] - c[j + l]);
-                if (before(a, h[0].value)) adjust(h, 0, k, (pair){a, (int32_t)(j + l)});
+                uint32_t key = magnitude_key(x[j + l] - c[j + l]);
+                if (key > h[0].key) adjust(h, 0, k, (pair){key, (int32_t)(j + l)});
             }
     }
     for (; j < n; j++) {
-        float a = __builtin_fabsf(x[j] - c[j]);
-        if (before(a, h[0].value)) adjust(h, 0, k, (pair){a, (int32_t)j});
+        uint32_t key = magnitude_key(x[j] - c[j]);
+        if (key > h[0].key) adjust(h, 0, k, (pair){key, (int32_t)j});
     }
     for (int64_t last = k - 1; last > 0; last--) {
         pair fill = h[last];

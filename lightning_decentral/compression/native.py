@@ -9,8 +9,10 @@ The sparse compressors ([`TopK`][lightning_decentral.compression.TopK],
 [`RandomK`][lightning_decentral.compression.RandomK]) gather `x[i] − x̂[i]` into the payload, pack `TopK`'s indices
 and add the values into `x̂` in one loop over the `k` coordinates. `TopK`'s selection is `torch.topk`'s, replayed:
 where `k · 64 <= numel` (the default `top_k:0.01`) torch runs `std::partial_sort` over the pairs `(|v_j|, j)`, and
-the kernel runs the same heap algorithm while it reads `x` and `x̂` once, so the indices come out in the same order
-(ties included: the order is part of the payload); elsewhere `torch.topk` selects, on `|x − x̂|` made in one pass.
+the kernel runs the same heap algorithm while it reads `x` and `x̂` once, on integer keys (the bits of `|v|`, every
+NaN one key above `+inf`: torch's comparison in one integer compare), so the indices come out in the same order
+(ties included: the order is part of the payload, and it is the heap's, not the values'); elsewhere `torch.topk`
+selects, on `|x − x̂|` made in one pass.
 `RandomK.indices` stay torch's (its generator). The combine of `ChocoExchange`, `γ Σ_i w_i t_i` written to or
 added into its target, is one pass over tiles of 1024 elements
 ([`combine_`][lightning_decentral.compression.native.combine_]).
