@@ -208,6 +208,40 @@ def test_combine_is_torch_arithmetic(count: int, add: bool) -> None:
         assert native.combine_(target, terms, gamma, add) and torch.equal(target, expected), (numel, gamma)
 
 
+@pytest.mark.parametrize(
+    "compressor", [Sign(), Sign(block=3), Sign(block=5000), Quantize(8), Quantize(4, block=7), Quantize(3, block=1000)]
+)
+def test_decoding_in_the_combine_is_decoding_then_combining(compressor) -> None:
+    """`combine_` with `decode`: the received copies and the target equal `dense_decode_add_` of each payload and then
+    `combine_`, bit for bit, for one and two received copies, on sizes around the tile (1024), blocks that straddle
+    tiles, and a sent copy among the terms; a sparse compressor's payloads are refused (nothing runs)."""
+    for numel, received in itertools.product([1, 9, 1023, 1025, 4099, 20001], [1, 2]):
+        generator = torch.Generator().manual_seed(numel + received)
+        copies = [torch.randn(numel, generator=generator) for _ in range(received + 1)]  # the last one: the sent copy
+        payloads = []
+        for copy in copies[:received]:
+            payload = torch.empty(compressor.payload_bytes(numel, torch.float32), dtype=torch.uint8)
+            native.dense_encode_update_(compressor, torch.randn(numel, generator=generator) * 3, copy.clone(), payload)
+            payloads.append(payload)
+        weights = [0.25, 0.5, -0.75][-(received + 1) :]
+        runs = []
+        for fused in (True, False):
+            terms = [(copy.clone(), weight) for copy, weight in zip(copies, weights)]
+            target = torch.ones(numel)
+            pending = [(payload, term) for payload, (term, _) in zip(payloads, terms)]
+            if fused:
+                assert native.combine_(target, terms, 0.37, True, decode=(compressor, pending))
+            else:
+                assert all(native.dense_decode_add_(compressor, payload, copy) for payload, copy in pending)
+                assert native.combine_(target, terms, 0.37, True)
+            runs.append([target, *(term for term, _ in terms)])
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(*runs)), (numel, received)
+    copy = torch.zeros(100)
+    assert not native.combine_(
+        copy.clone(), [(copy, 1.0)], 1.0, True, decode=(TopK(0.1), [(torch.zeros(60, dtype=torch.uint8), copy)])
+    )
+
+
 @pytest.mark.parametrize("compression", [Sign(), Quantize(4), TopK(0.01), RandomK(0.05)], ids=repr)
 @pytest.mark.parametrize("topology", [Ring(world_size=4), OnePeerExponential(world_size=4)], ids=repr)
 @pytest.mark.parametrize(("rounds", "awc"), [(1, False), (1, True), (2, True)])

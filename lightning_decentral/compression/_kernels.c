@@ -30,6 +30,7 @@
 #define CLONES_FMA
 #endif
 #define INLINE static inline __attribute__((always_inline))
+#define MAX_TERMS 64 /* of a combine */
 
 /* ---- the bit stream: codes of `bits` bits, code j at bits j·bits … j·bits + bits − 1 ------------------------------ */
 
@@ -278,22 +279,33 @@ CLONES static void encode_dense(const float *x, float *c, uint8_t *payload, int6
     finish(&s);
 }
 
-CLONES static void decode_dense(const uint8_t *payload, float *c, int64_t numel, int64_t width, int bits,
-                                uint8_t *codes) {
+#define TILE 1024 /* elements: the decoder's codes and the combine's Δ of one tile stay in L1 */
+
+/* c[start : start + m] += C there (m <= TILE), C the dense payload's; the range begins on a byte of the codes
+ * (start · bits a multiple of 8) and may span blocks. */
+INLINE void decode_range(const uint8_t *payload, float *c, int64_t numel, int64_t width, int bits, int64_t start,
+                         int64_t m) {
     const float top = (float)((1 << (bits - 1)) - 1);
-    int64_t blocks = (numel + width - 1) / width;
-    stream s = {(uint8_t *)payload + 4 * blocks, 0, 0};
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t start = b * width, m = numel - start < width ? numel - start : width;
-        float scale, *cb = c + start;
+    const int64_t blocks = (numel + width - 1) / width, stop = start + m;
+    uint8_t codes[TILE];
+    stream s = {(uint8_t *)payload + 4 * blocks + start * bits / 8, 0, 0};
+    for (int64_t from = start; from < stop;) {
+        const int64_t b = from / width, to = (b + 1) * width < stop ? (b + 1) * width : stop;
+        float scale, *cb = c + from;
         memcpy(&scale, payload + 4 * b, 4);
-        get_codes(&s, codes, m, bits);
+        get_codes(&s, codes, to - from, bits);
         const float minus = negative(scale);
         if (bits == 1)
-            for (int64_t j = 0; j < m; j++) cb[j] = cb[j] + (codes[j] ? scale : minus);
+            for (int64_t j = 0; j < to - from; j++) cb[j] = cb[j] + (codes[j] ? scale : minus);
         else
-            for (int64_t j = 0; j < m; j++) cb[j] = cb[j] + ((float)codes[j] - top) * scale;
+            for (int64_t j = 0; j < to - from; j++) cb[j] = cb[j] + ((float)codes[j] - top) * scale;
+        from = to;
     }
+}
+
+CLONES static void decode_dense(const uint8_t *payload, float *c, int64_t numel, int64_t width, int bits) {
+    for (int64_t start = 0; start < numel; start += TILE)
+        decode_range(payload, c, numel, width, bits, start, numel - start < TILE ? numel - start : TILE);
 }
 
 /* ---- TopK's selection: torch.topk(|x − x̂|, k, sorted=False) where k · 64 <= n -----------------------------------
@@ -389,15 +401,26 @@ CLONES static void top_k_select(const float *x, const float *c, int64_t n, int64
 /* ---- the combine: γ Δ = γ (w_0 t_0 + w_1 t_1 + …), written to or added into the target --------------------------
  *
  * As torch computes it with `mul(t_0, w_0)`, then `add_(t_i, alpha=w_i)` (a fused multiply-add where torch's vector
- * kernels use one: AVX2, AVX-512, NEON; native.py checks that it matches) and `mul_(γ)`, in tiles that stay in L1. */
+ * kernels use one: AVX2, AVX-512, NEON; native.py checks that it matches) and `mul_(γ)`, in tiles that stay in L1.
+ * Before a tile is combined, the received copies named in `decoding` (terms among the t_i) take their x̂ += C for
+ * that tile, so each is read and written once, while in cache, instead of once to decode and again to combine; the
+ * operations on each element are decode_dense's and then the combine's, as when the two run one after the other. */
 
-#define TILE 1024
+typedef struct {
+    int count; /* received copies to decode into first (0: none) */
+    const uint8_t *payloads[MAX_TERMS];
+    float *copies[MAX_TERMS];
+    int64_t width;
+    int bits;
+} decoding;
 
 CLONES_FMA static void combine_loop(float *target, const float *const *terms, const float *weights, int count,
-                                    float gamma, int scaled, int add, int64_t n) {
+                                    float gamma, int scaled, int add, int64_t n, const decoding *decode) {
     float change[TILE];
     for (int64_t start = 0; start < n; start += TILE) {
         int64_t m = n - start < TILE ? n - start : TILE;
+        for (int r = 0; r < decode->count; r++)
+            decode_range(decode->payloads[r], decode->copies[r], n, decode->width, decode->bits, start, m);
         const float *first = terms[0] + start;
         for (int64_t j = 0; j < m; j++) change[j] = first[j] * weights[0];
         for (int i = 1; i < count; i++) {
@@ -461,12 +484,9 @@ static PyObject *dense_decode(PyObject *self, PyObject *args) {
     const uint8_t *payload = address(pp);
     float *c = address(cp);
     if (PyErr_Occurred()) return NULL;
-    uint8_t *codes = malloc((size_t)(width < numel ? width : numel));
-    if (!codes) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS;
-    decode_dense(payload, c, numel, width, bits, codes);
+    decode_dense(payload, c, numel, width, bits);
     Py_END_ALLOW_THREADS;
-    free(codes);
     Py_RETURN_NONE;
 }
 
@@ -590,23 +610,36 @@ static PyObject *top_k(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(combine_doc,
-             "combine(target, terms, weights, gamma, add, numel): target = (or += where `add`) γ Σ_i w_i t_i over "
-             "the float32 buffers `terms` (addresses), γ applied unless it is 1.");
-
-#define MAX_TERMS 64
+             "combine(target, terms, weights, gamma, add, numel, payloads=[], copies=[], width=1, bits=1): target = "
+             "(or += where `add`) γ Σ_i w_i t_i over the float32 buffers `terms` (addresses), γ applied unless it is 1; "
+             "tile by tile, each of `copies` first takes x̂ += C of the dense payload beside it (dense_decode's, "
+             "blocks of `width`, `bits` per code).");
 
 static PyObject *combine(PyObject *self, PyObject *args) {
-    PyObject *tp, *term_list, *weight_list;
+    PyObject *tp, *term_list, *weight_list, *payload_list = NULL, *copy_list = NULL;
     double gamma;
-    int add;
-    long long numel;
-    if (!PyArg_ParseTuple(args, "OO!O!dpL", &tp, &PyList_Type, &term_list, &PyList_Type, &weight_list, &gamma, &add,
-                          &numel))
+    int add, bits = 1;
+    long long numel, width = 1;
+    if (!PyArg_ParseTuple(args, "OO!O!dpL|O!O!Li", &tp, &PyList_Type, &term_list, &PyList_Type, &weight_list, &gamma,
+                          &add, &numel, &PyList_Type, &payload_list, &PyList_Type, &copy_list, &width, &bits))
         return NULL;
     Py_ssize_t count = PyList_GET_SIZE(term_list);
     if (count < 1 || count > MAX_TERMS || PyList_GET_SIZE(weight_list) != count) {
         PyErr_SetString(PyExc_ValueError, "combine: 1 to 64 terms, one weight each");
         return NULL;
+    }
+    decoding decode = {0, {0}, {0}, width, bits};
+    if (payload_list) {
+        decode.count = (int)PyList_GET_SIZE(payload_list);
+        if (!copy_list || PyList_GET_SIZE(copy_list) != decode.count || decode.count > MAX_TERMS) {
+            PyErr_SetString(PyExc_ValueError, "combine: up to 64 payloads, one copy each");
+            return NULL;
+        }
+        if (decode.count && !check_dense(numel, width, bits, 1)) return NULL;
+        for (int r = 0; r < decode.count; r++) {
+            decode.payloads[r] = address(PyList_GET_ITEM(payload_list, r));
+            decode.copies[r] = address(PyList_GET_ITEM(copy_list, r));
+        }
     }
     const float *terms[MAX_TERMS];
     float weights[MAX_TERMS];
@@ -617,7 +650,7 @@ static PyObject *combine(PyObject *self, PyObject *args) {
     float *target = address(tp);
     if (PyErr_Occurred()) return NULL;
     Py_BEGIN_ALLOW_THREADS;
-    combine_loop(target, terms, weights, (int)count, (float)gamma, gamma != 1.0, add, numel);
+    combine_loop(target, terms, weights, (int)count, (float)gamma, gamma != 1.0, add, numel, &decode);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
