@@ -340,11 +340,27 @@ INLINE uint32_t magnitude_key(float v) {
 }
 
 /* The hole at `hole` of the heap of `len` pairs filled with `fill`: sift the hole down to a leaf along the children
- * that go after, then the pair up (libstdc++'s __adjust_heap and __push_heap). */
+ * that go after (the right one where the two tie), then the pair up (libstdc++'s __adjust_heap and __push_heap).
+ * The descent takes two levels a step while both are inside the heap: the keys of the two children and of all four
+ * grandchildren are loaded together, before either choice is known, so that a step waits for one load instead of
+ * two (the choices, and so the moves, are those of one level at a time). */
 INLINE void adjust(pair *h, int64_t hole, int64_t len, pair fill) {
-    const int64_t top = hole;
+    const int64_t top = hole, inner = (len - 1) / 2; /* the nodes below `inner` have two children */
+    while (2 * hole + 2 < inner) {
+        const pair *grandchildren = h + 4 * hole + 3;
+        const uint32_t left = h[2 * hole + 1].key, right = h[2 * hole + 2].key;
+        const uint32_t g0 = grandchildren[0].key, g1 = grandchildren[1].key, g2 = grandchildren[2].key,
+                       g3 = grandchildren[3].key;
+        const int go_left = right > left;
+        const int64_t child = 2 * hole + 2 - go_left;
+        const uint32_t first = go_left ? g0 : g2, second = go_left ? g1 : g3;
+        const int64_t grandchild = 2 * child + 2 - (second > first);
+        h[hole] = h[child];
+        h[child] = h[grandchild];
+        hole = grandchild;
+    }
     int64_t child = hole;
-    while (child < (len - 1) / 2) {
+    while (child < inner) {
         child = 2 * (child + 1);
         child -= h[child].key > h[child - 1].key;
         h[hole] = h[child];
