@@ -104,9 +104,22 @@ INLINE void get_codes(stream *s, uint8_t *codes, int64_t count, int bits) {
         const uint8_t *in = s->p;
         if (bits == 8) {
             memcpy(codes, in, (size_t)whole);
-        } else {
+        } else if (bits == 1) {
+            for (int64_t i = 0; i < whole; i++) {
+                /* the byte in all eight bytes of a word, byte k keeping bit k, then each byte made 0 or 1 (adding
+                 * 0x7F sets its top bit where it is not zero, with no carry out) */
+                uint64_t word = (in[i] * UINT64_C(0x0101010101010101)) & UINT64_C(0x8040201008040201);
+                word = (word + UINT64_C(0x7F7F7F7F7F7F7F7F)) >> 7 & UINT64_C(0x0101010101010101);
+                memcpy(codes + 8 * i, &word, 8);
+            }
+        } else if (bits == 4) {
+            for (int64_t i = 0; i < whole; i++) {
+                codes[2 * i] = in[i] & 0xF;
+                codes[2 * i + 1] = in[i] >> 4;
+            }
+        } else { /* 2: the same loop with constant widths, which the compiler vectorizes */
             for (int64_t i = 0; i < whole; i++)
-                for (int k = 0; k < per; k++) codes[per * i + k] = (uint8_t)(in[i] >> (bits * k) & mask);
+                for (int k = 0; k < 4; k++) codes[4 * i + k] = (uint8_t)(in[i] >> (2 * k) & mask);
         }
         s->p += whole;
         j = whole * per;
@@ -194,32 +207,21 @@ INLINE f32x4 load4(const float *p) {
 }
 
 INLINE float max_abs(const float *x, const float *c, int64_t m) {
-    /* eight running maxima of |v| >= 0, and whether a NaN was met, in GCC's portable vector types (SSE2 or NEON) */
-    f32x4 top[2] = {{0}, {0}};
-    i32x4 nan = {0};
-    int64_t j = 0;
-    for (; j + 8 <= m; j += 8)
-        for (int h = 0; h < 2; h++) {
-            f32x4 a = (f32x4)((i32x4)(load4(x + j + 4 * h) - load4(c + j + 4 * h)) & 0x7FFFFFFF);
-            i32x4 greater = a > top[h];
-            top[h] = (f32x4)(((i32x4)a & greater) | ((i32x4)top[h] & ~greater));
-            nan |= a != a;
-        }
-    float result = 0;
-    int any_nan = 0;
-    for (int l = 0; l < 4; l++) {
-        result = top[0][l] > result ? top[0][l] : result;
-        result = top[1][l] > result ? top[1][l] : result;
-        any_nan |= nan[l];
+    /* the largest |v| by its bits, an integer maximum the compiler vectorizes: the bits of the non-negative floats
+     * order as their values, and a NaN's are above +inf's */
+    int32_t top = 0;
+    for (int64_t j = 0; j < m; j++) {
+        float v = x[j] - c[j];
+        int32_t bits;
+        memcpy(&bits, &v, 4);
+        bits &= 0x7FFFFFFF;
+        top = bits > top ? bits : top;
     }
-    for (; j < m; j++) {
-        float a = __builtin_fabsf(x[j] - c[j]);
-        result = a > result ? a : result;
-        any_nan |= a != a;
-    }
-    if (any_nan) /* torch's amax propagates a NaN: the first */
-        for (j = 0;; j++)
+    if (top > 0x7F800000) /* torch's amax propagates a NaN: the first */
+        for (int64_t j = 0;; j++)
             if (x[j] - c[j] != x[j] - c[j]) return __builtin_fabsf(x[j] - c[j]);
+    float result;
+    memcpy(&result, &top, 4);
     return result;
 }
 
