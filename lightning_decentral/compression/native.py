@@ -4,7 +4,9 @@ buffers are contiguous float32 on the CPU: what [`fused`][lightning_decentral.co
 Per block of a dense compressor ([`Sign`][lightning_decentral.compression.Sign],
 [`Quantize`][lightning_decentral.compression.Quantize]) the kernel reads `x` and `x̂` once for the scale (the block
 is then in L1), and once more to write the codes and `x̂ += C(x − x̂)`, packing the codes behind the scales as it goes:
-two passes over the block, one over memory, no scratch beyond a block's codes. The receiver's `x̂ += C` is one pass.
+two passes over the block, one over memory, no scratch beyond a block's codes. The receiver's `x̂ += C` is one pass,
+or, in `ChocoExchange`'s combine, part of the combine's pass (each tile of the received copy decoded just before it
+is combined, while in cache: [`combine_`][lightning_decentral.compression.native.combine_] with `decode`).
 The sparse compressors ([`TopK`][lightning_decentral.compression.TopK],
 [`RandomK`][lightning_decentral.compression.RandomK]) gather `x[i] − x̂[i]` into the payload, pack `TopK`'s indices
 and add the values into `x̂` in one loop over the `k` coordinates. `TopK`'s selection is `torch.topk`'s, replayed:
