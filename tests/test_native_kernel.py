@@ -130,6 +130,61 @@ def test_top_k_selection_is_torch_topks(values: str, numel: int, k: int) -> None
     assert indices is not None and torch.equal(indices, (x - copy).abs().topk(k, sorted=False).indices)
 
 
+def _nans(count: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` NaNs of both signs and many payloads (all equal to torch's comparison, all one key in the kernel's)."""
+    payloads = torch.randint(1, 2**22, (count,), generator=generator, dtype=torch.int32)
+    signs = torch.randint(0, 2, (count,), generator=generator, dtype=torch.int32) << 31
+    return (signs | 0x7F800000 | payloads).view(torch.float32)
+
+
+@pytest.mark.parametrize(
+    "values", ["pm_pairs", "few_magnitudes", "zeros_and_ties", "nans", "inf_and_subnormal", "one_tie_at_the_edge"]
+)
+@pytest.mark.parametrize(("numel", "k"), [(64, 1), (65, 1), (127, 1), (128, 2), (640, 10), (4099, 64), (70001, 1093)])
+def test_top_k_selection_on_ties_nans_and_edges(values: str, numel: int, k: int) -> None:
+    """The heap's order where values alone do not fix it: `±x` pairs (equal magnitudes, the copy at zero), a handful of
+    magnitudes, zeros of both signs among ties, NaNs of many payloads and both signs (torch's comparison ties them),
+    ±inf and subnormals, and one tie across the k-th place; `k` at the edge of the heap's range (`k · 64 = numel`)
+    and sizes that leave a ragged tail after the kernel's groups of eight."""
+    generator = torch.Generator().manual_seed(numel * 7 + k)
+    copy = torch.zeros(numel)
+    if values == "pm_pairs":
+        half = torch.randn(numel // 2 + 1, generator=generator)
+        x = torch.cat([half, -half])[torch.randperm(2 * half.numel(), generator=generator)][:numel]
+    elif values == "few_magnitudes":
+        x = torch.randint(-3, 4, (numel,), generator=generator).float() * 0.5
+        copy = torch.randint(-1, 2, (numel,), generator=generator).float() * 0.25
+    elif values == "zeros_and_ties":
+        x = (
+            torch.randint(0, 2, (numel,), generator=generator).float()
+            * torch.tensor([-0.0, 0.0, 1.0, -1.0])[torch.randint(0, 4, (numel,), generator=generator)]
+        )
+    elif values == "nans":
+        x = torch.randn(numel, generator=generator)
+        where = torch.randperm(numel, generator=generator)[: max(2, 2 * k)]
+        x[where] = _nans(where.numel(), generator)
+    elif values == "inf_and_subnormal":
+        x = torch.randn(numel, generator=generator) * 1e-39
+        x[torch.randperm(numel, generator=generator)[: k + 1]] = float("inf")
+        x[0] = -float("inf")
+    else:  # the k-th and (k+1)-th largest equal, the rest distinct
+        x = torch.randn(numel, generator=generator)
+        order = x.abs().argsort(descending=True)
+        x[order[k]] = -x[order[k - 1]]
+    indices = native.top_k_indices(x, copy, k)
+    assert indices is not None and torch.equal(indices, (x - copy).abs().topk(k, sorted=False).indices)
+
+
+@pytest.mark.parametrize("compressor", [TopK(1 / 64), TopK(0.001)], ids=repr)
+def test_top_k_payload_on_ties_is_the_torch_paths(compressor) -> None:
+    """Whole `TopK` messages (values, packed indices, both copies) on many tied magnitudes and NaNs, bit for bit."""
+    generator = torch.Generator().manual_seed(3)
+    for numel in (64, 1000, 65536, 100003):
+        x = torch.randint(-50, 50, (numel,), generator=generator).float() / 8
+        x[torch.randperm(numel, generator=generator)[:3]] = _nans(3, generator)
+        _assert_same(compressor, x, torch.randint(-2, 2, (numel,), generator=generator).float())
+
+
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="checked on x86's torch builds")
 def test_top_k_runs_on_the_kernel_here() -> None:
     assert native.top_k_matches_torch()
@@ -151,6 +206,40 @@ def test_combine_is_torch_arithmetic(count: int, add: bool) -> None:
             expected.mul_(gamma)
         expected = target + expected if add else expected
         assert native.combine_(target, terms, gamma, add) and torch.equal(target, expected), (numel, gamma)
+
+
+@pytest.mark.parametrize(
+    "compressor", [Sign(), Sign(block=3), Sign(block=5000), Quantize(8), Quantize(4, block=7), Quantize(3, block=1000)]
+)
+def test_decoding_in_the_combine_is_decoding_then_combining(compressor) -> None:
+    """`combine_` with `decode`: the received copies and the target equal `dense_decode_add_` of each payload and then
+    `combine_`, bit for bit, for one and two received copies, on sizes around the tile (1024), blocks that straddle
+    tiles, and a sent copy among the terms; a sparse compressor's payloads are refused (nothing runs)."""
+    for numel, received in itertools.product([1, 9, 1023, 1025, 4099, 20001], [1, 2]):
+        generator = torch.Generator().manual_seed(numel + received)
+        copies = [torch.randn(numel, generator=generator) for _ in range(received + 1)]  # the last one: the sent copy
+        payloads = []
+        for copy in copies[:received]:
+            payload = torch.empty(compressor.payload_bytes(numel, torch.float32), dtype=torch.uint8)
+            native.dense_encode_update_(compressor, torch.randn(numel, generator=generator) * 3, copy.clone(), payload)
+            payloads.append(payload)
+        weights = [0.25, 0.5, -0.75][-(received + 1) :]
+        runs = []
+        for fused in (True, False):
+            terms = [(copy.clone(), weight) for copy, weight in zip(copies, weights)]
+            target = torch.ones(numel)
+            pending = [(payload, term) for payload, (term, _) in zip(payloads, terms)]
+            if fused:
+                assert native.combine_(target, terms, 0.37, True, decode=(compressor, pending))
+            else:
+                assert all(native.dense_decode_add_(compressor, payload, copy) for payload, copy in pending)
+                assert native.combine_(target, terms, 0.37, True)
+            runs.append([target, *(term for term, _ in terms)])
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(*runs)), (numel, received)
+    copy = torch.zeros(100)
+    assert not native.combine_(
+        copy.clone(), [(copy, 1.0)], 1.0, True, decode=(TopK(0.1), [(torch.zeros(60, dtype=torch.uint8), copy)])
+    )
 
 
 @pytest.mark.parametrize("compression", [Sign(), Quantize(4), TopK(0.01), RandomK(0.05)], ids=repr)

@@ -30,6 +30,7 @@
 #define CLONES_FMA
 #endif
 #define INLINE static inline __attribute__((always_inline))
+#define MAX_TERMS 64 /* of a combine */
 
 /* ---- the bit stream: codes of `bits` bits, code j at bits j·bits … j·bits + bits − 1 ------------------------------ */
 
@@ -103,9 +104,22 @@ INLINE void get_codes(stream *s, uint8_t *codes, int64_t count, int bits) {
         const uint8_t *in = s->p;
         if (bits == 8) {
             memcpy(codes, in, (size_t)whole);
-        } else {
+        } else if (bits == 1) {
+            for (int64_t i = 0; i < whole; i++) {
+                /* the byte in all eight bytes of a word, byte k keeping bit k, then each byte made 0 or 1 (adding
+                 * 0x7F sets its top bit where it is not zero, with no carry out) */
+                uint64_t word = (in[i] * UINT64_C(0x0101010101010101)) & UINT64_C(0x8040201008040201);
+                word = (word + UINT64_C(0x7F7F7F7F7F7F7F7F)) >> 7 & UINT64_C(0x0101010101010101);
+                memcpy(codes + 8 * i, &word, 8);
+            }
+        } else if (bits == 4) {
+            for (int64_t i = 0; i < whole; i++) {
+                codes[2 * i] = in[i] & 0xF;
+                codes[2 * i + 1] = in[i] >> 4;
+            }
+        } else { /* 2: the same loop with constant widths, which the compiler vectorizes */
             for (int64_t i = 0; i < whole; i++)
-                for (int k = 0; k < per; k++) codes[per * i + k] = (uint8_t)(in[i] >> (bits * k) & mask);
+                for (int k = 0; k < 4; k++) codes[4 * i + k] = (uint8_t)(in[i] >> (2 * k) & mask);
         }
         s->p += whole;
         j = whole * per;
@@ -193,32 +207,21 @@ INLINE f32x4 load4(const float *p) {
 }
 
 INLINE float max_abs(const float *x, const float *c, int64_t m) {
-    /* eight running maxima of |v| >= 0, and whether a NaN was met, in GCC's portable vector types (SSE2 or NEON) */
-    f32x4 top[2] = {{0}, {0}};
-    i32x4 nan = {0};
-    int64_t j = 0;
-    for (; j + 8 <= m; j += 8)
-        for (int h = 0; h < 2; h++) {
-            f32x4 a = (f32x4)((i32x4)(load4(x + j + 4 * h) - load4(c + j + 4 * h)) & 0x7FFFFFFF);
-            i32x4 greater = a > top[h];
-            top[h] = (f32x4)(((i32x4)a & greater) | ((i32x4)top[h] & ~greater));
-            nan |= a != a;
-        }
-    float result = 0;
-    int any_nan = 0;
-    for (int l = 0; l < 4; l++) {
-        result = top[0][l] > result ? top[0][l] : result;
-        result = top[1][l] > result ? top[1][l] : result;
-        any_nan |= nan[l];
+    /* the largest |v| by its bits, an integer maximum the compiler vectorizes: the bits of the non-negative floats
+     * order as their values, and a NaN's are above +inf's */
+    int32_t top = 0;
+    for (int64_t j = 0; j < m; j++) {
+        float v = x[j] - c[j];
+        int32_t bits;
+        memcpy(&bits, &v, 4);
+        bits &= 0x7FFFFFFF;
+        top = bits > top ? bits : top;
     }
-    for (; j < m; j++) {
-        float a = __builtin_fabsf(x[j] - c[j]);
-        result = a > result ? a : result;
-        any_nan |= a != a;
-    }
-    if (any_nan) /* torch's amax propagates a NaN: the first */
-        for (j = 0;; j++)
+    if (top > 0x7F800000) /* torch's amax propagates a NaN: the first */
+        for (int64_t j = 0;; j++)
             if (x[j] - c[j] != x[j] - c[j]) return __builtin_fabsf(x[j] - c[j]);
+    float result;
+    memcpy(&result, &top, 4);
     return result;
 }
 
@@ -278,22 +281,33 @@ CLONES static void encode_dense(const float *x, float *c, uint8_t *payload, int6
     finish(&s);
 }
 
-CLONES static void decode_dense(const uint8_t *payload, float *c, int64_t numel, int64_t width, int bits,
-                                uint8_t *codes) {
+#define TILE 1024 /* elements: the decoder's codes and the combine's Δ of one tile stay in L1 */
+
+/* c[start : start + m] += C there (m <= TILE), C the dense payload's; the range begins on a byte of the codes
+ * (start · bits a multiple of 8) and may span blocks. */
+INLINE void decode_range(const uint8_t *payload, float *c, int64_t numel, int64_t width, int bits, int64_t start,
+                         int64_t m) {
     const float top = (float)((1 << (bits - 1)) - 1);
-    int64_t blocks = (numel + width - 1) / width;
-    stream s = {(uint8_t *)payload + 4 * blocks, 0, 0};
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t start = b * width, m = numel - start < width ? numel - start : width;
-        float scale, *cb = c + start;
+    const int64_t blocks = (numel + width - 1) / width, stop = start + m;
+    uint8_t codes[TILE];
+    stream s = {(uint8_t *)payload + 4 * blocks + start * bits / 8, 0, 0};
+    for (int64_t from = start; from < stop;) {
+        const int64_t b = from / width, to = (b + 1) * width < stop ? (b + 1) * width : stop;
+        float scale, *cb = c + from;
         memcpy(&scale, payload + 4 * b, 4);
-        get_codes(&s, codes, m, bits);
+        get_codes(&s, codes, to - from, bits);
         const float minus = negative(scale);
         if (bits == 1)
-            for (int64_t j = 0; j < m; j++) cb[j] = cb[j] + (codes[j] ? scale : minus);
+            for (int64_t j = 0; j < to - from; j++) cb[j] = cb[j] + (codes[j] ? scale : minus);
         else
-            for (int64_t j = 0; j < m; j++) cb[j] = cb[j] + ((float)codes[j] - top) * scale;
+            for (int64_t j = 0; j < to - from; j++) cb[j] = cb[j] + ((float)codes[j] - top) * scale;
+        from = to;
     }
+}
+
+CLONES static void decode_dense(const uint8_t *payload, float *c, int64_t numel, int64_t width, int bits) {
+    for (int64_t start = 0; start < numel; start += TILE)
+        decode_range(payload, c, numel, width, bits, start, numel - start < TILE ? numel - start : TILE);
 }
 
 /* ---- TopK's selection: torch.topk(|x − x̂|, k, sorted=False) where k · 64 <= n -----------------------------------
@@ -303,23 +317,54 @@ CLONES static void decode_dense(const uint8_t *payload, float *c, int64_t numel,
  * in the order the heap leaves them. The heap algorithm below is the one of the C++ standard library torch is built
  * with (libstdc++, unchanged since the SGI STL): make a heap of the first k pairs, replace its top by each later pair
  * that goes before it, then sort the heap by popping its top k times. Here the pairs are made as the pass reads x and
- * x̂ (no n-sized array of pairs), and the heap's values and indices are two arrays. */
+ * x̂ (no n-sized array of pairs).
+ *
+ * Which tied pairs come first is the heap's doing, and it depends on every pair the heap ever held (about
+ * k · ln(n / k) of them), not on the values alone: a selection by value (a radix select of the k-th largest, then a
+ * sort of the k) gives torch's order only where the k selected magnitudes are distinct and none outside equals the
+ * smallest of them, and a float32 difference of a few million elements has hundreds of equal magnitudes among its
+ * largest 1 % (docs/benchmarks.md, "The arithmetic, before and after"). So the heap is replayed, on integer keys: the
+ * bits of |v| (sign cleared) order the non-negative floats as their values do, and every NaN takes the one key
+ * NAN_KEY above +inf's, so that "a before b" is key(a) > key(b), one integer comparison. */
 
 typedef struct {
-    float value;
+    uint32_t key;
     int32_t index; /* numel < 2^31 (the Python side checks) */
 } pair;
 
-INLINE int before(float a, float b) { return ((a != a) & (b == b)) | (a > b); }
+#define NAN_KEY 0x7F800001u /* the smallest NaN's bits: above every other magnitude, one key for all NaNs */
+
+INLINE uint32_t magnitude_key(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits &= 0x7FFFFFFFu;
+    return bits < NAN_KEY ? bits : NAN_KEY;
+}
 
 /* The hole at `hole` of the heap of `len` pairs filled with `fill`: sift the hole down to a leaf along the children
- * that go after, then the pair up (libstdc++'s __adjust_heap and __push_heap). */
+ * that go after (the right one where the two tie), then the pair up (libstdc++'s __adjust_heap and __push_heap).
+ * The descent takes two levels a step while both are inside the heap: the keys of the two children and of all four
+ * grandchildren are loaded together, before either choice is known, so that a step waits for one load instead of
+ * two (the choices, and so the moves, are those of one level at a time). */
 INLINE void adjust(pair *h, int64_t hole, int64_t len, pair fill) {
-    const int64_t top = hole;
+    const int64_t top = hole, inner = (len - 1) / 2; /* the nodes below `inner` have two children */
+    while (2 * hole + 2 < inner) {
+        const pair *grandchildren = h + 4 * hole + 3;
+        const uint32_t left = h[2 * hole + 1].key, right = h[2 * hole + 2].key;
+        const uint32_t g0 = grandchildren[0].key, g1 = grandchildren[1].key, g2 = grandchildren[2].key,
+                       g3 = grandchildren[3].key;
+        const int go_left = right > left;
+        const int64_t child = 2 * hole + 2 - go_left;
+        const uint32_t first = go_left ? g0 : g2, second = go_left ? g1 : g3;
+        const int64_t grandchild = 2 * child + 2 - (second > first);
+        h[hole] = h[child];
+        h[child] = h[grandchild];
+        hole = grandchild;
+    }
     int64_t child = hole;
-    while (child < (len - 1) / 2) {
+    while (child < inner) {
         child = 2 * (child + 1);
-        child -= before(h[child].value, h[child - 1].value);
+        child -= h[child].key > h[child - 1].key;
         h[hole] = h[child];
         hole = child;
     }
@@ -329,7 +374,7 @@ INLINE void adjust(pair *h, int64_t hole, int64_t len, pair fill) {
         hole = child - 1;
     }
     int64_t parent = (hole - 1) / 2;
-    while (hole > top && before(h[parent].value, fill.value)) {
+    while (hole > top && h[parent].key > fill.key) {
         h[hole] = h[parent];
         hole = parent;
         parent = (hole - 1) / 2;
@@ -338,7 +383,7 @@ INLINE void adjust(pair *h, int64_t hole, int64_t len, pair fill) {
 }
 
 CLONES static void top_k_select(const float *x, const float *c, int64_t n, int64_t k, pair *h, int64_t *indices) {
-    for (int64_t j = 0; j < k; j++) h[j] = (pair){__builtin_fabsf(x[j] - c[j]), (int32_t)j};
+    for (int64_t j = 0; j < k; j++) h[j] = (pair){magnitude_key(x[j] - c[j]), (int32_t)j};
     if (k >= 2)
         for (int64_t parent = (k - 2) / 2;; parent--) {
             adjust(h, parent, k, h[parent]);
@@ -346,21 +391,22 @@ CLONES static void top_k_select(const float *x, const float *c, int64_t n, int64
         }
     int64_t j = k;
     for (; j + 8 <= n; j += 8) { /* most pairs go after the top: eight tested at once, in order only if one may not */
-        const f32x4 threshold = (f32x4){0} + h[0].value;
-        const f32x4 a = (f32x4)((i32x4)(load4(x + j) - load4(c + j)) & 0x7FFFFFFF);
-        const f32x4 b = (f32x4)((i32x4)(load4(x + j + 4) - load4(c + j + 4)) & 0x7FFFFFFF);
-        i32x4 after = (a <= threshold) & (b <= threshold); /* false for a NaN, which goes before */
+        /* the raw bits of |v| (a NaN's not made NAN_KEY) exceed the top's key wherever the key does */
+        const i32x4 top = (i32x4){0} + (int32_t)h[0].key;
+        const i32x4 a = (i32x4)(load4(x + j) - load4(c + j)) & 0x7FFFFFFF;
+        const i32x4 b = (i32x4)(load4(x + j + 4) - load4(c + j + 4)) & 0x7FFFFFFF;
+        i32x4 above = (a > top) | (b > top);
         uint64_t halves[2];
-        memcpy(halves, &after, sizeof halves);
-        if ((halves[0] & halves[1]) != UINT64_MAX)
+        memcpy(halves, &above, sizeof halves);
+        if (halves[0] | halves[1])
             for (int l = 0; l < 8; l++) {
-                float a = __builtin_fabsf(x[j + l] - c[j + l]);
-                if (before(a, h[0].value)) adjust(h, 0, k, (pair){a, (int32_t)(j + l)});
+                uint32_t key = magnitude_key(x[j + l] - c[j + l]);
+                if (key > h[0].key) adjust(h, 0, k, (pair){key, (int32_t)(j + l)});
             }
     }
     for (; j < n; j++) {
-        float a = __builtin_fabsf(x[j] - c[j]);
-        if (before(a, h[0].value)) adjust(h, 0, k, (pair){a, (int32_t)j});
+        uint32_t key = magnitude_key(x[j] - c[j]);
+        if (key > h[0].key) adjust(h, 0, k, (pair){key, (int32_t)j});
     }
     for (int64_t last = k - 1; last > 0; last--) {
         pair fill = h[last];
@@ -373,15 +419,26 @@ CLONES static void top_k_select(const float *x, const float *c, int64_t n, int64
 /* ---- the combine: γ Δ = γ (w_0 t_0 + w_1 t_1 + …), written to or added into the target --------------------------
  *
  * As torch computes it with `mul(t_0, w_0)`, then `add_(t_i, alpha=w_i)` (a fused multiply-add where torch's vector
- * kernels use one: AVX2, AVX-512, NEON; native.py checks that it matches) and `mul_(γ)`, in tiles that stay in L1. */
+ * kernels use one: AVX2, AVX-512, NEON; native.py checks that it matches) and `mul_(γ)`, in tiles that stay in L1.
+ * Before a tile is combined, the received copies named in `decoding` (terms among the t_i) take their x̂ += C for
+ * that tile, so each is read and written once, while in cache, instead of once to decode and again to combine; the
+ * operations on each element are decode_dense's and then the combine's, as when the two run one after the other. */
 
-#define TILE 1024
+typedef struct {
+    int count; /* received copies to decode into first (0: none) */
+    const uint8_t *payloads[MAX_TERMS];
+    float *copies[MAX_TERMS];
+    int64_t width;
+    int bits;
+} decoding;
 
 CLONES_FMA static void combine_loop(float *target, const float *const *terms, const float *weights, int count,
-                                    float gamma, int scaled, int add, int64_t n) {
+                                    float gamma, int scaled, int add, int64_t n, const decoding *decode) {
     float change[TILE];
     for (int64_t start = 0; start < n; start += TILE) {
         int64_t m = n - start < TILE ? n - start : TILE;
+        for (int r = 0; r < decode->count; r++)
+            decode_range(decode->payloads[r], decode->copies[r], n, decode->width, decode->bits, start, m);
         const float *first = terms[0] + start;
         for (int64_t j = 0; j < m; j++) change[j] = first[j] * weights[0];
         for (int i = 1; i < count; i++) {
@@ -445,12 +502,9 @@ static PyObject *dense_decode(PyObject *self, PyObject *args) {
     const uint8_t *payload = address(pp);
     float *c = address(cp);
     if (PyErr_Occurred()) return NULL;
-    uint8_t *codes = malloc((size_t)(width < numel ? width : numel));
-    if (!codes) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS;
-    decode_dense(payload, c, numel, width, bits, codes);
+    decode_dense(payload, c, numel, width, bits);
     Py_END_ALLOW_THREADS;
-    free(codes);
     Py_RETURN_NONE;
 }
 
@@ -574,23 +628,36 @@ static PyObject *top_k(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(combine_doc,
-             "combine(target, terms, weights, gamma, add, numel): target = (or += where `add`) γ Σ_i w_i t_i over "
-             "the float32 buffers `terms` (addresses), γ applied unless it is 1.");
-
-#define MAX_TERMS 64
+             "combine(target, terms, weights, gamma, add, numel, payloads=[], copies=[], width=1, bits=1): target = "
+             "(or += where `add`) γ Σ_i w_i t_i over the float32 buffers `terms` (addresses), γ applied unless it is 1; "
+             "tile by tile, each of `copies` first takes x̂ += C of the dense payload beside it (dense_decode's, "
+             "blocks of `width`, `bits` per code).");
 
 static PyObject *combine(PyObject *self, PyObject *args) {
-    PyObject *tp, *term_list, *weight_list;
+    PyObject *tp, *term_list, *weight_list, *payload_list = NULL, *copy_list = NULL;
     double gamma;
-    int add;
-    long long numel;
-    if (!PyArg_ParseTuple(args, "OO!O!dpL", &tp, &PyList_Type, &term_list, &PyList_Type, &weight_list, &gamma, &add,
-                          &numel))
+    int add, bits = 1;
+    long long numel, width = 1;
+    if (!PyArg_ParseTuple(args, "OO!O!dpL|O!O!Li", &tp, &PyList_Type, &term_list, &PyList_Type, &weight_list, &gamma,
+                          &add, &numel, &PyList_Type, &payload_list, &PyList_Type, &copy_list, &width, &bits))
         return NULL;
     Py_ssize_t count = PyList_GET_SIZE(term_list);
     if (count < 1 || count > MAX_TERMS || PyList_GET_SIZE(weight_list) != count) {
         PyErr_SetString(PyExc_ValueError, "combine: 1 to 64 terms, one weight each");
         return NULL;
+    }
+    decoding decode = {0, {0}, {0}, width, bits};
+    if (payload_list) {
+        decode.count = (int)PyList_GET_SIZE(payload_list);
+        if (!copy_list || PyList_GET_SIZE(copy_list) != decode.count || decode.count > MAX_TERMS) {
+            PyErr_SetString(PyExc_ValueError, "combine: up to 64 payloads, one copy each");
+            return NULL;
+        }
+        if (decode.count && !check_dense(numel, width, bits, 1)) return NULL;
+        for (int r = 0; r < decode.count; r++) {
+            decode.payloads[r] = address(PyList_GET_ITEM(payload_list, r));
+            decode.copies[r] = address(PyList_GET_ITEM(copy_list, r));
+        }
     }
     const float *terms[MAX_TERMS];
     float weights[MAX_TERMS];
@@ -601,7 +668,7 @@ static PyObject *combine(PyObject *self, PyObject *args) {
     float *target = address(tp);
     if (PyErr_Occurred()) return NULL;
     Py_BEGIN_ALLOW_THREADS;
-    combine_loop(target, terms, weights, (int)count, (float)gamma, gamma != 1.0, add, numel);
+    combine_loop(target, terms, weights, (int)count, (float)gamma, gamma != 1.0, add, numel, &decode);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }

@@ -258,30 +258,41 @@ class ChocoExchange:
     def incoming(self, round: int, messages: Mapping[int, Tensor]) -> None:
         """Add each in-neighbour's `q` to its copy, then apply `x += γ Δ` (or accumulate it in `out`)."""
         choco = self.choco
+        by_chunk = not self.measure and not choco.from_copy
         for index, (copies, (offset, size)) in enumerate(zip(self.copies, self._parts)):
+            received = []
             for peer, message in messages.items():
                 seed = exchange_seed(self.step, round, self.tag + index, peer)
                 if peer not in copies.received:  # a first-time in-neighbour: its copy starts at zero (or the origin)
                     copies.received[peer] = copies.fresh()
-                decode_add_(choco.compressor, message[offset : offset + size], copies.received[peer], seed)
-        if not self.measure and not choco.from_copy:
-            for index, copies in enumerate(self.copies):
-                self._combine(index, copies)
-        else:
+                received.append((message[offset : offset + size], copies.received[peer], seed))
+            if by_chunk:
+                self._combine(index, copies, received)
+            else:
+                for payload, copy, seed in received:
+                    decode_add_(choco.compressor, payload, copy, seed)
+        if not by_chunk:
             self._combine_whole(round)
         if self.out is not None and self.rounds > 1 and round == self.rounds - 1:
             for o, b in zip(self.out, self.buffers):
                 o.sub_(b)
 
-    def _combine(self, index: int, copies: EdgeCopies) -> None:
-        """`x += γ Δ` for buffer `index` (or its share of `out`), chunk by chunk: `Δ`, its step and its sum into the
-        target while the chunk is in cache (the same operations per element as `_combine_whole`)."""
-        terms = self._terms(copies)
+    def _combine(self, index: int, copies: EdgeCopies, received: list[tuple[Tensor, Tensor, int]]) -> None:
+        """Decode the `received` `(payload, copy, seed)` of buffer `index`, then `x += γ Δ` for it (or its share of
+        `out`), chunk by chunk: `Δ`, its step and its sum into the target while the chunk is in cache (the same
+        operations per element as `_combine_whole`); on the C kernel the decoding of a dense compressor too, tile by
+        tile in the same pass."""
+        compressor, terms = self.choco.compressor, self._terms(copies)
         gamma = self.choco.consensus_step
         x = self.buffers[index].view(-1)
         direct = self.out is not None and self.rounds == 1 and self.out[index].dtype == copies.like.dtype
         target = self.out[index].view(-1) if self.out is not None else x
-        if native.combine_(target, terms, gamma, add=not (self.out is not None and self.rounds == 1)):
+        add = not (self.out is not None and self.rounds == 1)
+        if native.combine_(target, terms, gamma, add, decode=(compressor, [(p, c) for p, c, _ in received])):
+            return
+        for payload, copy, seed in received:
+            decode_add_(compressor, payload, copy, seed)
+        if native.combine_(target, terms, gamma, add):
             return
         step = chunk_size(copies.numel, copies.like.device, 1)
         for start in range(0, copies.numel, step):

@@ -4,13 +4,17 @@ buffers are contiguous float32 on the CPU: what [`fused`][lightning_decentral.co
 Per block of a dense compressor ([`Sign`][lightning_decentral.compression.Sign],
 [`Quantize`][lightning_decentral.compression.Quantize]) the kernel reads `x` and `x̂` once for the scale (the block
 is then in L1), and once more to write the codes and `x̂ += C(x − x̂)`, packing the codes behind the scales as it goes:
-two passes over the block, one over memory, no scratch beyond a block's codes. The receiver's `x̂ += C` is one pass.
+two passes over the block, one over memory, no scratch beyond a block's codes. The receiver's `x̂ += C` is one pass,
+or, in `ChocoExchange`'s combine, part of the combine's pass (each tile of the received copy decoded just before it
+is combined, while in cache: [`combine_`][lightning_decentral.compression.native.combine_] with `decode`).
 The sparse compressors ([`TopK`][lightning_decentral.compression.TopK],
 [`RandomK`][lightning_decentral.compression.RandomK]) gather `x[i] − x̂[i]` into the payload, pack `TopK`'s indices
 and add the values into `x̂` in one loop over the `k` coordinates. `TopK`'s selection is `torch.topk`'s, replayed:
 where `k · 64 <= numel` (the default `top_k:0.01`) torch runs `std::partial_sort` over the pairs `(|v_j|, j)`, and
-the kernel runs the same heap algorithm while it reads `x` and `x̂` once, so the indices come out in the same order
-(ties included: the order is part of the payload); elsewhere `torch.topk` selects, on `|x − x̂|` made in one pass.
+the kernel runs the same heap algorithm while it reads `x` and `x̂` once, on integer keys (the bits of `|v|`, every
+NaN one key above `+inf`: torch's comparison in one integer compare), so the indices come out in the same order
+(ties included: the order is part of the payload, and it is the heap's, not the values'); elsewhere `torch.topk`
+selects, on `|x − x̂|` made in one pass.
 `RandomK.indices` stay torch's (its generator). The combine of `ChocoExchange`, `γ Σ_i w_i t_i` written to or
 added into its target, is one pass over tiles of 1024 elements
 ([`combine_`][lightning_decentral.compression.native.combine_]).
@@ -51,7 +55,7 @@ import torch
 from torch import Tensor
 
 from lightning_decentral.compression.bits import packed_bytes
-from lightning_decentral.compression.compressors import Quantize, Sign, _width
+from lightning_decentral.compression.compressors import Compressor, Quantize, Sign, _width
 
 try:
     import lightning_decentral.compression._kernels as _kernels
@@ -210,15 +214,36 @@ def combine_matches_torch() -> bool:
     return torch.equal(out, expected)
 
 
-def combine_(target: Tensor, terms: list[tuple[Tensor, float]], gamma: float, add: bool) -> bool:
+def combine_(
+    target: Tensor,
+    terms: list[tuple[Tensor, float]],
+    gamma: float,
+    add: bool,
+    decode: tuple[Compressor, list[tuple[Tensor, Tensor]]] | None = None,
+) -> bool:
     """`target = γ Σ_i w_i t_i` (`add`: `target += …`) over the flat `(t_i, w_i)` of `terms`, in one pass, bit for
     bit `torch.mul(t_0, w_0)`, `.add_(t_i, alpha=w_i)`, `.mul_(γ)` (unless `γ = 1`) and the write or `add_`, where
-    the kernel applies; returns whether it ran."""
+    the kernel applies; returns whether it ran. `decode = (compressor, [(payload, copy), …])`: each `copy` (a term)
+    first takes `x̂ += C` of its `Sign` or `Quantize` payload, as `dense_decode_add_` would, tile by tile in the same
+    pass (each copy read and written once instead of twice); where that does not apply nothing runs (`False`)."""
     tensors = [target, *(t for t, _ in terms)]
     if not (runs_on(*tensors) and all(t.numel() == target.numel() for t in tensors) and combine_matches_torch()):
         return False
-    pointers, weights = [t.data_ptr() for t, _ in terms], [float(w) for _, w in terms]
-    _kernels.combine(target.data_ptr(), pointers, weights, float(gamma), add, target.numel())
+    numel, pointers, weights = target.numel(), [t.data_ptr() for t, _ in terms], [float(w) for _, w in terms]
+    if decode is None:
+        _kernels.combine(target.data_ptr(), pointers, weights, float(gamma), add, numel)
+        return True
+    compressor, received = decode
+    if not (
+        isinstance(compressor, (Sign, Quantize))
+        and all(_dense_applies(compressor, numel, copy) and _is_bytes(payload) for payload, copy in received)
+    ):
+        return False
+    for payload, copy in received:
+        _check_sizes(compressor, copy, copy, payload)
+    payloads, copies = [p.data_ptr() for p, _ in received], [c.data_ptr() for _, c in received]
+    width, bits = _width(numel, compressor.block), _bits(compressor)
+    _kernels.combine(target.data_ptr(), pointers, weights, float(gamma), add, numel, payloads, copies, width, bits)
     return True
 
 
