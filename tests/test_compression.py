@@ -14,6 +14,7 @@ from lightning_decentral.compression import (
     Sign,
     TopK,
     kept,
+    largest,
     pack_bits,
     packed_bytes,
     resolve_compression,
@@ -87,6 +88,36 @@ def test_what_each_compressor_keeps() -> None:
     assert (int8 - v).abs().max() <= 3.0 / 127 / 2 + 1e-7 and int8[3] == 3.0  # the largest is exact
     top = TopK(2 / 6).decompress(TopK(2 / 6).compress(v, 0), 6, torch.float32, 0)
     assert top.tolist() == [0.0, -2.0, 0.0, 3.0, 0.0, 0.0]
+
+
+def _largest_by_sorting(v: torch.Tensor, k: int) -> list[int]:
+    """`TopK`'s rule spelled out: the coordinates ordered by magnitude, largest first (a NaN above inf, NaNs and equal
+    magnitudes by position), the first `k` taken, listed in ascending order."""
+    magnitude = [math.inf if math.isnan(a) else abs(a) for a in v.double().tolist()]
+    nan = [math.isnan(a) for a in v.double().tolist()]
+    ranked = sorted(range(len(v)), key=lambda j: (not nan[j], -magnitude[j], j))
+    return sorted(ranked[:k])
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_top_k_keeps_the_largest_and_the_first_of_equal_magnitudes_in_ascending_order(dtype, device: str) -> None:
+    """`largest` (what `TopK` keeps and how its payload lists them) against the rule spelled out, on ties of both
+    signs, zeros of both signs, NaNs of both signs (one magnitude, above inf), ±inf and subnormals, for every `k`;
+    and a payload's indices, packed behind the values, in ascending order."""
+    generator = torch.Generator().manual_seed(0)
+    tiny = torch.finfo(dtype).tiny
+    pool = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 2.0, math.inf, -math.inf, math.nan, -math.nan, tiny / 4, -tiny / 4]
+    v = torch.tensor(pool, dtype=torch.float64)[torch.randint(0, len(pool), (61,), generator=generator)].to(dtype)
+    v = torch.cat([v, (torch.randn(40, generator=generator) * 3).to(dtype)]).to(device)
+    for k in range(1, len(v) + 1):
+        indices = largest(v, k)
+        assert indices.dtype == torch.int64 and indices.tolist() == _largest_by_sorting(v.cpu(), k), k
+    top = TopK(0.25)
+    k, payload = kept(len(v), 0.25), top.compress(v, 0)
+    packed = unpack_bits(payload[k * v.element_size() :], k, math.ceil(math.log2(len(v)))).long()
+    assert packed.tolist() == _largest_by_sorting(v.cpu(), k)
+    assert torch.equal(payload[: k * v.element_size()], v[packed.to(device)].view(torch.uint8))  # NaNs: bytes
 
 
 def test_random_k_draws_the_same_coordinates_from_the_seed_on_both_ends() -> None:

@@ -53,6 +53,7 @@ from lightning_decentral.compression.compressors import (
     Sign,
     TopK,
     kept,
+    largest,
     resolve_compression,
 )
 
@@ -73,6 +74,7 @@ __all__ = [
     "exchange_in_process",
     "exchange_seed",
     "kept",
+    "largest",
     "pack_bits",
     "packed_bytes",
     "resolve_compression",

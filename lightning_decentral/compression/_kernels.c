@@ -310,22 +310,19 @@ CLONES static void decode_dense(const uint8_t *payload, float *c, int64_t numel,
         decode_range(payload, c, numel, width, bits, start, numel - start < TILE ? numel - start : TILE);
 }
 
-/* ---- TopK's selection: torch.topk(|x − x̂|, k, sorted=False) where k · 64 <= n -----------------------------------
+/* ---- TopK's selection: the k coordinates of largest |x − x̂|, in ascending order, in linear time -----------------
  *
- * There torch (aten/src/ATen/native/TopKImpl.h) runs std::partial_sort over the pairs (|v_j|, j) with "a before b
- * when a is a NaN and b is not, or a > b", and returns the first k in that order: the k largest, descending, ties
- * in the order the heap leaves them. The heap algorithm below is the one of the C++ standard library torch is built
- * with (libstdc++, unchanged since the SGI STL): make a heap of the first k pairs, replace its top by each later pair
- * that goes before it, then sort the heap by popping its top k times. Here the pairs are made as the pass reads x and
- * x̂ (no n-sized array of pairs).
+ * The rule (compressors.py, `largest`): key(v) is the bits of |v| as an integer (the sign cleared, they order the
+ * non-negative floats as their values do), every NaN taking the one key NAN_KEY above +inf's; t is the k-th largest
+ * key; kept are every j with key > t, then those with key = t in ascending j until there are k; they are listed in
+ * ascending j. The choice among ties depends on the positions alone, not on how t is found.
  *
- * Which tied pairs come first is the heap's doing, and it depends on every pair the heap ever held (about
- * k · ln(n / k) of them), not on the values alone: a selection by value (a radix select of the k-th largest, then a
- * sort of the k) gives torch's order only where the k selected magnitudes are distinct and none outside equals the
- * smallest of them, and a float32 difference of a few million elements has hundreds of equal magnitudes among its
- * largest 1 % (docs/benchmarks.md, "The arithmetic, before and after"). So the heap is replayed, on integer keys: the
- * bits of |v| (sign cleared) order the non-negative floats as their values do, and every NaN takes the one key
- * NAN_KEY above +inf's, so that "a before b" is key(a) > key(b), one integer comparison. */
+ * Here: a guess at a lower bound of t from a sample of the keys spread over the buffer; one pass over x and x̂
+ * collects the pairs (key, j) with key >= the guess, in ascending j (about 1.8 k of them at k = n / 100); t is the
+ * k-th largest of their keys (a radix select), and the kept ones are read off the pairs in order. Where the guess
+ * fails (fewer than k pairs reach it: t is below it; or more than the room set aside: many ties at it, as in a buffer
+ * of zeros) t is found by the radix select over x and x̂ themselves (three more passes) and the pass collects the
+ * kept pairs alone. Linear in n either way. */
 
 typedef struct {
     uint32_t key;
@@ -333,6 +330,8 @@ typedef struct {
 } pair;
 
 #define NAN_KEY 0x7F800001u /* the smallest NaN's bits: above every other magnitude, one key for all NaNs */
+#define SAMPLES 4096        /* keys in the sample of the guess */
+#define SAMPLED_FROM (16 * SAMPLES) /* buffers shorter than this are not sampled: every pair is collected */
 
 INLINE uint32_t magnitude_key(float v) {
     uint32_t bits;
@@ -341,79 +340,117 @@ INLINE uint32_t magnitude_key(float v) {
     return bits < NAN_KEY ? bits : NAN_KEY;
 }
 
-/* The hole at `hole` of the heap of `len` pairs filled with `fill`: sift the hole down to a leaf along the children
- * that go after (the right one where the two tie), then the pair up (libstdc++'s __adjust_heap and __push_heap).
- * The descent takes two levels a step while both are inside the heap: the keys of the two children and of all four
- * grandchildren are loaded together, before either choice is known, so that a step waits for one load instead of
- * two (the choices, and so the moves, are those of one level at a time). */
-INLINE void adjust(pair *h, int64_t hole, int64_t len, pair fill) {
-    const int64_t top = hole, inner = (len - 1) / 2; /* the nodes below `inner` have two children */
-    while (2 * hole + 2 < inner) {
-        const pair *grandchildren = h + 4 * hole + 3;
-        const uint32_t left = h[2 * hole + 1].key, right = h[2 * hole + 2].key;
-        const uint32_t g0 = grandchildren[0].key, g1 = grandchildren[1].key, g2 = grandchildren[2].key,
-                       g3 = grandchildren[3].key;
-        const int go_left = right > left;
-        const int64_t child = 2 * hole + 2 - go_left;
-        const uint32_t first = go_left ? g0 : g2, second = go_left ? g1 : g3;
-        const int64_t grandchild = 2 * child + 2 - (second > first);
-        h[hole] = h[child];
-        h[child] = h[grandchild];
-        hole = grandchild;
-    }
-    int64_t child = hole;
-    while (child < inner) {
-        child = 2 * (child + 1);
-        child -= h[child].key > h[child - 1].key;
-        h[hole] = h[child];
-        hole = child;
-    }
-    if ((len & 1) == 0 && child == (len - 2) / 2) {
-        child = 2 * (child + 1);
-        h[hole] = h[child - 1];
-        hole = child - 1;
-    }
-    int64_t parent = (hole - 1) / 2;
-    while (hole > top && h[parent].key > fill.key) {
-        h[hole] = h[parent];
-        hole = parent;
-        parent = (hole - 1) / 2;
-    }
-    h[hole] = fill;
+/* What is kept: every key above `key`, and of the keys equal to it the first `ties` (in ascending j). */
+typedef struct {
+    uint32_t key;
+    int64_t ties;
+} threshold;
+
+/* Whether a key is kept, taking one of the bound's ties if it is one. */
+INLINE int keeps(uint32_t key, uint32_t bound, int64_t *ties) {
+    if (key != bound) return key > bound;
+    if (*ties == 0) return 0;
+    --*ties;
+    return 1;
 }
 
-CLONES static void top_k_select(const float *x, const float *c, int64_t n, int64_t k, pair *h, int64_t *indices) {
-    for (int64_t j = 0; j < k; j++) h[j] = (pair){magnitude_key(x[j] - c[j]), (int32_t)j};
-    if (k >= 2)
-        for (int64_t parent = (k - 2) / 2;; parent--) {
-            adjust(h, parent, k, h[parent]);
-            if (parent == 0) break;
+/* The key of pair j: that of `pairs[j]` where `pairs` is given, else that of x[j] − x̂[j]. */
+INLINE uint32_t key_at(const float *x, const float *c, const pair *pairs, int64_t j) {
+    return pairs ? pairs[j].key : magnitude_key(x[j] - c[j]);
+}
+
+/* The k-th largest t of m keys (1 <= k <= m), and how many of the keys equal to t are among the k largest: a radix
+ * select in three passes over the keys (which are below 2^31), one per digit of bits 30–20, 19–9 and 8–0; each pass
+ * counts the digits of the keys that have t's higher digits, and takes the digit where the count from the top
+ * reaches k. */
+INLINE threshold kth_largest(const float *x, const float *c, const pair *pairs, int64_t m, int64_t k) {
+    static const int shifts[3] = {20, 9, 0}, widths[3] = {11, 11, 9};
+    uint32_t prefix = 0, known = 0; /* t's digits so far, and the bits they fill */
+    int64_t count[1 << 11];
+    for (int r = 0; r < 3; r++) {
+        const uint32_t digits = (1u << widths[r]) - 1;
+        memset(count, 0, sizeof count);
+        for (int64_t j = 0; j < m; j++) {
+            const uint32_t key = key_at(x, c, pairs, j);
+            if ((key & known) == prefix) count[key >> shifts[r] & digits]++;
         }
-    int64_t j = k;
-    for (; j + 8 <= n; j += 8) { /* most pairs go after the top: eight tested at once, in order only if one may not */
-        /* the raw bits of |v| (a NaN's not made NAN_KEY) exceed the top's key wherever the key does */
-        const i32x4 top = (i32x4){0} + (int32_t)h[0].key;
-        const i32x4 a = (i32x4)(load4(x + j) - load4(c + j)) & 0x7FFFFFFF;
-        const i32x4 b = (i32x4)(load4(x + j + 4) - load4(c + j + 4)) & 0x7FFFFFFF;
-        i32x4 above = (a > top) | (b > top);
-        uint64_t halves[2];
-        memcpy(halves, &above, sizeof halves);
-        if (halves[0] | halves[1])
-            for (int l = 0; l < 8; l++) {
-                uint32_t key = magnitude_key(x[j + l] - c[j + l]);
-                if (key > h[0].key) adjust(h, 0, k, (pair){key, (int32_t)(j + l)});
-            }
+        uint32_t digit = digits;
+        while (count[digit] < k) k -= count[digit--];
+        prefix |= digit << shifts[r];
+        known |= digits << shifts[r];
     }
-    for (; j < n; j++) {
-        uint32_t key = magnitude_key(x[j] - c[j]);
-        if (key > h[0].key) adjust(h, 0, k, (pair){key, (int32_t)j});
+    return (threshold){prefix, k};
+}
+
+/* Pair j of x − x̂ if `bound` keeps it: written to out[*m] while there is room; counted either way. */
+INLINE void take(const float *x, const float *c, int64_t j, threshold *bound, pair *out, int64_t room, int64_t *m) {
+    const uint32_t key = magnitude_key(x[j] - c[j]);
+    if (keeps(key, bound->key, &bound->ties)) {
+        if (*m < room) out[*m] = (pair){key, (int32_t)j};
+        ++*m;
     }
-    for (int64_t last = k - 1; last > 0; last--) {
-        pair fill = h[last];
-        h[last] = h[0];
-        adjust(h, 0, last, fill);
+}
+
+/* The pairs (key, j) of x − x̂ that `bound` keeps, in ascending j: the first `room` of them written to `out`; returns
+ * how many there are. Eight are tested against the bound at once, and only the lanes that reach it are looked at one
+ * by one: the raw bits of |v| (a NaN's not made NAN_KEY) reach the bound wherever the key does. */
+CLONES static int64_t collect(const float *x, const float *c, int64_t n, threshold bound, pair *out, int64_t room) {
+    const i32x4 low = (i32x4){0} + (int32_t)bound.key;
+    int64_t m = 0, j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const i32x4 first = ((i32x4)(load4(x + j) - load4(c + j)) & 0x7FFFFFFF) >= low;
+        const i32x4 second = ((i32x4)(load4(x + j + 4) - load4(c + j + 4)) & 0x7FFFFFFF) >= low;
+        const i32x4 either = first | second;
+        uint64_t words[2];
+        memcpy(words, &either, sizeof words);
+        if (!(words[0] | words[1])) continue;
+        uint32_t lanes = 0; /* bit l: lane l reaches the bound */
+        for (int l = 0; l < 4; l++) lanes |= ((uint32_t)first[l] >> 31 << l) | ((uint32_t)second[l] >> 31 << (l + 4));
+        for (; lanes; lanes &= lanes - 1) take(x, c, j + __builtin_ctz(lanes), &bound, out, room, &m);
     }
-    for (int64_t j = 0; j < k; j++) indices[j] = h[j].index;
+    for (; j < n; j++) take(x, c, j, &bound, out, room, &m);
+    return m;
+}
+
+/* The guess at a lower bound of t: among SAMPLES keys, one drawn from each of SAMPLES equal strata of the buffer (at
+ * a fixed hash of the stratum), the one of the rank where the sample's share above it exceeds k / n by four standard
+ * deviations and eight keys (fewer than k keys of the buffer reach it with a chance below 1e-6 where the keys are
+ * spread alike); 0, every key, where n is small or k / n large. `room`: the pairs to set aside, twice as many as are
+ * expected to reach the guess, and SAMPLES more. */
+static uint32_t guess(const float *x, const float *c, int64_t n, int64_t k, int64_t *room) {
+    const double expected = (double)SAMPLES * (double)k / (double)n;
+    const int64_t rank = (int64_t)(expected + 4 * sqrt(expected) + 8);
+    *room = n;
+    if (n < SAMPLED_FROM || rank >= SAMPLES) return 0;
+    pair sample[SAMPLES];
+    for (int64_t s = 0; s < SAMPLES; s++) {
+        const int64_t start = s * n / SAMPLES, width = (s + 1) * n / SAMPLES - start;
+        const int64_t j = start + (int64_t)(((uint64_t)(s + 1) * UINT64_C(0x9E3779B97F4A7C15) >> 32) % (uint64_t)width);
+        sample[s] = (pair){magnitude_key(x[j] - c[j]), (int32_t)j};
+    }
+    const int64_t reach = 2 * (rank * n / SAMPLES) + SAMPLES;
+    *room = reach < n ? reach : n;
+    return kth_largest(NULL, NULL, sample, SAMPLES, rank).key;
+}
+
+/* TopK's k indices of x − x̂ (the rule above), written to `indices` in ascending order; returns 0, or −1 where memory
+ * for the pairs is short. */
+CLONES static int top_k_select(const float *x, const float *c, int64_t n, int64_t k, int64_t *indices) {
+    int64_t room;
+    threshold bound = {guess(x, c, n, k, &room), INT64_MAX};
+    pair *pairs = malloc((size_t)room * sizeof(pair));
+    if (!pairs) return -1;
+    int64_t m = collect(x, c, n, bound, pairs, room);
+    if (m < k || m > room) { /* the guess failed: t itself, then the k kept pairs alone (k <= room) */
+        bound = kth_largest(x, c, NULL, n, k);
+        m = collect(x, c, n, bound, pairs, room);
+    }
+    const threshold t = kth_largest(NULL, NULL, pairs, m, k);
+    int64_t kept = 0, ties = t.ties;
+    for (int64_t j = 0; j < m; j++)
+        if (keeps(pairs[j].key, t.key, &ties)) indices[kept++] = pairs[j].index;
+    free(pairs);
+    return 0;
 }
 
 /* ---- the combine: γ Δ = γ (w_0 t_0 + w_1 t_1 + …), written to or added into the target --------------------------
@@ -508,25 +545,6 @@ static PyObject *dense_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(abs_difference_doc, "abs_difference(x, copy, out, numel): out = |x − x̂|.");
-
-CLONES static void abs_difference_loop(const float *x, const float *c, float *out, int64_t n) {
-    for (int64_t j = 0; j < n; j++) out[j] = __builtin_fabsf(x[j] - c[j]);
-}
-
-static PyObject *abs_difference(PyObject *self, PyObject *args) {
-    PyObject *xp, *cp, *op;
-    long long numel;
-    if (!PyArg_ParseTuple(args, "OOOL", &xp, &cp, &op, &numel)) return NULL;
-    const float *x = address(xp), *c = address(cp);
-    float *out = address(op);
-    if (PyErr_Occurred()) return NULL;
-    Py_BEGIN_ALLOW_THREADS;
-    abs_difference_loop(x, c, out, numel);
-    Py_END_ALLOW_THREADS;
-    Py_RETURN_NONE;
-}
-
 PyDoc_STRVAR(sparse_encode_doc,
              "sparse_encode(x, copy, indices, k, values, packed, index_bits): v = x[i] − x̂[i] for the k int64 indices, "
              "written to `values` (float32 bytes, any alignment), x̂[i] += v; the indices packed into `packed` "
@@ -604,8 +622,8 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
 }
 
 PyDoc_STRVAR(top_k_doc,
-             "top_k(x, copy, numel, k, indices): the k int64 indices torch.topk(|x − x̂|, k, sorted=False) returns "
-             "where k · 64 <= numel (std::partial_sort's order), written to `indices`.");
+             "top_k(x, copy, numel, k, indices): TopK's k int64 indices of x − x̂ (compressors.py, `largest`: the k "
+             "largest magnitudes, the first of equal ones, a NaN above inf), ascending, written to `indices`.");
 
 static PyObject *top_k(PyObject *self, PyObject *args) {
     PyObject *xp, *cp, *ip;
@@ -614,16 +632,15 @@ static PyObject *top_k(PyObject *self, PyObject *args) {
     const float *x = address(xp), *c = address(cp);
     int64_t *indices = address(ip);
     if (PyErr_Occurred()) return NULL;
-    if (k < 1 || k * 64 > numel || numel > INT32_MAX) {
-        PyErr_SetString(PyExc_ValueError, "top_k: 1 <= k, k * 64 <= numel < 2^31");
+    if (k < 1 || k > numel || numel > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "top_k: 1 <= k <= numel < 2^31");
         return NULL;
     }
-    pair *h = malloc((size_t)k * sizeof(pair));
-    if (!h) return PyErr_NoMemory();
+    int status;
     Py_BEGIN_ALLOW_THREADS;
-    top_k_select(x, c, numel, k, h, indices);
+    status = top_k_select(x, c, numel, k, indices);
     Py_END_ALLOW_THREADS;
-    free(h);
+    if (status) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -676,7 +693,6 @@ static PyObject *combine(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"dense_encode", dense_encode, METH_VARARGS, dense_encode_doc},
     {"dense_decode", dense_decode, METH_VARARGS, dense_decode_doc},
-    {"abs_difference", abs_difference, METH_VARARGS, abs_difference_doc},
     {"sparse_encode", sparse_encode, METH_VARARGS, sparse_encode_doc},
     {"sparse_decode", sparse_decode, METH_VARARGS, sparse_decode_doc},
     {"top_k", top_k, METH_VARARGS, top_k_doc},

@@ -222,10 +222,49 @@ def _scatter(values: Tensor, indices: Tensor, numel: int, dtype: torch.dtype) ->
     return dense.index_copy_(0, indices, values.to(dtype))
 
 
+_KEY_INTEGERS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's bits as an integer of its width
+
+
+def magnitude_keys(v: Tensor) -> Tensor:
+    """`key(v_j)`: the bits of `|v_j|` as an integer (of `v`'s width), which order as the magnitudes do, every NaN
+    mapped to the one key above `+inf`'s. `−0.0` and `+0.0` share the key 0.
+
+    Examples:
+        >>> magnitude_keys(torch.tensor([1.0, -1.0, -0.0, float("inf"), float("nan")])).tolist()
+        [1065353216, 1065353216, 0, 2139095040, 2139095041]
+    """
+    integer = _KEY_INTEGERS.get(v.element_size()) if v.is_floating_point() else None
+    if integer is None:
+        raise ValueError(f"TopK compresses float16, bfloat16, float32 or float64 tensors, got {v.dtype}.")
+    nan = torch.tensor(math.inf, dtype=v.dtype).view(integer).item() + 1
+    return v.view(integer).bitwise_and(torch.iinfo(integer).max).clamp_max_(nan)
+
+
+def largest(v: Tensor, k: int) -> Tensor:
+    """The `k` coordinates [`TopK`][lightning_decentral.compression.TopK] keeps of `v` (int64, ascending): with
+    `key(v_j)` the bits of `|v_j|` as an integer, every NaN one key above `+inf` (`magnitude_keys`), and `t` the
+    `k`-th largest key, every `j` with `key(v_j) > t`, then those with `key(v_j) = t` in ascending order until `k`
+    are kept. Among equal magnitudes the positions alone decide, so every implementation (the torch operations here,
+    on any device; the C kernel's linear-time selection) keeps the same coordinates.
+
+    Examples:
+        >>> largest(torch.tensor([0.5, -2.0, 2.0, float("nan"), 0.0, -0.5]), 3).tolist()
+        [1, 2, 3]
+        >>> largest(torch.tensor([0.5, -2.0, 2.0, 1.0, 0.0, -0.5]), 4).tolist()   # one of the two 0.5s: the first
+        [0, 1, 2, 3]
+    """
+    keys = magnitude_keys(v)
+    threshold = keys.kthvalue(len(keys) - k + 1).values
+    keep = keys > threshold
+    ties = torch.nonzero(keys == threshold).view(-1)[: k - int(keep.count_nonzero())]
+    return torch.nonzero(keep.index_fill_(0, ties, True)).view(-1)
+
+
 @dataclass(frozen=True)
 class TopK:
-    """`C(v)` keeps the `k` coordinates of largest magnitude (`k = fraction · numel`, at least 1): their values in
-    `v`'s dtype, then their indices packed in `⌈log2 numel⌉` bits each.
+    """`C(v)` keeps the `k` coordinates of largest magnitude (`k = fraction · numel`, at least 1; among equal
+    magnitudes the first, a NaN above `inf`: [`largest`][lightning_decentral.compression.largest]):
+    their values in `v`'s dtype, then their indices packed in `⌈log2 numel⌉` bits each, both in ascending index order.
 
     Examples:
         >>> top = TopK(0.5)
@@ -250,8 +289,7 @@ class TopK:
         return k * dtype.itemsize + packed_bytes(k, _index_bits(numel))
 
     def compress(self, v: Tensor, seed: int) -> Tensor:
-        k = kept(len(v), self.fraction)
-        indices = v.abs().topk(k, sorted=False).indices
+        indices = largest(v, kept(len(v), self.fraction))
         return torch.cat([v[indices].view(torch.uint8), pack_bits(indices, _index_bits(len(v)))])
 
     def decompress(self, payload: Tensor, numel: int, dtype: torch.dtype, seed: int) -> Tensor:

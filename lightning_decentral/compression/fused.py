@@ -61,6 +61,7 @@ from lightning_decentral.compression.compressors import (
     as_dtype,
     kept,
     l1_mean,
+    largest,
 )
 
 CHUNK = 1 << 18
@@ -121,11 +122,7 @@ def encode_update_(
         itemsize = copy.dtype.itemsize
         indices = native.top_k_indices(x, copy, k)
         if indices is None:
-            work = work if work is not None else torch.empty_like(copy)
-            magnitude = native.abs_difference(x, copy, work)
-            if magnitude is None:
-                magnitude = torch.sub(x, copy, out=work).abs_()
-            indices = magnitude.topk(k, sorted=False).indices
+            indices = largest(torch.sub(x, copy, out=work if work is not None else torch.empty_like(copy)), k)
         if native.sparse_encode_update_(x, copy, indices, payload, _index_bits(numel)):
             return payload
         aligned = payload.storage_offset() % itemsize == 0  # the values can be written into the payload directly

@@ -9,12 +9,14 @@ or, in `ChocoExchange`'s combine, part of the combine's pass (each tile of the r
 is combined, while in cache: [`combine_`][lightning_decentral.compression.native.combine_] with `decode`).
 The sparse compressors ([`TopK`][lightning_decentral.compression.TopK],
 [`RandomK`][lightning_decentral.compression.RandomK]) gather `x[i] − x̂[i]` into the payload, pack `TopK`'s indices
-and add the values into `x̂` in one loop over the `k` coordinates. `TopK`'s selection is `torch.topk`'s, replayed:
-where `k · 64 <= numel` (the default `top_k:0.01`) torch runs `std::partial_sort` over the pairs `(|v_j|, j)`, and
-the kernel runs the same heap algorithm while it reads `x` and `x̂` once, on integer keys (the bits of `|v|`, every
-NaN one key above `+inf`: torch's comparison in one integer compare), so the indices come out in the same order
-(ties included: the order is part of the payload, and it is the heap's, not the values'); elsewhere `torch.topk`
-selects, on `|x − x̂|` made in one pass.
+and add the values into `x̂` in one loop over the `k` coordinates. `TopK`'s selection
+([`top_k_indices`][lightning_decentral.compression.native.top_k_indices]) is linear in `n`: a sample of 4096
+magnitudes spread over the buffer gives a guess at a lower bound of the `k`-th largest; one pass over `x` and `x̂`
+collects the coordinates at or above it (about `1.8 k` at `k = n / 100`), in ascending order; the `k`-th largest is
+selected among them exactly (a radix select on integer keys: the bits of `|v|`, every NaN one key above `+inf`), and
+the kept coordinates are read off in order, ties by position, as
+[`largest`][lightning_decentral.compression.largest] defines them. Where the guess fails (fewer than `k` reach it,
+or many ties at it, as in a buffer of zeros) the radix select runs over `x` and `x̂` themselves (three more passes).
 `RandomK.indices` stay torch's (its generator). The combine of `ChocoExchange`, `γ Σ_i w_i t_i` written to or
 added into its target, is one pass over tiles of 1024 elements
 ([`combine_`][lightning_decentral.compression.native.combine_]).
@@ -29,16 +31,15 @@ runs one thread per worker (the benchmarks' setting), and the exchange's thread 
 kernel releases the GIL.
 
 Equality with the torch path, bit for bit (tests/test_native_kernel.py): the kernel applies each element's float32
-operations in the torch path's order, compiled without FMA contraction and fast-math. Three results depend on how
+operations in the torch path's order, compiled without FMA contraction and fast-math. Two results depend on how
 torch computes, and each is checked once against torch, the torch path running where it differs: `Sign`'s `Σ|v|` of
 a block follows torch's CPU summation (a cascade of 4 × 4 accumulators of `lanes`-wide vectors,
 aten/src/ATen/native/cpu/SumKernel.cpp; `lanes` found on a probe,
 [`sum_lanes`][lightning_decentral.compression.native.sum_lanes]: 8 on this project's x86 machine under every
-`ATEN_CPU_CAPABILITY`); `TopK`'s heap
-([`top_k_matches_torch`][lightning_decentral.compression.native.top_k_matches_torch]); and the combine's
-`add_(alpha=)`, a fused multiply-add in torch's vector kernels
+`ATEN_CPU_CAPABILITY`); and the combine's `add_(alpha=)`, a fused multiply-add in torch's vector kernels
 ([`combine_matches_torch`][lightning_decentral.compression.native.combine_matches_torch]). `Quantize`'s `max|v|`
-needs no order. A NaN gives the code torch's conversion gives (0).
+needs no order, nor `TopK`'s selection (its rule fixes the coordinates and their order by the values and positions
+alone). A NaN gives the code torch's conversion gives (0).
 
 Off: `LIGHTNING_DECENTRAL_NATIVE=0` in the environment, or
 [`enable(False)`][lightning_decentral.compression.native.enable] (the benchmark's A/B); without the built module
@@ -159,37 +160,12 @@ def dense_decode_add_(compressor: Sign | Quantize, payload: Tensor, copy: Tensor
     return True
 
 
-def abs_difference(x: Tensor, copy: Tensor, out: Tensor) -> Tensor | None:
-    """`out = |x − x̂|` in one pass, if the kernel applies (`None` if not)."""
-    if not runs_on(x, copy, out) or not x.numel() == copy.numel() == out.numel():
-        return None
-    _kernels.abs_difference(x.data_ptr(), copy.data_ptr(), out.data_ptr(), copy.numel())
-    return out
-
-
-@functools.cache
-def top_k_matches_torch() -> bool:
-    """Whether the kernel's selection returns `torch.topk`'s indices, in its order, on a probe with many ties, a NaN and
-    several `k` (else `TopK` selects with `torch.topk`)."""
-    if not AVAILABLE:
-        return False
-    generator = torch.Generator().manual_seed(0)
-    for numel, k in ((100000, 1562), (4099, 64), (64, 1)):
-        x = torch.randint(-30, 30, (numel,), generator=generator).float()
-        x[numel // 3] = float("nan")
-        copy, indices = torch.randn(numel, generator=generator).round(), torch.empty(k, dtype=torch.int64)
-        _kernels.top_k(x.data_ptr(), copy.data_ptr(), numel, k, indices.data_ptr())
-        if not torch.equal(indices, (x - copy).abs().topk(k, sorted=False).indices):
-            return False
-    return True
-
-
 def top_k_indices(x: Tensor, copy: Tensor, k: int) -> Tensor | None:
-    """`torch.topk(|x − x̂|, k, sorted=False).indices`, the same indices in the same order, in one pass over `x` and
-    `x̂` and a heap of `k` pairs, where `k · 64 <= numel < 2^31` (there torch runs `std::partial_sort`, whose heap the
-    kernel replays) and the kernel applies (`None` if not)."""
+    """[`largest`][lightning_decentral.compression.largest]`(x − x̂, k)`, `TopK`'s `k` indices in ascending order, in
+    one pass over `x` and `x̂` (a sample's guess at the `k`-th largest magnitude, then an exact selection among the
+    magnitudes above it), where `1 <= k <= numel < 2^31` and the kernel applies (`None` if not)."""
     numel = copy.numel()
-    if not (runs_on(x, copy) and 1 <= k and k * 64 <= numel < 2**31 and top_k_matches_torch()):
+    if not (runs_on(x, copy) and x.numel() == numel and 1 <= k <= numel < 2**31):
         return None
     indices = torch.empty(k, dtype=torch.int64)
     _kernels.top_k(x.data_ptr(), copy.data_ptr(), numel, k, indices.data_ptr())
