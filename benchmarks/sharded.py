@@ -16,8 +16,8 @@ root are sharded with FSDP2 over a host's 2 ranks in ``configure_model``. The me
   longer than the run: FSDP2's all-gathers and reduce-scatters in a host, nothing sent between hosts (as
   ``netns.py``'s ``no_exchange``): no method that reaches across hosts can step faster;
 * ``sharded_one_peer``: ``DecentralizedStrategy(shard_size=2, topology="one_peer_exponential")``, AWC every step;
-* ``sharded_one_peer_sign``: the same with ``compression="sign"``, on the static ``one_peer_ring`` (compression refuses
-  a time-varying graph; one peer a step all the same);
+* ``sharded_ring_sign``: ``compression="sign"`` on the undirected ``ring`` (two peers a step, 1/32 of the bytes each):
+  compression refuses a time-varying graph, and on the directed ``one_peer_ring`` it diverged on this model;
 * ``sharded_diloco``: ``shard_size=2, topology="complete", gossip_every=H`` with DiLoCo's outer Nesterov step.
 
 Every method trains ``--steps`` steps, those named in ``--extend`` (``method=factor``) that many times as many, to see
@@ -45,7 +45,7 @@ import outer
 import torch
 from torch import nn
 
-METHODS = ("hsdp", "sharded_no_exchange", "sharded_one_peer", "sharded_one_peer_sign", "sharded_diloco")
+METHODS = ("hsdp", "sharded_no_exchange", "sharded_one_peer", "sharded_ring_sign", "sharded_diloco")
 FLOOR = "sharded_no_exchange"
 SHARD = 2  # ranks per host: one replica per host
 GOALS = (
@@ -123,7 +123,7 @@ def make_strategy(method: str, every: int, world_size: int, steps: int) -> Any:
     nesterov = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     options = {
         "sharded_one_peer": dict(topology="one_peer_exponential"),
-        "sharded_one_peer_sign": dict(topology="one_peer_ring", compression="sign", consensus_step=0.5),
+        "sharded_ring_sign": dict(topology="ring", compression="sign"),  # symmetric: sign diverged on one_peer_ring
         "sharded_diloco": dict(topology="complete", gossip_every=every, outer_optimizer=nesterov),
     }
     if method == "hsdp":
