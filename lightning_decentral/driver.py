@@ -89,7 +89,8 @@ def check_compressed_topology(topology: Topology, compression: Any) -> None:
         f"once in {topology.period} matrices: each copy is that many exchanges old when its edge comes back, and "
         "consensus stalls (sign on one_peer_exponential with 4 workers: at 4.5-9 % of its start). Use a static "
         "topology: topology='one_peer_ring' (one peer a step, as one_peer_exponential), 'exponential' (its edges at "
-        "every step) or 'ring'; or compression=None."
+        "every step) or 'ring', the one of these whose W is symmetric, as CHOCO's convergence needs (the others "
+        "warn); or compression=None."
     )
 
 
