@@ -326,6 +326,6 @@ def test_sharded_smoke(tmp_path: Path) -> None:
     train, every rank holds half of the parameters and optimizer state, and each logs the loss every H = 3 steps."""
     profile = _emulated_profile(tmp_path, "sharded.py")
     rows = {row["method"]: row for row in profile["rows"]}
-    assert set(rows) == {"hsdp", "sharded_no_exchange", "sharded_one_peer", "sharded_one_peer_sign", "sharded_diloco"}
+    assert set(rows) == {"hsdp", "sharded_no_exchange", "sharded_one_peer", "sharded_ring_sign", "sharded_diloco"}
     assert all(row["held_vs_unsharded"] == pytest.approx(0.5) for row in rows.values())
     assert all([p["step"] for p in row["points"]] == [3, 6] and row["step_seconds"] > 0 for row in rows.values())
