@@ -23,6 +23,7 @@ arrive from the previous job together).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import os
@@ -42,14 +43,26 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 LIGHTHOUSE_PORT, STORE_PORT, MANAGER_PORT = 29510, 29520, 29530
 
 
-def make_manager(model: torch.nn.Module, addresses: list[str], host: int, group_rank: int, group_size: int, hosts: int):
+@contextlib.contextmanager
+def managed(
+    model: torch.nn.Module, addresses: list[str], host: int, group_rank: int, group_size: int, hosts: int
+) -> Iterator[Any]:
     """A ``torchft.Manager`` for rank ``group_rank`` of the replica group of ``group_size`` ranks on host ``host`` (of
-    ``hosts``): gloo across the groups, the lighthouse on host 0, the replicas starting from the same seeded weights
-    (``init_sync=False``), 120 s for every wait."""
+    ``hosts``), with what it needs up while it lives: the lighthouse on host 0's first rank, the group's ``TCPStore`` on
+    its first rank; gloo across the groups, the replicas starting from the same seeded weights (``init_sync=False``),
+    120 s for every wait. All three are shut down when the block ends."""
     from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
 
+    first = host == 0 and group_rank == 0
+    lighthouse = LighthouseServer(bind=f"[::]:{LIGHTHOUSE_PORT}", min_replicas=hosts) if first else None
+    store = (
+        torch.distributed.TCPStore(addresses[host], STORE_PORT, is_master=True, wait_for_workers=False)
+        if group_rank == 0
+        else None
+    )
     wait = timedelta(seconds=120)
-    return Manager(
+    manager = Manager(
         pg=ProcessGroupGloo(timeout=wait),
         min_replica_size=hosts,
         use_async_quorum=False,
@@ -68,6 +81,13 @@ def make_manager(model: torch.nn.Module, addresses: list[str], host: int, group_
         quorum_timeout=wait,
         connect_timeout=wait,
     )
+    try:
+        yield manager
+    finally:
+        manager.shutdown(wait=False)
+        if lighthouse is not None:
+            lighthouse.shutdown()
+        del store  # kept until the manager is shut down
 
 
 def epochs(train: torch.Tensor, batch: int, replicas: int, rank: int) -> Iterator[Any]:
@@ -82,30 +102,29 @@ def epochs(train: torch.Tensor, batch: int, replicas: int, rank: int) -> Iterato
 
 def _torchft(config: dict[str, Any], data: dict[str, Any], addresses: list[str], rank: int) -> dict[str, Any]:
     """One replica group (one process) on host ``rank``: DiLoCo's loop, a curve point every ``H`` steps."""
-    from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo
 
     n, every = len(addresses), config["every"]
-    lighthouse = LighthouseServer(bind=f"[::]:{LIGHTHOUSE_PORT}", min_replicas=n) if rank == 0 else None
-    store = torch.distributed.TCPStore(addresses[rank], STORE_PORT, is_master=True, wait_for_workers=False)
     torch.manual_seed(0)
     model = outer.ByteGPT(config["context"], config["width"], config["layers"])
     inner = model.configure_optimizers()  # outer.py's AdamW
-    manager = make_manager(model, addresses, host=rank, group_rank=0, group_size=1, hosts=n)
     batches = epochs(data["train"], config["batch"], n, rank)
     total = round(config["extend"] * config["steps"])
 
     points, paused = [], 0.0
     received0, sent0 = harness.interface_bytes(harness.EmulatedNetwork.interface)
     start = time.monotonic()
-    with DiLoCo(
-        manager,
-        [model],
-        inner,
-        outer.NESTEROV(model.parameters()),
-        sync_every=every,
-        backup_device=torch.device("cpu"),
-        pin_memory=False,
+    with (
+        managed(model, addresses, host=rank, group_rank=0, group_size=1, hosts=n) as manager,
+        DiLoCo(
+            manager,
+            [model],
+            inner,
+            outer.NESTEROV(model.parameters()),
+            sync_every=every,
+            backup_device=torch.device("cpu"),
+            pin_memory=False,
+        ),
     ):
         for step, batch in enumerate(batches, start=1):
             loss = model.loss(batch)
@@ -130,10 +149,6 @@ def _torchft(config: dict[str, Any], data: dict[str, Any], addresses: list[str],
                 paused += time.monotonic() - now
             if step == total:
                 break
-    manager.shutdown(wait=False)
-    if lighthouse is not None:
-        lighthouse.shutdown()
-    del store  # the replica group's TCPStore, kept until the manager is shut down
     return {"points": points, "load": [os.getloadavg()[0]]}
 
 

@@ -31,26 +31,19 @@ import harness
 import lightning.pytorch as pl
 import sharded
 import torch
-from torchft_diloco import LIGHTHOUSE_PORT, STORE_PORT, epochs, make_manager
+from torchft_diloco import epochs, managed
 
 
 def torchft_diloco(spec: dict[str, Any], data: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
     """One rank of one replica group (host ``rank // 2``): DiLoCo's loop over an FSDP2-sharded model."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo
 
     config, addresses = spec["config"], spec["addresses"]
     host, group_rank, hosts = rank // sharded.SHARD, rank % sharded.SHARD, world_size // sharded.SHARD
     if not torch.distributed.is_initialized():  # Lightning leaves its process group up after fit: this is for --methods
         torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
-    lighthouse = LighthouseServer(bind=f"[::]:{LIGHTHOUSE_PORT}", min_replicas=hosts) if rank == 0 else None
-    store = (
-        torch.distributed.TCPStore(addresses[host], STORE_PORT, is_master=True, wait_for_workers=False)
-        if group_rank == 0
-        else None
-    )
     pl.seed_everything(0, verbose=False)  # as sharded.py's jobs: the same initial weights and data order
     model = sharded.GPT(config["context"], config["width"], config["layers"])
     mesh = init_device_mesh("cpu", (hosts, sharded.SHARD), mesh_dim_names=("replicate", "shard"))["shard"]
@@ -59,7 +52,6 @@ def torchft_diloco(spec: dict[str, Any], data: dict[str, Any], rank: int, world_
     fully_shard(model, mesh=mesh)
     inner = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01)  # ShardedLM's
     outer_optimizer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)  # sharded.py's
-    manager = make_manager(model, addresses, host, group_rank, group_size=sharded.SHARD, hosts=hosts)
     batches = epochs(data["train"], config["batch"], world_size, rank)
     val = data["val"].split(config["batch"])
     total, every = sharded.method_steps("torchft_diloco", config), config["every"]
@@ -69,8 +61,17 @@ def torchft_diloco(spec: dict[str, Any], data: dict[str, Any], rank: int, world_
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), window[:, 1:].reshape(-1))
 
     times, points, held = [], [], 0
-    with DiLoCo(
-        manager, [model], inner, outer_optimizer, sync_every=every, backup_device=torch.device("cpu"), pin_memory=False
+    with (
+        managed(model, addresses, host, group_rank, group_size=sharded.SHARD, hosts=hosts) as manager,
+        DiLoCo(
+            manager,
+            [model],
+            inner,
+            outer_optimizer,
+            sync_every=every,
+            backup_device=torch.device("cpu"),
+            pin_memory=False,
+        ),
     ):
         for step, (window,) in enumerate(batches, start=1):
             started = time.perf_counter()
@@ -85,10 +86,6 @@ def torchft_diloco(spec: dict[str, Any], data: dict[str, Any], rank: int, world_
                 points.append({"step": step, "seconds": sum(times), "loss": value})
             if step == total:
                 break
-    manager.shutdown(wait=False)
-    if lighthouse is not None:
-        lighthouse.shutdown()
-    del store  # the replica group's TCPStore, kept until the manager is shut down
     timed = times[config["warmup"] :] or times
     return {"held": held, "step_median": statistics.median(timed), "points": points}
 
