@@ -18,7 +18,8 @@ root are sharded with FSDP2 over a host's 2 ranks in ``configure_model``. The me
 * ``sharded_one_peer``: ``DecentralizedStrategy(shard_size=2, topology="one_peer_exponential")``, AWC every step;
 * ``sharded_ring_sign``: ``compression="sign"`` on the undirected ``ring`` (two peers a step, 1/32 of the bytes each):
   compression refuses a time-varying graph, and on the directed ``one_peer_ring`` it diverged on this model;
-* ``sharded_diloco``: ``shard_size=2, topology="complete", gossip_every=H`` with DiLoCo's outer Nesterov step.
+* ``sharded_diloco``: ``shard_size=2, topology="complete", gossip_every=H`` with DiLoCo's outer Nesterov step
+  (``--outer``: its learning rate and momentum, DiLoCo's 0.7 and 0.9 unless given).
 
 Every method trains ``--steps`` steps, those named in ``--extend`` (``method=factor``) that many times as many, to see
 when they reach HSDP's loss at step ``--steps``. Measured per rank: the bytes of its parameters and optimizer state
@@ -115,16 +116,23 @@ def method_steps(method: str, config: dict[str, Any]) -> int:
     return round(config["extend"].get(method, 1.0) * config["steps"])
 
 
-def make_strategy(method: str, every: int, world_size: int, steps: int) -> Any:
+def outer_optimizer(config: dict[str, Any]) -> Callable[..., torch.optim.Optimizer]:
+    """DiLoCo's outer step: Nesterov SGD at ``--outer``'s learning rate and momentum (plain SGD at momentum 0)."""
+    lr, momentum = config["outer"]
+    return functools.partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+
+def make_strategy(method: str, config: dict[str, Any], world_size: int, steps: int) -> Any:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     from lightning_decentral import DecentralizedStrategy
 
-    nesterov = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
     options = {
         "sharded_one_peer": dict(topology="one_peer_exponential"),
         "sharded_ring_sign": dict(topology="ring", compression="sign"),  # symmetric: sign diverged on one_peer_ring
-        "sharded_diloco": dict(topology="complete", gossip_every=every, outer_optimizer=nesterov),
+        "sharded_diloco": dict(
+            topology="complete", gossip_every=config["every"], outer_optimizer=outer_optimizer(config)
+        ),
     }
     if method == "hsdp":
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
@@ -179,7 +187,7 @@ def _job(method: str, config: dict[str, Any], data: dict[str, Any], world_size: 
     clock = Clock()
     steps = method_steps(method, config)
     trainer = quiet_trainer(
-        make_strategy(method, config["every"], world_size, steps),
+        make_strategy(method, config, world_size, steps),
         steps,
         [clock],
         num_nodes=world_size // SHARD,
@@ -298,6 +306,7 @@ def parse(argv: list[str] | None, methods: tuple[str, ...] = METHODS, doc: str |
         default="",
         help="comma-separated method=factor: those methods train factor times --steps (to reach HSDP's loss there)",
     )
+    parser.add_argument("--outer", default="0.7,0.9", help="DiLoCo's outer learning rate and momentum: lr,momentum")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -313,6 +322,11 @@ def parse(argv: list[str] | None, methods: tuple[str, ...] = METHODS, doc: str |
         args.extend = {m: float(f) for m, f in (pair.split("=") for pair in args.extend.split(",") if pair)}
     except ValueError:
         parser.error(f"--extend takes method=factor pairs, such as sharded_diloco=1.6, not {args.extend!r}")
+    try:
+        lr, momentum = (float(x) for x in args.outer.split(","))
+    except ValueError:
+        parser.error(f"--outer takes lr,momentum, such as 0.7,0.9, not {args.outer!r}")
+    args.outer = (lr, momentum)
     unknown = [m for m in [*args.methods.split(","), *args.extend] if m not in methods]
     if unknown or "hsdp" not in args.methods.split(","):
         parser.error(f"unknown methods {unknown} (choose from {', '.join(methods)}; hsdp is every ratio's base)")

@@ -51,7 +51,7 @@ def torchft_diloco(spec: dict[str, Any], data: dict[str, Any], rank: int, world_
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     inner = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.95), weight_decay=0.01)  # ShardedLM's
-    outer_optimizer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)  # sharded.py's
+    outer_optimizer = sharded.outer_optimizer(config)(model.parameters())  # sharded_diloco's
     batches = epochs(data["train"], config["batch"], world_size, rank)
     val = data["val"].split(config["batch"])
     total, every = sharded.method_steps("torchft_diloco", config), config["every"]
